@@ -1,0 +1,391 @@
+//! The exec operation: run a process, stream its output, report its exit.
+//!
+//! Each process leads its own session and process group, so a timeout, a
+//! signal or a vanished client reaches its whole tree (`kill(-pgid)`).
+//! Output is read in chunks as the process writes it and sent on at once;
+//! when the client stops reading, sends block, the pipe fills, and the
+//! process blocks on its next write: memory stays bounded.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use moat_proto::conn::{FrameSink, FrameStream};
+use moat_proto::{AgentMsg, ClientMsg, Connection, ExecRequest, ExitStatus, Frame, StreamId, WinSize, WireError};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::{Gid, Pid, Uid};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::unix::pipe;
+use tokio::sync::oneshot;
+
+use crate::error::{check_path, invalid, io_error};
+use crate::reaper::{Exit, Reaper, pid_of};
+use crate::users::{self, UserEntry};
+
+/// The longest timeout a request may ask for.
+const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// How long output is still read after the process exited, for descendants
+/// that keep its pipes open (`cmd &`): their later output is not waited for.
+const DRAIN_GRACE: Duration = Duration::from_millis(100);
+
+/// Bytes read from a pipe at once: the default pipe capacity.
+const READ_CHUNK: usize = 64 * 1024;
+
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// A checked request, ready to spawn.
+struct Prepared {
+    command: Command,
+    pty: Option<WinSize>,
+    stdin: bool,
+    timeout: Option<Duration>,
+}
+
+fn prepare(req: &ExecRequest) -> Result<Prepared, WireError> {
+    let argv: Vec<String> = match &req.command {
+        moat_proto::Command::Argv(argv) => argv.clone(),
+        moat_proto::Command::Shell(script) => vec!["/bin/sh".into(), "-c".into(), script.clone()],
+    };
+    let Some(program) = argv.first() else {
+        return Err(invalid("argv is empty; give at least the program to run"));
+    };
+    if program.is_empty() {
+        return Err(invalid("argv[0] is empty; give the program to run"));
+    }
+    if let Some(i) = argv.iter().position(|a| a.contains('\0')) {
+        return Err(invalid(format!("argv[{i}] contains a NUL byte, which no argument may hold")));
+    }
+    for (key, value) in &req.env {
+        if key.is_empty() || key.contains('=') || key.contains('\0') || value.contains('\0') {
+            return Err(invalid(format!(
+                "environment variable {key:?} is invalid: names must be non-empty without '=' or NUL, values without NUL"
+            )));
+        }
+    }
+    let timeout = match req.timeout_ms {
+        None => None,
+        Some(0) => return Err(invalid("timeout_ms must be at least 1 (or absent for no timeout)")),
+        Some(ms) if Duration::from_millis(ms) > MAX_TIMEOUT => {
+            return Err(invalid(format!("timeout_ms {ms} is longer than the 7-day maximum (604800000)")));
+        }
+        Some(ms) => Some(Duration::from_millis(ms)),
+    };
+    let user = match &req.user {
+        Some(spec) => users::lookup(spec)?,
+        None => users::current(),
+    };
+    let cwd = match &req.cwd {
+        Some(cwd) => {
+            let path = check_path(cwd)?;
+            match std::fs::metadata(path) {
+                Ok(m) if m.is_dir() => path.to_path_buf(),
+                Ok(_) => return Err(io_error(cwd, &std::io::Error::from_raw_os_error(libc::ENOTDIR))),
+                Err(e) => return Err(io_error(&format!("working directory {cwd}"), &e)),
+            }
+        }
+        None if user.home.is_dir() => user.home.clone(),
+        None => "/".into(),
+    };
+
+    let mut command = Command::new(program);
+    command.args(&argv[1..]).current_dir(cwd).env_clear();
+    command
+        .env("PATH", DEFAULT_PATH)
+        .env("HOME", &user.home)
+        .env("USER", &user.name)
+        .env("LOGNAME", &user.name)
+        .env("SHELL", &user.shell)
+        .env("LANG", "C.UTF-8");
+    if req.pty.is_some() {
+        command.env("TERM", "xterm-256color");
+    }
+    command.envs(req.env.iter().map(|(k, v)| (k, v)));
+    become_user(&mut command, &user, req.pty.is_some());
+    Ok(Prepared { command, pty: req.pty, stdin: req.stdin, timeout })
+}
+
+/// Makes the child lead a new session (and so a new process group), take
+/// its PTY as controlling terminal, and drop to `user`.
+fn become_user(command: &mut Command, user: &UserEntry, pty: bool) {
+    let me = nix::unistd::geteuid();
+    let switch = me.as_raw() != user.uid;
+    let uid = Uid::from_raw(user.uid);
+    let gid = Gid::from_raw(user.gid);
+    let groups: Vec<Gid> = user.groups.iter().copied().map(Gid::from_raw).collect();
+    let setup = move || child_setup(pty, switch.then_some((uid, gid, groups.as_slice())));
+    // SAFETY: `setup` runs in the forked child before exec and only makes
+    // async-signal-safe system calls (see `child_setup`); it allocates
+    // nothing: `groups` was built before the fork.
+    unsafe {
+        command.pre_exec(setup);
+    }
+}
+
+/// Runs in the child between fork and exec: new session, controlling
+/// terminal, credentials. System calls only: no allocation, no locks.
+fn child_setup(pty: bool, user: Option<(Uid, Gid, &[Gid])>) -> std::io::Result<()> {
+    nix::unistd::setsid()?;
+    if pty {
+        // SAFETY: fd 0 is the PTY slave std installed as stdin; TIOCSCTTY
+        // takes an int argument and touches no memory of ours.
+        if unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    if let Some((uid, gid, groups)) = user {
+        nix::unistd::setgroups(groups)?;
+        nix::unistd::setgid(gid)?;
+        nix::unistd::setuid(uid)?;
+    }
+    Ok(())
+}
+
+/// The parent's ends of a spawned process's standard streams.
+struct Streams {
+    stdin: Option<pipe::Sender>,
+    stdout: Option<pipe::Receiver>,
+    stderr: Option<pipe::Receiver>,
+    /// The PTY master, kept for resizing.
+    pty: Option<OwnedFd>,
+}
+
+fn spawn(
+    reaper: &Reaper,
+    prepared: &mut Prepared,
+) -> Result<(std::process::Child, oneshot::Receiver<Exit>, Streams), WireError> {
+    let program = prepared.command.get_program().to_string_lossy().into_owned();
+    let spawn_error = |e: std::io::Error| match e.raw_os_error() {
+        Some(libc::ENOENT) => WireError::new(
+            moat_proto::ErrorKind::NotFound,
+            format!("command not found: {program} (searched PATH={DEFAULT_PATH}; install it or give its full path)"),
+        ),
+        _ => io_error(&format!("starting {program}"), &e),
+    };
+    let io = |what: &str, e: std::io::Error| io_error(what, &e);
+    if let Some(size) = prepared.pty {
+        let ws = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
+        let pty = nix::pty::openpty(Some(&ws), None).map_err(|e| io("opening a pseudo-terminal", e.into()))?;
+        let slave = |fd: &OwnedFd| fd.try_clone().map(Stdio::from).map_err(|e| io("duplicating the pty", e));
+        prepared.command.stdin(slave(&pty.slave)?).stdout(slave(&pty.slave)?).stderr(slave(&pty.slave)?);
+        let (child, exit) = reaper.spawn(&mut prepared.command).map_err(spawn_error)?;
+        drop(pty.slave);
+        let reader = pty.master.try_clone().map_err(|e| io("duplicating the pty", e))?;
+        let writer = pty.master.try_clone().map_err(|e| io("duplicating the pty", e))?;
+        let streams = Streams {
+            stdout: Some(pipe::Receiver::from_owned_fd_unchecked(reader).map_err(|e| io("pty", e))?),
+            stdin: Some(pipe::Sender::from_owned_fd_unchecked(writer).map_err(|e| io("pty", e))?),
+            stderr: None,
+            pty: Some(pty.master),
+        };
+        return Ok((child, exit, streams));
+    }
+    let stdin = if prepared.stdin { Stdio::piped() } else { Stdio::null() };
+    prepared.command.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let (mut child, exit) = reaper.spawn(&mut prepared.command).map_err(spawn_error)?;
+    let streams = Streams {
+        stdin: match child.stdin.take() {
+            Some(s) => Some(pipe::Sender::from_owned_fd(s.into()).map_err(|e| io("stdin pipe", e))?),
+            None => None,
+        },
+        stdout: match child.stdout.take() {
+            Some(s) => Some(pipe::Receiver::from_owned_fd(s.into()).map_err(|e| io("stdout pipe", e))?),
+            None => None,
+        },
+        stderr: match child.stderr.take() {
+            Some(s) => Some(pipe::Receiver::from_owned_fd(s.into()).map_err(|e| io("stderr pipe", e))?),
+            None => None,
+        },
+        pty: None,
+    };
+    Ok((child, exit, streams))
+}
+
+/// Serves one exec request on `conn` until the process exits or the client goes away.
+pub async fn serve<S>(reaper: Arc<Reaper>, req: ExecRequest, mut conn: Connection<S>)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let spawned = prepare(&req).and_then(|mut prepared| {
+        let (child, exit, streams) = spawn(&reaper, &mut prepared)?;
+        Ok((prepared, child, exit, streams))
+    });
+    let (prepared, child, exit, streams) = match spawned {
+        Ok(spawned) => spawned,
+        Err(error) => {
+            let _ = conn.send(&AgentMsg::Error { error }).await;
+            return;
+        }
+    };
+    let started = Instant::now();
+    let pid = pid_of(&child);
+    let group = Pid::from_raw(pid);
+    if conn.send(&AgentMsg::Started { pid: child.id() }).await.is_err() {
+        let _ = killpg(group, Signal::SIGKILL);
+        return;
+    }
+    let (mut sink, stream) = conn.split();
+    let Streams { stdin, stdout, stderr, pty } = streams;
+    let control = tokio::spawn(control_loop(stream, stdin, group, pty));
+    let timed_out = Arc::new(AtomicBool::new(false));
+    let timer = prepared.timeout.map(|timeout| {
+        let timed_out = timed_out.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(timeout).await;
+            timed_out.store(true, Ordering::SeqCst);
+            let _ = killpg(group, Signal::SIGKILL);
+        })
+    });
+
+    let result = pump_output(&mut sink, stdout, stderr, exit).await;
+    control.abort();
+    if let Some(timer) = timer {
+        timer.abort();
+    }
+    match result {
+        Ok(exit) => {
+            let status = ExitStatus {
+                code: match exit {
+                    Exit::Code(code) => Some(code),
+                    Exit::Signal(_) => None,
+                },
+                signal: match exit {
+                    Exit::Signal(signal) => Some(signal),
+                    Exit::Code(_) => None,
+                },
+                timed_out: timed_out.load(Ordering::SeqCst),
+                duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            };
+            let _ = sink.send(&AgentMsg::Exited { status }).await;
+        }
+        Err(()) => {
+            // The client went away mid-stream: nobody will read the output,
+            // so the process tree goes too.
+            let _ = killpg(group, Signal::SIGKILL);
+        }
+    }
+}
+
+/// Sends output as it comes until the process has exited and its pipes are
+/// drained; `Err` when the client stopped listening.
+async fn pump_output<S>(
+    sink: &mut FrameSink<S>,
+    mut stdout: Option<pipe::Receiver>,
+    mut stderr: Option<pipe::Receiver>,
+    mut exit: oneshot::Receiver<Exit>,
+) -> Result<Exit, ()>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut out_buf = BytesMut::new();
+    let mut err_buf = BytesMut::new();
+    let mut exited: Option<Exit> = None;
+    let drain_deadline = tokio::time::sleep(Duration::MAX);
+    tokio::pin!(drain_deadline);
+    loop {
+        if stdout.is_none() && stderr.is_none() {
+            match exited {
+                Some(exit) => return Ok(exit),
+                None => return exit.await.map_err(|_| ()),
+            }
+        }
+        tokio::select! {
+            chunk = read_chunk(&mut stdout, &mut out_buf), if stdout.is_some() => match chunk {
+                Some(bytes) => sink.send_data(StreamId::Output, bytes).await.map_err(|_| ())?,
+                None => stdout = None,
+            },
+            chunk = read_chunk(&mut stderr, &mut err_buf), if stderr.is_some() => match chunk {
+                Some(bytes) => sink.send_data(StreamId::Error, bytes).await.map_err(|_| ())?,
+                None => stderr = None,
+            },
+            status = &mut exit, if exited.is_none() => {
+                exited = Some(status.map_err(|_| ())?);
+                drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
+            },
+            () = &mut drain_deadline, if exited.is_some() => {
+                // Descendants still hold the pipes open; stop reading.
+                stdout = None;
+                stderr = None;
+            },
+        }
+    }
+}
+
+/// The next chunk from a pipe, or `None` at end of file. A PTY master reads
+/// `EIO` once the last slave is closed: that is its end of file.
+async fn read_chunk(pipe: &mut Option<pipe::Receiver>, buf: &mut BytesMut) -> Option<Bytes> {
+    let pipe = pipe.as_mut()?;
+    buf.reserve(READ_CHUNK);
+    match pipe.read_buf(buf).await {
+        Ok(0) | Err(_) => None,
+        Ok(_) => Some(buf.split().freeze()),
+    }
+}
+
+/// Applies what the client sends while the process runs: stdin data, end of
+/// stdin, signals and resizes. A client that disconnects kills the group.
+async fn control_loop<S>(mut stream: FrameStream<S>, mut stdin: Option<pipe::Sender>, group: Pid, pty: Option<OwnedFd>)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    loop {
+        let frame = match stream.recv().await {
+            Some(Ok(frame)) => frame,
+            None | Some(Err(_)) => {
+                let _ = killpg(group, Signal::SIGKILL);
+                return;
+            }
+        };
+        match frame {
+            Frame::Data(StreamId::Input, bytes) => {
+                if let Some(pipe) = stdin.as_mut()
+                    && pipe.write_all(&bytes).await.is_err()
+                {
+                    // The process closed its stdin; like a pipe in a shell,
+                    // further input is dropped.
+                    stdin = None;
+                }
+            }
+            Frame::Data(..) => {}
+            Frame::Message(body) => match moat_proto::conn::decode_message::<ClientMsg>(&body) {
+                Ok(ClientMsg::End) => {
+                    if pty.is_some() {
+                        // A terminal has no end of file to close: send ^D.
+                        if let Some(pipe) = stdin.as_mut() {
+                            let _ = pipe.write_all(&[4]).await;
+                        }
+                    } else {
+                        stdin = None;
+                    }
+                }
+                Ok(ClientMsg::Signal { signal }) => match Signal::try_from(signal) {
+                    Ok(signal) => {
+                        let _ = killpg(group, signal);
+                    }
+                    Err(_) => tracing::debug!(signal, "ignoring an unknown signal number"),
+                },
+                Ok(ClientMsg::Resize { size }) => {
+                    if let Some(master) = &pty {
+                        resize(master, size);
+                    }
+                }
+                Ok(other) => tracing::debug!(?other, "ignoring an unexpected message during exec"),
+                Err(e) => tracing::debug!("ignoring an undecodable message during exec: {e}"),
+            },
+        }
+    }
+}
+
+fn resize(master: &OwnedFd, size: WinSize) {
+    let ws = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
+    // SAFETY: `master` is an open PTY master for the duration of the call and
+    // TIOCSWINSZ only reads the `winsize` we pass by reference.
+    let rc = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &ws) };
+    if rc < 0 {
+        tracing::debug!("resizing the pty failed: {}", std::io::Error::last_os_error());
+    }
+}

@@ -1,0 +1,129 @@
+//! Being PID 1: the machine setup an init owes its processes, and shutdown.
+//!
+//! In a microVM the agent is the first process the kernel starts; in a jail
+//! it is the first process of a new pid namespace. Either way nothing else
+//! mounts the pseudo file systems, brings up loopback or reaps orphans.
+
+use std::path::Path;
+
+use nix::mount::{MsFlags, mount};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::reaper::Reaper;
+
+/// One pseudo file system an init mounts.
+struct Mount {
+    source: &'static str,
+    target: &'static str,
+    fstype: &'static str,
+    flags: MsFlags,
+    data: Option<&'static str>,
+}
+
+const MOUNTS: &[Mount] = &[
+    Mount { source: "proc", target: "/proc", fstype: "proc", flags: nosuid_nodev_noexec(), data: None },
+    Mount { source: "sysfs", target: "/sys", fstype: "sysfs", flags: nosuid_nodev_noexec(), data: None },
+    Mount {
+        source: "devtmpfs",
+        target: "/dev",
+        fstype: "devtmpfs",
+        flags: MsFlags::MS_NOSUID,
+        data: Some("mode=0755"),
+    },
+    Mount {
+        source: "devpts",
+        target: "/dev/pts",
+        fstype: "devpts",
+        flags: MsFlags::MS_NOSUID.union(MsFlags::MS_NOEXEC),
+        data: Some("newinstance,ptmxmode=0666,mode=0620"),
+    },
+    Mount { source: "shm", target: "/dev/shm", fstype: "tmpfs", flags: nosuid_nodev(), data: Some("mode=1777") },
+    Mount { source: "tmpfs", target: "/tmp", fstype: "tmpfs", flags: nosuid_nodev(), data: Some("mode=1777") },
+    Mount { source: "tmpfs", target: "/run", fstype: "tmpfs", flags: nosuid_nodev(), data: Some("mode=0755") },
+];
+
+const fn nosuid_nodev() -> MsFlags {
+    MsFlags::MS_NOSUID.union(MsFlags::MS_NODEV)
+}
+
+const fn nosuid_nodev_noexec() -> MsFlags {
+    nosuid_nodev().union(MsFlags::MS_NOEXEC)
+}
+
+/// Mounts the pseudo file systems, sets the hostname and brings up loopback.
+/// Each step that fails is logged and skipped: a half-set-up machine that
+/// answers is more useful than one that is dead.
+pub fn setup(hostname: Option<&str>) {
+    for m in MOUNTS {
+        if let Err(e) = std::fs::create_dir_all(m.target) {
+            tracing::warn!(target = m.target, "cannot create mount point: {e}");
+            continue;
+        }
+        match mount(Some(m.source), m.target, Some(m.fstype), m.flags, m.data) {
+            Ok(()) => tracing::debug!(target = m.target, "mounted {}", m.fstype),
+            Err(e) => tracing::warn!(target = m.target, "cannot mount {}: {e}", m.fstype),
+        }
+    }
+    // Programs open /dev/ptmx; with a private devpts instance it must be the
+    // instance's own ptmx.
+    if Path::new("/dev/pts/ptmx").exists() {
+        let _ = std::fs::remove_file("/dev/ptmx");
+        if let Err(e) = std::os::unix::fs::symlink("pts/ptmx", "/dev/ptmx") {
+            tracing::warn!("cannot link /dev/ptmx: {e}");
+        }
+    }
+    if let Some(name) = hostname
+        && let Err(e) = nix::unistd::sethostname(name)
+    {
+        tracing::warn!("cannot set the hostname to {name:?}: {e}");
+    }
+    if let Err(e) = loopback_up() {
+        tracing::warn!("cannot bring up loopback: {e}");
+    }
+}
+
+/// Sets IFF_UP on `lo`. The kernel assigns 127.0.0.1 and ::1 by itself.
+fn loopback_up() -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let socket = std::net::UdpSocket::bind("0.0.0.0:0").or_else(|_| std::net::UdpSocket::bind("[::]:0"))?;
+    // SAFETY: `ifreq` is plain old data; all-zero is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: the socket is open for the call; SIOCGIFFLAGS writes only into
+    // `req`, which we own and which is large enough (it is an `ifreq`).
+    if unsafe { libc::ioctl(socket.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: SIOCGIFFLAGS filled the `ifru_flags` member of the union.
+    let flags = unsafe { req.ifr_ifru.ifru_flags };
+    req.ifr_ifru.ifru_flags = flags | libc::IFF_UP as libc::c_short;
+    // SAFETY: as above; SIOCSIFFLAGS only reads `req`.
+    if unsafe { libc::ioctl(socket.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sends SIGTERM to every process group the agent started, waits up to
+/// `grace` for them, then SIGKILLs what is left (and, as PID 1, everyone).
+pub async fn stop_children(reaper: &Reaper, grace: std::time::Duration, pid1: bool) {
+    let running = reaper.running();
+    for pid in &running {
+        let _ = kill(Pid::from_raw(-pid), Signal::SIGTERM);
+    }
+    let deadline = tokio::time::Instant::now() + grace;
+    while !reaper.running().is_empty() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    for pid in reaper.running() {
+        let _ = kill(Pid::from_raw(-pid), Signal::SIGKILL);
+    }
+    if pid1 {
+        // kill(-1) from PID 1 reaches every other process in the namespace.
+        let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
+    }
+    reaper.reap();
+}

@@ -1,0 +1,24 @@
+//! The moat guest agent: the daemon inside every sandbox.
+//!
+//! It serves the [`moat_proto`] wire protocol, one operation per connection,
+//! on a Unix socket (jail) or a vsock port (microVM): processes with
+//! streamed stdio, signals, PTYs and timeouts ([`exec`]); file operations
+//! ([`files`]); tar streams of trees ([`tarball`]); port forwards
+//! ([`forward`]). As PID 1 it also sets up the machine and reaps every
+//! orphan ([`init`], [`reaper`]).
+//!
+//! The binary is `bins/moat-agent`; it is linked statically so that it runs
+//! in any image, including a bare initramfs.
+
+pub mod error;
+pub mod exec;
+pub mod files;
+pub mod forward;
+pub mod info;
+pub mod init;
+pub mod reaper;
+pub mod server;
+pub mod tarball;
+pub mod users;
+
+pub use server::{Agent, DEFAULT_VSOCK_PORT, ListenAddr};

@@ -1,0 +1,103 @@
+//! Child processes and their exits.
+//!
+//! The agent is a subreaper (or PID 1), so every orphaned descendant becomes
+//! its child and must be reaped, or zombies pile up. One loop therefore calls
+//! `waitpid(-1)` for every child, and hands the status of the processes the
+//! agent spawned itself to whoever waits for them. Spawning and reaping take
+//! the same lock: a child cannot be reaped between `fork` and its
+//! registration, and std's own `waitpid` after a failed `exec` cannot race
+//! with the loop.
+
+use std::collections::HashMap;
+use std::process::{Child, Command};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use nix::errno::Errno;
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::Pid;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::oneshot;
+
+/// How a child ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    Code(i32),
+    Signal(i32),
+}
+
+/// Owner of every child of the agent.
+#[derive(Debug, Default)]
+pub struct Reaper {
+    waiting: Mutex<HashMap<i32, oneshot::Sender<Exit>>>,
+}
+
+impl Reaper {
+    /// Becomes a subreaper and starts the reaping loop on the current tokio runtime.
+    pub fn start() -> std::io::Result<Arc<Self>> {
+        // Orphaned grandchildren are re-parented to us instead of to the
+        // host's init, so a timeout can't leave zombies behind.
+        nix::sys::prctl::set_child_subreaper(true)?;
+        let mut sigchld = signal(SignalKind::child())?;
+        let reaper = Arc::new(Self::default());
+        let weak = Arc::downgrade(&reaper);
+        tokio::spawn(async move {
+            while sigchld.recv().await.is_some() {
+                let Some(reaper) = weak.upgrade() else { break };
+                reaper.reap();
+            }
+        });
+        Ok(reaper)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<i32, oneshot::Sender<Exit>>> {
+        // A panic while holding this lock leaves the map consistent (each
+        // operation is one insert or remove), so poisoning is ignored.
+        self.waiting.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Spawns `command` and returns the child with a receiver of its exit.
+    pub fn spawn(&self, command: &mut Command) -> std::io::Result<(Child, oneshot::Receiver<Exit>)> {
+        let mut waiting = self.lock();
+        let child = command.spawn()?;
+        let (tx, rx) = oneshot::channel();
+        waiting.insert(pid_of(&child), tx);
+        Ok((child, rx))
+    }
+
+    /// Reaps every child that has exited.
+    pub fn reap(&self) {
+        let mut waiting = self.lock();
+        loop {
+            match waitpid(None::<Pid>, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) => deliver(&mut waiting, pid, Exit::Code(code)),
+                Ok(WaitStatus::Signaled(pid, signal, _)) => deliver(&mut waiting, pid, Exit::Signal(signal as i32)),
+                Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => break,
+                Ok(_) | Err(Errno::EINTR) => {}
+                Err(e) => {
+                    tracing::warn!("waitpid failed: {e}");
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Process ids of the children still running that the agent spawned.
+    pub fn running(&self) -> Vec<i32> {
+        self.lock().keys().copied().collect()
+    }
+}
+
+fn deliver(waiting: &mut HashMap<i32, oneshot::Sender<Exit>>, pid: Pid, exit: Exit) {
+    match waiting.remove(&pid.as_raw()) {
+        Some(tx) => {
+            let _ = tx.send(exit);
+        }
+        None => tracing::debug!(pid = pid.as_raw(), ?exit, "reaped an orphaned process"),
+    }
+}
+
+/// The pid of a child as the signed type the kernel's calls take.
+pub fn pid_of(child: &Child) -> i32 {
+    // Linux pids are at most 2^22 (PID_MAX_LIMIT), so they fit in an i32.
+    i32::try_from(child.id()).unwrap_or(i32::MAX)
+}

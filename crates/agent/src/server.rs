@@ -1,0 +1,271 @@
+//! Accepting connections and dispatching each one's operation.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use moat_proto::{
+    AgentMsg, ClientMsg, Connection, ErrorKind, Frame, FrameError, OPERATIONS, PROTOCOL_VERSION, Reply, Request,
+    WireError,
+};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::Semaphore;
+
+use crate::reaper::Reaper;
+use crate::{exec, files, forward, info, tarball};
+
+/// The vsock port the agent listens on by default (and the VMM connects to).
+pub const DEFAULT_VSOCK_PORT: u32 = 1024;
+
+/// How long a new connection may take to say hello and send its request.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connections served at once; more wait in the listen backlog.
+const MAX_CONNECTIONS: usize = 1024;
+
+/// Where the agent listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    Unix(PathBuf),
+    Vsock(u32),
+}
+
+impl FromStr for ListenAddr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let usage = "expected unix:PATH or vsock:PORT (for example vsock:1024)";
+        match s.split_once(':') {
+            Some(("unix", path)) if !path.is_empty() => Ok(Self::Unix(path.into())),
+            Some(("vsock", port)) => {
+                port.parse().map(Self::Vsock).map_err(|_| format!("invalid vsock port {port:?}: {usage}"))
+            }
+            _ => Err(format!("invalid listen address {s:?}: {usage}")),
+        }
+    }
+}
+
+/// The agent: serves one operation per connection.
+#[derive(Debug)]
+pub struct Agent {
+    reaper: Arc<Reaper>,
+    started: Instant,
+    init: bool,
+    slots: Arc<Semaphore>,
+}
+
+impl Agent {
+    /// Starts the reaper; must run inside a tokio runtime.
+    pub fn new(init: bool) -> std::io::Result<Arc<Self>> {
+        Ok(Arc::new(Self {
+            reaper: Reaper::start()?,
+            started: Instant::now(),
+            init,
+            slots: Arc::new(Semaphore::new(MAX_CONNECTIONS)),
+        }))
+    }
+
+    pub fn reaper(&self) -> &Arc<Reaper> {
+        &self.reaper
+    }
+
+    /// Binds `addr` and serves until the process ends.
+    pub async fn serve(self: Arc<Self>, addr: &ListenAddr) -> std::io::Result<()> {
+        match addr {
+            ListenAddr::Unix(path) => {
+                // A socket left by an earlier run would make bind fail.
+                let _ = std::fs::remove_file(path);
+                let listener = tokio::net::UnixListener::bind(path)?;
+                tracing::info!(path = %path.display(), "listening");
+                loop {
+                    let (stream, _) = listener.accept().await?;
+                    self.clone().spawn_connection(stream).await;
+                }
+            }
+            ListenAddr::Vsock(port) => {
+                let listener =
+                    tokio_vsock::VsockListener::bind(tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_ANY, *port))
+                        .map_err(|e| {
+                        std::io::Error::new(
+                            e.kind(),
+                            format!(
+                                "cannot listen on vsock port {port} ({e}); is there a virtio-vsock device and is vmw_vsock_virtio_transport loaded?"
+                            ),
+                        )
+                    })?;
+                tracing::info!(port, "listening on vsock");
+                loop {
+                    let (stream, _) = listener.accept().await?;
+                    self.clone().spawn_connection(stream).await;
+                }
+            }
+        }
+    }
+
+    async fn spawn_connection<S>(self: Arc<Self>, stream: S)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let Ok(permit) = self.slots.clone().acquire_owned().await else { return };
+        tokio::spawn(async move {
+            self.handle(stream).await;
+            drop(permit);
+        });
+    }
+
+    /// Serves the one operation of a connection.
+    pub async fn handle<S>(self: Arc<Self>, stream: S)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let mut conn = Connection::new(stream);
+        let request = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut conn)).await {
+            Ok(Ok(request)) => request,
+            Ok(Err(Some(error))) => {
+                tracing::debug!(%error, "refused a connection");
+                let _ = conn.send(&AgentMsg::Error { error }).await;
+                return;
+            }
+            Ok(Err(None)) => return,
+            Err(_) => {
+                let error = WireError::new(
+                    ErrorKind::Malformed,
+                    "no hello and request within 10 s; send both right after connecting",
+                );
+                let _ = conn.send(&AgentMsg::Error { error }).await;
+                return;
+            }
+        };
+        tracing::debug!(op = request.op(), "request");
+        let welcome = AgentMsg::Welcome { version: PROTOCOL_VERSION, agent: agent_name() };
+        if conn.send(&welcome).await.is_err() {
+            return;
+        }
+        match request {
+            Request::Exec(req) => exec::serve(self.reaper.clone(), req, conn).await,
+            Request::PortForward { port } => forward::serve(port, conn).await,
+            Request::ReadFile(req) => {
+                let result = files::read(req, &mut conn).await;
+                streamed(&mut conn, result).await;
+            }
+            Request::WriteFile(req) => {
+                let result = files::write(req, &mut conn).await;
+                streamed(&mut conn, result).await;
+            }
+            Request::TarOut { path } => {
+                let result = tarball::tar_out(&path, &mut conn).await;
+                streamed(&mut conn, result).await;
+            }
+            Request::TarIn { path, owner } => {
+                let result = tarball::tar_in(&path, owner.as_deref(), &mut conn).await;
+                streamed(&mut conn, result).await;
+            }
+            Request::Stat { path } => reply(&mut conn, files::stat(&path)).await,
+            Request::ListDir { path, depth } => {
+                reply(&mut conn, blocking(move || files::list(&path, depth)).await).await
+            }
+            Request::MakeDir { path, owner } => reply(&mut conn, files::make_dir(&path, owner.as_deref())).await,
+            Request::Move { from, to, overwrite } => reply(&mut conn, files::move_path(&from, &to, overwrite)).await,
+            Request::Remove { path, recursive } => {
+                reply(&mut conn, blocking(move || files::remove(&path, recursive)).await).await;
+            }
+            Request::Info => reply(&mut conn, Ok(info::info(self.started, self.init))).await,
+            Request::Unknown => {
+                let error = WireError::new(
+                    ErrorKind::UnknownOperation,
+                    format!(
+                        "this agent ({}) does not know that operation; it supports: {}",
+                        agent_name(),
+                        OPERATIONS.join(", ")
+                    ),
+                );
+                reply(&mut conn, Err(error)).await;
+            }
+        }
+    }
+}
+
+fn agent_name() -> String {
+    format!("moat-agent/{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// Reads the hello and the request. `Err(None)`: the peer left silently.
+async fn handshake<S>(conn: &mut Connection<S>) -> Result<Request, Option<WireError>>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    match next_client_msg(conn).await? {
+        ClientMsg::Hello { version, .. } if version.major == PROTOCOL_VERSION.major => {}
+        ClientMsg::Hello { version, client } => {
+            return Err(Some(WireError::new(
+                ErrorKind::VersionMismatch,
+                format!(
+                    "{client} speaks protocol {version}, this agent {PROTOCOL_VERSION}; rebuild the image (`cargo xtask image --force`) or the host binaries so they match"
+                ),
+            )));
+        }
+        _ => return Err(Some(WireError::new(ErrorKind::Malformed, "the first message must be hello"))),
+    }
+    match next_client_msg(conn).await? {
+        ClientMsg::Request { request } => Ok(request),
+        _ => Err(Some(WireError::new(ErrorKind::Malformed, "the second message must be the request"))),
+    }
+}
+
+async fn next_client_msg<S>(conn: &mut Connection<S>) -> Result<ClientMsg, Option<WireError>>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    match conn.recv().await {
+        None => Err(None),
+        Some(Err(FrameError::Io(_))) => Err(None),
+        Some(Err(e)) => Err(Some(WireError::new(ErrorKind::Malformed, e.to_string()))),
+        Some(Ok(Frame::Data(..))) => {
+            Err(Some(WireError::new(ErrorKind::Malformed, "data before the request; send hello and a request first")))
+        }
+        Some(Ok(Frame::Message(body))) => moat_proto::conn::decode_message(&body)
+            .map_err(|e| Some(WireError::new(ErrorKind::Malformed, format!("undecodable message: {e}")))),
+    }
+}
+
+async fn reply<S>(conn: &mut Connection<S>, result: Result<Reply, WireError>)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let msg = match result {
+        Ok(reply) => AgentMsg::Reply { reply },
+        Err(error) => AgentMsg::Error { error },
+    };
+    let _ = conn.send(&msg).await;
+}
+
+/// Sends the error of a streaming operation, if it failed.
+async fn streamed<S>(conn: &mut Connection<S>, result: Result<(), WireError>)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    if let Err(error) = result {
+        let _ = conn.send(&AgentMsg::Error { error }).await;
+    }
+}
+
+/// Runs a file-system walk off the async threads.
+async fn blocking(f: impl FnOnce() -> Result<Reply, WireError> + Send + 'static) -> Result<Reply, WireError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| Err(WireError::new(ErrorKind::Internal, format!("operation failed: {e}"))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_addresses_parse() {
+        assert_eq!("unix:/run/a.sock".parse(), Ok(ListenAddr::Unix("/run/a.sock".into())));
+        assert_eq!("vsock:1024".parse(), Ok(ListenAddr::Vsock(1024)));
+        for bad in ["", "tcp:1", "unix:", "vsock:x", "vsock:-1"] {
+            assert!(bad.parse::<ListenAddr>().is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! Which isolation backend a sandbox gets on this host, and why.
+
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+
+/// An isolation backend, or `auto` to let the host decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    Auto,
+    /// A KVM microVM under `moat-vmm`.
+    Vm,
+    /// Linux namespaces, seccomp and cgroups.
+    Jail,
+}
+
+impl FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "vm" => Ok(Self::Vm),
+            "jail" => Ok(Self::Jail),
+            _ => Err(format!("unknown backend {s:?}; allowed are auto, vm, jail")),
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Vm => "vm",
+            Self::Jail => "jail",
+        })
+    }
+}
+
+/// What the host offers for running microVMs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostVirtualization {
+    /// `/dev/kvm` exists and opens read-write.
+    pub kvm_usable: bool,
+    /// Why `/dev/kvm` is not usable, when it is not.
+    pub kvm_problem: Option<String>,
+    /// The CPU flag for hardware virtualization (`vmx` or `svm`), if shown.
+    pub cpu_flag: Option<&'static str>,
+}
+
+impl HostVirtualization {
+    /// Looks at `/dev/kvm` and `/proc/cpuinfo`.
+    pub fn probe() -> Self {
+        Self::probe_at(Path::new("/dev/kvm"), Path::new("/proc/cpuinfo"))
+    }
+
+    fn probe_at(kvm: &Path, cpuinfo: &Path) -> Self {
+        let kvm_problem = match std::fs::OpenOptions::new().read(true).write(true).open(kvm) {
+            Ok(_) => None,
+            Err(e) => Some(format!("{}: {e}", kvm.display())),
+        };
+        let cpu_flag = cpu_virt_flag(&std::fs::read_to_string(cpuinfo).unwrap_or_default());
+        Self { kvm_usable: kvm_problem.is_none(), kvm_problem, cpu_flag }
+    }
+
+    /// `vm` needs both a usable `/dev/kvm` and hardware virtualization: a
+    /// paravirtual KVM without `vmx`/`svm` cannot boot a stock Linux kernel.
+    pub fn supports_vm(&self) -> bool {
+        self.kvm_usable && self.cpu_flag.is_some()
+    }
+
+    /// The backend `requested` resolves to on this host, with the reason.
+    pub fn choose(&self, requested: BackendKind) -> BackendChoice {
+        let (kind, reason) = match requested {
+            BackendKind::Vm => (BackendKind::Vm, "requested explicitly".to_owned()),
+            BackendKind::Jail => (BackendKind::Jail, "requested explicitly".to_owned()),
+            BackendKind::Auto if self.supports_vm() => (
+                BackendKind::Vm,
+                format!("/dev/kvm works and the CPU shows {}", self.cpu_flag.unwrap_or("hardware virtualization")),
+            ),
+            BackendKind::Auto => (BackendKind::Jail, format!("no microVMs here: {}", self.vm_missing())),
+        };
+        BackendChoice { kind, reason }
+    }
+
+    /// What this host lacks for microVMs, in words.
+    pub fn vm_missing(&self) -> String {
+        let mut missing = Vec::new();
+        if let Some(problem) = &self.kvm_problem {
+            missing.push(format!("/dev/kvm is not usable ({problem})"));
+        }
+        if self.cpu_flag.is_none() {
+            missing.push(
+                "the CPU shows no vmx/svm flag (no hardware virtualization, e.g. a paravirtual nested KVM)".into(),
+            );
+        }
+        if missing.is_empty() { "nothing".into() } else { missing.join("; ") }
+    }
+}
+
+fn cpu_virt_flag(cpuinfo: &str) -> Option<&'static str> {
+    let flags = cpuinfo.lines().find(|l| l.starts_with("flags"))?;
+    let flags = flags.split_once(':').map_or("", |(_, f)| f);
+    flags.split_whitespace().find_map(|f| match f {
+        "vmx" => Some("vmx"),
+        "svm" => Some("svm"),
+        _ => None,
+    })
+}
+
+/// A resolved backend and the reason for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendChoice {
+    pub kind: BackendKind,
+    pub reason: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(kvm: bool, flag: Option<&'static str>) -> HostVirtualization {
+        HostVirtualization {
+            kvm_usable: kvm,
+            kvm_problem: (!kvm).then(|| "/dev/kvm: No such file or directory".into()),
+            cpu_flag: flag,
+        }
+    }
+
+    #[test]
+    fn auto_picks_vm_only_with_kvm_and_hardware_virtualization() {
+        assert_eq!(host(true, Some("svm")).choose(BackendKind::Auto).kind, BackendKind::Vm);
+        let pvm = host(true, None).choose(BackendKind::Auto);
+        assert_eq!(pvm.kind, BackendKind::Jail);
+        assert!(pvm.reason.contains("no vmx/svm"), "{}", pvm.reason);
+        assert_eq!(host(false, Some("vmx")).choose(BackendKind::Auto).kind, BackendKind::Jail);
+        assert_eq!(host(false, None).choose(BackendKind::Vm).kind, BackendKind::Vm);
+    }
+
+    #[test]
+    fn cpu_flags_are_read_from_cpuinfo() {
+        assert_eq!(cpu_virt_flag("processor: 0\nflags\t\t: fpu vme sse2 vmx ept\n"), Some("vmx"));
+        assert_eq!(cpu_virt_flag("flags : fpu svm\n"), Some("svm"));
+        assert_eq!(cpu_virt_flag("flags : fpu sse2 hypervisor\n"), None);
+    }
+
+    #[test]
+    fn probe_reports_a_missing_kvm_device() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cpuinfo = dir.path().join("cpuinfo");
+        std::fs::write(&cpuinfo, "flags : svm\n").expect("write");
+        let host = HostVirtualization::probe_at(&dir.path().join("kvm"), &cpuinfo);
+        assert!(!host.kvm_usable);
+        assert!(host.vm_missing().contains("/dev/kvm is not usable"));
+    }
+
+    #[test]
+    fn backend_names_parse() {
+        assert_eq!("jail".parse(), Ok(BackendKind::Jail));
+        assert!("docker".parse::<BackendKind>().unwrap_err().contains("allowed are auto, vm, jail"));
+    }
+}

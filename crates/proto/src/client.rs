@@ -1,0 +1,572 @@
+//! The async client: one method per operation, each on its own connection.
+
+use std::future::Future;
+use std::path::PathBuf;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::conn::{Connection, FrameSink, FrameStream, Prefixed, decode_message};
+use crate::error::ProtoError;
+use crate::frame::{DATA_CHUNK, Frame, StreamId};
+use crate::message::{
+    AgentInfo, AgentMsg, ClientMsg, ExecRequest, ExitStatus, FileInfo, PROTOCOL_VERSION, ReadFileRequest, Reply,
+    Request, WinSize, WriteFileRequest,
+};
+
+/// Opens a new byte stream to the agent; one is opened per operation.
+pub trait Connector: Send + Sync + 'static {
+    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    fn connect(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send;
+}
+
+/// Connects to an agent listening on a Unix socket.
+#[derive(Debug, Clone)]
+pub struct UnixConnector {
+    pub path: PathBuf,
+}
+
+impl Connector for UnixConnector {
+    type Stream = tokio::net::UnixStream;
+    fn connect(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send {
+        tokio::net::UnixStream::connect(self.path.clone())
+    }
+}
+
+/// A client of one agent.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), moat_proto::ProtoError> {
+/// use moat_proto::{AgentClient, ExecRequest};
+/// let agent = AgentClient::unix("/run/moat/agent.sock");
+/// let out = agent.run(ExecRequest::shell("echo hello")).await?;
+/// assert_eq!(out.stdout, b"hello\n");
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct AgentClient<C> {
+    connector: C,
+}
+
+impl AgentClient<UnixConnector> {
+    /// A client of the agent listening on the Unix socket at `path`.
+    pub fn unix(path: impl Into<PathBuf>) -> Self {
+        Self::new(UnixConnector { path: path.into() })
+    }
+}
+
+type Conn<C> = Connection<<C as Connector>::Stream>;
+
+impl<C: Connector> AgentClient<C> {
+    pub fn new(connector: C) -> Self {
+        Self { connector }
+    }
+
+    pub fn connector(&self) -> &C {
+        &self.connector
+    }
+
+    /// Connects, sends the handshake and the request together, and waits for
+    /// the agent's welcome.
+    async fn open(&self, request: Request) -> Result<Conn<C>, ProtoError> {
+        let stream = self.connector.connect().await.map_err(ProtoError::Connect)?;
+        let mut conn = Connection::new(stream);
+        conn.feed(&ClientMsg::Hello { version: PROTOCOL_VERSION, client: client_name() }).await?;
+        conn.send(&ClientMsg::Request { request }).await?;
+        match next_msg(&mut conn, "the handshake").await? {
+            AgentMsg::Welcome { version, .. } if version.major == PROTOCOL_VERSION.major => Ok(conn),
+            AgentMsg::Welcome { version, .. } => {
+                Err(ProtoError::VersionMismatch { agent: version, client: PROTOCOL_VERSION })
+            }
+            AgentMsg::Error { error } => Err(ProtoError::Agent(error)),
+            other => Err(unexpected("welcome", &other)),
+        }
+    }
+
+    /// Sends a request whose answer is one reply.
+    async fn call(&self, request: Request) -> Result<Reply, ProtoError> {
+        let mut conn = self.open(request).await?;
+        expect_reply(&mut conn).await
+    }
+
+    /// Starts a process; see [`ExecHandle`] for its streams and exit.
+    pub async fn exec(&self, request: ExecRequest) -> Result<ExecHandle, ProtoError> {
+        let mut conn = self.open(Request::Exec(request)).await?;
+        let pid = match next_msg(&mut conn, "the process started").await? {
+            AgentMsg::Started { pid } => pid,
+            AgentMsg::Error { error } => return Err(ProtoError::Agent(error)),
+            other => return Err(unexpected("started", &other)),
+        };
+        Ok(ExecHandle::spawn(pid, conn))
+    }
+
+    /// Runs a process to completion with stdin closed and collects its output.
+    pub async fn run(&self, mut request: ExecRequest) -> Result<Output, ProtoError> {
+        request.stdin = false;
+        self.exec(request).await?.output().await
+    }
+
+    /// Streams (a range of) a file into `sink`; returns the byte count.
+    pub async fn read_file_to<W: AsyncWrite + Unpin>(
+        &self,
+        request: ReadFileRequest,
+        sink: &mut W,
+    ) -> Result<u64, ProtoError> {
+        let mut conn = self.open(Request::ReadFile(request)).await?;
+        match expect_reply(&mut conn).await? {
+            Reply::FileData { .. } => {}
+            other => return Err(unexpected_reply("file_data", &other)),
+        }
+        download(&mut conn, sink).await
+    }
+
+    /// Reads (a range of) a file into memory.
+    pub async fn read_file(&self, request: ReadFileRequest) -> Result<Vec<u8>, ProtoError> {
+        let mut buf = Vec::new();
+        self.read_file_to(request, &mut buf).await?;
+        Ok(buf)
+    }
+
+    /// Writes everything `source` yields to a file, atomically replacing it.
+    pub async fn write_file<R: AsyncRead + Unpin>(
+        &self,
+        request: WriteFileRequest,
+        source: &mut R,
+    ) -> Result<u64, ProtoError> {
+        let mut conn = self.open(Request::WriteFile(request)).await?;
+        upload(&mut conn, source).await?;
+        match expect_reply(&mut conn).await? {
+            Reply::Written { bytes } => Ok(bytes),
+            other => Err(unexpected_reply("written", &other)),
+        }
+    }
+
+    pub async fn stat(&self, path: impl Into<String>) -> Result<FileInfo, ProtoError> {
+        match self.call(Request::Stat { path: path.into() }).await? {
+            Reply::Stat { info } => Ok(info),
+            other => Err(unexpected_reply("stat", &other)),
+        }
+    }
+
+    /// Lists a directory `depth` levels deep (1–5). The flag is `true` when
+    /// the agent cut the listing short.
+    pub async fn list_dir(&self, path: impl Into<String>, depth: u8) -> Result<(Vec<FileInfo>, bool), ProtoError> {
+        match self.call(Request::ListDir { path: path.into(), depth }).await? {
+            Reply::Entries { entries, truncated } => Ok((entries, truncated)),
+            other => Err(unexpected_reply("entries", &other)),
+        }
+    }
+
+    /// `mkdir -p`, optionally handing new directories to `owner`.
+    pub async fn make_dir(&self, path: impl Into<String>, owner: Option<String>) -> Result<(), ProtoError> {
+        self.expect_done(Request::MakeDir { path: path.into(), owner }).await
+    }
+
+    pub async fn move_path(
+        &self,
+        from: impl Into<String>,
+        to: impl Into<String>,
+        overwrite: bool,
+    ) -> Result<(), ProtoError> {
+        self.expect_done(Request::Move { from: from.into(), to: to.into(), overwrite }).await
+    }
+
+    pub async fn remove(&self, path: impl Into<String>, recursive: bool) -> Result<(), ProtoError> {
+        self.expect_done(Request::Remove { path: path.into(), recursive }).await
+    }
+
+    async fn expect_done(&self, request: Request) -> Result<(), ProtoError> {
+        match self.call(request).await? {
+            Reply::Done => Ok(()),
+            other => Err(unexpected_reply("done", &other)),
+        }
+    }
+
+    /// Streams a tar archive of the tree at `path` into `sink`; returns its size.
+    pub async fn tar_out<W: AsyncWrite + Unpin>(
+        &self,
+        path: impl Into<String>,
+        sink: &mut W,
+    ) -> Result<u64, ProtoError> {
+        let mut conn = self.open(Request::TarOut { path: path.into() }).await?;
+        match expect_reply(&mut conn).await? {
+            Reply::TarStream => {}
+            other => return Err(unexpected_reply("tar_stream", &other)),
+        }
+        download(&mut conn, sink).await
+    }
+
+    /// Unpacks the tar archive `source` yields into the directory `path`;
+    /// returns the number of entries unpacked.
+    pub async fn tar_in<R: AsyncRead + Unpin>(
+        &self,
+        path: impl Into<String>,
+        owner: Option<String>,
+        source: &mut R,
+    ) -> Result<u64, ProtoError> {
+        let mut conn = self.open(Request::TarIn { path: path.into(), owner }).await?;
+        upload(&mut conn, source).await?;
+        match expect_reply(&mut conn).await? {
+            Reply::Unpacked { entries, .. } => Ok(entries),
+            other => Err(unexpected_reply("unpacked", &other)),
+        }
+    }
+
+    /// A raw byte stream to 127.0.0.1:`port` inside the sandbox.
+    pub async fn port_forward(&self, port: u16) -> Result<Prefixed<C::Stream>, ProtoError> {
+        let mut conn = self.open(Request::PortForward { port }).await?;
+        match expect_reply(&mut conn).await? {
+            Reply::Connected => Ok(conn.into_raw()),
+            other => Err(unexpected_reply("connected", &other)),
+        }
+    }
+
+    pub async fn info(&self) -> Result<AgentInfo, ProtoError> {
+        match self.call(Request::Info).await? {
+            Reply::Info { info } => Ok(info),
+            other => Err(unexpected_reply("info", &other)),
+        }
+    }
+}
+
+fn client_name() -> String {
+    format!("moat-proto/{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// The next message; data frames and a closed connection are errors here.
+async fn next_msg<S>(conn: &mut Connection<S>, waiting_for: &'static str) -> Result<AgentMsg, ProtoError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    match conn.recv().await {
+        None => Err(ProtoError::Closed(closed_while(waiting_for))),
+        Some(Err(e)) => Err(e.into()),
+        Some(Ok(Frame::Message(body))) => decode(&body),
+        Some(Ok(Frame::Data(stream, _))) => {
+            Err(ProtoError::Unexpected { expected: waiting_for, got: format!("data on stream {stream:?}") })
+        }
+    }
+}
+
+fn closed_while(waiting_for: &'static str) -> &'static str {
+    match waiting_for {
+        "the handshake" => "during the handshake (is it a moat agent?)",
+        "the process started" => "before the process started",
+        _ => "before answering",
+    }
+}
+
+fn decode(body: &[u8]) -> Result<AgentMsg, ProtoError> {
+    decode_message(body).map_err(|e| ProtoError::Malformed(e.to_string()))
+}
+
+async fn expect_reply<S>(conn: &mut Connection<S>) -> Result<Reply, ProtoError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    match next_msg(conn, "a reply").await? {
+        AgentMsg::Reply { reply } => Ok(reply),
+        AgentMsg::Error { error } => Err(ProtoError::Agent(error)),
+        other => Err(unexpected("reply", &other)),
+    }
+}
+
+fn unexpected(expected: &'static str, got: &AgentMsg) -> ProtoError {
+    ProtoError::Unexpected { expected, got: format!("{got:?}") }
+}
+
+fn unexpected_reply(expected: &'static str, got: &Reply) -> ProtoError {
+    ProtoError::Unexpected { expected, got: format!("{got:?}") }
+}
+
+/// Copies output data frames into `sink` until `End`.
+async fn download<S, W>(conn: &mut Connection<S>, sink: &mut W) -> Result<u64, ProtoError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut total = 0u64;
+    loop {
+        match conn.recv().await {
+            None => return Err(ProtoError::Closed("in the middle of a download")),
+            Some(Err(e)) => return Err(e.into()),
+            Some(Ok(Frame::Data(StreamId::Output, bytes))) => {
+                total += bytes.len() as u64;
+                sink.write_all(&bytes).await?;
+            }
+            Some(Ok(Frame::Data(stream, _))) => {
+                return Err(ProtoError::Unexpected { expected: "output data", got: format!("data on {stream:?}") });
+            }
+            Some(Ok(Frame::Message(body))) => match decode(&body)? {
+                AgentMsg::End => break,
+                AgentMsg::Error { error } => return Err(ProtoError::Agent(error)),
+                other => return Err(unexpected("data or end", &other)),
+            },
+        }
+    }
+    sink.flush().await?;
+    Ok(total)
+}
+
+/// Sends everything `source` yields as input data frames, then `End`. When
+/// the agent gives up early (it refused the upload), its error is returned
+/// rather than the broken pipe.
+async fn upload<S, R>(conn: &mut Connection<S>, source: &mut R) -> Result<(), ProtoError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    R: AsyncRead + Unpin,
+{
+    let result = async {
+        let mut buf = BytesMut::with_capacity(DATA_CHUNK);
+        loop {
+            buf.reserve(DATA_CHUNK);
+            let n = (&mut *source).take(DATA_CHUNK as u64).read_buf(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            conn.send_data(StreamId::Input, buf.split().freeze()).await?;
+        }
+        conn.send(&ClientMsg::End).await?;
+        Ok::<(), ProtoError>(())
+    }
+    .await;
+    match result {
+        Ok(()) => Ok(()),
+        Err(ProtoError::Io(_) | ProtoError::Frame(_)) => match next_msg(conn, "a reply").await {
+            Ok(AgentMsg::Error { error }) => Err(ProtoError::Agent(error)),
+            _ => result,
+        },
+        Err(e) => Err(e),
+    }
+}
+
+/// Everything a finished process produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Output {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub status: ExitStatus,
+}
+
+enum Control {
+    Stdin(Bytes),
+    End,
+    Signal(i32),
+    Resize(WinSize),
+}
+
+/// A running process.
+///
+/// Its stdout and stderr arrive as chunks on the receivers from
+/// [`take_stdout`](Self::take_stdout) and [`take_stderr`](Self::take_stderr)
+/// as the process produces them. Unread output back-pressures the process
+/// (it blocks on a full pipe); output whose receiver was never taken or was
+/// dropped is discarded. Dropping the handle kills the process group.
+#[derive(Debug)]
+pub struct ExecHandle {
+    pid: u32,
+    stdin: Option<ExecStdin>,
+    stdout: Option<mpsc::Receiver<Bytes>>,
+    stderr: Option<mpsc::Receiver<Bytes>>,
+    control: mpsc::Sender<Control>,
+    exit: Option<oneshot::Receiver<Result<ExitStatus, ProtoError>>>,
+    tasks: [JoinHandle<()>; 2],
+}
+
+impl std::fmt::Debug for Control {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Stdin(b) => write!(f, "Stdin({} bytes)", b.len()),
+            Self::End => f.write_str("End"),
+            Self::Signal(s) => write!(f, "Signal({s})"),
+            Self::Resize(w) => write!(f, "Resize({w:?})"),
+        }
+    }
+}
+
+impl ExecHandle {
+    fn spawn<S>(pid: u32, conn: Connection<S>) -> Self
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let (sink, stream) = conn.split();
+        let (control_tx, control_rx) = mpsc::channel(16);
+        let (stdout_tx, stdout_rx) = mpsc::channel(16);
+        let (stderr_tx, stderr_rx) = mpsc::channel(16);
+        let (exit_tx, exit_rx) = oneshot::channel();
+        let writer = tokio::spawn(write_controls(sink, control_rx));
+        let reader = tokio::spawn(async move {
+            let result = read_outputs(stream, Some(stdout_tx), Some(stderr_tx)).await;
+            let _ = exit_tx.send(result);
+        });
+        Self {
+            pid,
+            stdin: Some(ExecStdin { control: control_tx.clone(), closed: false }),
+            stdout: Some(stdout_rx),
+            stderr: Some(stderr_rx),
+            control: control_tx,
+            exit: Some(exit_rx),
+            tasks: [writer, reader],
+        }
+    }
+
+    /// The process id inside the sandbox.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The process's stdin, when the request asked for `stdin: true`.
+    /// Dropping it (or [`ExecStdin::close`]) ends the input.
+    pub fn take_stdin(&mut self) -> Option<ExecStdin> {
+        self.stdin.take()
+    }
+
+    pub fn take_stdout(&mut self) -> Option<mpsc::Receiver<Bytes>> {
+        self.stdout.take()
+    }
+
+    pub fn take_stderr(&mut self) -> Option<mpsc::Receiver<Bytes>> {
+        self.stderr.take()
+    }
+
+    /// Sends `signal` to the process group.
+    pub async fn signal(&self, signal: i32) -> Result<(), ProtoError> {
+        self.control.send(Control::Signal(signal)).await.map_err(|_| ProtoError::Closed("after the process ended"))
+    }
+
+    /// Resizes the PTY (no effect without one).
+    pub async fn resize(&self, size: WinSize) -> Result<(), ProtoError> {
+        self.control.send(Control::Resize(size)).await.map_err(|_| ProtoError::Closed("after the process ended"))
+    }
+
+    /// Waits for the process to exit. Output not taken is discarded.
+    pub async fn wait(mut self) -> Result<ExitStatus, ProtoError> {
+        self.stdout = None;
+        self.stderr = None;
+        drop(self.stdin.take());
+        let exit = self.exit.take().ok_or(ProtoError::Closed("twice"))?;
+        exit.await.unwrap_or(Err(ProtoError::Closed("before the process exited")))
+    }
+
+    /// Closes stdin (unless taken), collects all output and waits for exit.
+    pub async fn output(mut self) -> Result<Output, ProtoError> {
+        let stdout = collect(self.stdout.take());
+        let stderr = collect(self.stderr.take());
+        let (stdout, stderr) = tokio::join!(stdout, stderr);
+        let status = self.wait().await?;
+        Ok(Output { stdout, stderr, status })
+    }
+}
+
+impl Drop for ExecHandle {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+async fn collect(rx: Option<mpsc::Receiver<Bytes>>) -> Vec<u8> {
+    let mut out = Vec::new();
+    if let Some(mut rx) = rx {
+        while let Some(chunk) = rx.recv().await {
+            out.extend_from_slice(&chunk);
+        }
+    }
+    out
+}
+
+async fn write_controls<S>(mut sink: FrameSink<S>, mut control: mpsc::Receiver<Control>)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    while let Some(msg) = control.recv().await {
+        let sent = match msg {
+            Control::Stdin(bytes) => sink.send_data(StreamId::Input, bytes).await,
+            Control::End => sink.send(&ClientMsg::End).await,
+            Control::Signal(signal) => sink.send(&ClientMsg::Signal { signal }).await,
+            Control::Resize(size) => sink.send(&ClientMsg::Resize { size }).await,
+        };
+        if sent.is_err() {
+            // The reader half sees the same failure and reports it.
+            break;
+        }
+    }
+}
+
+async fn read_outputs<S>(
+    mut stream: FrameStream<S>,
+    mut stdout: Option<mpsc::Sender<Bytes>>,
+    mut stderr: Option<mpsc::Sender<Bytes>>,
+) -> Result<ExitStatus, ProtoError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    loop {
+        let frame = match stream.recv().await {
+            None => return Err(ProtoError::Closed("before the process exited")),
+            Some(frame) => frame?,
+        };
+        match frame {
+            Frame::Data(StreamId::Output, bytes) => forward(&mut stdout, bytes).await,
+            Frame::Data(StreamId::Error, bytes) => forward(&mut stderr, bytes).await,
+            Frame::Data(StreamId::Input, _) => {
+                return Err(ProtoError::Unexpected { expected: "output data", got: "input data".into() });
+            }
+            Frame::Message(body) => match decode(&body)? {
+                AgentMsg::Exited { status } => return Ok(status),
+                AgentMsg::Error { error } => return Err(ProtoError::Agent(error)),
+                other => return Err(unexpected("output or exit", &other)),
+            },
+        }
+    }
+}
+
+async fn forward(tx: &mut Option<mpsc::Sender<Bytes>>, bytes: Bytes) {
+    if let Some(sender) = tx
+        && sender.send(bytes).await.is_err()
+    {
+        *tx = None;
+    }
+}
+
+/// The stdin of a running process.
+#[derive(Debug)]
+pub struct ExecStdin {
+    control: mpsc::Sender<Control>,
+    closed: bool,
+}
+
+impl ExecStdin {
+    /// Sends bytes to the process; waits while the process is not reading.
+    pub async fn write(&mut self, mut bytes: Bytes) -> Result<(), ProtoError> {
+        while !bytes.is_empty() {
+            let chunk = bytes.split_to(bytes.len().min(DATA_CHUNK));
+            self.control.send(Control::Stdin(chunk)).await.map_err(|_| ProtoError::Closed("stdin: process ended"))?;
+        }
+        Ok(())
+    }
+
+    /// Ends the input (the process reads end-of-file).
+    pub async fn close(mut self) -> Result<(), ProtoError> {
+        self.closed = true;
+        self.control.send(Control::End).await.map_err(|_| ProtoError::Closed("stdin: process ended"))
+    }
+}
+
+impl Drop for ExecStdin {
+    fn drop(&mut self) {
+        if !self.closed {
+            let control = self.control.clone();
+            if let Err(mpsc::error::TrySendError::Full(_)) = control.try_send(Control::End)
+                && let Ok(rt) = tokio::runtime::Handle::try_current()
+            {
+                rt.spawn(async move {
+                    let _ = control.send(Control::End).await;
+                });
+            }
+        }
+    }
+}
