@@ -320,7 +320,7 @@ where
 async fn read_chunk(pipe: &mut Option<pipe::Receiver>, buf: &mut BytesMut) -> Option<Bytes> {
     let pipe = pipe.as_mut()?;
     buf.reserve(READ_CHUNK);
-    match pipe.read_buf(buf).await {
+    match pipe.take(READ_CHUNK as u64).read_buf(buf).await {
         Ok(0) | Err(_) => None,
         Ok(_) => Some(buf.split().freeze()),
     }

@@ -99,7 +99,10 @@ fn loopback_up() -> std::io::Result<()> {
     }
     // SAFETY: SIOCGIFFLAGS filled the `ifru_flags` member of the union.
     let flags = unsafe { req.ifr_ifru.ifru_flags };
-    req.ifr_ifru.ifru_flags = flags | libc::IFF_UP as libc::c_short;
+    // IFF_UP is 1: it fits any integer type.
+    #[allow(clippy::cast_possible_truncation)]
+    let up = libc::IFF_UP as libc::c_short;
+    req.ifr_ifru.ifru_flags = flags | up;
     // SAFETY: as above; SIOCSIFFLAGS only reads `req`.
     if unsafe { libc::ioctl(socket.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
         return Err(std::io::Error::last_os_error());

@@ -156,6 +156,6 @@ mod tests {
     #[test]
     fn backend_names_parse() {
         assert_eq!("jail".parse(), Ok(BackendKind::Jail));
-        assert!("docker".parse::<BackendKind>().unwrap_err().contains("allowed are auto, vm, jail"));
+        assert!("docker".parse::<BackendKind>().expect_err("unknown").contains("allowed are auto, vm, jail"));
     }
 }

@@ -13,7 +13,7 @@
 //! never make the other side allocate more than that for one frame.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use tokio_util::codec::{Decoder, Encoder, LengthDelimitedCodec};
+use tokio_util::codec::{Decoder, Encoder};
 
 /// The largest frame either side accepts, tag included.
 ///
@@ -80,9 +80,12 @@ pub enum FrameError {
 }
 
 /// Encoder and decoder of [`Frame`]s, with the size limit on both sides.
+///
+/// Written here rather than wrapping `LengthDelimitedCodec`: the decoder
+/// stays stateless (it looks at the length on every call), which lets the
+/// error name the refused size, and the whole format is a dozen lines.
 #[derive(Debug)]
 pub struct FrameCodec {
-    inner: LengthDelimitedCodec,
     max: usize,
 }
 
@@ -95,9 +98,7 @@ impl Default for FrameCodec {
 impl FrameCodec {
     /// A codec that refuses frames longer than `max` bytes.
     pub fn with_max_len(max: usize) -> Self {
-        let inner =
-            LengthDelimitedCodec::builder().length_field_length(4).max_frame_length(max).big_endian().new_codec();
-        Self { inner, max }
+        Self { max }
     }
 }
 
@@ -106,18 +107,19 @@ impl Decoder for FrameCodec {
     type Error = FrameError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
-        // Peek at the length ourselves so the error can say how big the frame
-        // was; the inner codec would only say "too big".
-        if src.len() >= 4 {
-            let len = u32::from_be_bytes([src[0], src[1], src[2], src[3]]) as usize;
-            if len > self.max {
-                return Err(FrameError::TooLarge { len, max: self.max });
-            }
-        }
-        let Some(body) = self.inner.decode(src)? else {
+        let Some(head) = src.first_chunk::<4>() else {
             return Ok(None);
         };
-        parse(body.freeze()).map(Some)
+        let len = u32::from_be_bytes(*head) as usize;
+        if len > self.max {
+            return Err(FrameError::TooLarge { len, max: self.max });
+        }
+        if src.len() < 4 + len {
+            src.reserve(4 + len - src.len());
+            return Ok(None);
+        }
+        src.advance(4);
+        parse(src.split_to(len).freeze()).map(Some)
     }
 }
 
@@ -222,7 +224,8 @@ mod tests {
 
     #[test]
     fn malformed_frames_have_typed_errors() {
-        let cases: &[(&[u8], fn(&FrameError) -> bool)] = &[
+        type Case<'a> = (&'a [u8], fn(&FrameError) -> bool);
+        let cases: &[Case] = &[
             (&[0, 0, 0, 0], |e| matches!(e, FrameError::Empty)),
             (&[0, 0, 0, 1, 9], |e| matches!(e, FrameError::UnknownTag(9))),
             (&[0, 0, 0, 1, TAG_DATA], |e| matches!(e, FrameError::MissingStream)),
