@@ -7,26 +7,22 @@ use moat_proto::{ErrorKind, WireError};
 /// A wire error for an I/O failure on `what` (usually a path), with the kind
 /// a client can branch on and a message that says what to do.
 pub fn io_error(what: &str, err: &io::Error) -> WireError {
-    let (kind, hint) = match err.raw_os_error() {
-        Some(libc::ENOENT) => (ErrorKind::NotFound, "no such file or directory"),
-        Some(libc::EISDIR) => {
-            (ErrorKind::IsADirectory, "is a directory; use a directory operation (list, tar) instead")
-        }
-        Some(libc::ENOTDIR) => (ErrorKind::NotADirectory, "a component of the path is not a directory"),
-        Some(libc::ENOTEMPTY) => (ErrorKind::DirectoryNotEmpty, "directory not empty; remove it recursively"),
-        Some(libc::EACCES | libc::EPERM) => (ErrorKind::PermissionDenied, "permission denied"),
-        Some(libc::EEXIST) => (ErrorKind::AlreadyExists, "already exists"),
-        Some(libc::ENOSPC | libc::EDQUOT) => (ErrorKind::NoSpace, "no space left on the sandbox's disk; delete files"),
-        Some(libc::EFBIG) => (ErrorKind::TooLarge, "file too large"),
-        Some(libc::EROFS) => (ErrorKind::PermissionDenied, "read-only file system"),
-        Some(libc::ELOOP) => (ErrorKind::InvalidPath, "too many levels of symbolic links"),
-        Some(libc::ENAMETOOLONG) => (ErrorKind::InvalidPath, "name too long"),
-        Some(libc::EXDEV) => (ErrorKind::InvalidRequest, "cannot move a directory across file systems"),
-        Some(libc::ECONNREFUSED) => (ErrorKind::ConnectionRefused, "connection refused"),
-        _ => match err.kind() {
-            io::ErrorKind::InvalidInput | io::ErrorKind::InvalidData => (ErrorKind::InvalidRequest, "invalid input"),
-            _ => (ErrorKind::Io, "I/O error"),
-        },
+    use io::ErrorKind as Io;
+    let (kind, hint) = match err.kind() {
+        Io::NotFound => (ErrorKind::NotFound, "no such file or directory"),
+        Io::IsADirectory => (ErrorKind::IsADirectory, "is a directory; use a directory operation (list, tar) instead"),
+        Io::NotADirectory => (ErrorKind::NotADirectory, "a component of the path is not a directory"),
+        Io::DirectoryNotEmpty => (ErrorKind::DirectoryNotEmpty, "directory not empty; remove it recursively"),
+        Io::PermissionDenied => (ErrorKind::PermissionDenied, "permission denied"),
+        Io::ReadOnlyFilesystem => (ErrorKind::PermissionDenied, "read-only file system"),
+        Io::AlreadyExists => (ErrorKind::AlreadyExists, "already exists"),
+        Io::StorageFull | Io::QuotaExceeded => (ErrorKind::NoSpace, "no space left on the sandbox's disk; delete files"),
+        Io::FileTooLarge => (ErrorKind::TooLarge, "file too large"),
+        Io::InvalidFilename => (ErrorKind::InvalidPath, "name too long or invalid"),
+        Io::CrossesDevices => (ErrorKind::InvalidRequest, "cannot move a directory across file systems"),
+        Io::ConnectionRefused => (ErrorKind::ConnectionRefused, "connection refused"),
+        Io::InvalidInput | Io::InvalidData => (ErrorKind::InvalidRequest, "invalid input"),
+        _ => (ErrorKind::Io, "I/O error"),
     };
     WireError::new(kind, format!("{what}: {hint} ({err})"))
 }

@@ -92,6 +92,16 @@ where
     let owner = req.owner.as_deref().map(users::lookup).transpose()?;
     if req.create_parents {
         make_dirs(parent, owner.as_ref().map(|u| (u.uid, u.gid))).map_err(|e| io_error(&req.path, &e))?;
+    } else {
+        match std::fs::metadata(parent) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(io_error(&req.path, &io::Error::from_raw_os_error(libc::ENOTDIR))),
+            Err(e) => {
+                let mut error = io_error(&parent.to_string_lossy(), &e);
+                error.message.push_str("; pass create_parents to create missing directories");
+                return Err(error);
+            }
+        }
     }
     let existing = match std::fs::metadata(path) {
         Ok(m) if m.is_dir() => return Err(io_error(&req.path, &io::Error::from_raw_os_error(libc::EISDIR))),

@@ -30,6 +30,9 @@ impl TestAgent {
             .prefix("agent-")
             .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
             .expect("temp dir under target/");
+        // Open to all, so an agent started as another user can bind there.
+        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o777))
+            .expect("chmod temp dir");
         let socket = dir.path().join("agent.sock");
         let listen = format!("unix:{}", socket.display());
         let mut command = match wrapper.split_first() {
