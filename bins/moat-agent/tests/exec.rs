@@ -76,7 +76,8 @@ async fn large_output_streams_with_bounded_memory() {
     const TOTAL: u64 = 64 << 20;
     let agent = TestAgent::start().await;
     let before = agent.peak_rss_kib();
-    let mut handle = agent.client().exec(ExecRequest::argv(["head", "-c", &TOTAL.to_string(), "/dev/zero"])).await.expect("starts");
+    let mut handle =
+        agent.client().exec(ExecRequest::argv(["head", "-c", &TOTAL.to_string(), "/dev/zero"])).await.expect("starts");
     let mut stdout = handle.take_stdout().expect("stdout");
     // Not reading: the writer must block on a full pipe, not fill memory.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -215,12 +216,11 @@ async fn fifty_operations_at_once() {
         tasks.push(tokio::spawn(async move {
             let out = client.run(ExecRequest::shell(format!("echo {i}"))).await.expect("runs");
             assert_eq!(out.stdout, format!("{i}\n").into_bytes());
-            let req = moat_proto::WriteFileRequest { path: path.clone(), mode: None, create_parents: false, owner: None };
+            let req =
+                moat_proto::WriteFileRequest { path: path.clone(), mode: None, create_parents: false, owner: None };
             client.write_file(req, &mut format!("file {i}").as_bytes()).await.expect("writes");
-            let back = client
-                .read_file(moat_proto::ReadFileRequest { path, offset: 0, length: None })
-                .await
-                .expect("reads");
+            let back =
+                client.read_file(moat_proto::ReadFileRequest { path, offset: 0, length: None }).await.expect("reads");
             assert_eq!(back, format!("file {i}").into_bytes());
         }));
     }

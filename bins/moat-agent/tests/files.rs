@@ -155,7 +155,10 @@ async fn directories_list_mkdir_move_remove() {
     client.remove(format!("{root}/a"), true).await.expect("rm -r");
     assert!(!Path::new(&format!("{root}/a")).exists());
     client.remove(format!("{root}/moved.txt"), false).await.expect("rm");
-    assert_eq!(client.remove(format!("{root}/moved.txt"), false).await.expect_err("gone").kind(), Some(ErrorKind::NotFound));
+    assert_eq!(
+        client.remove(format!("{root}/moved.txt"), false).await.expect_err("gone").kind(),
+        Some(ErrorKind::NotFound)
+    );
 }
 
 #[tokio::test]

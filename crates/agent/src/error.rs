@@ -16,7 +16,9 @@ pub fn io_error(what: &str, err: &io::Error) -> WireError {
         Io::PermissionDenied => (ErrorKind::PermissionDenied, "permission denied"),
         Io::ReadOnlyFilesystem => (ErrorKind::PermissionDenied, "read-only file system"),
         Io::AlreadyExists => (ErrorKind::AlreadyExists, "already exists"),
-        Io::StorageFull | Io::QuotaExceeded => (ErrorKind::NoSpace, "no space left on the sandbox's disk; delete files"),
+        Io::StorageFull | Io::QuotaExceeded => {
+            (ErrorKind::NoSpace, "no space left on the sandbox's disk; delete files")
+        }
         Io::FileTooLarge => (ErrorKind::TooLarge, "file too large"),
         Io::InvalidFilename => (ErrorKind::InvalidPath, "name too long or invalid"),
         Io::CrossesDevices => (ErrorKind::InvalidRequest, "cannot move a directory across file systems"),

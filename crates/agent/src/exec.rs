@@ -114,6 +114,13 @@ fn prepare(req: &ExecRequest) -> Result<Prepared, WireError> {
 fn become_user(command: &mut Command, user: &UserEntry, pty: bool) {
     let me = nix::unistd::geteuid();
     let switch = me.as_raw() != user.uid;
+    if !switch && !pty {
+        // Nothing to do between fork and exec but leave the caller's process
+        // group: std can then use posix_spawn (a vfork), far cheaper than
+        // fork for a multi-threaded parent.
+        command.process_group(0);
+        return;
+    }
     let uid = Uid::from_raw(user.uid);
     let gid = Gid::from_raw(user.gid);
     let groups: Vec<Gid> = user.groups.iter().copied().map(Gid::from_raw).collect();

@@ -62,6 +62,9 @@ pub fn setup(hostname: Option<&str>) {
         }
         match mount(Some(m.source), m.target, Some(m.fstype), m.flags, m.data) {
             Ok(()) => tracing::debug!(target = m.target, "mounted {}", m.fstype),
+            // The kernel (CONFIG_DEVTMPFS_MOUNT) or whoever made the
+            // namespace mounted it already.
+            Err(nix::errno::Errno::EBUSY) => tracing::debug!(target = m.target, "already mounted"),
             Err(e) => tracing::warn!(target = m.target, "cannot mount {}: {e}", m.fstype),
         }
     }

@@ -1,0 +1,81 @@
+//! The host: running commands, and the Debian packages tasks need.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+/// The workspace root (xtask lives one level below it).
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// Runs `command` in the workspace root, echoing it; fails on a non-zero exit.
+pub fn run(command: &mut Command) -> Result<()> {
+    command.current_dir(root());
+    eprintln!("$ {}", describe(command));
+    let status = command.status().with_context(|| format!("cannot start {}", describe(command)))?;
+    if !status.success() {
+        bail!("{} failed ({status})", describe(command));
+    }
+    Ok(())
+}
+
+/// Runs `command` and returns its stdout.
+pub fn output(command: &mut Command) -> Result<String> {
+    let out = command.output().with_context(|| format!("cannot start {}", describe(command)))?;
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
+}
+
+fn describe(command: &Command) -> String {
+    let mut parts = vec![command.get_program().to_string_lossy().into_owned()];
+    parts.extend(command.get_args().map(|a| a.to_string_lossy().into_owned()));
+    parts.join(" ")
+}
+
+pub fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+/// A program each package provides, to tell whether it is installed.
+const PACKAGES: &[(&str, &str)] = &[
+    // unshare and setpriv: the agent's PID 1 and privilege tests.
+    ("util-linux", "unshare"),
+    ("util-linux", "setpriv"),
+    // ldd: proving the agent is static.
+    ("libc-bin", "ldd"),
+    ("coreutils", "sha256sum"),
+    ("procps", "ps"),
+];
+
+/// Installs missing host packages with apt-get when root, or says exactly
+/// what to install.
+pub fn ensure_packages() -> Result<()> {
+    let mut missing: Vec<&str> = PACKAGES.iter().filter(|(_, program)| !on_path(program)).map(|(p, _)| *p).collect();
+    missing.dedup();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let root = nix_is_root();
+    if !root || !on_path("apt-get") {
+        bail!(
+            "missing host packages: {}; install them with: sudo apt-get install -y {}",
+            missing.join(", "),
+            missing.join(" ")
+        );
+    }
+    run(Command::new("apt-get").arg("update").arg("-q"))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-q", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH").is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
+}
+
+fn nix_is_root() -> bool {
+    // The uid of the xtask process: `id -u` avoids a libc dependency here.
+    output(Command::new("id").arg("-u")).is_ok_and(|uid| uid.trim() == "0")
+}
