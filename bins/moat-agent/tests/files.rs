@@ -1,6 +1,9 @@
 //! The real agent binary on a Unix socket, driven by the `moat-proto` client:
 //! files, tar streams and port forwards.
 
+// Test data is generated with `as u8` on purpose.
+#![allow(clippy::cast_possible_truncation)]
+
 mod common;
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
