@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use moat_proto::{AgentClient, ExecRequest, ReadFileRequest, WriteFileRequest};
 
 use crate::build;
-use crate::host::{ensure_packages, root};
+use crate::host::{BASE_PACKAGES, ensure_packages, is_root, root};
 
 struct Running(Child);
 
@@ -25,7 +25,7 @@ impl Drop for Running {
 }
 
 pub fn run() -> Result<()> {
-    ensure_packages()?;
+    ensure_packages(BASE_PACKAGES)?;
     let agent = build::static_agent()?;
     let dir = root().join("target/demo");
     std::fs::create_dir_all(&dir)?;
@@ -46,10 +46,6 @@ pub fn run() -> Result<()> {
     let _running = Running(child);
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(session(&socket))
-}
-
-fn is_root() -> bool {
-    Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0\n"))
 }
 
 fn step(title: &str) {

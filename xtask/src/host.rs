@@ -12,7 +12,9 @@ pub fn root() -> PathBuf {
 
 /// Runs `command` in the workspace root, echoing it; fails on a non-zero exit.
 pub fn run(command: &mut Command) -> Result<()> {
-    command.current_dir(root());
+    if command.get_current_dir().is_none() {
+        command.current_dir(root());
+    }
     eprintln!("$ {}", describe(command));
     let status = command.status().with_context(|| format!("cannot start {}", describe(command)))?;
     if !status.success() {
@@ -37,8 +39,9 @@ pub fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
-/// A program each package provides, to tell whether it is installed.
-const PACKAGES: &[(&str, &str)] = &[
+/// Packages every task needs, each with a program it provides (to tell
+/// whether it is installed).
+pub const BASE_PACKAGES: &[(&str, &str)] = &[
     // unshare and setpriv: the agent's PID 1 and privilege tests.
     ("util-linux", "unshare"),
     ("util-linux", "setpriv"),
@@ -50,14 +53,14 @@ const PACKAGES: &[(&str, &str)] = &[
 
 /// Installs missing host packages with apt-get when root, or says exactly
 /// what to install.
-pub fn ensure_packages() -> Result<()> {
-    let mut missing: Vec<&str> = PACKAGES.iter().filter(|(_, program)| !on_path(program)).map(|(p, _)| *p).collect();
+pub fn ensure_packages(packages: &[(&str, &str)]) -> Result<()> {
+    let mut missing: Vec<&str> = packages.iter().filter(|(_, program)| !on_path(program)).map(|(p, _)| *p).collect();
+    missing.sort_unstable();
     missing.dedup();
     if missing.is_empty() {
         return Ok(());
     }
-    let root = nix_is_root();
-    if !root || !on_path("apt-get") {
+    if !is_root() || !on_path("apt-get") {
         bail!(
             "missing host packages: {}; install them with: sudo apt-get install -y {}",
             missing.join(", "),
@@ -71,11 +74,19 @@ pub fn ensure_packages() -> Result<()> {
         .env("DEBIAN_FRONTEND", "noninteractive"))
 }
 
-fn on_path(program: &str) -> bool {
-    std::env::var_os("PATH").is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
+/// Whether `program` is installed, on PATH or in the sbin directories a
+/// non-login root shell may lack.
+pub fn on_path(program: &str) -> bool {
+    let sbin = ["/usr/sbin", "/sbin"].map(PathBuf::from);
+    std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .chain(sbin)
+        .any(|dir| dir.join(program).is_file())
 }
 
-fn nix_is_root() -> bool {
+pub fn is_root() -> bool {
     // The uid of the xtask process: `id -u` avoids a libc dependency here.
     output(Command::new("id").arg("-u")).is_ok_and(|uid| uid.trim() == "0")
 }

@@ -8,6 +8,7 @@
 mod build;
 mod demo;
 mod host;
+mod image;
 mod test;
 
 use std::process::ExitCode;
@@ -31,14 +32,31 @@ enum Task {
     Bench,
     /// Show moat working end to end.
     Demo,
+    /// Build (or verify) a sandbox image under the data directory.
+    Image {
+        /// Image name: `default` is what users get.
+        #[arg(long, default_value = "default")]
+        name: String,
+        /// Rebuild everything even when the image is up to date.
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 fn main() -> ExitCode {
+    // Debian's depmod, mkfs.ext4 and friends live in sbin, which a non-login
+    // root shell may not have on PATH.
+    let path = std::env::var("PATH").unwrap_or_default();
+    if !path.split(':').any(|p| p == "/usr/sbin") {
+        // SAFETY: no other thread exists yet to read the environment.
+        unsafe { std::env::set_var("PATH", format!("{path}:/usr/local/sbin:/usr/sbin:/sbin")) };
+    }
     let result = match Cli::parse().task {
         Task::Build => build::build_all(),
         Task::Test => test::gate(),
         Task::Bench => test::bench(),
         Task::Demo => demo::run(),
+        Task::Image { name, force } => image::build(&name, force).map(|_| ()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

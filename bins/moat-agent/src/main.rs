@@ -4,7 +4,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use moat_agent::{Agent, DEFAULT_VSOCK_PORT, ListenAddr, init};
+use moat_agent::boot::{self, BootConfig};
+use moat_agent::{Agent, DEFAULT_VSOCK_PORT, ListenAddr, Listener, init};
 use tokio::signal::unix::{SignalKind, signal};
 
 /// The moat guest agent: serves process, file, tar and port-forward
@@ -16,7 +17,9 @@ struct Args {
     #[arg(long, default_value_t = format!("vsock:{DEFAULT_VSOCK_PORT}"))]
     listen: String,
     /// Act as the sandbox's init: mount /proc, /sys, /dev, /dev/pts,
-    /// /dev/shm, /tmp and /run, set the hostname, bring up loopback.
+    /// /dev/shm, /tmp and /run, set the hostname, bring up loopback. With
+    /// `moat.root=DEVICE` on the kernel command line (a microVM), first load
+    /// the initramfs's modules, mount DEVICE and switch root to it.
     #[arg(long)]
     init: bool,
     /// Hostname to set with --init.
@@ -29,7 +32,7 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let listen: ListenAddr = match args.listen.parse() {
+    let mut listen: ListenAddr = match args.listen.parse() {
         Ok(addr) => addr,
         Err(e) => {
             eprintln!("moat-agent: --listen: {e}");
@@ -41,6 +44,22 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_target(false)
         .init();
+    let mut hostname = args.hostname.clone();
+    if args.init {
+        init::mount_basics();
+        let config = BootConfig::from_cmdline(&std::fs::read_to_string("/proc/cmdline").unwrap_or_default());
+        if config.is_vm_boot() {
+            if let Err(e) = boot_vm(&config) {
+                boot::stage(&format!("boot failed: {e}"));
+                return halt();
+            }
+            hostname = hostname.or(config.hostname.clone());
+            if let Some(port) = config.port {
+                listen = ListenAddr::Vsock(port);
+            }
+        }
+        init::setup(hostname.as_deref());
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -48,14 +67,31 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(run(args, listen))
+    runtime.block_on(run(args.init, listen))
 }
 
-async fn run(args: Args, listen: ListenAddr) -> ExitCode {
+/// Modules, root device, switch root: each stage reported on the console.
+fn boot_vm(config: &BootConfig) -> Result<(), boot::BootError> {
+    boot::stage("starting");
+    let count = boot::load_modules()?;
+    boot::stage(&format!("modules loaded ({count})"));
+    let device = config.root.clone().unwrap_or_default();
+    boot::wait_for_device(&device, Duration::from_secs(10))?;
+    boot::switch_root(config)?;
+    boot::stage(&format!("root mounted ({})", device.display()));
+    Ok(())
+}
+
+/// A failed boot: PID 1 must not exit (the kernel would panic and the
+/// console line would scroll away), so power off.
+fn halt() -> ExitCode {
+    nix::unistd::sync();
+    let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
+    ExitCode::FAILURE
+}
+
+async fn run(init_mode: bool, listen: ListenAddr) -> ExitCode {
     let pid1 = std::process::id() == 1;
-    if args.init {
-        init::setup(args.hostname.as_deref());
-    }
     let agent = match Agent::new(pid1) {
         Ok(agent) => agent,
         Err(e) => {
@@ -67,21 +103,33 @@ async fn run(args: Args, listen: ListenAddr) -> ExitCode {
         eprintln!("moat-agent: cannot install signal handlers");
         return ExitCode::FAILURE;
     };
-    let serving = agent.clone().serve(&listen);
-    tokio::pin!(serving);
-    let code = tokio::select! {
-        result = &mut serving => {
-            let e = result.err().map_or_else(|| "listener closed".to_owned(), |e| e.to_string());
-            eprintln!("moat-agent: {e}");
+    let code = match Listener::bind(&listen) {
+        Ok(listener) => {
+            if init_mode {
+                boot::stage("ready");
+            }
+            tracing::info!(?listen, "listening");
+            tokio::select! {
+                result = agent.clone().serve(listener) => {
+                    let e = result.err().map_or_else(|| "listener closed".to_owned(), |e| e.to_string());
+                    eprintln!("moat-agent: {e}");
+                    ExitCode::FAILURE
+                }
+                _ = term.recv() => ExitCode::SUCCESS,
+                _ = int.recv() => ExitCode::SUCCESS,
+            }
+        }
+        Err(e) => {
+            boot::stage(&e.to_string());
             if pid1 {
-                // An init that exits panics the kernel; stay up so the
-                // console keeps the reason, until told to stop.
-                let _ = term.recv().await;
+                // Stay up, so the console keeps the reason, until told to stop.
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
             }
             ExitCode::FAILURE
         }
-        _ = term.recv() => ExitCode::SUCCESS,
-        _ = int.recv() => ExitCode::SUCCESS,
     };
     tracing::info!("shutting down");
     init::stop_children(agent.reaper(), Duration::from_secs(2), pid1).await;

@@ -55,7 +55,17 @@ const fn nosuid_nodev_noexec() -> MsFlags {
 /// Each step that fails is logged and skipped: a half-set-up machine that
 /// answers is more useful than one that is dead.
 pub fn setup(hostname: Option<&str>) {
-    for m in MOUNTS {
+    mount_all(MOUNTS);
+    setup_network_and_name(hostname);
+}
+
+/// Mounts just /proc, /sys and /dev: what a boot needs before the root disk.
+pub fn mount_basics() {
+    mount_all(&MOUNTS[..3]);
+}
+
+fn mount_all(mounts: &[Mount]) {
+    for m in mounts {
         if let Err(e) = std::fs::create_dir_all(m.target) {
             tracing::warn!(target = m.target, "cannot create mount point: {e}");
             continue;
@@ -68,6 +78,9 @@ pub fn setup(hostname: Option<&str>) {
             Err(e) => tracing::warn!(target = m.target, "cannot mount {}: {e}", m.fstype),
         }
     }
+}
+
+fn setup_network_and_name(hostname: Option<&str>) {
     // Programs open /dev/ptmx; with a private devpts instance it must be the
     // instance's own ptmx.
     if Path::new("/dev/pts/ptmx").exists() {

@@ -10,6 +10,7 @@
 //! The binary is `bins/moat-agent`; it is linked statically so that it runs
 //! in any image, including a bare initramfs.
 
+pub mod boot;
 pub mod error;
 pub mod exec;
 pub mod files;
@@ -21,4 +22,4 @@ pub mod server;
 pub mod tarball;
 pub mod users;
 
-pub use server::{Agent, DEFAULT_VSOCK_PORT, ListenAddr};
+pub use server::{Agent, DEFAULT_VSOCK_PORT, ListenAddr, Listener};

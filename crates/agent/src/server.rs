@@ -45,6 +45,35 @@ impl FromStr for ListenAddr {
     }
 }
 
+/// A bound listening socket.
+#[derive(Debug)]
+pub enum Listener {
+    Unix(tokio::net::UnixListener),
+    Vsock(tokio_vsock::VsockListener),
+}
+
+impl Listener {
+    /// Binds `addr`. A vsock bind fails when the machine has no vsock device.
+    pub fn bind(addr: &ListenAddr) -> std::io::Result<Self> {
+        match addr {
+            ListenAddr::Unix(path) => {
+                // A socket left by an earlier run would make bind fail.
+                let _ = std::fs::remove_file(path);
+                Ok(Self::Unix(tokio::net::UnixListener::bind(path)?))
+            }
+            ListenAddr::Vsock(port) => {
+                let addr = tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_ANY, *port);
+                tokio_vsock::VsockListener::bind(addr).map(Self::Vsock).map_err(|e| {
+                    std::io::Error::new(
+                        e.kind(),
+                        format!("no vsock device: cannot listen on vsock port {port} ({e}); the VM needs a virtio-vsock device (vhost-vsock or moat-vmm's)"),
+                    )
+                })
+            }
+        }
+    }
+}
+
 /// The agent: serves one operation per connection.
 #[derive(Debug)]
 pub struct Agent {
@@ -69,36 +98,17 @@ impl Agent {
         &self.reaper
     }
 
-    /// Binds `addr` and serves until the process ends.
-    pub async fn serve(self: Arc<Self>, addr: &ListenAddr) -> std::io::Result<()> {
-        match addr {
-            ListenAddr::Unix(path) => {
-                // A socket left by an earlier run would make bind fail.
-                let _ = std::fs::remove_file(path);
-                let listener = tokio::net::UnixListener::bind(path)?;
-                tracing::info!(path = %path.display(), "listening");
-                loop {
-                    let (stream, _) = listener.accept().await?;
-                    self.clone().spawn_connection(stream).await;
-                }
-            }
-            ListenAddr::Vsock(port) => {
-                let listener =
-                    tokio_vsock::VsockListener::bind(tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_ANY, *port))
-                        .map_err(|e| {
-                        std::io::Error::new(
-                            e.kind(),
-                            format!(
-                                "cannot listen on vsock port {port} ({e}); is there a virtio-vsock device and is vmw_vsock_virtio_transport loaded?"
-                            ),
-                        )
-                    })?;
-                tracing::info!(port, "listening on vsock");
-                loop {
-                    let (stream, _) = listener.accept().await?;
-                    self.clone().spawn_connection(stream).await;
-                }
-            }
+    /// Serves connections on `listener` until the process ends.
+    pub async fn serve(self: Arc<Self>, listener: Listener) -> std::io::Result<()> {
+        match listener {
+            Listener::Unix(listener) => loop {
+                let (stream, _) = listener.accept().await?;
+                self.clone().spawn_connection(stream).await;
+            },
+            Listener::Vsock(listener) => loop {
+                let (stream, _) = listener.accept().await?;
+                self.clone().spawn_connection(stream).await;
+            },
         }
     }
 

@@ -1,0 +1,295 @@
+//! Sandbox images: where they live, what their manifest says, and checking
+//! that what is on disk is what the manifest describes.
+//!
+//! An image is a directory `images/<name>/` under the data directory:
+//!
+//! | file | used by |
+//! |---|---|
+//! | `vmlinux`, `config`, `initramfs.cpio.gz` | the vm backend |
+//! | `rootfs.ext4` | the vm backend (the shared read-only base disk) |
+//! | `rootfs/` | the jail backend (the overlayfs lower layer) |
+//! | `manifest.json` | everyone: what went in, sizes and SHA-256 |
+//!
+//! Files in `rootfs/` are owned by host ids shifted by [`JAIL_ID_BASE`], so
+//! that the jail's user namespace (sandbox id N = host id BASE + N) sees
+//! them owned correctly while sandbox root is never host root.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The manifest format this build reads and writes.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Host uid/gid that sandbox uid/gid 0 maps to in jails; the image's
+/// `rootfs/` is owned by ids shifted by this much. Far above the ranges
+/// distributions hand out in `/etc/subuid` (from 100000 up).
+pub const JAIL_ID_BASE: u32 = 2_000_000_000;
+
+/// How many ids a jail maps, from [`JAIL_ID_BASE`].
+pub const JAIL_ID_COUNT: u32 = 65_536;
+
+/// The image artifacts that are single files.
+pub const FILE_ARTIFACTS: &[&str] = &["vmlinux", "config", "initramfs.cpio.gz", "rootfs.ext4"];
+
+/// moat's data directory: `$MOAT_DATA_DIR`, else `$XDG_DATA_HOME/moat`, else
+/// `~/.local/share/moat`.
+pub fn data_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("MOAT_DATA_DIR").filter(|d| !d.is_empty()) {
+        return dir.into();
+    }
+    if let Some(dir) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(dir).join("moat");
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from);
+    home.join(".local/share/moat")
+}
+
+/// The directory of image `name` under `data_dir`.
+pub fn image_dir(data_dir: &Path, name: &str) -> PathBuf {
+    data_dir.join("images").join(name)
+}
+
+/// Size and hash of one artifact.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Artifact {
+    pub size: u64,
+    pub sha256: String,
+}
+
+/// Summary of the `rootfs/` tree: a hash over every entry's path, type,
+/// mode, owner and size (not contents: that is what `rootfs.ext4`'s hash is for).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TreeDigest {
+    pub entries: u64,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// The kernel an image boots.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelInfo {
+    pub package: String,
+    pub version: String,
+    /// `uname -r` of the kernel.
+    pub release: String,
+    /// The `vmlinux` ELF carries a PVH entry note.
+    pub pvh: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub name: String,
+    pub format: u32,
+    /// Seconds since the Unix epoch.
+    pub created: u64,
+    pub kernel: KernelInfo,
+    /// Modules in the initramfs, in load order.
+    pub modules: Vec<String>,
+    /// Debian package → version, as installed in the root file system.
+    pub packages: BTreeMap<String, String>,
+    /// Keys of what the image was built from; a rebuild is needed when one changes.
+    pub inputs: BTreeMap<String, String>,
+    pub artifacts: BTreeMap<String, Artifact>,
+    pub rootfs: TreeDigest,
+    pub jail_id_base: u32,
+}
+
+/// Why an image cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("Image {name:?} is not built (no {path}); build it with `cargo xtask image --name {name}`")]
+    Missing { name: String, path: PathBuf },
+    #[error(
+        "Image {name:?} has an unreadable manifest ({reason}); rebuild it with `cargo xtask image --name {name} --force`"
+    )]
+    BadManifest { name: String, reason: String },
+    #[error(
+        "Image {name:?} uses manifest format {found}, this build reads {FORMAT_VERSION}; rebuild it with `cargo xtask image --name {name} --force`"
+    )]
+    Format { name: String, found: u32 },
+    #[error("Image {name:?} is corrupt: {what}; rebuild it with `cargo xtask image --name {name} --force`")]
+    Corrupt { name: String, what: String },
+}
+
+/// A built image on disk.
+#[derive(Debug, Clone)]
+pub struct Image {
+    pub name: String,
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+}
+
+impl Image {
+    /// Opens image `name` and checks, cheaply, that every artifact is there
+    /// with the size the manifest records. [`Image::verify`] hashes them.
+    pub fn open(data_dir: &Path, name: &str) -> Result<Self, ImageError> {
+        let dir = image_dir(data_dir, name);
+        let manifest_path = dir.join("manifest.json");
+        let text = std::fs::read_to_string(&manifest_path)
+            .map_err(|_| ImageError::Missing { name: name.into(), path: manifest_path.clone() })?;
+        let manifest: Manifest = serde_json::from_str(&text)
+            .map_err(|e| ImageError::BadManifest { name: name.into(), reason: e.to_string() })?;
+        if manifest.format != FORMAT_VERSION {
+            return Err(ImageError::Format { name: name.into(), found: manifest.format });
+        }
+        let image = Self { name: name.into(), dir, manifest };
+        for (file, artifact) in &image.manifest.artifacts {
+            let size = std::fs::metadata(image.dir.join(file)).map(|m| m.len()).ok();
+            if size != Some(artifact.size) {
+                return Err(image.corrupt(match size {
+                    None => format!("{file} is missing"),
+                    Some(size) => format!("{file} is {size} bytes, the manifest says {}", artifact.size),
+                }));
+            }
+        }
+        if !image.dir.join("rootfs").is_dir() {
+            return Err(image.corrupt("rootfs/ is missing".into()));
+        }
+        Ok(image)
+    }
+
+    /// Hashes every artifact and the `rootfs/` tree against the manifest.
+    pub fn verify(&self) -> Result<(), ImageError> {
+        for (file, artifact) in &self.manifest.artifacts {
+            let actual = hash_file(&self.dir.join(file)).map_err(|e| self.corrupt(format!("{file}: {e}")))?;
+            if actual.sha256 != artifact.sha256 {
+                return Err(self.corrupt(format!("{file} does not match its SHA-256 in the manifest")));
+            }
+        }
+        let tree = digest_tree(&self.dir.join("rootfs")).map_err(|e| self.corrupt(format!("rootfs/: {e}")))?;
+        if tree != self.manifest.rootfs {
+            return Err(self.corrupt(format!(
+                "rootfs/ has {} entries and {} bytes, the manifest says {} and {}",
+                tree.entries, tree.bytes, self.manifest.rootfs.entries, self.manifest.rootfs.bytes
+            )));
+        }
+        Ok(())
+    }
+
+    fn corrupt(&self, what: String) -> ImageError {
+        ImageError::Corrupt { name: self.name.clone(), what }
+    }
+
+    pub fn path(&self, artifact: &str) -> PathBuf {
+        self.dir.join(artifact)
+    }
+}
+
+/// Size and SHA-256 of a file.
+pub fn hash_file(path: &Path) -> std::io::Result<Artifact> {
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        size += n as u64;
+    }
+    Ok(Artifact { size, sha256: hex(&hasher.finalize()) })
+}
+
+/// The [`TreeDigest`] of a directory tree (symlinks not followed).
+pub fn digest_tree(root: &Path) -> std::io::Result<TreeDigest> {
+    use std::os::unix::fs::MetadataExt;
+    let mut lines = Vec::new();
+    let mut bytes = 0u64;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir)? {
+            let entry = entry?;
+            let path = entry.path();
+            let meta = std::fs::symlink_metadata(&path)?;
+            if meta.is_dir() {
+                stack.push(path.clone());
+            } else if meta.is_file() {
+                bytes += meta.len();
+            }
+            let rel = path.strip_prefix(root).unwrap_or(&path);
+            let size = if meta.is_file() { meta.len() } else { 0 };
+            lines.push(format!("{} {:o} {} {} {}", rel.display(), meta.mode(), meta.uid(), meta.gid(), size));
+        }
+    }
+    lines.sort_unstable();
+    let mut hasher = Sha256::new();
+    for line in &lines {
+        hasher.update(line.as_bytes());
+        hasher.update(b"\n");
+    }
+    Ok(TreeDigest { entries: lines.len() as u64, bytes, sha256: hex(&hasher.finalize()) })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fake_image(data: &Path) -> PathBuf {
+        let dir = image_dir(data, "t");
+        std::fs::create_dir_all(dir.join("rootfs/etc")).expect("mkdir");
+        std::fs::write(dir.join("rootfs/etc/hostname"), "sandbox\n").expect("write");
+        std::fs::write(dir.join("vmlinux"), b"\x7fELF fake kernel").expect("write");
+        let manifest = Manifest {
+            name: "t".into(),
+            format: FORMAT_VERSION,
+            created: 0,
+            kernel: KernelInfo { package: "k".into(), version: "1".into(), release: "6.1".into(), pvh: true },
+            modules: vec![],
+            packages: BTreeMap::new(),
+            inputs: BTreeMap::new(),
+            artifacts: [("vmlinux".to_owned(), hash_file(&dir.join("vmlinux")).expect("hash"))].into(),
+            rootfs: digest_tree(&dir.join("rootfs")).expect("digest"),
+            jail_id_base: JAIL_ID_BASE,
+        };
+        std::fs::write(dir.join("manifest.json"), serde_json::to_string(&manifest).expect("json")).expect("write");
+        dir
+    }
+
+    #[test]
+    fn an_intact_image_opens_and_verifies() {
+        let data = tempfile::tempdir().expect("tempdir");
+        fake_image(data.path());
+        let image = Image::open(data.path(), "t").expect("opens");
+        image.verify().expect("verifies");
+    }
+
+    #[test]
+    fn corruption_is_caught_with_a_rebuild_hint() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let dir = fake_image(data.path());
+        std::fs::write(dir.join("vmlinux"), b"\x7fELF fake kernex").expect("same size, other bytes");
+        let err = Image::open(data.path(), "t").expect("sizes match").verify().expect_err("hash differs");
+        assert!(err.to_string().contains("vmlinux does not match"), "{err}");
+        assert!(err.to_string().contains("cargo xtask image --name t --force"), "{err}");
+
+        std::fs::write(dir.join("vmlinux"), b"short").expect("write");
+        let err = Image::open(data.path(), "t").expect_err("size differs");
+        assert!(err.to_string().contains("vmlinux is 5 bytes"), "{err}");
+
+        std::fs::write(dir.join("rootfs/etc/new"), "x").expect("write");
+        std::fs::write(dir.join("vmlinux"), b"\x7fELF fake kernel").expect("restore");
+        let err = Image::open(data.path(), "t").expect("opens").verify().expect_err("tree differs");
+        assert!(err.to_string().contains("rootfs/ has 3 entries"), "{err}");
+    }
+
+    #[test]
+    fn missing_and_unreadable_images_say_how_to_build() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let err = Image::open(data.path(), "default").expect_err("missing");
+        assert!(err.to_string().contains("cargo xtask image --name default"), "{err}");
+        let dir = image_dir(data.path(), "default");
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::write(dir.join("manifest.json"), "{not json").expect("write");
+        assert!(matches!(Image::open(data.path(), "default"), Err(ImageError::BadManifest { .. })));
+    }
+}

@@ -1,0 +1,260 @@
+//! `cargo xtask image`: build, cache and verify a sandbox image.
+//!
+//! The image is assembled in `images/.NAME.build-PID/` and renamed into
+//! place only when complete, so a sandbox never sees half an image. A run
+//! whose inputs (agent, kernel version, package list, format) match the
+//! existing image's manifest only verifies it; when just the agent or the
+//! kernel changed, the root file system is reused.
+
+mod initramfs;
+mod kernel;
+mod rootfs;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use moat_core::image::{self, Artifact, FILE_ARTIFACTS, FORMAT_VERSION, Image, JAIL_ID_BASE, KernelInfo, Manifest};
+
+use crate::build;
+use crate::host::{ensure_packages, is_root, run};
+
+/// Host packages an image build needs.
+const HOST_PACKAGES: &[(&str, &str)] = &[
+    ("mmdebstrap", "mmdebstrap"),
+    ("e2fsprogs", "mkfs.ext4"),
+    ("kmod", "depmod"),
+    ("dpkg", "dpkg-deb"),
+    ("apt", "apt-get"),
+];
+
+/// Bumped when the way images are put together changes.
+const RECIPE_VERSION: &str = "1";
+
+pub fn build(name: &str, force: bool) -> Result<PathBuf> {
+    validate_name(name)?;
+    if !is_root() {
+        bail!(
+            "building an image needs root (mmdebstrap --mode=root, ownership of the jail's root file system); run it with sudo"
+        );
+    }
+    ensure_packages(HOST_PACKAGES)?;
+    let data = image::data_dir();
+    let images = data.join("images");
+    let cache = data.join("cache");
+    std::fs::create_dir_all(&images)?;
+    std::fs::create_dir_all(&cache)?;
+    let final_dir = image::image_dir(&data, name);
+    let started = Instant::now();
+
+    let agent = build::static_agent()?;
+    let (kernel_package, kernel_version) = kernel::resolve()?;
+    let inputs = inputs(&agent, &kernel_package, &kernel_version)?;
+
+    let existing = Image::open(&data, name).ok();
+    if !force && let Some(image) = &existing {
+        if image.manifest.inputs == inputs {
+            let step = Step::start("verify", "checking every artifact against the manifest");
+            image.verify()?;
+            step.done(&format!("up to date ({})", human(image_size(image))));
+            report(&final_dir, image, started);
+            return Ok(final_dir);
+        }
+    }
+
+    clean_stale_builds(&images, name);
+    let work = images.join(format!(".{name}.build-{}", std::process::id()));
+    let _cleanup = RemoveOnDrop(work.clone());
+    std::fs::create_dir_all(&work)?;
+
+    let step = Step::start("kernel", &format!("{kernel_package} {kernel_version}"));
+    let kernel = kernel::fetch(&cache, &kernel_package, &kernel_version)?;
+    let config = std::fs::read_to_string(kernel.config())?;
+    kernel::check_config(&config)?;
+    let vmlinux = kernel::extract_vmlinux(&std::fs::read(kernel.vmlinuz())?)?;
+    let pvh = kernel::has_pvh_note(&vmlinux);
+    std::fs::write(work.join("vmlinux"), &vmlinux)?;
+    std::fs::write(work.join("config"), &config)?;
+    step.done(&format!("vmlinux {} ({}, PVH entry: {})", kernel.release, human(vmlinux.len() as u64), yes(pvh)));
+
+    let step = Step::start("initramfs", "the static agent as /init and its modules");
+    let modules = initramfs::build(&work.join("initramfs.cpio.gz"), &agent, &kernel.modules_dir(), &kernel.release)?;
+    let size = std::fs::metadata(work.join("initramfs.cpio.gz"))?.len();
+    step.done(&format!("{} modules, {}", modules.len(), human(size)));
+
+    let reuse = existing.as_ref().filter(|image| !force && image.manifest.inputs.get("rootfs") == inputs.get("rootfs"));
+    let (packages, tree) = match reuse {
+        Some(old) => {
+            let step = Step::start("rootfs", "unchanged: linking the existing root file system");
+            run(Command::new("cp").arg("-al").arg(old.path("rootfs")).arg(work.join("rootfs")))?;
+            std::fs::hard_link(old.path("rootfs.ext4"), work.join("rootfs.ext4"))?;
+            step.done("reused");
+            (old.manifest.packages.clone(), old.manifest.rootfs.clone())
+        }
+        None => {
+            let step = Step::start(
+                "rootfs",
+                &format!(
+                    "mmdebstrap {} with {} packages (log: {})",
+                    rootfs::SUITE,
+                    rootfs::PACKAGES.len(),
+                    cache.join("mmdebstrap.log").display()
+                ),
+            );
+            rootfs::debootstrap(&work.join("rootfs"), &cache.join("mmdebstrap.log"))?;
+            let packages = rootfs::package_versions(&work.join("rootfs"))?;
+            step.done(&format!("{} packages installed", packages.len()));
+
+            let step = Step::start("rootfs.ext4", &format!("{} MiB ext4 disk for microVMs", rootfs::EXT4_SIZE_MIB));
+            rootfs::make_ext4(&work.join("rootfs"), &work.join("rootfs.ext4"))?;
+            let used = std::fs::metadata(work.join("rootfs.ext4"))
+                .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)?;
+            step.done(&format!("{} allocated", human(used)));
+
+            let step = Step::start("ownership", &format!("shifting rootfs/ to host ids from {JAIL_ID_BASE} for jails"));
+            let count = rootfs::shift_ownership(&work.join("rootfs"), JAIL_ID_BASE)?;
+            step.done(&format!("{count} entries"));
+            let tree = image::digest_tree(&work.join("rootfs"))?;
+            (packages, tree)
+        }
+    };
+
+    let step = Step::start("manifest", "hashing artifacts");
+    let mut artifacts = BTreeMap::new();
+    for file in FILE_ARTIFACTS {
+        artifacts.insert((*file).to_owned(), image::hash_file(&work.join(file))?);
+    }
+    let manifest = Manifest {
+        name: name.into(),
+        format: FORMAT_VERSION,
+        created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        kernel: KernelInfo { package: kernel.package, version: kernel.version, release: kernel.release, pvh },
+        modules,
+        packages,
+        inputs,
+        artifacts,
+        rootfs: tree,
+        jail_id_base: JAIL_ID_BASE,
+    };
+    std::fs::write(work.join("manifest.json"), serde_json::to_string_pretty(&manifest)? + "\n")?;
+    step.done("written");
+
+    // Swap the finished image in: the old one moves aside, then goes.
+    let old = images.join(format!(".{name}.old-{}", std::process::id()));
+    if final_dir.exists() {
+        std::fs::rename(&final_dir, &old)?;
+    }
+    std::fs::rename(&work, &final_dir)?;
+    let _ = std::fs::remove_dir_all(&old);
+    let image = Image::open(&data, name)?;
+    report(&final_dir, &image, started);
+    Ok(final_dir)
+}
+
+fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        && !name.starts_with('-');
+    if !ok {
+        bail!("invalid image name {name:?}: use 1-64 letters, digits, '-' or '_'");
+    }
+    Ok(())
+}
+
+fn inputs(agent: &Path, kernel_package: &str, kernel_version: &str) -> Result<BTreeMap<String, String>> {
+    let agent_hash = image::hash_file(agent).with_context(|| format!("hashing {}", agent.display()))?.sha256;
+    let rootfs_key = format!(
+        "recipe {RECIPE_VERSION}; {} {}; packages {}",
+        rootfs::SUITE,
+        rootfs::mirror(),
+        rootfs::PACKAGES.join(",")
+    );
+    Ok(BTreeMap::from([
+        ("agent".into(), agent_hash),
+        ("kernel".into(), format!("{kernel_package} {kernel_version}")),
+        ("recipe".into(), RECIPE_VERSION.into()),
+        ("rootfs".into(), rootfs_key),
+    ]))
+}
+
+/// Removes build directories that crashed runs left behind.
+fn clean_stale_builds(images: &Path, name: &str) {
+    let Ok(entries) = std::fs::read_dir(images) else { return };
+    for entry in entries.filter_map(Result::ok) {
+        let file = entry.file_name().to_string_lossy().into_owned();
+        if file.starts_with(&format!(".{name}.build-")) || file.starts_with(&format!(".{name}.old-")) {
+            eprintln!("removing a leftover build directory {}", entry.path().display());
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if self.0.exists() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// One build step on the terminal: a spinner with elapsed time, then a line.
+struct Step {
+    bar: ProgressBar,
+    name: &'static str,
+    started: Instant,
+}
+
+impl Step {
+    fn start(name: &'static str, what: &str) -> Self {
+        let bar = ProgressBar::new_spinner();
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {prefix:>12} {msg} [{elapsed}]")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
+        bar.set_prefix(name);
+        bar.set_message(what.to_owned());
+        bar.enable_steady_tick(Duration::from_millis(120));
+        Self { bar, name, started: Instant::now() }
+    }
+
+    fn done(self, summary: &str) {
+        self.bar.finish_and_clear();
+        eprintln!("✓ {:>12} {summary} ({:.1}s)", self.name, self.started.elapsed().as_secs_f64());
+    }
+}
+
+fn image_size(image: &Image) -> u64 {
+    image.manifest.artifacts.values().map(|a: &Artifact| a.size).sum::<u64>() + image.manifest.rootfs.bytes
+}
+
+#[allow(clippy::print_stdout)]
+fn report(dir: &Path, image: &Image, started: Instant) {
+    println!("image {:?} at {}", image.name, dir.display());
+    for (file, artifact) in &image.manifest.artifacts {
+        println!("  {file:<18} {:>10}", human(artifact.size));
+    }
+    println!(
+        "  {:<18} {:>10} in {} entries",
+        "rootfs/",
+        human(image.manifest.rootfs.bytes),
+        image.manifest.rootfs.entries
+    );
+    println!("  kernel {}, {} Debian packages", image.manifest.kernel.release, image.manifest.packages.len());
+    println!("done in {:.1}s", started.elapsed().as_secs_f64());
+}
+
+#[allow(clippy::cast_precision_loss)]
+pub fn human(bytes: u64) -> String {
+    let mib = bytes as f64 / (1024.0 * 1024.0);
+    if mib >= 1024.0 { format!("{:.2} GiB", mib / 1024.0) } else { format!("{mib:.1} MiB") }
+}
+
+fn yes(b: bool) -> &'static str {
+    if b { "yes" } else { "no" }
+}

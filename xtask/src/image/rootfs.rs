@@ -1,0 +1,170 @@
+//! The root file system: Debian bookworm from mmdebstrap, as a directory
+//! (the jail's overlay lower layer) and as an ext4 image (the VM's disk).
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+/// What every sandbox has. Changing this list changes the image's input key.
+pub const PACKAGES: &[&str] = &[
+    "python3",
+    "python3-pip",
+    "python3-venv",
+    "ipython3",
+    "python3-numpy",
+    "python3-pandas",
+    "python3-matplotlib",
+    "git",
+    "curl",
+    "ca-certificates",
+    "build-essential",
+    "nodejs",
+    "npm",
+    "procps",
+    "less",
+];
+
+/// The Debian release images are built from.
+pub const SUITE: &str = "bookworm";
+
+/// The mirror, `$MOAT_DEBIAN_MIRROR` or Debian's CDN.
+pub fn mirror() -> String {
+    std::env::var("MOAT_DEBIAN_MIRROR").unwrap_or_else(|_| "http://deb.debian.org/debian".into())
+}
+
+/// Shell hooks mmdebstrap runs on the finished tree (`$1` is its root).
+const CUSTOMIZE: &[&str] = &[
+    r#"chroot "$1" useradd --create-home --uid 1000 --user-group --shell /bin/bash user"#,
+    r#"mkdir -p "$1/workspace" && chroot "$1" chown user:user /workspace"#,
+    r#"echo 'LANG=C.UTF-8' > "$1/etc/default/locale""#,
+    r#"printf 'export LANG=C.UTF-8\n' > "$1/etc/profile.d/moat-locale.sh""#,
+    r#"echo sandbox > "$1/etc/hostname""#,
+    r#"printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\tsandbox\n' > "$1/etc/hosts""#,
+    r#"rm -f "$1/etc/resolv.conf" && touch "$1/etc/resolv.conf""#,
+    r#"rm -rf "$1/var/lib/apt/lists/"* "$1/var/cache/apt/"*.bin"#,
+];
+
+/// Runs mmdebstrap into `dest` (a directory that must not exist), logging to `log`.
+pub fn debootstrap(dest: &Path, log: &Path) -> Result<()> {
+    let log_file = std::fs::File::create(log)?;
+    let mut command = Command::new("mmdebstrap");
+    command.args(["--mode=root", "--variant=minbase", "--format=directory"]);
+    command.arg(format!("--include={}", PACKAGES.join(",")));
+    for hook in CUSTOMIZE {
+        command.arg(format!("--customize-hook={hook}"));
+    }
+    let mirror = mirror();
+    let security = mirror.replace("/debian", "/debian-security");
+    command
+        .arg(SUITE)
+        .arg(dest)
+        .arg(format!("deb {mirror} {SUITE} main"))
+        .arg(format!("deb {mirror} {SUITE}-updates main"))
+        .arg(format!("deb {security} {SUITE}-security main"))
+        .stdin(std::process::Stdio::null())
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file);
+    let status = command.status().context("cannot start mmdebstrap")?;
+    if !status.success() {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let tail: Vec<_> = text.lines().rev().take(15).collect();
+        bail!(
+            "mmdebstrap failed ({status}); the last lines of {}:\n{}",
+            log.display(),
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+    }
+    Ok(())
+}
+
+/// Debian package → version installed in the tree at `root`.
+pub fn package_versions(root: &Path) -> Result<BTreeMap<String, String>> {
+    let out = Command::new("dpkg-query")
+        .arg(format!("--admindir={}", root.join("var/lib/dpkg").display()))
+        .args(["-W", "-f", "${Package}\t${Version}\n"])
+        .output()
+        .context("cannot run dpkg-query")?;
+    if !out.status.success() {
+        bail!("dpkg-query failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once('\t'))
+        .map(|(p, v)| (p.to_owned(), v.to_owned()))
+        .collect())
+}
+
+/// The size of the ext4 disk: the guest's file system, whose free space is
+/// what a VM sandbox can write (into its copy-on-write overlay).
+pub const EXT4_SIZE_MIB: u64 = 4096;
+
+/// Makes `dest` an ext4 image holding `root`, with ids as they are (0 and 1000).
+pub fn make_ext4(root: &Path, dest: &Path) -> Result<()> {
+    let status = Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-L", "moat-root", "-E", "root_owner=0:0", "-d"])
+        .arg(root)
+        .arg(dest)
+        .arg(format!("{EXT4_SIZE_MIB}M"))
+        .status()
+        .context("cannot start mkfs.ext4")?;
+    if !status.success() {
+        bail!("mkfs.ext4 failed ({status})");
+    }
+    Ok(())
+}
+
+/// Shifts the owner of every entry under `root` by `base`, keeping modes
+/// (chown clears set-uid bits, which are restored).
+pub fn shift_ownership(root: &Path, base: u32) -> Result<u64> {
+    let mut count = 0u64;
+    // Hard links share an inode: shift each inode once.
+    let mut linked = std::collections::HashSet::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        let meta = std::fs::symlink_metadata(&path).with_context(|| format!("stat {}", path.display()))?;
+        if !meta.is_dir() && meta.nlink() > 1 && !linked.insert((meta.dev(), meta.ino())) {
+            continue;
+        }
+        if meta.uid() >= base {
+            bail!("{} is already owned by a shifted id; rebuild the image from scratch with --force", path.display());
+        }
+        std::os::unix::fs::lchown(&path, Some(meta.uid() + base), Some(meta.gid() + base))
+            .with_context(|| format!("chown {}", path.display()))?;
+        if !meta.file_type().is_symlink() && meta.mode() & 0o6000 != 0 {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(meta.mode() & 0o7777))?;
+        }
+        if meta.is_dir() {
+            for entry in std::fs::read_dir(&path)? {
+                stack.push(entry?.path());
+            }
+        }
+        count += 1;
+    }
+    Ok(count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ownership_shifts_and_setuid_survives() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().join("root");
+        std::fs::create_dir_all(root.join("usr/bin")).expect("mkdir");
+        let su = root.join("usr/bin/su");
+        std::fs::write(&su, "x").expect("write");
+        std::os::unix::fs::chown(&su, Some(0), Some(0)).expect("chown to root (tests run as root)");
+        std::fs::set_permissions(&su, std::fs::Permissions::from_mode(0o4755)).expect("chmod");
+        std::os::unix::fs::symlink("su", root.join("usr/bin/link")).expect("symlink");
+        std::fs::hard_link(&su, root.join("usr/bin/su2")).expect("hard link");
+        assert_eq!(shift_ownership(&root, 1000).expect("shifts"), 5);
+        let meta = std::fs::metadata(&su).expect("stat");
+        assert_eq!((meta.uid(), meta.gid(), meta.mode() & 0o7777), (1000, 1000, 0o4755));
+        assert_eq!(std::fs::symlink_metadata(root.join("usr/bin/link")).expect("lstat").uid(), 1000);
+        assert!(shift_ownership(&root, 1000).is_err(), "shifting twice must be refused");
+    }
+}
