@@ -45,7 +45,9 @@ fn main() -> ExitCode {
         .with_target(false)
         .init();
     let mut hostname = args.hostname.clone();
-    if args.init {
+    // The kernel starts /init with no arguments: PID 1 is init by definition.
+    let init_mode = args.init || std::process::id() == 1;
+    if init_mode {
         init::mount_basics();
         let config = BootConfig::from_cmdline(&std::fs::read_to_string("/proc/cmdline").unwrap_or_default());
         if config.is_vm_boot() {
@@ -67,7 +69,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(run(args.init, listen))
+    runtime.block_on(run(init_mode, listen))
 }
 
 /// Modules, root device, switch root: each stage reported on the console.

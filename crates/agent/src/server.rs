@@ -62,13 +62,24 @@ impl Listener {
                 Ok(Self::Unix(tokio::net::UnixListener::bind(path)?))
             }
             ListenAddr::Vsock(port) => {
-                let addr = tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_ANY, *port);
-                tokio_vsock::VsockListener::bind(addr).map(Self::Vsock).map_err(|e| {
+                let no_device = |why: String| {
                     std::io::Error::new(
-                        e.kind(),
-                        format!("no vsock device: cannot listen on vsock port {port} ({e}); the VM needs a virtio-vsock device (vhost-vsock or moat-vmm's)"),
+                        std::io::ErrorKind::NotFound,
+                        format!("no vsock device: {why}; the VM needs a virtio-vsock device (moat-vmm's, or vhost-vsock)"),
                     )
-                })
+                };
+                // With the transport module loaded but no device, binding
+                // works and nothing ever connects: ask for our own CID, which
+                // stays unassigned without a device.
+                match vsock::get_local_cid() {
+                    Ok(tokio_vsock::VMADDR_CID_ANY) => return Err(no_device("the vsock transport has no device (no CID assigned)".into())),
+                    Ok(_) => {}
+                    Err(e) => return Err(no_device(format!("cannot ask /dev/vsock for this machine's CID ({e})"))),
+                }
+                let addr = tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_ANY, *port);
+                tokio_vsock::VsockListener::bind(addr)
+                    .map(Self::Vsock)
+                    .map_err(|e| no_device(format!("cannot listen on vsock port {port} ({e})")))
             }
         }
     }

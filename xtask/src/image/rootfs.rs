@@ -108,6 +108,7 @@ pub fn make_ext4(root: &Path, dest: &Path) -> Result<()> {
         .arg(root)
         .arg(dest)
         .arg(format!("{EXT4_SIZE_MIB}M"))
+        .stdout(std::process::Stdio::null())
         .status()
         .context("cannot start mkfs.ext4")?;
     if !status.success() {
