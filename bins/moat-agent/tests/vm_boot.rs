@@ -29,7 +29,10 @@ fn boots_the_default_image_to_its_root_disk() {
         .arg(image.path("initramfs.cpio.gz"))
         // TCG's timers are too irregular for the kernel to calibrate the TSC
         // against the PIT reliably: give it a frequency instead.
-        .args(["-append", "console=ttyS0 moat.root=/dev/vda moat.hostname=qemu-test panic=-1 tsc_early_khz=2000000 tsc=reliable"])
+        .args([
+            "-append",
+            "console=ttyS0 moat.root=/dev/vda moat.hostname=qemu-test panic=-1 tsc_early_khz=2000000 tsc=reliable",
+        ])
         .arg("-drive")
         .arg(format!("id=root,file={},format=raw,if=none,snapshot=on", image.path("rootfs.ext4").display()))
         .args(["-device", "virtio-blk-device,drive=root"]);

@@ -65,14 +65,18 @@ impl Listener {
                 let no_device = |why: String| {
                     std::io::Error::new(
                         std::io::ErrorKind::NotFound,
-                        format!("no vsock device: {why}; the VM needs a virtio-vsock device (moat-vmm's, or vhost-vsock)"),
+                        format!(
+                            "no vsock device: {why}; the VM needs a virtio-vsock device (moat-vmm's, or vhost-vsock)"
+                        ),
                     )
                 };
                 // With the transport module loaded but no device, binding
                 // works and nothing ever connects: ask for our own CID, which
                 // stays unassigned without a device.
                 match vsock::get_local_cid() {
-                    Ok(tokio_vsock::VMADDR_CID_ANY) => return Err(no_device("the vsock transport has no device (no CID assigned)".into())),
+                    Ok(tokio_vsock::VMADDR_CID_ANY) => {
+                        return Err(no_device("the vsock transport has no device (no CID assigned)".into()));
+                    }
                     Ok(_) => {}
                     Err(e) => return Err(no_device(format!("cannot ask /dev/vsock for this machine's CID ({e})"))),
                 }
