@@ -55,14 +55,15 @@ pub fn build(name: &str, force: bool) -> Result<PathBuf> {
     let inputs = inputs(&agent, &kernel_package, &kernel_version)?;
 
     let existing = Image::open(&data, name).ok();
-    if !force && let Some(image) = &existing {
-        if image.manifest.inputs == inputs {
-            let step = Step::start("verify", "checking every artifact against the manifest");
-            image.verify()?;
-            step.done(&format!("up to date ({})", human(image_size(image))));
-            report(&final_dir, image, started);
-            return Ok(final_dir);
-        }
+    if !force
+        && let Some(image) = &existing
+        && image.manifest.inputs == inputs
+    {
+        let step = Step::start("verify", "checking every artifact against the manifest");
+        image.verify()?;
+        step.done(&format!("up to date ({})", human(image_size(image))));
+        report(&final_dir, image, started);
+        return Ok(final_dir);
     }
 
     clean_stale_builds(&images, name);
