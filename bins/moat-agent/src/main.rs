@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use moat_agent::boot::{self, BootConfig};
 use moat_agent::{Agent, DEFAULT_VSOCK_PORT, ListenAddr, Listener, init};
 use tokio::signal::unix::{SignalKind, signal};
@@ -28,10 +28,50 @@ struct Args {
     /// Log filter (error, warn, info, debug, trace), to stderr.
     #[arg(long, env = "MOAT_LOG_LEVEL", default_value = "info")]
     log_level: String,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Set up a jail sandbox and monitor it (used by moat's jail backend).
+    Jail(JailArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct JailArgs {
+    /// The image's rootfs/ directory (the overlay's lower layer).
+    #[arg(long)]
+    rootfs: std::path::PathBuf,
+    /// The sandbox's state directory.
+    #[arg(long)]
+    state: std::path::PathBuf,
+    /// The agent binary to run inside.
+    #[arg(long)]
+    agent: std::path::PathBuf,
+    #[arg(long)]
+    hostname: String,
+    /// Host uid/gid of sandbox id 0.
+    #[arg(long)]
+    id_base: u32,
+    #[arg(long, default_value_t = 65536)]
+    id_count: u32,
+    /// Bound of what the sandbox writes to its root, in MiB.
+    #[arg(long)]
+    disk_mib: u64,
+    /// A cgroup.procs file to join (repeatable).
+    #[arg(long)]
+    cgroup: Vec<std::path::PathBuf>,
+    /// KEY=VALUE for the agent's environment (repeatable).
+    #[arg(long)]
+    env: Vec<String>,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(Command::Jail(jail)) = &args.command {
+        return run_jail(jail);
+    }
     let mut listen: ListenAddr = match args.listen.parse() {
         Ok(addr) => addr,
         Err(e) => {
@@ -45,8 +85,8 @@ fn main() -> ExitCode {
         .with_target(false)
         .init();
     let mut hostname = args.hostname.clone();
-    // The kernel starts /init with no arguments: PID 1 is init by definition.
-    let init_mode = args.init || std::process::id() == 1;
+    // The kernel starts /init with no arguments; a jail's PID 1 gets some.
+    let init_mode = args.init || (std::process::id() == 1 && std::env::args_os().len() == 1);
     if init_mode {
         init::mount_basics();
         let config = BootConfig::from_cmdline(&std::fs::read_to_string("/proc/cmdline").unwrap_or_default());
@@ -70,6 +110,28 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(run(init_mode, listen))
+}
+
+/// The jail monitor: set up the sandbox, then wait for its PID 1.
+fn run_jail(args: &JailArgs) -> ExitCode {
+    let spec = moat_agent::jail::JailSpec {
+        rootfs: args.rootfs.clone(),
+        state: args.state.clone(),
+        agent: args.agent.clone(),
+        hostname: args.hostname.clone(),
+        id_base: args.id_base,
+        id_count: args.id_count,
+        disk_mib: args.disk_mib,
+        cgroups: args.cgroup.clone(),
+        env: args.env.iter().filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect(),
+    };
+    match moat_agent::jail::run(&spec) {
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(e) => {
+            eprintln!("moat-agent jail: {e}: {}", std::error::Error::source(&e).map(ToString::to_string).unwrap_or_default());
+            ExitCode::from(1)
+        }
+    }
 }
 
 /// Modules, root device, switch root: each stage reported on the console.

@@ -100,7 +100,7 @@ fn setup_network_and_name(hostname: Option<&str>) {
 }
 
 /// Sets IFF_UP on `lo`. The kernel assigns 127.0.0.1 and ::1 by itself.
-fn loopback_up() -> std::io::Result<()> {
+pub fn loopback_up() -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let socket = std::net::UdpSocket::bind("0.0.0.0:0").or_else(|_| std::net::UdpSocket::bind("[::]:0"))?;
     // SAFETY: `ifreq` is plain old data; all-zero is a valid value.

@@ -1,0 +1,246 @@
+//! Launching a jail: `moat-agent jail …` turns a fresh, single-threaded
+//! process into the monitor of a new sandbox whose PID 1 is the agent.
+//!
+//! ```text
+//! moat (host, multi-threaded)
+//!  └─ moat-agent jail  (host root, own mount namespace; the monitor)
+//!       │  tmpfs (size = disk) for the overlay's upper layer
+//!       │  overlay: image rootfs/ (lower) + upper → the sandbox root
+//!       │  /dev of bind-mounted safe devices, the agent binary, the socket dir
+//!       └─ clone(NEWUSER|NEWNS|NEWPID|NEWNET|NEWIPC|NEWUTS|NEWCGROUP)
+//!            the monitor writes uid_map/gid_map: 0..N → BASE..BASE+N
+//!            PID 1: /proc, /sys, /dev/pts, /dev/shm, /tmp, /run, hostname,
+//!            loopback, pivot_root, no_new_privs, seccomp, exec the agent
+//! ```
+//!
+//! The monitor dies with its parent (`PR_SET_PDEATHSIG`), PID 1 dies with
+//! the monitor, and the kernel kills every process of a pid namespace whose
+//! PID 1 dies: a sandbox never outlives the process that created it. Its
+//! mounts live only in namespaces that vanish with it.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use nix::sched::CloneFlags;
+use nix::sys::signal::Signal;
+use nix::unistd::{Gid, Pid, Uid};
+
+/// What a jail is made of; given as `moat-agent jail` flags by the host.
+#[derive(Debug, Clone)]
+pub struct JailSpec {
+    /// The image's `rootfs/` directory: the overlay's lower layer.
+    pub rootfs: PathBuf,
+    /// The sandbox's state directory (mount points, the socket directory).
+    pub state: PathBuf,
+    /// The agent binary to run inside (this very binary, usually).
+    pub agent: PathBuf,
+    pub hostname: String,
+    /// Host uid/gid of sandbox id 0.
+    pub id_base: u32,
+    pub id_count: u32,
+    /// The size bound of everything the sandbox writes to its root.
+    pub disk_mib: u64,
+    /// `cgroup.procs` files to join before anything starts.
+    pub cgroups: Vec<PathBuf>,
+    /// Environment for the agent (and so the default for its processes).
+    pub env: Vec<(String, String)>,
+}
+
+/// Why a jail could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[error("Jail setup failed at {step}")]
+pub struct JailError {
+    step: String,
+    #[source]
+    source: std::io::Error,
+}
+
+fn step<T, E: Into<std::io::Error>>(what: &str, result: Result<T, E>) -> Result<T, JailError> {
+    result.map_err(|e| JailError { step: what.to_owned(), source: e.into() })
+}
+
+/// The socket the agent listens on, relative to the state directory.
+pub const SOCKET: &str = "sock/agent.sock";
+
+/// Where the jail's root is mounted inside the state directory.
+const ROOT: &str = "root";
+
+/// Devices a sandbox gets, bind-mounted from the host: harmless ones only.
+const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
+
+/// Sets up the jail and runs as its monitor until PID 1 exits; returns its
+/// exit status. Must be called while the process is single-threaded.
+pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
+    // Die with the host process; if it is already gone, stop here.
+    let parent = nix::unistd::getppid();
+    step("PR_SET_PDEATHSIG", nix::sys::prctl::set_pdeathsig(Signal::SIGKILL))?;
+    if nix::unistd::getppid() != parent {
+        return Ok(1);
+    }
+    for procs in &spec.cgroups {
+        step(&format!("joining {}", procs.display()), std::fs::write(procs, std::process::id().to_string()))?;
+    }
+    step("unshare(CLONE_NEWNS)", nix::sched::unshare(CloneFlags::CLONE_NEWNS))?;
+    step("making mounts private", mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>))?;
+    let root = prepare_root(spec)?;
+
+    let (ready_rx, ready_tx) = step("pipe", nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC))?;
+    let mut stack = vec![0u8; 256 * 1024];
+    let flags = CloneFlags::CLONE_NEWUSER
+        | CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWNET
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWCGROUP;
+    let mut ready_rx = Some(ready_rx);
+    let child = Box::new(|| {
+        let code = match sandbox_init(spec, &root, ready_rx.take()) {
+            Ok(never) => match never {},
+            Err(e) => {
+                eprintln!("moat-agent jail: {e}: {}", e.source);
+                1
+            }
+        };
+        code as isize
+    });
+    // SAFETY: the process is single-threaded (the caller's contract), so the
+    // child, a copy of it on `stack`, holds no lock another thread owned; it
+    // only runs `sandbox_init`, which ends in exec or exit.
+    let pid = step("clone", unsafe { nix::sched::clone(child, &mut stack, flags, Some(libc::SIGCHLD)) })?;
+    map_ids(pid, spec)?;
+    let mut ready = File::from(ready_tx);
+    step("releasing the sandbox's init", ready.write_all(b"1"))?;
+    drop(ready);
+    loop {
+        match nix::sys::wait::waitpid(pid, None) {
+            Ok(nix::sys::wait::WaitStatus::Exited(_, code)) => return Ok(code),
+            Ok(nix::sys::wait::WaitStatus::Signaled(_, signal, _)) => return Ok(128 + signal as i32),
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(JailError { step: "waiting for the sandbox".into(), source: e.into() }),
+        }
+    }
+}
+
+/// In the monitor's private mount namespace, as host root: the disk, the
+/// overlay root, /dev, the agent binary and the socket directory.
+fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
+    let base = (Some(Uid::from_raw(spec.id_base)), Some(Gid::from_raw(spec.id_base)));
+    let disk = spec.state.join("disk");
+    let root = spec.state.join(ROOT);
+    for dir in [&disk, &root] {
+        step(&format!("creating {}", dir.display()), std::fs::create_dir_all(dir))?;
+    }
+    let size = format!("size={}m,mode=0755", spec.disk_mib);
+    step("mounting the disk tmpfs", mount(Some("moat-disk"), &disk, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(size.as_str())))?;
+    let (upper, work) = (disk.join("upper"), disk.join("work"));
+    for dir in [&upper, &work] {
+        step("creating overlay directories", std::fs::create_dir(dir))?;
+    }
+    step("chown upper", nix::unistd::chown(&upper, base.0, base.1))?;
+    let options = format!("lowerdir={},upperdir={},workdir={}", spec.rootfs.display(), upper.display(), work.display());
+    step("mounting the overlay root", mount(Some("moat-root"), &root, Some("overlay"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(options.as_str())))?;
+
+    // /dev: a tmpfs with bind mounts of harmless host devices.
+    let dev = root.join("dev");
+    step("creating /dev", std::fs::create_dir_all(&dev))?;
+    step("mounting /dev", mount(Some("moat-dev"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("mode=0755,size=64k")))?;
+    for name in DEVICES {
+        let target = dev.join(name);
+        step("creating a device node", File::create(&target))?;
+        let source = Path::new("/dev").join(name);
+        step(&format!("binding /dev/{name}"), mount(Some(&source), &target, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+    }
+    for dir in ["pts", "shm"] {
+        step("creating /dev dirs", std::fs::create_dir(dev.join(dir)))?;
+    }
+    for (link, target) in [("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")] {
+        step("creating /dev links", std::os::unix::fs::symlink(target, dev.join(link)))?;
+    }
+    step("chown /dev", nix::unistd::chown(&dev, base.0, base.1))?;
+
+    // /.moat: the agent binary (read-only) and the socket directory.
+    let moat = root.join(".moat");
+    step("creating /.moat", std::fs::create_dir_all(moat.join("sock")))?;
+    step("creating /.moat/old", std::fs::create_dir_all(moat.join("old")))?;
+    step("creating /.moat/agent", File::create(moat.join("agent")))?;
+    step("binding the agent", mount(Some(&spec.agent), &moat.join("agent"), None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+    step(
+        "making the agent read-only",
+        mount(None::<&str>, &moat.join("agent"), None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID, None::<&str>),
+    )?;
+    let sock = spec.state.join("sock");
+    step("creating the socket directory", std::fs::create_dir_all(&sock))?;
+    step("chown the socket directory", nix::unistd::chown(&sock, base.0, base.1))?;
+    step("chmod the socket directory", std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o700)))?;
+    step("binding the socket directory", mount(Some(&sock), &moat.join("sock"), None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+    step("chown /.moat", nix::unistd::chown(&moat, base.0, base.1))?;
+    Ok(root)
+}
+
+fn map_ids(pid: Pid, spec: &JailSpec) -> Result<(), JailError> {
+    let map = format!("0 {} {}\n", spec.id_base, spec.id_count);
+    step("writing uid_map", std::fs::write(format!("/proc/{pid}/uid_map"), &map))?;
+    step("writing gid_map", std::fs::write(format!("/proc/{pid}/gid_map"), &map))
+}
+
+/// PID 1 of the new namespaces, until it execs the agent.
+fn sandbox_init(spec: &JailSpec, root: &Path, ready: Option<OwnedFd>) -> Result<std::convert::Infallible, JailError> {
+    step("PR_SET_PDEATHSIG", nix::sys::prctl::set_pdeathsig(Signal::SIGKILL))?;
+    let mut byte = [0u8; 1];
+    if let Some(fd) = ready {
+        step("waiting for the id maps", File::from(fd).read_exact(&mut byte))?;
+    }
+    step("setgroups", nix::unistd::setgroups(&[]))?;
+    step("setresgid", nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0)))?;
+    step("setresuid", nix::unistd::setresuid(Uid::from_raw(0), Uid::from_raw(0), Uid::from_raw(0)))?;
+
+    // The overlay was mounted in the monitor's namespace, so here it is a
+    // locked mount, which pivot_root refuses: bind it onto itself to get one
+    // of this namespace's own.
+    step("binding the root onto itself", mount(Some(root), root, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>))?;
+    let nosuid = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    let mounts: &[(&str, &str, &str, MsFlags, Option<&str>)] = &[
+        ("proc", "proc", "proc", nosuid | MsFlags::MS_NOEXEC, None),
+        ("sysfs", "sys", "sysfs", nosuid | MsFlags::MS_NOEXEC | MsFlags::MS_RDONLY, None),
+        ("devpts", "dev/pts", "devpts", MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=0620")),
+        ("shm", "dev/shm", "tmpfs", nosuid, Some("mode=1777")),
+        ("tmpfs", "tmp", "tmpfs", nosuid, Some("mode=1777")),
+        ("tmpfs", "run", "tmpfs", nosuid, Some("mode=0755")),
+    ];
+    for (source, target, fstype, flags, data) in mounts {
+        let target = root.join(target);
+        let _ = std::fs::create_dir_all(&target);
+        step(&format!("mounting /{}", target.strip_prefix(root).unwrap_or(&target).display()), mount(Some(*source), &target, Some(*fstype), *flags, *data))?;
+    }
+    step("sethostname", nix::unistd::sethostname(&spec.hostname))?;
+    step("bringing up loopback", crate::init::loopback_up())?;
+
+    step("chdir to the new root", nix::unistd::chdir(root))?;
+    step("pivot_root", nix::unistd::pivot_root(".", ".moat/old"))?;
+    step("chdir /", nix::unistd::chdir("/"))?;
+    step("detaching the host's root", umount2("/.moat/old", MntFlags::MNT_DETACH))?;
+    let _ = std::fs::remove_dir("/.moat/old");
+
+    step("PR_SET_NO_NEW_PRIVS", nix::sys::prctl::set_no_new_privs())?;
+    crate::seccomp::install().map_err(|e| JailError { step: "installing the seccomp filter".into(), source: std::io::Error::other(e) })?;
+
+    let program = c("/.moat/agent");
+    let args = [program.clone(), c("--listen"), c(&format!("unix:/.moat/{SOCKET}")), c("--log-level"), c("warn")];
+    let mut env: Vec<CString> = vec![c("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"), c("LANG=C.UTF-8")];
+    env.extend(spec.env.iter().map(|(k, v)| c(&format!("{k}={v}"))));
+    match nix::unistd::execve(&program, &args, &env) {
+        Ok(never) => match never {},
+        Err(e) => Err(JailError { step: "exec /.moat/agent".into(), source: e.into() }),
+    }
+}
+
+fn c(s: &str) -> CString {
+    // Inputs are our own constants or validated (no NUL) environment entries.
+    CString::new(s.replace('\0', "")).unwrap_or_default()
+}

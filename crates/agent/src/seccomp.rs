@@ -1,0 +1,78 @@
+//! The seccomp filter of a jail: system calls no sandbox ever needs fail
+//! with `EPERM`, everything else is allowed.
+//!
+//! A deny list, not an allow list: sandboxes run arbitrary Debian software
+//! (compilers, package managers, language runtimes), and the namespaces and
+//! the unprivileged id mapping already bound what the rest can reach. These
+//! calls are the kernel's largest attack surface from a user namespace, or
+//! would let a sandbox change the machine rather than itself.
+
+use std::collections::BTreeMap;
+
+use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, SeccompRule, TargetArch};
+
+/// Denied system calls, with why.
+pub const DENIED: &[(&str, i64)] = &[
+    // Replacing or extending the kernel.
+    ("kexec_load", libc::SYS_kexec_load),
+    ("kexec_file_load", libc::SYS_kexec_file_load),
+    ("init_module", libc::SYS_init_module),
+    ("finit_module", libc::SYS_finit_module),
+    ("delete_module", libc::SYS_delete_module),
+    // Large attack surface, no use in a sandbox.
+    ("bpf", libc::SYS_bpf),
+    ("perf_event_open", libc::SYS_perf_event_open),
+    ("userfaultfd", libc::SYS_userfaultfd),
+    ("keyctl", libc::SYS_keyctl),
+    ("add_key", libc::SYS_add_key),
+    ("request_key", libc::SYS_request_key),
+    ("open_by_handle_at", libc::SYS_open_by_handle_at),
+    ("name_to_handle_at", libc::SYS_name_to_handle_at),
+    // The file system layout was set up before the agent started.
+    ("mount", libc::SYS_mount),
+    ("umount2", libc::SYS_umount2),
+    ("pivot_root", libc::SYS_pivot_root),
+    ("fsopen", libc::SYS_fsopen),
+    ("fsmount", libc::SYS_fsmount),
+    ("move_mount", libc::SYS_move_mount),
+    ("open_tree", libc::SYS_open_tree),
+    ("mount_setattr", libc::SYS_mount_setattr),
+    // Machine-wide state.
+    ("swapon", libc::SYS_swapon),
+    ("swapoff", libc::SYS_swapoff),
+    ("reboot", libc::SYS_reboot),
+    ("settimeofday", libc::SYS_settimeofday),
+    ("clock_settime", libc::SYS_clock_settime),
+    ("clock_adjtime", libc::SYS_clock_adjtime),
+    ("adjtimex", libc::SYS_adjtimex),
+    ("acct", libc::SYS_acct),
+    ("quotactl", libc::SYS_quotactl),
+    ("lookup_dcookie", libc::SYS_lookup_dcookie),
+    ("vhangup", libc::SYS_vhangup),
+];
+
+/// Builds the filter's BPF program.
+pub fn program() -> Result<BpfProgram, seccompiler::BackendError> {
+    let rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED.iter().map(|(_, nr)| (*nr, Vec::new())).collect();
+    let errno = u32::try_from(libc::EPERM).unwrap_or(1);
+    let filter = SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(errno), TargetArch::x86_64)?;
+    filter.try_into()
+}
+
+/// Installs the filter on the calling thread (inherited across fork and
+/// exec). `no_new_privs` must be set first.
+pub fn install() -> Result<(), String> {
+    let program = program().map_err(|e| e.to_string())?;
+    seccompiler::apply_filter(&program).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_filter_compiles() {
+        let program = program().expect("compiles");
+        assert!(program.len() > DENIED.len(), "one or more instructions per denied call");
+    }
+}
