@@ -15,10 +15,11 @@ pub fn gate() -> Result<()> {
     ensure_packages(TEST_PACKAGES)?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
-    build::static_agent()?;
+    let agent = build::static_agent()?;
     image::build("default", false)?;
-    // Ignored tests are those that need the image and QEMU, provided above.
-    run(cargo().args(["test", "--workspace", "--no-fail-fast", "--", "--include-ignored"]))?;
+    // Ignored tests are those that need root, the image, the static agent
+    // and QEMU, all provided above.
+    run(cargo().args(["test", "--workspace", "--no-fail-fast", "--", "--include-ignored"]).env("MOAT_AGENT", &agent))?;
     fuzz_target_builds()
 }
 

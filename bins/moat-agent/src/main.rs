@@ -128,7 +128,10 @@ fn run_jail(args: &JailArgs) -> ExitCode {
     match moat_agent::jail::run(&spec) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(e) => {
-            eprintln!("moat-agent jail: {e}: {}", std::error::Error::source(&e).map(ToString::to_string).unwrap_or_default());
+            eprintln!(
+                "moat-agent jail: {e}: {}",
+                std::error::Error::source(&e).map(ToString::to_string).unwrap_or_default()
+            );
             ExitCode::from(1)
         }
     }

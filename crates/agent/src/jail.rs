@@ -86,8 +86,15 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
         step(&format!("joining {}", procs.display()), std::fs::write(procs, std::process::id().to_string()))?;
     }
     step("unshare(CLONE_NEWNS)", nix::sched::unshare(CloneFlags::CLONE_NEWNS))?;
-    step("making mounts private", mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>))?;
+    step(
+        "making mounts private",
+        mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>),
+    )?;
     let root = prepare_root(spec)?;
+    // The sandbox's root user cannot traverse the host directories above
+    // the state directory (e.g. /root, mode 700): it starts inside its root
+    // instead, and reaches everything by relative paths.
+    step("chdir to the sandbox root", nix::unistd::chdir(&root))?;
 
     let (ready_rx, ready_tx) = step("pipe", nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC))?;
     let mut stack = vec![0u8; 256 * 1024];
@@ -100,7 +107,7 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
         | CloneFlags::CLONE_NEWCGROUP;
     let mut ready_rx = Some(ready_rx);
     let child = Box::new(|| {
-        let code = match sandbox_init(spec, &root, ready_rx.take()) {
+        let code = match sandbox_init(spec, ready_rx.take()) {
             Ok(never) => match never {},
             Err(e) => {
                 eprintln!("moat-agent jail: {e}: {}", e.source);
@@ -137,29 +144,59 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
         step(&format!("creating {}", dir.display()), std::fs::create_dir_all(dir))?;
     }
     let size = format!("size={}m,mode=0755", spec.disk_mib);
-    step("mounting the disk tmpfs", mount(Some("moat-disk"), &disk, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(size.as_str())))?;
+    step(
+        "mounting the disk tmpfs",
+        mount(Some("moat-disk"), &disk, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(size.as_str())),
+    )?;
     let (upper, work) = (disk.join("upper"), disk.join("work"));
     for dir in [&upper, &work] {
         step("creating overlay directories", std::fs::create_dir(dir))?;
     }
     step("chown upper", nix::unistd::chown(&upper, base.0, base.1))?;
     let options = format!("lowerdir={},upperdir={},workdir={}", spec.rootfs.display(), upper.display(), work.display());
-    step("mounting the overlay root", mount(Some("moat-root"), &root, Some("overlay"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(options.as_str())))?;
+    step(
+        "mounting the overlay root",
+        mount(
+            Some("moat-root"),
+            &root,
+            Some("overlay"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some(options.as_str()),
+        ),
+    )?;
 
     // /dev: a tmpfs with bind mounts of harmless host devices.
     let dev = root.join("dev");
     step("creating /dev", std::fs::create_dir_all(&dev))?;
-    step("mounting /dev", mount(Some("moat-dev"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("mode=0755,size=64k")))?;
+    step(
+        "mounting /dev",
+        mount(
+            Some("moat-dev"),
+            &dev,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+            Some("mode=0755,size=64k"),
+        ),
+    )?;
     for name in DEVICES {
         let target = dev.join(name);
         step("creating a device node", File::create(&target))?;
         let source = Path::new("/dev").join(name);
-        step(&format!("binding /dev/{name}"), mount(Some(&source), &target, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+        step(
+            &format!("binding /dev/{name}"),
+            mount(Some(&source), &target, None::<&str>, MsFlags::MS_BIND, None::<&str>),
+        )?;
     }
     for dir in ["pts", "shm"] {
         step("creating /dev dirs", std::fs::create_dir(dev.join(dir)))?;
     }
-    for (link, target) in [("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")] {
+    for (link, target) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
         step("creating /dev links", std::os::unix::fs::symlink(target, dev.join(link)))?;
     }
     step("chown /dev", nix::unistd::chown(&dev, base.0, base.1))?;
@@ -169,16 +206,28 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
     step("creating /.moat", std::fs::create_dir_all(moat.join("sock")))?;
     step("creating /.moat/old", std::fs::create_dir_all(moat.join("old")))?;
     step("creating /.moat/agent", File::create(moat.join("agent")))?;
-    step("binding the agent", mount(Some(&spec.agent), &moat.join("agent"), None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+    step(
+        "binding the agent",
+        mount(Some(&spec.agent), &moat.join("agent"), None::<&str>, MsFlags::MS_BIND, None::<&str>),
+    )?;
     step(
         "making the agent read-only",
-        mount(None::<&str>, &moat.join("agent"), None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID, None::<&str>),
+        mount(
+            None::<&str>,
+            &moat.join("agent"),
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID,
+            None::<&str>,
+        ),
     )?;
     let sock = spec.state.join("sock");
     step("creating the socket directory", std::fs::create_dir_all(&sock))?;
     step("chown the socket directory", nix::unistd::chown(&sock, base.0, base.1))?;
     step("chmod the socket directory", std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o700)))?;
-    step("binding the socket directory", mount(Some(&sock), &moat.join("sock"), None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+    step(
+        "binding the socket directory",
+        mount(Some(&sock), &moat.join("sock"), None::<&str>, MsFlags::MS_BIND, None::<&str>),
+    )?;
     step("chown /.moat", nix::unistd::chown(&moat, base.0, base.1))?;
     Ok(root)
 }
@@ -189,8 +238,9 @@ fn map_ids(pid: Pid, spec: &JailSpec) -> Result<(), JailError> {
     step("writing gid_map", std::fs::write(format!("/proc/{pid}/gid_map"), &map))
 }
 
-/// PID 1 of the new namespaces, until it execs the agent.
-fn sandbox_init(spec: &JailSpec, root: &Path, ready: Option<OwnedFd>) -> Result<std::convert::Infallible, JailError> {
+/// PID 1 of the new namespaces, until it execs the agent. Starts with the
+/// sandbox root as its working directory.
+fn sandbox_init(spec: &JailSpec, ready: Option<OwnedFd>) -> Result<std::convert::Infallible, JailError> {
     step("PR_SET_PDEATHSIG", nix::sys::prctl::set_pdeathsig(Signal::SIGKILL))?;
     let mut byte = [0u8; 1];
     if let Some(fd) = ready {
@@ -202,37 +252,48 @@ fn sandbox_init(spec: &JailSpec, root: &Path, ready: Option<OwnedFd>) -> Result<
 
     // The overlay was mounted in the monitor's namespace, so here it is a
     // locked mount, which pivot_root refuses: bind it onto itself to get one
-    // of this namespace's own.
-    step("binding the root onto itself", mount(Some(root), root, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>))?;
+    // of this namespace's own, and step into the new mount (from its
+    // parent: the working directory still points below it).
+    step(
+        "binding the root onto itself",
+        mount(Some("."), ".", None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>),
+    )?;
+    step("entering the bound root", nix::unistd::chdir("..").and_then(|()| nix::unistd::chdir(ROOT)))?;
     let nosuid = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
     let mounts: &[(&str, &str, &str, MsFlags, Option<&str>)] = &[
         ("proc", "proc", "proc", nosuid | MsFlags::MS_NOEXEC, None),
         ("sysfs", "sys", "sysfs", nosuid | MsFlags::MS_NOEXEC | MsFlags::MS_RDONLY, None),
-        ("devpts", "dev/pts", "devpts", MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=0620")),
+        (
+            "devpts",
+            "dev/pts",
+            "devpts",
+            MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+            Some("newinstance,ptmxmode=0666,mode=0620"),
+        ),
         ("shm", "dev/shm", "tmpfs", nosuid, Some("mode=1777")),
         ("tmpfs", "tmp", "tmpfs", nosuid, Some("mode=1777")),
         ("tmpfs", "run", "tmpfs", nosuid, Some("mode=0755")),
     ];
     for (source, target, fstype, flags, data) in mounts {
-        let target = root.join(target);
-        let _ = std::fs::create_dir_all(&target);
-        step(&format!("mounting /{}", target.strip_prefix(root).unwrap_or(&target).display()), mount(Some(*source), &target, Some(*fstype), *flags, *data))?;
+        let _ = std::fs::create_dir_all(target);
+        step(&format!("mounting /{target}"), mount(Some(*source), *target, Some(*fstype), *flags, *data))?;
     }
     step("sethostname", nix::unistd::sethostname(&spec.hostname))?;
     step("bringing up loopback", crate::init::loopback_up())?;
 
-    step("chdir to the new root", nix::unistd::chdir(root))?;
     step("pivot_root", nix::unistd::pivot_root(".", ".moat/old"))?;
     step("chdir /", nix::unistd::chdir("/"))?;
     step("detaching the host's root", umount2("/.moat/old", MntFlags::MNT_DETACH))?;
     let _ = std::fs::remove_dir("/.moat/old");
 
     step("PR_SET_NO_NEW_PRIVS", nix::sys::prctl::set_no_new_privs())?;
-    crate::seccomp::install().map_err(|e| JailError { step: "installing the seccomp filter".into(), source: std::io::Error::other(e) })?;
+    crate::seccomp::install()
+        .map_err(|e| JailError { step: "installing the seccomp filter".into(), source: std::io::Error::other(e) })?;
 
     let program = c("/.moat/agent");
     let args = [program.clone(), c("--listen"), c(&format!("unix:/.moat/{SOCKET}")), c("--log-level"), c("warn")];
-    let mut env: Vec<CString> = vec![c("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"), c("LANG=C.UTF-8")];
+    let mut env: Vec<CString> =
+        vec![c("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"), c("LANG=C.UTF-8")];
     env.extend(spec.env.iter().map(|(k, v)| c(&format!("{k}={v}"))));
     match nix::unistd::execve(&program, &args, &env) {
         Ok(never) => match never {},

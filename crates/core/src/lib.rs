@@ -1,11 +1,23 @@
 //! moat's sandbox and task model, and its isolation backends.
 //!
-//! So far this crate knows how to choose a backend for this host
-//! ([`backend`]) and how to find and check a built image ([`image`]); the sandbox model and the jail backend arrive with M3, the
-//! vm backend with M8.
+//! [`Moat`] is the entry point: it creates sandboxes from a [`SandboxSpec`],
+//! runs processes and moves files through each sandbox's agent, suspends
+//! idle sandboxes, destroys expired ones, and — when a previous owner was
+//! killed — sweeps what it left behind. Sandboxes run in the jail backend
+//! ([`jail`]); the microVM backend comes later. Images are found and checked
+//! by [`image`], the backend for a host is chosen by [`backend`].
 
 pub mod backend;
+pub mod cgroup;
+pub mod error;
 pub mod image;
+pub mod jail;
+pub mod moat;
+pub mod sandbox;
+pub mod state;
 
 pub use backend::{BackendChoice, BackendKind, HostVirtualization};
+pub use error::CoreError;
 pub use image::{Image, ImageError, Manifest};
+pub use moat::{Moat, MoatConfig};
+pub use sandbox::{NetworkPolicy, Sandbox, SandboxSpec, SandboxState};

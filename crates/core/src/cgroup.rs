@@ -1,0 +1,166 @@
+//! Resource limits and freezing through cgroups, v2 or v1.
+//!
+//! A sandbox gets its own cgroup (`moat/<id>`) with a memory, pids and CPU
+//! limit; suspending it freezes the cgroup. On a v1 host each controller is
+//! its own hierarchy. What the host does not offer is skipped, and
+//! [`CgroupSupport::probe`] says so for `moat doctor`.
+
+use std::path::{Path, PathBuf};
+
+const ROOT: &str = "/sys/fs/cgroup";
+
+/// How this host exposes cgroups.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CgroupSupport {
+    /// The unified hierarchy.
+    V2,
+    /// Per-controller hierarchies; the list says which of ours exist.
+    V1 {
+        controllers: Vec<&'static str>,
+    },
+    None,
+}
+
+const V1_CONTROLLERS: &[&str] = &["memory", "pids", "cpu", "freezer"];
+
+impl CgroupSupport {
+    pub fn probe() -> Self {
+        if Path::new(ROOT).join("cgroup.controllers").exists() {
+            return Self::V2;
+        }
+        let controllers: Vec<_> =
+            V1_CONTROLLERS.iter().copied().filter(|c| Path::new(ROOT).join(c).join("tasks").exists()).collect();
+        if controllers.is_empty() { Self::None } else { Self::V1 { controllers } }
+    }
+
+    /// What limits hold here, in words.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::V2 => "cgroup v2: memory, pids and CPU limits; freezing idle sandboxes".into(),
+            Self::V1 { controllers } => format!("cgroup v1 with {}", controllers.join(", ")),
+            Self::None => "no cgroups: sandboxes run without memory, pids or CPU limits and cannot be frozen".into(),
+        }
+    }
+}
+
+/// Limits for one sandbox.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub memory_bytes: u64,
+    pub pids: u32,
+    pub cpus: u32,
+}
+
+/// One sandbox's cgroup(s).
+#[derive(Debug)]
+pub struct Cgroup {
+    /// The directories made, one per hierarchy (one on v2).
+    dirs: Vec<(Option<&'static str>, PathBuf)>,
+    v2: bool,
+}
+
+impl Cgroup {
+    /// Creates `moat/<id>` with `limits`. Errors say which file refused.
+    pub fn create(support: &CgroupSupport, id: &str, limits: Limits) -> std::io::Result<Option<Self>> {
+        let cpu_max = format!("{} 100000", u64::from(limits.cpus.max(1)) * 100_000);
+        match support {
+            CgroupSupport::None => Ok(None),
+            CgroupSupport::V2 => {
+                let parent = Path::new(ROOT).join("moat");
+                std::fs::create_dir_all(&parent)?;
+                // Controllers must be enabled on every level above the leaf.
+                for level in [Path::new(ROOT), parent.as_path()] {
+                    let _ = std::fs::write(level.join("cgroup.subtree_control"), "+memory +pids +cpu");
+                }
+                let dir = parent.join(id);
+                std::fs::create_dir_all(&dir)?;
+                let group = Self { dirs: vec![(None, dir.clone())], v2: true };
+                write(&dir, "memory.max", &limits.memory_bytes.to_string())?;
+                let _ = write(&dir, "memory.swap.max", "0");
+                write(&dir, "pids.max", &limits.pids.to_string())?;
+                let _ = write(&dir, "cpu.max", &cpu_max);
+                Ok(Some(group))
+            }
+            CgroupSupport::V1 { controllers } => {
+                let mut group = Self { dirs: Vec::new(), v2: false };
+                for controller in controllers {
+                    let dir = Path::new(ROOT).join(controller).join("moat").join(id);
+                    std::fs::create_dir_all(&dir)?;
+                    group.dirs.push((Some(*controller), dir.clone()));
+                    match *controller {
+                        "memory" => write(&dir, "memory.limit_in_bytes", &limits.memory_bytes.to_string())?,
+                        "pids" => write(&dir, "pids.max", &limits.pids.to_string())?,
+                        "cpu" => {
+                            let _ = write(&dir, "cpu.cfs_period_us", "100000");
+                            let _ =
+                                write(&dir, "cpu.cfs_quota_us", &(u64::from(limits.cpus.max(1)) * 100_000).to_string());
+                        }
+                        _ => {}
+                    }
+                }
+                Ok(Some(group))
+            }
+        }
+    }
+
+    /// The `cgroup.procs` files a process writes its pid to, to join.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|(_, d)| d.join("cgroup.procs")).collect()
+    }
+
+    /// Whether freezing works here.
+    pub fn can_freeze(&self) -> bool {
+        self.v2 || self.dirs.iter().any(|(c, _)| *c == Some("freezer"))
+    }
+
+    /// Freezes (`true`) or thaws every process of the sandbox.
+    pub fn set_frozen(&self, frozen: bool) -> std::io::Result<()> {
+        for (controller, dir) in &self.dirs {
+            match (self.v2, controller) {
+                (true, _) => write(dir, "cgroup.freeze", if frozen { "1" } else { "0" })?,
+                (false, Some("freezer")) => write(dir, "freezer.state", if frozen { "FROZEN" } else { "THAWED" })?,
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the cgroup directories (the processes must be gone).
+    pub fn remove(&self) {
+        for (_, dir) in &self.dirs {
+            remove_dir_retrying(dir);
+        }
+    }
+
+    /// Removes the cgroups of sandbox `id` left by a dead owner.
+    pub fn remove_leftovers(id: &str) {
+        let mut dirs = vec![Path::new(ROOT).join("moat").join(id)];
+        dirs.extend(V1_CONTROLLERS.iter().map(|c| Path::new(ROOT).join(c).join("moat").join(id)));
+        for dir in dirs.iter().filter(|d| d.exists()) {
+            if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
+                for pid in procs.lines().filter_map(|p| p.trim().parse::<i32>().ok()) {
+                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+                }
+            }
+            remove_dir_retrying(dir);
+        }
+    }
+}
+
+fn write(dir: &Path, file: &str, value: &str) -> std::io::Result<()> {
+    std::fs::write(dir.join(file), value)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("writing {value:?} to {}: {e}", dir.join(file).display())))
+}
+
+/// A cgroup can be removed only once its last process is gone, which takes
+/// the kernel a moment after a SIGKILL.
+fn remove_dir_retrying(dir: &Path) {
+    for _ in 0..100 {
+        match std::fs::remove_dir(dir) {
+            Ok(()) => return,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+        }
+    }
+    tracing::warn!(dir = %dir.display(), "could not remove a sandbox cgroup");
+}

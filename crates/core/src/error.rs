@@ -1,0 +1,36 @@
+//! The errors of `moat-core`: each says what was wrong and what to do.
+
+use crate::image::ImageError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    #[error("Invalid sandbox spec: {0}")]
+    InvalidSpec(String),
+    #[error("No sandbox {id:?}; live sandboxes: {}", if known.is_empty() { "none".to_owned() } else { known.join(", ") })]
+    UnknownSandbox { id: String, known: Vec<String> },
+    #[error("Sandbox {0} expired (its timeout_seconds passed) and was destroyed; create a new one")]
+    Expired(String),
+    #[error("The limit of {max} live sandboxes is reached; destroy one first (or raise max_sandboxes)")]
+    LimitReached { max: usize },
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    #[error("The {0} backend is not available in this build; use the jail backend (backend = jail or auto)")]
+    BackendUnavailable(&'static str),
+    #[error("Cannot find the moat-agent binary ({0}); build it with `cargo xtask build` or set MOAT_AGENT")]
+    AgentMissing(String),
+    #[error("Sandbox {id} failed to start: {reason}")]
+    StartFailed { id: String, reason: String },
+    #[error("Sandbox {id}: {what}")]
+    Io {
+        id: String,
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("Sandbox {id}: the agent failed")]
+    Agent {
+        id: String,
+        #[source]
+        source: moat_proto::ProtoError,
+    },
+}

@@ -1,0 +1,182 @@
+//! The jail backend, host side: starts `moat-agent jail` (the monitor that
+//! builds the namespaces; see `moat_agent::jail`), waits for the agent to
+//! answer, and stops, freezes and removes sandboxes.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use moat_proto::{AgentClient, UnixConnector};
+
+use crate::cgroup::{Cgroup, CgroupSupport, Limits};
+use crate::error::CoreError;
+use crate::image::{Image, JAIL_ID_BASE, JAIL_ID_COUNT};
+use crate::sandbox::SandboxSpec;
+use crate::state::StateDir;
+
+/// How long a jail may take to answer its first handshake. A guard against
+/// a wedged start, far above the milliseconds a start takes.
+const START_GUARD: Duration = Duration::from_secs(30);
+
+/// Processes one sandbox may run at once.
+const PIDS_MAX: u32 = 1024;
+
+/// Starts jails.
+#[derive(Debug, Clone)]
+pub struct JailBackend {
+    agent: PathBuf,
+    cgroups: CgroupSupport,
+}
+
+/// A running jail.
+#[derive(Debug)]
+pub struct Jail {
+    id: String,
+    monitor: Child,
+    state: Option<StateDir>,
+    cgroup: Option<Cgroup>,
+    socket: PathBuf,
+}
+
+impl JailBackend {
+    pub fn new(agent: PathBuf) -> Self {
+        Self { agent, cgroups: CgroupSupport::probe() }
+    }
+
+    pub fn cgroups(&self) -> &CgroupSupport {
+        &self.cgroups
+    }
+
+    /// Creates a jail from `image` and waits until its agent answers.
+    pub async fn start(
+        &self,
+        id: &str,
+        hostname: &str,
+        spec: &SandboxSpec,
+        image: &Image,
+        data_dir: &Path,
+    ) -> Result<Jail, CoreError> {
+        let io = |what: &str| {
+            let (id, what) = (id.to_owned(), what.to_owned());
+            move |source| CoreError::Io { id, what, source }
+        };
+        let state = StateDir::create(data_dir, id).map_err(io("creating its state directory"))?;
+        // Disk writes live in a tmpfs charged to the sandbox's memory: the
+        // memory limit covers both.
+        let limits = Limits { memory_bytes: (spec.memory_mib + spec.disk_mib) << 20, pids: PIDS_MAX, cpus: spec.cpus };
+        let cgroup = match Cgroup::create(&self.cgroups, id, limits) {
+            Ok(cgroup) => cgroup,
+            Err(e) => {
+                tracing::warn!(%id, "running without cgroup limits: {e}");
+                None
+            }
+        };
+        let log = std::fs::File::create(state.path.join("jail.log")).map_err(io("creating its log"))?;
+        let mut command = Command::new(&self.agent);
+        command
+            .arg("jail")
+            .arg("--rootfs")
+            .arg(image.path("rootfs"))
+            .arg("--state")
+            .arg(&state.path)
+            .arg("--agent")
+            .arg(&self.agent)
+            .args(["--hostname", hostname, "--id-base", &JAIL_ID_BASE.to_string()])
+            .args(["--id-count", &JAIL_ID_COUNT.to_string(), "--disk-mib", &spec.disk_mib.to_string()]);
+        for procs in cgroup.iter().flat_map(Cgroup::procs_files) {
+            command.arg("--cgroup").arg(procs);
+        }
+        for (key, value) in &spec.env {
+            command.arg("--env").arg(format!("{key}={value}"));
+        }
+        command.stdin(Stdio::null()).stdout(log.try_clone().map_err(io("opening its log"))?).stderr(log);
+        // Its own process group: a terminal's Ctrl-C reaches the host process,
+        // which then destroys the sandbox in order.
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        let monitor = command.spawn().map_err(io(&format!("starting {}", self.agent.display())))?;
+        state.record_monitor(monitor.id()).map_err(io("recording its monitor"))?;
+        let socket = state.path.join(moat_agent_socket());
+        let mut jail = Jail { id: id.into(), monitor, state: Some(state), cgroup, socket };
+        if let Err(e) = jail.wait_ready().await {
+            jail.destroy();
+            return Err(e);
+        }
+        Ok(jail)
+    }
+}
+
+/// The agent's socket, relative to the state directory (as the launcher
+/// in `moat_agent::jail` binds it).
+fn moat_agent_socket() -> &'static str {
+    "sock/agent.sock"
+}
+
+impl Jail {
+    pub fn client(&self) -> AgentClient<UnixConnector> {
+        AgentClient::unix(&self.socket)
+    }
+
+    async fn wait_ready(&mut self) -> Result<(), CoreError> {
+        let started = Instant::now();
+        let client = self.client();
+        loop {
+            if self.socket.exists() && client.info().await.is_ok() {
+                return Ok(());
+            }
+            if let Ok(Some(status)) = self.monitor.try_wait() {
+                return Err(self.start_failed(&format!("the jail exited ({status})")));
+            }
+            if started.elapsed() > START_GUARD {
+                return Err(self.start_failed("the agent did not answer within 30 s"));
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    fn start_failed(&self, what: &str) -> CoreError {
+        let log =
+            self.state.as_ref().and_then(|s| std::fs::read_to_string(s.path.join("jail.log")).ok()).unwrap_or_default();
+        let tail: Vec<_> = log.lines().rev().take(10).collect();
+        let tail: Vec<_> = tail.into_iter().rev().collect();
+        CoreError::StartFailed { id: self.id.clone(), reason: format!("{what}; its log says:\n{}", tail.join("\n")) }
+    }
+
+    /// Freezes or thaws every process of the jail.
+    pub fn set_frozen(&self, frozen: bool) -> Result<(), CoreError> {
+        match &self.cgroup {
+            Some(cgroup) if cgroup.can_freeze() => cgroup.set_frozen(frozen).map_err(|source| CoreError::Io {
+                id: self.id.clone(),
+                what: "freezing".into(),
+                source,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn can_freeze(&self) -> bool {
+        self.cgroup.as_ref().is_some_and(Cgroup::can_freeze)
+    }
+
+    /// Kills the jail (its monitor takes PID 1 and the whole pid namespace
+    /// along), then removes its cgroup and state directory.
+    pub fn destroy(&mut self) {
+        if let Some(cgroup) = &self.cgroup {
+            // A frozen process cannot die until thawed.
+            let _ = cgroup.set_frozen(false);
+        }
+        let _ = self.monitor.kill();
+        let _ = self.monitor.wait();
+        if let Some(cgroup) = self.cgroup.take() {
+            cgroup.remove();
+        }
+        if let Some(state) = self.state.take() {
+            state.remove();
+        }
+    }
+}
+
+impl Drop for Jail {
+    fn drop(&mut self) {
+        self.destroy();
+    }
+}

@@ -1,0 +1,169 @@
+//! The sandbox model: what a sandbox is asked to be, and what it is.
+
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::BackendKind;
+use crate::error::CoreError;
+
+/// What the network of a sandbox may reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum NetworkPolicy {
+    /// Loopback only.
+    #[default]
+    None,
+    /// Through the agent's proxy to allowed hosts (not available yet).
+    Filtered,
+    /// Full outbound NAT (not available yet).
+    Open,
+}
+
+impl std::str::FromStr for NetworkPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" => Ok(Self::None),
+            "filtered" => Ok(Self::Filtered),
+            "open" => Ok(Self::Open),
+            _ => Err(format!("unknown network policy {s:?}; allowed are none, filtered, open")),
+        }
+    }
+}
+
+/// What a sandbox is asked to be.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxSpec {
+    pub name: Option<String>,
+    pub image: String,
+    pub cpus: u32,
+    pub memory_mib: u64,
+    pub disk_mib: u64,
+    pub network: NetworkPolicy,
+    /// Added to every process's environment.
+    pub env: Vec<(String, String)>,
+    /// Hard expiry after creation.
+    pub timeout_seconds: u64,
+    /// Suspend after this long without use; 0 = never.
+    pub idle_seconds: u64,
+}
+
+impl Default for SandboxSpec {
+    fn default() -> Self {
+        Self {
+            name: None,
+            image: "default".into(),
+            cpus: 1,
+            memory_mib: 1024,
+            disk_mib: 2048,
+            network: NetworkPolicy::None,
+            env: Vec::new(),
+            timeout_seconds: 3600,
+            idle_seconds: 300,
+        }
+    }
+}
+
+impl SandboxSpec {
+    /// Checks every field; the error names the field and what is allowed.
+    pub fn validate(&self) -> Result<(), CoreError> {
+        let bad = |field: &str, allowed: &str| Err(CoreError::InvalidSpec(format!("{field} must be {allowed}")));
+        if let Some(name) = &self.name
+            && (name.is_empty()
+                || name.len() > 63
+                || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+                || name.starts_with('-'))
+        {
+            return bad("name", "1-63 letters, digits or '-' (it becomes the hostname), not starting with '-'");
+        }
+        if !(1..=16).contains(&self.cpus) {
+            return bad("cpus", "between 1 and 16");
+        }
+        if !(128..=65_536).contains(&self.memory_mib) {
+            return bad("memory_mib", "between 128 and 65536");
+        }
+        if !(64..=262_144).contains(&self.disk_mib) {
+            return bad("disk_mib", "between 64 and 262144");
+        }
+        if !(60..=28_800).contains(&self.timeout_seconds) {
+            return bad("timeout_seconds", "between 60 and 28800");
+        }
+        if self.idle_seconds != 0 && !(60..self.timeout_seconds).contains(&self.idle_seconds) {
+            return bad("idle_seconds", "0 (never suspend) or at least 60 and less than timeout_seconds");
+        }
+        if self.network != NetworkPolicy::None {
+            return Err(CoreError::InvalidSpec(
+                "network policies other than none are not available yet; use network none".into(),
+            ));
+        }
+        for (key, value) in &self.env {
+            if key.is_empty() || key.contains('=') || key.contains('\0') || value.contains('\0') {
+                return bad("env", "NAME=VALUE pairs with a non-empty NAME without '=' or NUL");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where a sandbox is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxState {
+    Creating,
+    Running,
+    /// Suspended after being idle; resumes on the next operation.
+    Paused,
+    Stopped,
+    Failed,
+}
+
+/// What a sandbox is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sandbox {
+    pub id: String,
+    pub name: String,
+    pub image: String,
+    pub backend: String,
+    pub spec: SandboxSpec,
+    pub state: SandboxState,
+    /// Seconds since the Unix epoch.
+    pub created_at: u64,
+    pub last_used_at: u64,
+    pub expires_at: u64,
+}
+
+impl Sandbox {
+    pub fn backend_kind(&self) -> BackendKind {
+        self.backend.parse().unwrap_or(BackendKind::Jail)
+    }
+}
+
+/// Seconds since the Unix epoch, now.
+pub fn now() -> u64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_are_validated_field_by_field() {
+        assert!(SandboxSpec::default().validate().is_ok());
+        let cases = [
+            (SandboxSpec { cpus: 0, ..SandboxSpec::default() }, "cpus"),
+            (SandboxSpec { memory_mib: 1, ..SandboxSpec::default() }, "memory_mib"),
+            (SandboxSpec { timeout_seconds: 10, ..SandboxSpec::default() }, "timeout_seconds"),
+            (SandboxSpec { idle_seconds: 30, ..SandboxSpec::default() }, "idle_seconds"),
+            (SandboxSpec { idle_seconds: 3600, ..SandboxSpec::default() }, "idle_seconds"),
+            (SandboxSpec { name: Some("bad name".into()), ..SandboxSpec::default() }, "name"),
+            (SandboxSpec { env: vec![("A=B".into(), "c".into())], ..SandboxSpec::default() }, "env"),
+        ];
+        for (spec, field) in cases {
+            let err = spec.validate().expect_err(field).to_string();
+            assert!(err.contains(field), "{err}");
+        }
+        assert!(SandboxSpec { idle_seconds: 0, ..SandboxSpec::default() }.validate().is_ok());
+    }
+}

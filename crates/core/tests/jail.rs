@@ -1,0 +1,258 @@
+//! Real jail sandboxes from the `default` image, end to end, and the
+//! attempts to escape them that must fail.
+//!
+//! Ignored by plain `cargo test` (they need root, the built image and the
+//! static agent); `cargo xtask test` provides all three and runs them.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use moat_core::{CoreError, Moat, MoatConfig, SandboxSpec, SandboxState};
+use moat_proto::{ExecRequest, ReadFileRequest, WriteFileRequest};
+
+fn agent() -> PathBuf {
+    std::env::var_os("MOAT_AGENT").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/x86_64-unknown-linux-gnu/release/moat-agent"),
+        PathBuf::from,
+    )
+}
+
+async fn moat(max_sandboxes: usize) -> Moat {
+    let config = MoatConfig {
+        data_dir: moat_core::image::data_dir(),
+        backend: moat_core::BackendKind::Jail,
+        agent: agent(),
+        max_sandboxes,
+    };
+    Moat::new(config).await.expect("moat starts (image built, agent built, running as root)")
+}
+
+fn small() -> SandboxSpec {
+    SandboxSpec { memory_mib: 256, disk_mib: 128, ..SandboxSpec::default() }
+}
+
+async fn sh(moat: &Moat, id: &str, script: &str) -> (String, Option<i32>) {
+    let out = moat.run(id, ExecRequest::shell(script)).await.expect("runs");
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    (text, out.status.code)
+}
+
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_sandbox_runs_debian_as_user_and_moves_files() {
+    let moat = moat(16).await;
+    let spec = SandboxSpec { name: Some("box-one".into()), ..small() };
+    let sandbox = moat.create(spec).await.expect("created");
+    assert_eq!(sandbox.state, SandboxState::Running);
+    let (out, code) = sh(
+        &moat,
+        &sandbox.id,
+        "id -un; pwd; hostname; . /etc/os-release; echo $ID; python3 -c 'import numpy, pandas; print(numpy.__name__)'",
+    )
+    .await;
+    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(out.lines().collect::<Vec<_>>(), ["user", "/home/user", "box-one", "debian", "numpy"]);
+
+    let client = moat.client(&sandbox.id).expect("client");
+    let data: Vec<u8> = (0..=255u8).cycle().take(300_000).collect();
+    let req = WriteFileRequest {
+        path: "/workspace/data.bin".into(),
+        mode: None,
+        create_parents: true,
+        owner: Some("user".into()),
+    };
+    client.write_file(req, &mut data.as_slice()).await.expect("writes");
+    let back = client
+        .read_file(ReadFileRequest { path: "/workspace/data.bin".into(), offset: 0, length: None })
+        .await
+        .expect("reads");
+    assert_eq!(back, data);
+    let (owner, _) = sh(&moat, &sandbox.id, "stat -c %U /workspace/data.bin").await;
+    assert_eq!(owner.trim(), "user");
+
+    let mut archive = Vec::new();
+    client.tar_out("/etc/apt", &mut archive).await.expect("tar out");
+    client.tar_in("/home/user/apt-copy", Some("user".into()), &mut archive.as_slice()).await.expect("tar in");
+    let (out, code) = sh(&moat, &sandbox.id, "diff -r /etc/apt /home/user/apt-copy && echo same").await;
+    assert_eq!((out.trim(), code), ("same", Some(0)));
+
+    let state = moat.data_dir().join("sandboxes").join(&sandbox.id);
+    assert!(state.exists());
+    moat.destroy(&sandbox.id).await.expect("destroyed");
+    assert!(!state.exists(), "the state directory outlived the sandbox");
+    assert!(matches!(moat.run(&sandbox.id, ExecRequest::shell("true")).await, Err(CoreError::UnknownSandbox { .. })));
+}
+
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn idle_sandboxes_suspend_and_resume_transparently() {
+    let moat = moat(16).await;
+    let sandbox = moat.create(small()).await.expect("created");
+    moat.suspend(&sandbox.id).expect("suspends");
+    let state = moat.get(&sandbox.id).expect("listed").state;
+    if state != SandboxState::Paused {
+        eprintln!("this host cannot freeze cgroups; suspend is a no-op here");
+    }
+    let (out, code) = sh(&moat, &sandbox.id, "echo awake").await;
+    assert_eq!((out.as_str(), code), ("awake\n", Some(0)));
+    assert_eq!(moat.get(&sandbox.id).expect("listed").state, SandboxState::Running);
+    moat.destroy_all().await;
+}
+
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn expired_sandboxes_are_destroyed_and_limits_hold() {
+    let moat = moat(2).await;
+    let a = moat.create(small()).await.expect("first");
+    let _b = moat.create(small()).await.expect("second");
+    let err = moat.create(small()).await.expect_err("over the limit");
+    assert!(matches!(err, CoreError::LimitReached { max: 2 }), "{err}");
+    moat_core::moat::expire_now(&moat, &a.id);
+    let err = moat.run(&a.id, ExecRequest::shell("true")).await.expect_err("expired");
+    assert!(matches!(err, CoreError::Expired(_)), "{err}");
+    assert!(err.to_string().contains("create a new one"), "{err}");
+    moat.create(small()).await.expect("room again after expiry");
+    moat.destroy_all().await;
+}
+
+/// The owner of a sandbox is killed with SIGKILL: the sandbox dies with it,
+/// and the next `Moat` sweeps its state directory.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn sandboxes_never_outlive_a_killed_owner() {
+    if std::env::var_os("MOAT_TEST_OWNER").is_some() {
+        let moat = moat(16).await;
+        let sandbox = moat.create(small()).await.expect("created");
+        // The parent test reads the id from this process's stdout.
+        #[allow(clippy::print_stdout)]
+        {
+            println!("SANDBOX {}", sandbox.id);
+        }
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        return;
+    }
+    let mut owner = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "sandboxes_never_outlive_a_killed_owner", "--include-ignored", "--nocapture"])
+        .env("MOAT_TEST_OWNER", "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("owner starts");
+    let mut reader = std::io::BufReader::new(owner.stdout.take().expect("stdout"));
+    let mut id = String::new();
+    while !id.starts_with("SANDBOX ") {
+        id.clear();
+        let n = std::io::BufRead::read_line(&mut reader, &mut id).expect("reads");
+        assert!(n > 0, "the owner exited before creating its sandbox");
+    }
+    let id = id.trim().trim_start_matches("SANDBOX ").to_owned();
+    let state = moat_core::image::data_dir().join("sandboxes").join(&id);
+    let monitor: i32 =
+        std::fs::read_to_string(state.join("monitor")).expect("monitor pid").trim().parse().expect("pid");
+    owner.kill().expect("SIGKILL");
+    owner.wait().expect("reaped");
+    // The monitor dies with its owner (PR_SET_PDEATHSIG), and the sandbox's
+    // pid namespace with it.
+    for _ in 0..500 {
+        if !std::path::Path::new(&format!("/proc/{monitor}")).exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!std::path::Path::new(&format!("/proc/{monitor}")).exists(), "the jail outlived its owner");
+    assert!(state.exists(), "nothing swept yet");
+    let _moat = moat(16).await;
+    assert!(!state.exists(), "the next Moat must sweep the dead owner's state");
+}
+
+/// Each check names the threat it guards against.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn escapes_fail() {
+    let moat = moat(16).await;
+    let sandbox =
+        moat.create(SandboxSpec { memory_mib: 128, disk_mib: 64, ..SandboxSpec::default() }).await.expect("created");
+    let id = sandbox.id.as_str();
+    let as_root = |script: &str| {
+        let mut req = ExecRequest::shell(script);
+        req.user = Some("root".into());
+        req
+    };
+
+    // Threat: reading host files outside what the sandbox was given.
+    let marker = moat.data_dir().join("escape-marker");
+    std::fs::write(&marker, "host secret").expect("marker");
+    let (out, _) = sh(&moat, id, &format!("cat {} 2>&1; cat /etc/shadow 2>&1 | head -1", marker.display())).await;
+    assert!(!out.contains("host secret"), "{out}");
+    let host_shadow = std::fs::read_to_string("/etc/shadow").unwrap_or_default();
+    assert!(host_shadow.lines().next().is_none_or(|l| !out.contains(l)), "host /etc/shadow visible");
+
+    // Threat: writing outside the sandbox (the agent binary is the one host
+    // file inside; it is read-only).
+    let out = moat.run(id, as_root("echo x > /.moat/agent 2>&1; echo $?")).await.expect("runs");
+    assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"));
+
+    // Threat: seeing or signalling host processes.
+    let (out, _) = sh(&moat, id, "ls -d /proc/[0-9]* | wc -l").await;
+    assert!(out.trim().parse::<u32>().expect("count") < 10, "sandbox sees {out} processes");
+    let (out, _) = sh(&moat, id, &format!("kill -0 {} 2>&1; echo $?", std::process::id())).await;
+    assert_ne!(out.trim().lines().last(), Some("0"), "signalled a host process");
+
+    // Threat: reaching a host loopback service.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let (out, _) = sh(
+        &moat,
+        id,
+        &format!("python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {port}), 2)' 2>&1 | tail -1"),
+    )
+    .await;
+    assert!(out.contains("Connection refused") || out.contains("unreachable"), "{out}");
+
+    // Threat: loading kernel modules, mounting, rebooting: denied to sandbox root.
+    let out = moat
+        .run(id, as_root("python3 -c 'import ctypes,os; l=ctypes.CDLL(None,use_errno=True); print(l.syscall(313,0,b\"\",0), ctypes.get_errno())'"))
+        .await
+        .expect("runs");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "-1 1", "finit_module must fail with EPERM");
+    let out = moat.run(id, as_root("mount -t tmpfs x /mnt 2>&1; echo $?")).await.expect("runs");
+    assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"), "mount worked");
+    let out = moat.run(id, as_root("mknod /tmp/sda b 8 0 2>&1; echo $?")).await.expect("runs");
+    assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"), "a block device node was made");
+
+    // Threat: gaining host privileges. Sandbox root is an unprivileged host uid.
+    let info = moat.run(id, as_root("cat /proc/self/uid_map")).await.expect("runs");
+    let map = String::from_utf8_lossy(&info.stdout);
+    assert_eq!(map.split_whitespace().collect::<Vec<_>>(), ["0", "2000000000", "65536"], "{map}");
+
+    // Threat: exhausting host memory. The cgroup limit kills the hog, not the host.
+    let out = moat
+        .run(id, ExecRequest::shell("python3 -c 'x = bytearray(1024 * 1024 * 1024); print(len(x))'"))
+        .await
+        .expect("runs");
+    if moat_core::cgroup::CgroupSupport::probe() != moat_core::cgroup::CgroupSupport::None {
+        assert!(!out.status.success(), "a 1 GiB allocation succeeded under a 192 MiB limit");
+    }
+
+    // Threat: filling the host disk. Writes stop at disk_mib.
+    let (out, _) = sh(
+        &moat,
+        id,
+        "dd if=/dev/zero of=/home/user/fill bs=1M count=200 2>&1; du -m /home/user/fill; rm -f /home/user/fill",
+    )
+    .await;
+    assert!(out.contains("No space left"), "{out}");
+
+    // Threat: a fork bomb. The pids limit holds.
+    let (out, _) = sh(&moat, id, "python3 - <<'EOF'\nimport os, time\nn = 0\nfor _ in range(3000):\n    try:\n        if os.fork() == 0:\n            time.sleep(5); os._exit(0)\n        n += 1\n    except OSError:\n        break\nprint(n)\nEOF").await;
+    let forked: u32 = out.trim().lines().last().and_then(|l| l.parse().ok()).unwrap_or(0);
+    if moat_core::cgroup::CgroupSupport::probe() != moat_core::cgroup::CgroupSupport::None {
+        assert!(forked < 1100, "forked {forked} processes past the pids limit");
+    }
+
+    // And after all that, the sandbox still answers.
+    let (out, _) = sh(&moat, id, "echo still-here").await;
+    assert_eq!(out.trim(), "still-here");
+    std::fs::remove_file(&marker).ok();
+    moat.destroy_all().await;
+}
