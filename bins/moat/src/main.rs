@@ -1,11 +1,19 @@
 //! `moat`: the command line for people.
 
+#![allow(clippy::print_stdout)]
+
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use moat_core::{BackendKind, HostVirtualization};
+use moat_core::cgroup::CgroupSupport;
+use moat_core::{BackendKind, HostVirtualization, Image, Moat, MoatConfig, NetworkPolicy, SandboxSpec};
+use moat_proto::{ExecRequest, WinSize};
 
 /// Disposable, isolated Linux machines for AI agents.
+///
+/// Every sandbox lives as long as the command that made it: `moat run`
+/// creates one, runs a command in it and destroys it.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Cli {
@@ -13,29 +21,324 @@ struct Cli {
     command: Command,
 }
 
-#[derive(Debug, Subcommand)]
-enum Command {
-    /// Check this host: hardware virtualization, and which backend `auto` picks.
-    Doctor,
+#[derive(Debug, clap::Args)]
+struct SandboxArgs {
+    /// Image to boot (built with `cargo xtask image --name NAME`).
+    #[arg(long, default_value = "default")]
+    image: String,
+    /// Isolation backend: auto, vm or jail.
+    #[arg(long, default_value = "auto")]
+    backend: BackendKind,
+    /// Network policy: none (loopback only), filtered or open.
+    #[arg(long, default_value = "none")]
+    network: NetworkPolicy,
+    /// CPUs the sandbox may use.
+    #[arg(long, default_value_t = 1)]
+    cpus: u32,
+    /// Memory limit in MiB.
+    #[arg(long = "memory", default_value_t = 1024)]
+    memory_mib: u64,
+    /// Disk (writes to the root file system) limit in MiB.
+    #[arg(long = "disk", default_value_t = 2048)]
+    disk_mib: u64,
 }
 
-#[allow(clippy::print_stdout)]
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a command in a fresh sandbox, streaming its output; exits with its exit code.
+    Run {
+        #[command(flatten)]
+        sandbox: SandboxArgs,
+        /// The command and its arguments (after `--`).
+        #[arg(required = true, trailing_var_arg = true)]
+        cmd: Vec<String>,
+    },
+    /// Open an interactive shell in a fresh sandbox.
+    Shell {
+        #[command(flatten)]
+        sandbox: SandboxArgs,
+    },
+    /// List live sandboxes (of every moat process on this host).
+    Ls,
+    /// Remove sandboxes by id, or all of them.
+    Rm {
+        ids: Vec<String>,
+        #[arg(long)]
+        all: bool,
+    },
+    /// Check this host: virtualization, namespaces, cgroups, the image, the backend.
+    Doctor {
+        #[arg(long, default_value = "default")]
+        image: String,
+    },
+}
+
 fn main() -> ExitCode {
-    match Cli::parse().command {
-        Command::Doctor => {
-            let host = HostVirtualization::probe();
-            let kvm = match &host.kvm_problem {
-                None => "usable".to_owned(),
-                Some(problem) => format!("not usable: {problem}"),
-            };
-            println!("/dev/kvm:                    {kvm}");
-            println!(
-                "hardware virtualization:     {}",
-                host.cpu_flag.map_or_else(|| "no (no vmx/svm flag)".to_owned(), |f| format!("yes ({f})"))
-            );
-            let choice = host.choose(BackendKind::Auto);
-            println!("backend auto uses:           {} ({})", choice.kind, choice.reason);
-            ExitCode::SUCCESS
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MOAT_LOG_LEVEL").unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("moat: cannot start: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.command)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("moat: {e}");
+            let mut source = std::error::Error::source(&*e);
+            while let Some(cause) = source {
+                eprintln!("  caused by: {cause}");
+                source = cause.source();
+            }
+            ExitCode::FAILURE
         }
     }
+}
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+async fn run(command: Command) -> Result<ExitCode> {
+    match command {
+        Command::Run { sandbox, cmd } => run_command(sandbox, cmd).await,
+        Command::Shell { sandbox } => shell(sandbox).await,
+        Command::Ls => ls(),
+        Command::Rm { ids, all } => rm(&ids, all),
+        Command::Doctor { image } => Ok(doctor(&image)),
+    }
+}
+
+async fn start(args: &SandboxArgs) -> Result<(Moat, String)> {
+    let mut config = MoatConfig::from_env()?;
+    config.backend = args.backend;
+    let moat = Moat::new(config).await?;
+    let spec = SandboxSpec {
+        image: args.image.clone(),
+        cpus: args.cpus,
+        memory_mib: args.memory_mib,
+        disk_mib: args.disk_mib,
+        network: args.network,
+        idle_seconds: 0,
+        ..SandboxSpec::default()
+    };
+    let sandbox = moat.create(spec).await?;
+    Ok((moat, sandbox.id))
+}
+
+/// Ctrl-C and SIGTERM end the sandbox cleanly instead of the process.
+async fn interrupted() {
+    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) else { return };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+async fn run_command(args: SandboxArgs, cmd: Vec<String>) -> Result<ExitCode> {
+    let (moat, id) = start(&args).await?;
+    let result = async {
+        let mut handle = moat.exec(&id, ExecRequest::argv(cmd)).await?;
+        let mut stdout = handle.take_stdout().ok_or("no stdout")?;
+        let mut stderr = handle.take_stderr().ok_or("no stderr")?;
+        let copy_out = async {
+            let mut out = std::io::stdout();
+            while let Some(chunk) = stdout.recv().await {
+                let _ = out.write_all(&chunk).and_then(|()| out.flush());
+            }
+        };
+        let copy_err = async {
+            let mut err = std::io::stderr();
+            while let Some(chunk) = stderr.recv().await {
+                let _ = err.write_all(&chunk);
+            }
+        };
+        tokio::select! {
+            _ = async { tokio::join!(copy_out, copy_err) } => {}
+            () = interrupted() => return Ok::<_, Box<dyn std::error::Error>>(ExitCode::from(130)),
+        }
+        let status = handle.wait().await?;
+        Ok(match (status.code, status.signal) {
+            (Some(code), _) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+            (None, Some(signal)) => ExitCode::from(u8::try_from(128 + signal).unwrap_or(1)),
+            _ => ExitCode::FAILURE,
+        })
+    }
+    .await;
+    moat.destroy_all().await;
+    result
+}
+
+async fn shell(args: SandboxArgs) -> Result<ExitCode> {
+    use tokio::io::AsyncReadExt;
+    let (moat, id) = start(&args).await?;
+    let size = terminal_size().unwrap_or(WinSize { rows: 24, cols: 80 });
+    let mut req = ExecRequest::argv(["/bin/bash", "-l"]);
+    req.pty = Some(size);
+    req.stdin = true;
+    let result = async {
+        let mut handle = moat.exec(&id, req).await?;
+        let mut stdin = handle.take_stdin().ok_or("no stdin")?;
+        let mut stdout = handle.take_stdout().ok_or("no stdout")?;
+        let raw = RawTerminal::enter();
+        let mut winch = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::window_change())?;
+        let mut input = tokio::io::stdin();
+        let mut buf = vec![0u8; 4096];
+        let mut out = std::io::stdout();
+        loop {
+            tokio::select! {
+                chunk = stdout.recv() => match chunk {
+                    Some(chunk) => { let _ = out.write_all(&chunk).and_then(|()| out.flush()); }
+                    None => break,
+                },
+                n = input.read(&mut buf) => match n {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => stdin.write(bytes::Bytes::copy_from_slice(&buf[..n])).await?,
+                },
+                _ = winch.recv() => {
+                    if let Some(size) = terminal_size() {
+                        handle.resize(size).await?;
+                    }
+                }
+            }
+        }
+        drop(raw);
+        let status = handle.wait().await?;
+        Ok::<_, Box<dyn std::error::Error>>(ExitCode::from(status.code.and_then(|c| u8::try_from(c).ok()).unwrap_or(1)))
+    }
+    .await;
+    moat.destroy_all().await;
+    result
+}
+
+fn terminal_size() -> Option<WinSize> {
+    let mut ws = nix::libc::winsize { ws_row: 0, ws_col: 0, ws_xpixel: 0, ws_ypixel: 0 };
+    // SAFETY: TIOCGWINSZ writes one `winsize` into the struct we own.
+    let rc = unsafe { nix::libc::ioctl(0, nix::libc::TIOCGWINSZ, &mut ws) };
+    (rc == 0 && ws.ws_row > 0).then_some(WinSize { rows: ws.ws_row, cols: ws.ws_col })
+}
+
+/// The local terminal in raw mode (keys, Ctrl-C included, go to the
+/// sandbox) until dropped.
+struct RawTerminal(Option<nix::sys::termios::Termios>);
+
+impl RawTerminal {
+    fn enter() -> Self {
+        let stdin = std::io::stdin();
+        let Ok(saved) = nix::sys::termios::tcgetattr(&stdin) else { return Self(None) };
+        let mut raw = saved.clone();
+        nix::sys::termios::cfmakeraw(&mut raw);
+        let _ = nix::sys::termios::tcsetattr(&stdin, nix::sys::termios::SetArg::TCSANOW, &raw);
+        Self(Some(saved))
+    }
+}
+
+impl Drop for RawTerminal {
+    fn drop(&mut self) {
+        if let Some(saved) = &self.0 {
+            let _ = nix::sys::termios::tcsetattr(std::io::stdin(), nix::sys::termios::SetArg::TCSANOW, saved);
+        }
+    }
+}
+
+fn ls() -> Result<ExitCode> {
+    let dir = moat_core::state::sandboxes_dir(&moat_core::image::data_dir());
+    let mut rows = Vec::new();
+    for entry in std::fs::read_dir(&dir).into_iter().flatten().filter_map(std::result::Result::ok) {
+        let path = entry.path();
+        let owner = std::fs::read_to_string(path.join("owner")).unwrap_or_default();
+        let created = entry.metadata().and_then(|m| m.modified()).ok();
+        let age = created.and_then(|c| c.elapsed().ok()).map_or_else(|| "?".into(), |d| format!("{}s", d.as_secs()));
+        rows.push((entry.file_name().to_string_lossy().into_owned(), owner.trim().to_owned(), age));
+    }
+    if rows.is_empty() {
+        println!("no live sandboxes");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("{:<14} {:>8} {:>8}", "ID", "OWNER", "AGE");
+    for (id, owner, age) in rows {
+        println!("{id:<14} {owner:>8} {age:>8}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn rm(ids: &[String], all: bool) -> Result<ExitCode> {
+    let dir = moat_core::state::sandboxes_dir(&moat_core::image::data_dir());
+    let targets: Vec<String> = if all {
+        std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .filter_map(std::result::Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    } else if ids.is_empty() {
+        return Err("give sandbox ids (see `moat ls`) or --all".into());
+    } else {
+        ids.to_vec()
+    };
+    let mut code = ExitCode::SUCCESS;
+    for id in targets {
+        let state = dir.join(&id);
+        match std::fs::read_to_string(state.join("monitor")).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
+            Some(pid) => {
+                // The monitor's death takes the sandbox's pid namespace along;
+                // its owner notices on its next operation.
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+                println!("removed {id}");
+            }
+            None => {
+                eprintln!("moat: no sandbox {id}");
+                code = ExitCode::FAILURE;
+            }
+        }
+    }
+    // Directories whose owner is gone are swept now.
+    moat_core::state::sweep(&moat_core::image::data_dir());
+    Ok(code)
+}
+
+fn doctor(image_name: &str) -> ExitCode {
+    let host = HostVirtualization::probe();
+    let kvm = match &host.kvm_problem {
+        None => "usable".to_owned(),
+        Some(problem) => format!("not usable: {problem}"),
+    };
+    println!("/dev/kvm:                {kvm}");
+    println!(
+        "hardware virtualization: {}",
+        host.cpu_flag.map_or_else(|| "no (no vmx/svm flag)".to_owned(), |f| format!("yes ({f})"))
+    );
+    let userns = std::fs::read_to_string("/proc/sys/user/max_user_namespaces").unwrap_or_default();
+    println!(
+        "user namespaces:         {}",
+        if userns.trim().parse::<u64>().unwrap_or(0) > 0 { "available" } else { "disabled (jails cannot start)" }
+    );
+    println!("cgroups:                 {}", CgroupSupport::probe().describe());
+    let data = moat_core::image::data_dir();
+    match Image::open(&data, image_name) {
+        Ok(image) => println!(
+            "image {image_name:?}:        {} (kernel {}, {} packages)",
+            image.dir.display(),
+            image.manifest.kernel.release,
+            image.manifest.packages.len()
+        ),
+        Err(e) => println!("image {image_name:?}:        {e}"),
+    }
+    match moat_core::moat::find_agent() {
+        Ok(agent) => println!("agent:                   {}", agent.display()),
+        Err(e) => println!("agent:                   {e}"),
+    }
+    let choice = host.choose(BackendKind::Auto);
+    println!("backend auto uses:       {} ({})", choice.kind, choice.reason);
+    if choice.kind == BackendKind::Vm {
+        println!("                         note: the vm backend is not in this build yet; use --backend jail");
+    } else {
+        println!("for microVMs this host needs: {}", host.vm_missing());
+    }
+    ExitCode::SUCCESS
 }

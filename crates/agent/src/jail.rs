@@ -124,14 +124,34 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     let mut ready = File::from(ready_tx);
     step("releasing the sandbox's init", ready.write_all(b"1"))?;
     drop(ready);
+    // SIGTERM from the host: kill the sandbox's init (the kernel then kills
+    // and reaps the whole pid namespace), reap it, and exit, so that the
+    // host finds the sandbox's cgroups empty once this process is gone.
+    let handler = nix::sys::signal::SigAction::new(
+        nix::sys::signal::SigHandler::Handler(on_term),
+        nix::sys::signal::SaFlags::empty(),
+        nix::sys::signal::SigSet::empty(),
+    );
+    // SAFETY: `on_term` only stores to an atomic, which is async-signal-safe.
+    step("installing the SIGTERM handler", unsafe { nix::sys::signal::sigaction(Signal::SIGTERM, &handler) })?;
     loop {
         match nix::sys::wait::waitpid(pid, None) {
             Ok(nix::sys::wait::WaitStatus::Exited(_, code)) => return Ok(code),
             Ok(nix::sys::wait::WaitStatus::Signaled(_, signal, _)) => return Ok(128 + signal as i32),
-            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {
+                if TERMINATE.load(std::sync::atomic::Ordering::SeqCst) {
+                    let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+                }
+            }
             Err(e) => return Err(JailError { step: "waiting for the sandbox".into(), source: e.into() }),
         }
     }
+}
+
+static TERMINATE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_term(_: libc::c_int) {
+    TERMINATE.store(true, std::sync::atomic::Ordering::SeqCst);
 }
 
 /// In the monitor's private mount namespace, as host root: the disk, the

@@ -147,6 +147,24 @@ impl Cgroup {
     }
 }
 
+/// Ids of every sandbox cgroup on this host.
+pub fn sandbox_ids() -> Vec<String> {
+    let mut parents = vec![Path::new(ROOT).join("moat")];
+    parents.extend(V1_CONTROLLERS.iter().map(|c| Path::new(ROOT).join(c).join("moat")));
+    let mut ids: Vec<String> = parents
+        .iter()
+        .filter_map(|p| std::fs::read_dir(p).ok())
+        .flatten()
+        .filter_map(Result::ok)
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("sbx-"))
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
 fn write(dir: &Path, file: &str, value: &str) -> std::io::Result<()> {
     std::fs::write(dir.join(file), value)
         .map_err(|e| std::io::Error::new(e.kind(), format!("writing {value:?} to {}: {e}", dir.join(file).display())))

@@ -164,7 +164,17 @@ impl Jail {
             // A frozen process cannot die until thawed.
             let _ = cgroup.set_frozen(false);
         }
-        let _ = self.monitor.kill();
+        // SIGTERM: the monitor kills and reaps the sandbox's init, whose
+        // death takes the pid namespace along, then exits. SIGKILL if not.
+        if let Ok(None) = self.monitor.try_wait() {
+            let pid = nix::unistd::Pid::from_raw(i32::try_from(self.monitor.id()).unwrap_or(i32::MAX));
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while matches!(self.monitor.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let _ = self.monitor.kill();
+        }
         let _ = self.monitor.wait();
         if let Some(cgroup) = self.cgroup.take() {
             cgroup.remove();

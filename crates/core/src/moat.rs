@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use moat_proto::{AgentClient, ExecHandle, ExecRequest, Output, UnixConnector};
 
-use crate::backend::{BackendKind, HostVirtualization};
+use crate::backend::BackendKind;
 use crate::error::CoreError;
 use crate::image::{self, Image};
 use crate::jail::{Jail, JailBackend};
@@ -31,8 +31,9 @@ impl MoatConfig {
     }
 }
 
-/// Where the agent binary is: `$MOAT_AGENT`, or `moat-agent` beside the
-/// current executable (or one directory up, for test binaries in `deps/`).
+/// Where the agent binary is: `$MOAT_AGENT`, else the static build
+/// (`target/x86_64-unknown-linux-gnu/release/moat-agent`, as `cargo xtask
+/// build` makes it) near the current executable, else `moat-agent` beside it.
 pub fn find_agent() -> Result<PathBuf, CoreError> {
     if let Some(path) = std::env::var_os("MOAT_AGENT") {
         let path = PathBuf::from(path);
@@ -43,7 +44,9 @@ pub fn find_agent() -> Result<PathBuf, CoreError> {
         };
     }
     let exe = std::env::current_exe().map_err(|e| CoreError::AgentMissing(e.to_string()))?;
-    let candidates: Vec<PathBuf> = exe.ancestors().skip(1).take(2).map(|dir| dir.join("moat-agent")).collect();
+    let dirs: Vec<&Path> = exe.ancestors().skip(1).take(3).collect();
+    let static_builds = dirs.iter().map(|d| d.join("x86_64-unknown-linux-gnu/release/moat-agent"));
+    let candidates: Vec<PathBuf> = static_builds.chain(dirs.iter().take(2).map(|d| d.join("moat-agent"))).collect();
     candidates.iter().find(|p| p.is_file()).cloned().ok_or_else(|| {
         CoreError::AgentMissing(format!(
             "looked at {}",
@@ -92,7 +95,8 @@ impl Moat {
     /// Sweeps what dead owners left, picks the backend, and starts the
     /// lifecycle task (idle suspend, expiry).
     pub async fn new(config: MoatConfig) -> Result<Self, CoreError> {
-        if let BackendKind::Vm = HostVirtualization::probe().choose(config.backend).kind {
+        // Until the vm backend lands, `auto` means jail everywhere.
+        if config.backend == BackendKind::Vm {
             return Err(CoreError::BackendUnavailable("vm"));
         }
         if !config.agent.is_file() {

@@ -54,8 +54,16 @@ impl StateDir {
 /// Removes every sandbox whose owner is dead: kills its monitor (and so its
 /// processes), removes its cgroups and its directory. Returns the ids swept.
 pub fn sweep(data_dir: &Path) -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir(sandboxes_dir(data_dir)) else { return Vec::new() };
     let mut swept = Vec::new();
+    // Cgroups whose sandbox has no state directory left (a crash between
+    // the two removals): a state directory is always made before its cgroup.
+    for id in crate::cgroup::sandbox_ids() {
+        if !sandboxes_dir(data_dir).join(&id).exists() {
+            Cgroup::remove_leftovers(&id);
+            tracing::info!(%id, "removed the cgroups of a vanished sandbox");
+        }
+    }
+    let Ok(entries) = std::fs::read_dir(sandboxes_dir(data_dir)) else { return swept };
     for entry in entries.filter_map(Result::ok) {
         let dir = entry.path();
         let id = entry.file_name().to_string_lossy().into_owned();
