@@ -29,7 +29,14 @@ fn fuzz_target_builds() -> Result<()> {
     run(cargo().args(["check", "--manifest-path", "crates/proto/fuzz/Cargo.toml", "--bins"]))
 }
 
+/// The jail benchmark's baseline.
+const BENCH_PACKAGES: &[(&str, &str)] = &[("bubblewrap", "bwrap")];
+
 pub fn bench() -> Result<()> {
     ensure_packages(BASE_PACKAGES)?;
-    run(cargo().args(["bench", "--package", "moat-agent-bin", "--bench", "agent"]))
+    ensure_packages(BENCH_PACKAGES)?;
+    run(cargo().args(["bench", "--package", "moat-agent-bin", "--bench", "agent"]))?;
+    let agent = build::static_agent()?;
+    image::build("default", false)?;
+    run(cargo().args(["bench", "--package", "moat-core", "--bench", "jail"]).env("MOAT_AGENT", agent))
 }

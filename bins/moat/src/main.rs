@@ -66,6 +66,12 @@ enum Command {
         #[arg(long)]
         all: bool,
     },
+    /// List retained task records, or remove them.
+    Tasks {
+        /// Remove these task records (patch and log included).
+        #[arg(long = "rm", value_name = "TASK_ID")]
+        remove: Vec<String>,
+    },
     /// Check this host: virtualization, namespaces, cgroups, the image, the backend.
     Doctor {
         #[arg(long, default_value = "default")]
@@ -110,6 +116,7 @@ async fn run(command: Command) -> Result<ExitCode> {
         Command::Shell { sandbox } => shell(sandbox).await,
         Command::Ls => ls(),
         Command::Rm { ids, all } => rm(&ids, all),
+        Command::Tasks { remove } => tasks(&remove),
         Command::Doctor { image } => Ok(doctor(&image)),
     }
 }
@@ -300,6 +307,35 @@ fn rm(ids: &[String], all: bool) -> Result<ExitCode> {
     // Directories whose owner is gone are swept now.
     moat_core::state::sweep(&moat_core::image::data_dir());
     Ok(code)
+}
+
+fn tasks(remove: &[String]) -> Result<ExitCode> {
+    let data = moat_core::image::data_dir();
+    for id in remove {
+        moat_core::task::remove_record(&data, id)?;
+        println!("removed {id}");
+    }
+    if !remove.is_empty() {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let records = moat_core::task::records(&data);
+    if records.is_empty() {
+        println!("no task records");
+    }
+    for r in records {
+        println!(
+            "{}  {:<7} {} files changed (+{} -{})  from {}\n    patch: {}\n    log:   {}",
+            r.task.id,
+            format!("{:?}", r.task.runtime).to_lowercase(),
+            r.summary.files_changed,
+            r.summary.insertions,
+            r.summary.deletions,
+            r.task.source,
+            r.patch_path.display(),
+            r.log_path.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn doctor(image_name: &str) -> ExitCode {

@@ -1,8 +1,46 @@
-//! Which isolation backend a sandbox gets on this host, and why.
+//! Isolation backends: the [`Backend`] trait every backend implements, and
+//! which backend a sandbox gets on this host, and why.
 
 use std::fmt;
+use std::future::Future;
 use std::path::Path;
 use std::str::FromStr;
+
+use moat_proto::{AgentClient, UnixConnector};
+
+use crate::error::CoreError;
+use crate::image::Image;
+use crate::sandbox::SandboxSpec;
+
+/// Something that starts sandboxes: the jail backend (`crate::jail`) now,
+/// the microVM backend later.
+pub trait Backend: Send + Sync + 'static {
+    type Instance: Instance;
+
+    fn kind(&self) -> BackendKind;
+
+    /// Starts sandbox `id` from `image` and returns once its agent answers.
+    /// Its state lives in `<data_dir>/sandboxes/<id>/`.
+    fn start(
+        &self,
+        id: &str,
+        hostname: &str,
+        spec: &SandboxSpec,
+        image: &Image,
+        data_dir: &Path,
+    ) -> impl Future<Output = Result<Self::Instance, CoreError>> + Send;
+}
+
+/// One running sandbox of a backend. Dropping it destroys the sandbox.
+pub trait Instance: Send + 'static {
+    /// A client of the sandbox's agent.
+    fn client(&self) -> AgentClient<UnixConnector>;
+    /// Whether the sandbox can be suspended (frozen, or its vCPUs paused).
+    fn can_suspend(&self) -> bool;
+    fn set_suspended(&self, suspended: bool) -> Result<(), CoreError>;
+    /// Stops every process of the sandbox and removes its state.
+    fn destroy(&mut self);
+}
 
 /// An isolation backend, or `auto` to let the host decide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,6 +12,10 @@ pub enum CoreError {
     Expired(String),
     #[error("The limit of {max} live sandboxes is reached; destroy one first (or raise max_sandboxes)")]
     LimitReached { max: usize },
+    #[error("No task {id:?}; tasks: {}", if known.is_empty() { "none".to_owned() } else { known.join(", ") })]
+    UnknownTask { id: String, known: Vec<String> },
+    #[error("Cannot import the project: {0}")]
+    ImportRefused(String),
     #[error(transparent)]
     Image(#[from] ImageError),
     #[error("The {0} backend is not available in this build; use the jail backend (backend = jail or auto)")]

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use moat_proto::{AgentClient, UnixConnector};
 
+use crate::backend::{Backend, BackendKind, Instance};
 use crate::cgroup::{Cgroup, CgroupSupport, Limits};
 use crate::error::CoreError;
 use crate::image::{Image, JAIL_ID_BASE, JAIL_ID_COUNT};
@@ -48,7 +49,7 @@ impl JailBackend {
     }
 
     /// Creates a jail from `image` and waits until its agent answers.
-    pub async fn start(
+    async fn start_jail(
         &self,
         id: &str,
         hostname: &str,
@@ -98,7 +99,7 @@ impl JailBackend {
         let socket = state.path.join(moat_agent_socket());
         let mut jail = Jail { id: id.into(), monitor, state: Some(state), cgroup, socket };
         if let Err(e) = jail.wait_ready().await {
-            jail.destroy();
+            jail.stop();
             return Err(e);
         }
         Ok(jail)
@@ -111,11 +112,51 @@ fn moat_agent_socket() -> &'static str {
     "sock/agent.sock"
 }
 
-impl Jail {
-    pub fn client(&self) -> AgentClient<UnixConnector> {
+impl Backend for JailBackend {
+    type Instance = Jail;
+
+    fn kind(&self) -> BackendKind {
+        BackendKind::Jail
+    }
+
+    async fn start(
+        &self,
+        id: &str,
+        hostname: &str,
+        spec: &SandboxSpec,
+        image: &Image,
+        data_dir: &Path,
+    ) -> Result<Jail, CoreError> {
+        self.start_jail(id, hostname, spec, image, data_dir).await
+    }
+}
+
+impl Instance for Jail {
+    fn client(&self) -> AgentClient<UnixConnector> {
         AgentClient::unix(&self.socket)
     }
 
+    fn can_suspend(&self) -> bool {
+        self.cgroup.as_ref().is_some_and(Cgroup::can_freeze)
+    }
+
+    fn set_suspended(&self, suspended: bool) -> Result<(), CoreError> {
+        match &self.cgroup {
+            Some(cgroup) if cgroup.can_freeze() => cgroup.set_frozen(suspended).map_err(|source| CoreError::Io {
+                id: self.id.clone(),
+                what: "freezing".into(),
+                source,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn destroy(&mut self) {
+        self.stop();
+    }
+}
+
+impl Jail {
     async fn wait_ready(&mut self) -> Result<(), CoreError> {
         let started = Instant::now();
         let client = self.client();
@@ -129,7 +170,9 @@ impl Jail {
             if started.elapsed() > START_GUARD {
                 return Err(self.start_failed("the agent did not answer within 30 s"));
             }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            // A jail starts in a few milliseconds; tokio's timer cannot sleep
+            // less than one, so poll at a finer step off the async threads.
+            let _ = tokio::task::spawn_blocking(|| std::thread::sleep(Duration::from_micros(200))).await;
         }
     }
 
@@ -141,25 +184,9 @@ impl Jail {
         CoreError::StartFailed { id: self.id.clone(), reason: format!("{what}; its log says:\n{}", tail.join("\n")) }
     }
 
-    /// Freezes or thaws every process of the jail.
-    pub fn set_frozen(&self, frozen: bool) -> Result<(), CoreError> {
-        match &self.cgroup {
-            Some(cgroup) if cgroup.can_freeze() => cgroup.set_frozen(frozen).map_err(|source| CoreError::Io {
-                id: self.id.clone(),
-                what: "freezing".into(),
-                source,
-            }),
-            _ => Ok(()),
-        }
-    }
-
-    pub fn can_freeze(&self) -> bool {
-        self.cgroup.as_ref().is_some_and(Cgroup::can_freeze)
-    }
-
     /// Kills the jail (its monitor takes PID 1 and the whole pid namespace
     /// along), then removes its cgroup and state directory.
-    pub fn destroy(&mut self) {
+    fn stop(&mut self) {
         if let Some(cgroup) = &self.cgroup {
             // A frozen process cannot die until thawed.
             let _ = cgroup.set_frozen(false);
@@ -187,6 +214,6 @@ impl Jail {
 
 impl Drop for Jail {
     fn drop(&mut self) {
-        self.destroy();
+        self.stop();
     }
 }

@@ -15,9 +15,11 @@ pub mod jail;
 pub mod moat;
 pub mod sandbox;
 pub mod state;
+pub mod task;
 
-pub use backend::{BackendChoice, BackendKind, HostVirtualization};
+pub use backend::{Backend, BackendChoice, BackendKind, HostVirtualization, Instance};
 pub use error::CoreError;
 pub use image::{Image, ImageError, Manifest};
 pub use moat::{Moat, MoatConfig};
 pub use sandbox::{NetworkPolicy, Sandbox, SandboxSpec, SandboxState};
+pub use task::{DiffSummary, Runtime, Task, TaskRecord};

@@ -7,11 +7,12 @@ use std::time::Duration;
 
 use moat_proto::{AgentClient, ExecHandle, ExecRequest, Output, UnixConnector};
 
-use crate::backend::BackendKind;
+use crate::backend::{Backend, BackendKind, Instance};
 use crate::error::CoreError;
 use crate::image::{self, Image};
 use crate::jail::{Jail, JailBackend};
 use crate::sandbox::{Sandbox, SandboxSpec, SandboxState, now};
+use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
 
 /// How a [`Moat`] runs.
 #[derive(Debug, Clone)]
@@ -21,13 +22,21 @@ pub struct MoatConfig {
     /// The `moat-agent` binary (static) that jails run.
     pub agent: PathBuf,
     pub max_sandboxes: usize,
+    /// Host directories projects may be imported from (see [`task::allowed_roots`]).
+    pub roots: Vec<PathBuf>,
 }
 
 impl MoatConfig {
     /// The data directory from the environment, backend `auto`, the agent
     /// from `$MOAT_AGENT` or beside the running executable, 16 sandboxes.
     pub fn from_env() -> Result<Self, CoreError> {
-        Ok(Self { data_dir: image::data_dir(), backend: BackendKind::Auto, agent: find_agent()?, max_sandboxes: 16 })
+        Ok(Self {
+            data_dir: image::data_dir(),
+            backend: BackendKind::Auto,
+            agent: find_agent()?,
+            max_sandboxes: 16,
+            roots: task::allowed_roots(),
+        })
     }
 }
 
@@ -65,6 +74,8 @@ struct Inner {
     backend: JailBackend,
     sandboxes: Mutex<BTreeMap<String, Entry>>,
     expired: Mutex<Vec<String>>,
+    /// Tasks in progress, by task id, with their execution logs.
+    tasks: Mutex<BTreeMap<String, (Task, Vec<LogEntry>)>>,
 }
 
 /// Creates and drives sandboxes. Every sandbox it creates is destroyed when
@@ -111,6 +122,7 @@ impl Moat {
             config,
             sandboxes: Mutex::new(BTreeMap::new()),
             expired: Mutex::new(Vec::new()),
+            tasks: Mutex::new(BTreeMap::new()),
         });
         let weak = Arc::downgrade(&inner);
         tokio::spawn(async move {
@@ -144,7 +156,7 @@ impl Moat {
             id: id.clone(),
             name,
             image: spec.image.clone(),
-            backend: BackendKind::Jail.to_string(),
+            backend: self.inner.backend.kind().to_string(),
             state: SandboxState::Running,
             created_at: created,
             last_used_at: created,
@@ -192,7 +204,7 @@ impl Moat {
         }
         let entry = sandboxes.get_mut(id).ok_or_else(|| CoreError::Expired(id.into()))?;
         if entry.info.state == SandboxState::Paused {
-            entry.jail.set_frozen(false)?;
+            entry.jail.set_suspended(false)?;
             entry.info.state = SandboxState::Running;
             tracing::debug!(%id, "resumed");
         }
@@ -207,17 +219,167 @@ impl Moat {
         client.exec(request).await.map_err(|source| CoreError::Agent { id: id.into(), source })
     }
 
-    /// Runs a process to completion and collects its output.
+    /// Runs a process to completion and collects its output. In a task's
+    /// sandbox, the command goes into the task's execution log.
     pub async fn run(&self, id: &str, request: ExecRequest) -> Result<Output, CoreError> {
-        self.exec(id, request).await?.output().await.map_err(|source| CoreError::Agent { id: id.into(), source })
+        let command = match &request.command {
+            moat_proto::Command::Shell(script) => script.clone(),
+            moat_proto::Command::Argv(argv) => argv.join(" "),
+        };
+        let started_at = now();
+        let output = self
+            .exec(id, request)
+            .await?
+            .output()
+            .await
+            .map_err(|source| CoreError::Agent { id: id.into(), source })?;
+        let mut tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, log)) = tasks.values_mut().find(|(task, _)| task.sandbox_id == id) {
+            let (stdout, cut_out) = task::clip(&output.stdout);
+            let (stderr, cut_err) = task::clip(&output.stderr);
+            log.push(LogEntry {
+                command,
+                exit_code: output.status.code,
+                signal: output.status.signal,
+                started_at,
+                duration_ms: output.status.duration_ms,
+                stdout,
+                stderr,
+                truncated: cut_out || cut_err,
+            });
+        }
+        Ok(output)
+    }
+
+    /// Imports the project at `path` (inside one of the configured roots)
+    /// into `/workspace` of a new sandbox and
+    /// commits it as the baseline.
+    pub async fn task_start(&self, path: &Path, spec: SandboxSpec) -> Result<Task, CoreError> {
+        let root = task::check_import_path(path, &self.inner.config.roots)?;
+        let packing = root.clone();
+        let (archive, files, top) = tokio::task::spawn_blocking(move || task::pack_project(&packing))
+            .await
+            .map_err(|e| CoreError::ImportRefused(format!("archiving failed: {e}")))??;
+        let sandbox = self.create(spec).await?;
+        let id = sandbox.id.clone();
+        let result = async {
+            let client = self.client(&id)?;
+            client
+                .tar_in("/workspace", Some("user".into()), &mut archive.as_slice())
+                .await
+                .map_err(|source| CoreError::Agent { id: id.clone(), source })?;
+            let baseline = "cd /workspace && git init -q && git add -A && \
+                git -c user.name=moat -c user.email=moat@localhost commit -q --allow-empty -m baseline";
+            let out = self.exec(&id, ExecRequest::shell(baseline)).await?.output().await;
+            match out {
+                Ok(out) if out.status.success() => Ok(()),
+                Ok(out) => Err(CoreError::StartFailed {
+                    id: id.clone(),
+                    reason: format!("the baseline commit failed: {}", String::from_utf8_lossy(&out.stderr)),
+                }),
+                Err(source) => Err(CoreError::Agent { id: id.clone(), source }),
+            }
+        }
+        .await;
+        if let Err(e) = result {
+            let _ = self.destroy(&id).await;
+            return Err(e);
+        }
+        let task = Task {
+            id: new_id().replacen("sbx-", "task-", 1),
+            sandbox_id: id,
+            source: root.display().to_string(),
+            runtime: task::Runtime::detect(&top),
+            files,
+            started_at: now(),
+        };
+        self.inner
+            .tasks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(task.id.clone(), (task.clone(), Vec::new()));
+        Ok(task)
+    }
+
+    fn task(&self, task_id: &str) -> Result<Task, CoreError> {
+        let tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        tasks
+            .get(task_id)
+            .map(|(t, _)| t.clone())
+            .ok_or_else(|| CoreError::UnknownTask { id: task_id.into(), known: tasks.keys().cloned().collect() })
+    }
+
+    /// The unified diff of everything changed since the baseline (new and
+    /// deleted files included, binary files marked), and its summary.
+    pub async fn task_diff(&self, task_id: &str) -> Result<(String, DiffSummary), CoreError> {
+        let task = self.task(task_id)?;
+        let script = "cd /workspace && git add -A && git -c core.quotepath=off diff --cached --no-color HEAD && \
+            echo '@@moat-numstat@@' && git diff --cached --numstat HEAD";
+        let out = self.exec(&task.sandbox_id, ExecRequest::shell(script)).await?.output().await;
+        let out = out.map_err(|source| CoreError::Agent { id: task.sandbox_id.clone(), source })?;
+        if !out.status.success() {
+            return Err(CoreError::StartFailed {
+                id: task.sandbox_id,
+                reason: format!("git diff failed: {}", String::from_utf8_lossy(&out.stderr)),
+            });
+        }
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (diff, numstat) = text.split_once("@@moat-numstat@@\n").unwrap_or((text.as_str(), ""));
+        Ok((diff.to_owned(), DiffSummary::from_numstat(numstat)))
+    }
+
+    /// Saves the patch and execution log as a retained record and destroys
+    /// the sandbox (unless `keep_sandbox`).
+    pub async fn task_finish(&self, task_id: &str, keep_sandbox: bool) -> Result<TaskRecord, CoreError> {
+        let (diff, summary) = self.task_diff(task_id).await?;
+        let (task, log) = self
+            .inner
+            .tasks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(task_id)
+            .ok_or_else(|| CoreError::UnknownTask { id: task_id.into(), known: Vec::new() })?;
+        let dir = task::tasks_dir(&self.inner.config.data_dir).join(&task.id);
+        let task_key = task.id.clone();
+        let io = |what: &'static str| {
+            let id = task_key.clone();
+            move |source| CoreError::Io { id, what: what.into(), source }
+        };
+        std::fs::create_dir_all(&dir).map_err(io("creating the task record"))?;
+        let record = TaskRecord {
+            patch_path: dir.join("patch.diff"),
+            log_path: dir.join("log.json"),
+            finished_at: now(),
+            summary,
+            sandbox_kept: keep_sandbox,
+            task,
+        };
+        std::fs::write(&record.patch_path, diff).map_err(io("writing the patch"))?;
+        let log_json = serde_json::to_string_pretty(&log).unwrap_or_default();
+        std::fs::write(&record.log_path, log_json).map_err(io("writing the log"))?;
+        let record_json = serde_json::to_string_pretty(&record).unwrap_or_default();
+        std::fs::write(dir.join("record.json"), record_json).map_err(io("writing the record"))?;
+        if !keep_sandbox {
+            let _ = self.destroy(&record.task.sandbox_id).await;
+        }
+        Ok(record)
+    }
+
+    /// Retained task records.
+    pub fn task_records(&self) -> Vec<TaskRecord> {
+        task::records(&self.inner.config.data_dir)
+    }
+
+    pub fn remove_task(&self, task_id: &str) -> Result<(), CoreError> {
+        task::remove_record(&self.inner.config.data_dir, task_id)
     }
 
     /// Suspends a sandbox now (as idleness would).
     pub fn suspend(&self, id: &str) -> Result<(), CoreError> {
         let mut sandboxes = self.inner.lock();
         let Some(entry) = sandboxes.get_mut(id) else { return Err(self.inner.unknown(id, &sandboxes)) };
-        if entry.jail.can_freeze() {
-            entry.jail.set_frozen(true)?;
+        if entry.jail.can_suspend() {
+            entry.jail.set_suspended(true)?;
             entry.info.state = SandboxState::Paused;
         }
         Ok(())
@@ -258,9 +420,9 @@ impl Inner {
                 if idle > 0
                     && entry.info.state == SandboxState::Running
                     && now.saturating_sub(entry.info.last_used_at) >= idle
-                    && entry.jail.can_freeze()
+                    && entry.jail.can_suspend()
                 {
-                    match entry.jail.set_frozen(true) {
+                    match entry.jail.set_suspended(true) {
                         Ok(()) => {
                             entry.info.state = SandboxState::Paused;
                             tracing::debug!(%id, "suspended after being idle");

@@ -23,6 +23,7 @@ async fn moat(max_sandboxes: usize) -> Moat {
         backend: moat_core::BackendKind::Jail,
         agent: agent(),
         max_sandboxes,
+        roots: vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))],
     };
     Moat::new(config).await.expect("moat starts (image built, agent built, running as root)")
 }
@@ -225,6 +226,16 @@ async fn escapes_fail() {
     let map = String::from_utf8_lossy(&info.stdout);
     assert_eq!(map.split_whitespace().collect::<Vec<_>>(), ["0", "2000000000", "65536"], "{map}");
 
+    // Threat: raising privileges with a set-uid binary. no_new_privs makes
+    // the kernel ignore the bit: a set-uid-root copy of `id` still says 1000.
+    let out = moat
+        .run(id, as_root("cp /usr/bin/id /home/user/suid-id && chmod 4755 /home/user/suid-id && echo ok"))
+        .await
+        .expect("runs");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
+    let (out, _) = sh(&moat, id, "/home/user/suid-id -u").await;
+    assert_eq!(out.trim(), "1000", "a set-uid binary raised privileges");
+
     // Threat: exhausting host memory. The cgroup limit kills the hog, not the host.
     let out = moat
         .run(id, ExecRequest::shell("python3 -c 'x = bytearray(1024 * 1024 * 1024); print(len(x))'"))
@@ -255,4 +266,50 @@ async fn escapes_fail() {
     assert_eq!(out.trim(), "still-here");
     std::fs::remove_file(&marker).ok();
     moat.destroy_all().await;
+}
+
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
+    let moat = moat(16).await;
+    let project = tempfile::Builder::new().prefix("project-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let p = project.path();
+    std::fs::write(p.join("main.py"), "print('hello')\n").expect("write");
+    std::fs::write(p.join("delete_me.txt"), "bye\n").expect("write");
+    std::fs::write(p.join("data.bin"), [0u8, 1, 2, 255]).expect("write");
+    std::fs::create_dir(p.join(".git")).expect("a host .git is not imported");
+    std::os::unix::fs::symlink("main.py", p.join("entry")).expect("symlink");
+
+    let task = moat.task_start(p, small()).await.expect("task starts");
+    assert_eq!(task.runtime, moat_core::Runtime::Python);
+    let (out, code) =
+        sh(&moat, &task.sandbox_id, "cd /workspace && python3 main.py && git log --oneline | wc -l").await;
+    assert_eq!((out.as_str(), code), ("hello\n1\n", Some(0)));
+
+    let work = "cd /workspace && echo \"print('changed')\" > main.py && rm delete_me.txt && echo new > new.txt && printf '\\000\\377' > data.bin";
+    let (_, code) = sh(&moat, &task.sandbox_id, work).await;
+    assert_eq!(code, Some(0));
+    let (diff, summary) = moat.task_diff(&task.id).await.expect("diff");
+    assert!(diff.contains("+print('changed')"), "{diff}");
+    assert!(diff.contains("deleted file mode") && diff.contains("delete_me.txt"), "{diff}");
+    assert!(diff.contains("new file mode") && diff.contains("+new"), "{diff}");
+    assert!(diff.contains("Binary files a/data.bin and b/data.bin differ"), "{diff}");
+    assert_eq!(summary.files_changed, 4, "{summary:?}");
+
+    let record = moat.task_finish(&task.id, false).await.expect("finishes");
+    assert_eq!(std::fs::read_to_string(&record.patch_path).expect("patch"), diff);
+    let log = std::fs::read_to_string(&record.log_path).expect("log");
+    assert!(log.contains("python3 main.py") && log.contains("delete_me.txt"), "{log}");
+    assert!(matches!(moat.get(&task.sandbox_id), Err(CoreError::UnknownSandbox { .. })), "sandbox destroyed");
+    assert!(moat.task_records().iter().any(|r| r.task.id == task.id));
+    moat.remove_task(&task.id).expect("removed");
+    assert!(!moat.task_records().iter().any(|r| r.task.id == task.id));
+    assert!(matches!(moat.remove_task(&task.id), Err(CoreError::UnknownTask { .. })));
+
+    // A symlink out of the project, and a directory outside the roots, are refused.
+    std::os::unix::fs::symlink("/etc/passwd", p.join("escape")).expect("symlink");
+    let err = moat.task_start(p, small()).await.expect_err("refused");
+    assert!(err.to_string().contains("points outside the project"), "{err}");
+    let err = moat.task_start(std::path::Path::new("/etc"), small()).await.expect_err("outside the roots");
+    assert!(err.to_string().contains("outside the allowed roots"), "{err}");
 }
