@@ -24,6 +24,10 @@ pub struct MoatConfig {
     pub max_sandboxes: usize,
     /// Host directories projects may be imported from (see [`task::allowed_roots`]).
     pub roots: Vec<PathBuf>,
+    /// Sandboxes kept started ahead of need, for `create` calls whose spec
+    /// equals `pool_spec`: those return at once. 0 turns the pool off.
+    pub pool_size: usize,
+    pub pool_spec: SandboxSpec,
 }
 
 impl MoatConfig {
@@ -36,6 +40,8 @@ impl MoatConfig {
             agent: find_agent()?,
             max_sandboxes: 16,
             roots: task::allowed_roots(),
+            pool_size: 0,
+            pool_spec: SandboxSpec::default(),
         })
     }
 }
@@ -76,6 +82,9 @@ struct Inner {
     expired: Mutex<Vec<String>>,
     /// Tasks in progress, by task id, with their execution logs.
     tasks: Mutex<BTreeMap<String, (Task, Vec<LogEntry>)>>,
+    /// Started sandboxes waiting to be handed out, by id.
+    pool: Mutex<Vec<(String, Jail)>>,
+    refill: Arc<tokio::sync::Notify>,
 }
 
 /// Creates and drives sandboxes. Every sandbox it creates is destroyed when
@@ -123,7 +132,12 @@ impl Moat {
             sandboxes: Mutex::new(BTreeMap::new()),
             expired: Mutex::new(Vec::new()),
             tasks: Mutex::new(BTreeMap::new()),
+            pool: Mutex::new(Vec::new()),
+            refill: Arc::new(tokio::sync::Notify::new()),
         });
+        if inner.config.pool_size > 0 {
+            tokio::spawn(fill_pool(Arc::downgrade(&inner), inner.refill.clone()));
+        }
         let weak = Arc::downgrade(&inner);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -147,10 +161,17 @@ impl Moat {
         if self.inner.lock().len() >= max {
             return Err(CoreError::LimitReached { max });
         }
-        let image = Image::open(&self.inner.config.data_dir, &spec.image)?;
-        let id = new_id();
-        let name = spec.name.clone().unwrap_or_else(|| id.clone());
-        let jail = self.inner.backend.start(&id, &name, &spec, &image, &self.inner.config.data_dir).await?;
+        let pooled = if spec == self.inner.config.pool_spec { self.inner.take_pooled() } else { None };
+        let (id, name, jail) = match pooled {
+            Some((id, jail)) => (id.clone(), id, jail),
+            None => {
+                let image = Image::open(&self.inner.config.data_dir, &spec.image)?;
+                let id = new_id();
+                let name = spec.name.clone().unwrap_or_else(|| id.clone());
+                let jail = self.inner.backend.start(&id, &name, &spec, &image, &self.inner.config.data_dir).await?;
+                (id, name, jail)
+            }
+        };
         let created = now();
         let info = Sandbox {
             id: id.clone(),
@@ -189,10 +210,16 @@ impl Moat {
         Ok(())
     }
 
-    /// Destroys every sandbox.
+    /// Destroys every sandbox, pooled ones included.
     pub async fn destroy_all(&self) {
         let entries: Vec<Entry> = std::mem::take(&mut *self.inner.lock()).into_values().collect();
-        tokio::task::spawn_blocking(move || drop(entries)).await.ok();
+        let pooled = std::mem::take(&mut *self.inner.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        tokio::task::spawn_blocking(move || drop((entries, pooled))).await.ok();
+    }
+
+    /// How many started sandboxes wait in the pool.
+    pub fn pooled(&self) -> usize {
+        self.inner.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len()
     }
 
     /// A client of the sandbox's agent, after marking it used and resuming
@@ -386,7 +413,44 @@ impl Moat {
     }
 }
 
+/// Keeps `pool_size` sandboxes of `pool_spec` started.
+async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::sync::Notify>) {
+    loop {
+        let Some(strong) = inner.upgrade() else { return };
+        let pooled = strong.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
+        if pooled >= strong.config.pool_size {
+            // Not holding `strong` while waiting: a dropped Moat must drop.
+            drop(strong);
+            refill.notified().await;
+            continue;
+        }
+        let spec = strong.config.pool_spec.clone();
+        let started = match Image::open(&strong.config.data_dir, &spec.image) {
+            Ok(image) => {
+                let id = new_id();
+                strong.backend.start(&id, &id, &spec, &image, &strong.config.data_dir).await.map(|jail| (id, jail))
+            }
+            Err(e) => Err(e.into()),
+        };
+        match started {
+            Ok(entry) => strong.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(entry),
+            Err(e) => {
+                tracing::warn!("cannot fill the sandbox pool: {e}");
+                drop(strong);
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+        }
+    }
+}
+
 impl Inner {
+    /// A started sandbox from the pool, if one is ready; the pool refills.
+    fn take_pooled(&self) -> Option<(String, Jail)> {
+        let taken = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
+        self.refill.notify_one();
+        taken
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Entry>> {
         // Each critical section is a map operation: a panic leaves it whole.
         self.sandboxes.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -440,6 +504,10 @@ impl Drop for Inner {
     fn drop(&mut self) {
         let entries = std::mem::take(&mut *self.lock());
         drop(entries);
+        let pooled = std::mem::take(&mut *self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        drop(pooled);
+        // Wake the pool filler so that it sees this Moat is gone.
+        self.refill.notify_one();
     }
 }
 

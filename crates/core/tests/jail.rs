@@ -24,6 +24,8 @@ async fn moat(max_sandboxes: usize) -> Moat {
         agent: agent(),
         max_sandboxes,
         roots: vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))],
+        pool_size: 0,
+        pool_spec: SandboxSpec::default(),
     };
     Moat::new(config).await.expect("moat starts (image built, agent built, running as root)")
 }
@@ -312,4 +314,45 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
     assert!(err.to_string().contains("points outside the project"), "{err}");
     let err = moat.task_start(std::path::Path::new("/etc"), small()).await.expect_err("outside the roots");
     assert!(err.to_string().contains("outside the allowed roots"), "{err}");
+}
+
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {
+    let config = MoatConfig {
+        data_dir: moat_core::image::data_dir(),
+        backend: moat_core::BackendKind::Jail,
+        agent: agent(),
+        max_sandboxes: 16,
+        roots: vec![],
+        pool_size: 2,
+        pool_spec: small(),
+    };
+    let moat = Moat::new(config).await.expect("moat starts");
+    for _ in 0..2000 {
+        if moat.pooled() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(moat.pooled(), 2, "the pool did not fill");
+    let sandbox = moat.create(small()).await.expect("from the pool");
+    let (out, code) = sh(&moat, &sandbox.id, "hostname; id -un").await;
+    assert_eq!(code, Some(0));
+    assert_eq!(out.lines().collect::<Vec<_>>(), [sandbox.id.as_str(), "user"]);
+    // A spec other than the pool's starts a sandbox of its own.
+    let other = moat.create(SandboxSpec { name: Some("custom".into()), ..small() }).await.expect("fresh");
+    assert_eq!(sh(&moat, &other.id, "hostname").await.0.trim(), "custom");
+    let states: Vec<_> = std::fs::read_dir(moat.data_dir().join("sandboxes"))
+        .expect("state dirs")
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(states.len() >= 3, "{states:?}");
+    drop(moat);
+    // Dropping the Moat destroys its sandboxes, pooled ones included.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for id in states.iter().filter(|id| *id == &sandbox.id || *id == &other.id) {
+        assert!(!moat_core::image::data_dir().join("sandboxes").join(id).exists(), "{id} outlived its Moat");
+    }
 }
