@@ -282,6 +282,12 @@ impl Moat {
     /// into `/workspace` of a new sandbox and
     /// commits it as the baseline.
     pub async fn task_start(&self, path: &Path, spec: SandboxSpec) -> Result<Task, CoreError> {
+        if let Some(url) = path.to_str().filter(|p| task::is_git_url(p)) {
+            return Err(CoreError::ImportRefused(format!(
+                "{url} is a Git URL: cloning needs network access from the sandbox, and sandboxes have no network \
+                 yet (policy none); import a local checkout instead"
+            )));
+        }
         let root = task::check_import_path(path, &self.inner.config.roots)?;
         let packing = root.clone();
         let (archive, files, top) = tokio::task::spawn_blocking(move || task::pack_project(&packing))

@@ -269,6 +269,11 @@ fn stays_inside(link: &Path, target: &Path) -> bool {
     true
 }
 
+/// Whether a task source names a Git remote rather than a host path.
+pub fn is_git_url(source: &str) -> bool {
+    ["https://", "http://", "ssh://", "git://", "git@"].iter().any(|p| source.starts_with(p))
+}
+
 /// Cuts `bytes` to [`LOG_OUTPUT_BYTES`] as text; the flag says whether it cut.
 pub fn clip(bytes: &[u8]) -> (String, bool) {
     let cut = bytes.len() > LOG_OUTPUT_BYTES;

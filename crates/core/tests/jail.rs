@@ -263,6 +263,17 @@ async fn escapes_fail() {
         assert!(forked < 1100, "forked {forked} processes past the pids limit");
     }
 
+    // Threat: flooding output. 200 MiB streams through without the owner
+    // buffering it (the reader here counts and drops).
+    let mut handle = moat.exec(id, ExecRequest::shell("head -c 209715200 /dev/zero")).await.expect("starts");
+    let mut stdout = handle.take_stdout().expect("stdout");
+    let mut bytes = 0u64;
+    while let Some(chunk) = stdout.recv().await {
+        bytes += chunk.len() as u64;
+    }
+    assert!(handle.wait().await.expect("exits").success());
+    assert_eq!(bytes, 200 << 20);
+
     // And after all that, the sandbox still answers.
     let (out, _) = sh(&moat, id, "echo still-here").await;
     assert_eq!(out.trim(), "still-here");
@@ -314,6 +325,9 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
     assert!(err.to_string().contains("points outside the project"), "{err}");
     let err = moat.task_start(std::path::Path::new("/etc"), small()).await.expect_err("outside the roots");
     assert!(err.to_string().contains("outside the allowed roots"), "{err}");
+    let err =
+        moat.task_start(std::path::Path::new("https://github.com/x/y.git"), small()).await.expect_err("no network");
+    assert!(err.to_string().contains("needs network access"), "{err}");
 }
 
 #[tokio::test]

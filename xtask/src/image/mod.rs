@@ -51,7 +51,14 @@ pub fn build(name: &str, force: bool) -> Result<PathBuf> {
     let started = Instant::now();
 
     let agent = build::static_agent()?;
-    let (kernel_package, kernel_version) = kernel::resolve()?;
+    // A fresh machine may have no package lists yet: update once and retry.
+    let (kernel_package, kernel_version) = match kernel::resolve() {
+        Ok(found) => found,
+        Err(_) => {
+            run(Command::new("apt-get").args(["update", "-q"]))?;
+            kernel::resolve()?
+        }
+    };
     let inputs = inputs(&agent, &kernel_package, &kernel_version)?;
 
     let existing = Image::open(&data, name).ok();
