@@ -62,6 +62,9 @@ struct JailArgs {
     /// A cgroup.procs file to join (repeatable).
     #[arg(long)]
     cgroup: Vec<std::path::PathBuf>,
+    /// Also read cgroup.procs paths from stdin, one a line, until an empty line.
+    #[arg(long)]
+    cgroups_on_stdin: bool,
     /// KEY=VALUE for the agent's environment (repeatable).
     #[arg(long)]
     env: Vec<String>,
@@ -123,6 +126,7 @@ fn run_jail(args: &JailArgs) -> ExitCode {
         id_count: args.id_count,
         disk_mib: args.disk_mib,
         cgroups: args.cgroup.clone(),
+        cgroups_on_stdin: args.cgroups_on_stdin,
         env: args.env.iter().filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect(),
     };
     match moat_agent::jail::run(&spec) {

@@ -45,8 +45,12 @@ pub struct JailSpec {
     pub id_count: u32,
     /// The size bound of everything the sandbox writes to its root.
     pub disk_mib: u64,
-    /// `cgroup.procs` files to join before anything starts.
+    /// `cgroup.procs` files to join before the sandbox starts.
     pub cgroups: Vec<PathBuf>,
+    /// Read more `cgroup.procs` paths from stdin (one a line, ended by an
+    /// empty line) once the root is prepared, so that the host can make the
+    /// cgroups meanwhile.
+    pub cgroups_on_stdin: bool,
     /// Environment for the agent (and so the default for its processes).
     pub env: Vec<(String, String)>,
 }

@@ -65,13 +65,6 @@ impl JailBackend {
         // Disk writes live in a tmpfs charged to the sandbox's memory: the
         // memory limit covers both.
         let limits = Limits { memory_bytes: (spec.memory_mib + spec.disk_mib) << 20, pids: PIDS_MAX, cpus: spec.cpus };
-        let cgroup = match Cgroup::create(&self.cgroups, id, limits) {
-            Ok(cgroup) => cgroup,
-            Err(e) => {
-                tracing::warn!(%id, "running without cgroup limits: {e}");
-                None
-            }
-        };
         let log = std::fs::File::create(state.path.join("jail.log")).map_err(io("creating its log"))?;
         let mut command = Command::new(&self.agent);
         command
@@ -84,18 +77,33 @@ impl JailBackend {
             .arg(&self.agent)
             .args(["--hostname", hostname, "--id-base", &JAIL_ID_BASE.to_string()])
             .args(["--id-count", &JAIL_ID_COUNT.to_string(), "--disk-mib", &spec.disk_mib.to_string()]);
-        for procs in cgroup.iter().flat_map(Cgroup::procs_files) {
-            command.arg("--cgroup").arg(procs);
-        }
         for (key, value) in &spec.env {
             command.arg("--env").arg(format!("{key}={value}"));
         }
-        command.stdin(Stdio::null()).stdout(log.try_clone().map_err(io("opening its log"))?).stderr(log);
+        // The cgroups to join come on stdin, made while the monitor builds the
+        // root file system: the two overlap instead of adding up.
+        command.arg("--cgroups-on-stdin");
+        command.stdin(Stdio::piped()).stdout(log.try_clone().map_err(io("opening its log"))?).stderr(log);
         // Its own process group: a terminal's Ctrl-C reaches the host process,
         // which then destroys the sandbox in order.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
-        let monitor = command.spawn().map_err(io(&format!("starting {}", self.agent.display())))?;
+        let mut monitor = command.spawn().map_err(io(&format!("starting {}", self.agent.display())))?;
         state.record_monitor(monitor.id()).map_err(io("recording its monitor"))?;
+        let cgroup = match Cgroup::create(&self.cgroups, id, limits) {
+            Ok(cgroup) => cgroup,
+            Err(e) => {
+                tracing::warn!(%id, "running without cgroup limits: {e}");
+                None
+            }
+        };
+        let mut procs: String =
+            cgroup.iter().flat_map(Cgroup::procs_files).map(|p| format!("{}\n", p.display())).collect();
+        procs.push('\n');
+        if let Some(mut stdin) = monitor.stdin.take() {
+            use std::io::Write;
+            // A monitor that already died shows in wait_ready, with its log.
+            let _ = stdin.write_all(procs.as_bytes());
+        }
         let socket = state.path.join(moat_agent_socket());
         let mut jail = Jail { id: id.into(), monitor, state: Some(state), cgroup, socket };
         if let Err(e) = jail.wait_ready().await {
