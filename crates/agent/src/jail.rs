@@ -86,15 +86,28 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     if nix::unistd::getppid() != parent {
         return Ok(1);
     }
-    for procs in &spec.cgroups {
-        step(&format!("joining {}", procs.display()), std::fs::write(procs, std::process::id().to_string()))?;
-    }
     step("unshare(CLONE_NEWNS)", nix::sched::unshare(CloneFlags::CLONE_NEWNS))?;
     step(
         "making mounts private",
         mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>),
     )?;
     let root = prepare_root(spec)?;
+    let mut cgroups = spec.cgroups.clone();
+    if spec.cgroups_on_stdin {
+        let mut lines = std::io::BufRead::lines(std::io::stdin().lock());
+        loop {
+            match lines.next() {
+                Some(Ok(line)) if line.is_empty() => break,
+                Some(Ok(line)) => cgroups.push(line.into()),
+                // The host went away before sending: nothing to start for.
+                None | Some(Err(_)) => return Ok(1),
+            }
+        }
+    }
+    // Every process of the sandbox descends from here: join before clone.
+    for procs in &cgroups {
+        step(&format!("joining {}", procs.display()), std::fs::write(procs, std::process::id().to_string()))?;
+    }
     // The sandbox's root user cannot traverse the host directories above
     // the state directory (e.g. /root, mode 700): it starts inside its root
     // instead, and reaches everything by relative paths.

@@ -238,13 +238,14 @@ async fn escapes_fail() {
     let (out, _) = sh(&moat, id, "/home/user/suid-id -u").await;
     assert_eq!(out.trim(), "1000", "a set-uid binary raised privileges");
 
-    // Threat: exhausting host memory. The cgroup limit kills the hog, not the host.
+    // Threat: exhausting host memory. The cgroup limit kills the hog, not the
+    // host. (The bytes must be written: untouched allocations cost nothing.)
     let out = moat
-        .run(id, ExecRequest::shell("python3 -c 'x = bytearray(1024 * 1024 * 1024); print(len(x))'"))
+        .run(id, ExecRequest::shell("python3 -c 'x = b\"x\" * (1024 * 1024 * 1024); print(len(x))'"))
         .await
         .expect("runs");
     if moat_core::cgroup::CgroupSupport::probe() != moat_core::cgroup::CgroupSupport::None {
-        assert!(!out.status.success(), "a 1 GiB allocation succeeded under a 192 MiB limit");
+        assert!(!out.status.success(), "a 1 GiB allocation succeeded under a 192 MiB limit: {out:?}");
     }
 
     // Threat: filling the host disk. Writes stop at disk_mib.
