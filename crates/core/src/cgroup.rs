@@ -147,6 +147,19 @@ impl Cgroup {
     }
 }
 
+/// Removes the cgroups of sandbox `id` if no process is left in them
+/// (another data directory's live sandbox is never touched).
+pub fn remove_if_empty(id: &str) {
+    let mut dirs = vec![Path::new(ROOT).join("moat").join(id)];
+    dirs.extend(V1_CONTROLLERS.iter().map(|c| Path::new(ROOT).join(c).join("moat").join(id)));
+    for dir in dirs.iter().filter(|d| d.exists()) {
+        let empty = std::fs::read_to_string(dir.join("cgroup.procs")).is_ok_and(|p| p.trim().is_empty());
+        if empty {
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
+
 /// Ids of every sandbox cgroup on this host.
 pub fn sandbox_ids() -> Vec<String> {
     let mut parents = vec![Path::new(ROOT).join("moat")];

@@ -55,12 +55,12 @@ impl StateDir {
 /// processes), removes its cgroups and its directory. Returns the ids swept.
 pub fn sweep(data_dir: &Path) -> Vec<String> {
     let mut swept = Vec::new();
-    // Cgroups whose sandbox has no state directory left (a crash between
-    // the two removals): a state directory is always made before its cgroup.
+    // Empty cgroups whose sandbox has no state directory here (a crash
+    // between the two removals). Cgroups with processes may belong to a
+    // moat using another data directory: those are left alone.
     for id in crate::cgroup::sandbox_ids() {
         if !sandboxes_dir(data_dir).join(&id).exists() {
-            Cgroup::remove_leftovers(&id);
-            tracing::info!(%id, "removed the cgroups of a vanished sandbox");
+            crate::cgroup::remove_if_empty(&id);
         }
     }
     let Ok(entries) = std::fs::read_dir(sandboxes_dir(data_dir)) else { return swept };
