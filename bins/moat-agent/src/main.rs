@@ -65,9 +65,6 @@ struct JailArgs {
     /// Also read cgroup.procs paths from stdin, one a line, until an empty line.
     #[arg(long)]
     cgroups_on_stdin: bool,
-    /// KEY=VALUE for the agent's environment (repeatable).
-    #[arg(long)]
-    env: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -127,7 +124,6 @@ fn run_jail(args: &JailArgs) -> ExitCode {
         disk_mib: args.disk_mib,
         cgroups: args.cgroup.clone(),
         cgroups_on_stdin: args.cgroups_on_stdin,
-        env: args.env.iter().filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_owned(), v.to_owned())).collect(),
     };
     match moat_agent::jail::run(&spec) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),

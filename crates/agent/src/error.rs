@@ -55,7 +55,8 @@ pub fn check_path(path: &str) -> Result<&std::path::Path, WireError> {
         return Err(bad_path(path, "contains a NUL byte, which no Linux path may hold"));
     }
     if path.len() > PATH_MAX {
-        return Err(bad_path(&path[..40], "longer than 4096 bytes"));
+        let head: String = path.chars().take(40).collect();
+        return Err(bad_path(&head, "longer than 4096 bytes"));
     }
     Ok(std::path::Path::new(path))
 }
@@ -71,6 +72,9 @@ mod tests {
             assert_eq!(check_path(bad).expect_err(bad).kind, ErrorKind::InvalidPath);
         }
         let long = format!("/{}", "x".repeat(5000));
+        assert_eq!(check_path(&long).expect_err("too long").kind, ErrorKind::InvalidPath);
+        // A multi-byte character across the cut must not panic.
+        let long = format!("/{}{}", "x".repeat(38), "é".repeat(3000));
         assert_eq!(check_path(&long).expect_err("too long").kind, ErrorKind::InvalidPath);
     }
 

@@ -7,6 +7,7 @@
 //! process blocks on its next write: memory stays bounded.
 
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -152,6 +153,29 @@ fn child_setup(pty: bool, user: Option<(Uid, Gid, &[Gid])>) -> std::io::Result<(
     Ok(())
 }
 
+/// A pseudo-terminal pair opened close-on-exec, so that no other process the
+/// agent starts meanwhile inherits it (`openpty(3)` opens both ends without).
+fn open_pty(size: &libc::winsize) -> std::io::Result<nix::pty::OpenptyResult> {
+    use nix::fcntl::OFlag;
+    let master = nix::pty::posix_openpt(OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC)?;
+    nix::pty::grantpt(&master)?;
+    nix::pty::unlockpt(&master)?;
+    let name = nix::pty::ptsname_r(&master)?;
+    let slave: OwnedFd = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOCTTY | libc::O_CLOEXEC)
+        .open(name)?
+        .into();
+    // SAFETY: the master is open for the call; TIOCSWINSZ only reads `size`.
+    if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, size) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `into_raw_fd` hands over the open master; OwnedFd takes it.
+    let master: OwnedFd = unsafe { std::os::fd::FromRawFd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(master)) };
+    Ok(nix::pty::OpenptyResult { master, slave })
+}
+
 /// The parent's ends of a spawned process's standard streams.
 struct Streams {
     stdin: Option<pipe::Sender>,
@@ -176,10 +200,13 @@ fn spawn(
     let io = |what: &str, e: std::io::Error| io_error(what, &e);
     if let Some(size) = prepared.pty {
         let ws = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
-        let pty = nix::pty::openpty(Some(&ws), None).map_err(|e| io("opening a pseudo-terminal", e.into()))?;
+        let pty = open_pty(&ws).map_err(|e| io("opening a pseudo-terminal", e))?;
         let slave = |fd: &OwnedFd| fd.try_clone().map(Stdio::from).map_err(|e| io("duplicating the pty", e));
         prepared.command.stdin(slave(&pty.slave)?).stdout(slave(&pty.slave)?).stderr(slave(&pty.slave)?);
         let (child, exit) = reaper.spawn(&mut prepared.command).map_err(spawn_error)?;
+        // The command still holds copies of the slave: drop them, or the
+        // master never sees the terminal close.
+        prepared.command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
         drop(pty.slave);
         let reader = pty.master.try_clone().map_err(|e| io("duplicating the pty", e))?;
         let writer = pty.master.try_clone().map_err(|e| io("duplicating the pty", e))?;
@@ -300,13 +327,27 @@ where
                 None => return exit.await.map_err(|_| ()),
             }
         }
+        // Biased: output already in the pipes goes before the exit and the
+        // drain deadline, and each chunk after the exit restarts the grace,
+        // so only idle time ends the drain, never a slow client.
         tokio::select! {
+            biased;
             chunk = read_chunk(&mut stdout, &mut out_buf), if stdout.is_some() => match chunk {
-                Some(bytes) => sink.send_data(StreamId::Output, bytes).await.map_err(|_| ())?,
+                Some(bytes) => {
+                    sink.send_data(StreamId::Output, bytes).await.map_err(|_| ())?;
+                    if exited.is_some() {
+                        drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
+                    }
+                }
                 None => stdout = None,
             },
             chunk = read_chunk(&mut stderr, &mut err_buf), if stderr.is_some() => match chunk {
-                Some(bytes) => sink.send_data(StreamId::Error, bytes).await.map_err(|_| ())?,
+                Some(bytes) => {
+                    sink.send_data(StreamId::Error, bytes).await.map_err(|_| ())?;
+                    if exited.is_some() {
+                        drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
+                    }
+                }
                 None => stderr = None,
             },
             status = &mut exit, if exited.is_none() => {

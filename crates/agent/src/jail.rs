@@ -6,7 +6,8 @@
 //!  └─ moat-agent jail  (host root, own mount namespace; the monitor)
 //!       │  tmpfs (size = disk) for the overlay's upper layer
 //!       │  overlay: image rootfs/ (lower) + upper → the sandbox root
-//!       │  /dev of bind-mounted safe devices, the agent binary, the socket dir
+//!       │  /dev of bind-mounted safe devices, the agent binary (read-only)
+//!       │  binds the agent's socket outside the sandbox, passes the fd in
 //!       └─ clone(NEWUSER|NEWNS|NEWPID|NEWNET|NEWIPC|NEWUTS|NEWCGROUP)
 //!            the monitor writes uid_map/gid_map: 0..N → BASE..BASE+N
 //!            PID 1: /proc, /sys, /dev/pts, /dev/shm, /tmp, /run, hostname,
@@ -49,10 +50,9 @@ pub struct JailSpec {
     pub cgroups: Vec<PathBuf>,
     /// Read more `cgroup.procs` paths from stdin (one a line, ended by an
     /// empty line) once the root is prepared, so that the host can make the
-    /// cgroups meanwhile.
+    /// cgroups meanwhile. (Paths, never secrets, travel this way or on the
+    /// command line, which every host user can read.)
     pub cgroups_on_stdin: bool,
-    /// Environment for the agent (and so the default for its processes).
-    pub env: Vec<(String, String)>,
 }
 
 /// Why a jail could not be set up.
@@ -68,8 +68,14 @@ fn step<T, E: Into<std::io::Error>>(what: &str, result: Result<T, E>) -> Result<
     result.map_err(|e| JailError { step: what.to_owned(), source: e.into() })
 }
 
-/// The socket the agent listens on, relative to the state directory.
+/// The socket the agent listens on, relative to the state directory. The
+/// monitor binds it as host root, outside the sandbox, and hands PID 1 the
+/// listening descriptor: nothing of the host's file system is writable from
+/// inside, and the sandbox cannot replace the socket the host connects to.
 pub const SOCKET: &str = "sock/agent.sock";
+
+/// The descriptor number the agent inherits its listening socket as.
+const LISTEN_FD: i32 = 3;
 
 /// Where the jail's root is mounted inside the state directory.
 const ROOT: &str = "root";
@@ -108,6 +114,13 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     for procs in &cgroups {
         step(&format!("joining {}", procs.display()), std::fs::write(procs, std::process::id().to_string()))?;
     }
+    let sock_dir = spec.state.join("sock");
+    step("creating the socket directory", std::fs::create_dir_all(&sock_dir))?;
+    step("chmod the socket directory", std::fs::set_permissions(&sock_dir, std::fs::Permissions::from_mode(0o700)))?;
+    let socket = spec.state.join(SOCKET);
+    let _ = std::fs::remove_file(&socket);
+    // std opens it close-on-exec; the sandbox's init moves it to LISTEN_FD.
+    let listener = step("binding the agent's socket", std::os::unix::net::UnixListener::bind(&socket))?;
     // The sandbox's root user cannot traverse the host directories above
     // the state directory (e.g. /root, mode 700): it starts inside its root
     // instead, and reaches everything by relative paths.
@@ -124,7 +137,7 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
         | CloneFlags::CLONE_NEWCGROUP;
     let mut ready_rx = Some(ready_rx);
     let child = Box::new(|| {
-        let code = match sandbox_init(spec, ready_rx.take()) {
+        let code = match sandbox_init(spec, ready_rx.take(), &listener) {
             Ok(never) => match never {},
             Err(e) => {
                 eprintln!("moat-agent jail: {e}: {}", e.source);
@@ -137,6 +150,7 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     // child, a copy of it on `stack`, holds no lock another thread owned; it
     // only runs `sandbox_init`, which ends in exec or exit.
     let pid = step("clone", unsafe { nix::sched::clone(child, &mut stack, flags, Some(libc::SIGCHLD)) })?;
+    CHILD.store(pid.as_raw(), std::sync::atomic::Ordering::SeqCst);
     map_ids(pid, spec)?;
     let mut ready = File::from(ready_tx);
     step("releasing the sandbox's init", ready.write_all(b"1"))?;
@@ -149,26 +163,31 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
         nix::sys::signal::SaFlags::empty(),
         nix::sys::signal::SigSet::empty(),
     );
-    // SAFETY: `on_term` only stores to an atomic, which is async-signal-safe.
+    // SAFETY: `on_term` only reads an atomic and calls kill(2), both
+    // async-signal-safe.
     step("installing the SIGTERM handler", unsafe { nix::sys::signal::sigaction(Signal::SIGTERM, &handler) })?;
+    drop(listener);
     loop {
         match nix::sys::wait::waitpid(pid, None) {
             Ok(nix::sys::wait::WaitStatus::Exited(_, code)) => return Ok(code),
             Ok(nix::sys::wait::WaitStatus::Signaled(_, signal, _)) => return Ok(128 + signal as i32),
-            Ok(_) | Err(nix::errno::Errno::EINTR) => {
-                if TERMINATE.load(std::sync::atomic::Ordering::SeqCst) {
-                    let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
-                }
-            }
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(JailError { step: "waiting for the sandbox".into(), source: e.into() }),
         }
     }
 }
 
-static TERMINATE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The sandbox's init, for the SIGTERM handler.
+static CHILD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
+/// Kills the sandbox's init right in the handler: no window in which a
+/// SIGTERM is noted but nobody acts on it.
 extern "C" fn on_term(_: libc::c_int) {
-    TERMINATE.store(true, std::sync::atomic::Ordering::SeqCst);
+    let pid = CHILD.load(std::sync::atomic::Ordering::SeqCst);
+    if pid > 0 {
+        // SAFETY: kill(2) is async-signal-safe and touches no memory.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
 }
 
 /// In the monitor's private mount namespace, as host root: the disk, the
@@ -240,7 +259,7 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
 
     // /.moat: the agent binary (read-only) and the socket directory.
     let moat = root.join(".moat");
-    step("creating /.moat", std::fs::create_dir_all(moat.join("sock")))?;
+    step("creating /.moat", std::fs::create_dir_all(&moat))?;
     step("creating /.moat/old", std::fs::create_dir_all(moat.join("old")))?;
     step("creating /.moat/agent", File::create(moat.join("agent")))?;
     step(
@@ -257,14 +276,6 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
             None::<&str>,
         ),
     )?;
-    let sock = spec.state.join("sock");
-    step("creating the socket directory", std::fs::create_dir_all(&sock))?;
-    step("chown the socket directory", nix::unistd::chown(&sock, base.0, base.1))?;
-    step("chmod the socket directory", std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o700)))?;
-    step(
-        "binding the socket directory",
-        mount(Some(&sock), &moat.join("sock"), None::<&str>, MsFlags::MS_BIND, None::<&str>),
-    )?;
     step("chown /.moat", nix::unistd::chown(&moat, base.0, base.1))?;
     Ok(root)
 }
@@ -277,7 +288,11 @@ fn map_ids(pid: Pid, spec: &JailSpec) -> Result<(), JailError> {
 
 /// PID 1 of the new namespaces, until it execs the agent. Starts with the
 /// sandbox root as its working directory.
-fn sandbox_init(spec: &JailSpec, ready: Option<OwnedFd>) -> Result<std::convert::Infallible, JailError> {
+fn sandbox_init(
+    spec: &JailSpec,
+    ready: Option<OwnedFd>,
+    listener: &std::os::unix::net::UnixListener,
+) -> Result<std::convert::Infallible, JailError> {
     step("PR_SET_PDEATHSIG", nix::sys::prctl::set_pdeathsig(Signal::SIGKILL))?;
     let mut byte = [0u8; 1];
     if let Some(fd) = ready {
@@ -327,11 +342,35 @@ fn sandbox_init(spec: &JailSpec, ready: Option<OwnedFd>) -> Result<std::convert:
     crate::seccomp::install()
         .map_err(|e| JailError { step: "installing the seccomp filter".into(), source: std::io::Error::other(e) })?;
 
+    // The listening socket becomes LISTEN_FD (dup2 clears close-on-exec);
+    // stdin, stdout and stderr, until now the host's log file, become
+    // /dev/null: no descriptor of a host file crosses into the sandbox.
+    use std::os::fd::AsRawFd;
+    let redirect = |from: i32, to: i32| {
+        // SAFETY: dup2 on descriptors this process owns; the targets are
+        // stdio and LISTEN_FD, which nothing else here uses any more, and
+        // the process execs right after.
+        if unsafe { libc::dup2(from, to) } < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
+    };
+    if listener.as_raw_fd() == LISTEN_FD {
+        // dup2 onto itself would keep close-on-exec: clear it instead.
+        step(
+            "passing the listening socket",
+            nix::fcntl::fcntl(listener, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty())).map(drop),
+        )?;
+    } else {
+        step("passing the listening socket", redirect(listener.as_raw_fd(), LISTEN_FD))?;
+    }
+    let null = step("opening /dev/null", File::options().read(true).write(true).open("/dev/null"))?;
+    for fd in 0..3 {
+        step("redirecting stdio", redirect(null.as_raw_fd(), fd))?;
+    }
+    drop(null);
     let program = c("/.moat/agent");
-    let args = [program.clone(), c("--listen"), c(&format!("unix:/.moat/{SOCKET}")), c("--log-level"), c("warn")];
-    let mut env: Vec<CString> =
+    let listen = format!("fd:{LISTEN_FD}");
+    let args = [program.clone(), c("--listen"), c(&listen), c("--log-level"), c("warn")];
+    let env: Vec<CString> =
         vec![c("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"), c("LANG=C.UTF-8")];
-    env.extend(spec.env.iter().map(|(k, v)| c(&format!("{k}={v}"))));
     match nix::unistd::execve(&program, &args, &env) {
         Ok(never) => match never {},
         Err(e) => Err(JailError { step: "exec /.moat/agent".into(), source: e.into() }),
@@ -339,6 +378,6 @@ fn sandbox_init(spec: &JailSpec, ready: Option<OwnedFd>) -> Result<std::convert:
 }
 
 fn c(s: &str) -> CString {
-    // Inputs are our own constants or validated (no NUL) environment entries.
+    // Inputs are our own constants, without NUL bytes.
     CString::new(s.replace('\0', "")).unwrap_or_default()
 }

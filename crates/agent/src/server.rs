@@ -29,14 +29,21 @@ const MAX_CONNECTIONS: usize = 1024;
 pub enum ListenAddr {
     Unix(PathBuf),
     Vsock(u32),
+    /// A Unix socket already bound and listening, inherited as this file
+    /// descriptor (a jail's monitor binds it outside the sandbox).
+    Fd(i32),
 }
 
 impl FromStr for ListenAddr {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let usage = "expected unix:PATH or vsock:PORT (for example vsock:1024)";
+        let usage = "expected unix:PATH, vsock:PORT (for example vsock:1024) or fd:N";
         match s.split_once(':') {
             Some(("unix", path)) if !path.is_empty() => Ok(Self::Unix(path.into())),
+            Some(("fd", fd)) => match fd.parse::<i32>() {
+                Ok(fd) if fd >= 3 => Ok(Self::Fd(fd)),
+                _ => Err(format!("invalid file descriptor {fd:?}: {usage} with N >= 3")),
+            },
             Some(("vsock", port)) => {
                 port.parse().map(Self::Vsock).map_err(|_| format!("invalid vsock port {port:?}: {usage}"))
             }
@@ -60,6 +67,27 @@ impl Listener {
                 // A socket left by an earlier run would make bind fail.
                 let _ = std::fs::remove_file(path);
                 Ok(Self::Unix(tokio::net::UnixListener::bind(path)?))
+            }
+            ListenAddr::Fd(fd) => {
+                use std::os::fd::{FromRawFd, OwnedFd};
+                // Refuse a descriptor that is not an open socket before owning it.
+                // SAFETY: `stat` is plain old data, all-zero is valid; fstat
+                // writes only into it and fails with EBADF on a closed fd.
+                let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+                // SAFETY: as above.
+                if unsafe { libc::fstat(*fd, &mut stat) } < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if stat.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+                    return Err(std::io::Error::other(format!("file descriptor {fd} is not a socket")));
+                }
+                // SAFETY: the descriptor was handed to this process to own
+                // (nothing else in it uses it), and fstat just showed it is open.
+                let owned = unsafe { OwnedFd::from_raw_fd(*fd) };
+                let listener = std::os::unix::net::UnixListener::from(owned);
+                listener.set_nonblocking(true)?;
+                let _ = nix::fcntl::fcntl(&listener, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC));
+                Ok(Self::Unix(tokio::net::UnixListener::from_std(listener)?))
             }
             ListenAddr::Vsock(port) => {
                 let no_device = |why: String| {
@@ -289,7 +317,8 @@ mod tests {
     fn listen_addresses_parse() {
         assert_eq!("unix:/run/a.sock".parse(), Ok(ListenAddr::Unix("/run/a.sock".into())));
         assert_eq!("vsock:1024".parse(), Ok(ListenAddr::Vsock(1024)));
-        for bad in ["", "tcp:1", "unix:", "vsock:x", "vsock:-1"] {
+        assert_eq!("fd:3".parse(), Ok(ListenAddr::Fd(3)));
+        for bad in ["", "tcp:1", "unix:", "vsock:x", "vsock:-1", "fd:1", "fd:x"] {
             assert!(bad.parse::<ListenAddr>().is_err(), "{bad}");
         }
     }

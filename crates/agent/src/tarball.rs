@@ -122,8 +122,11 @@ fn unpack(dest: &Path, owner: Option<(u32, u32)>, reader: impl Read) -> io::Resu
             continue;
         }
         if let Some((uid, gid)) = owner {
-            let target = dest.join(&rel);
-            std::os::unix::fs::lchown(&target, Some(uid), Some(gid))?;
+            // Where unpack_in put it: only the normal components of the name
+            // (it drops `/` prefixes and `.`), never an absolute path.
+            let inside: std::path::PathBuf =
+                rel.components().filter(|c| matches!(c, std::path::Component::Normal(_))).collect();
+            std::os::unix::fs::lchown(dest.join(inside), Some(uid), Some(gid))?;
         }
         entries += 1;
         bytes += size;

@@ -108,6 +108,14 @@ impl Cgroup {
         self.dirs.iter().map(|(_, d)| d.join("cgroup.procs")).collect()
     }
 
+    /// How many processes are in the sandbox's cgroup.
+    pub fn process_count(&self) -> usize {
+        self.dirs
+            .first()
+            .and_then(|(_, dir)| std::fs::read_to_string(dir.join("cgroup.procs")).ok())
+            .map_or(0, |procs| procs.lines().count())
+    }
+
     /// Whether freezing works here.
     pub fn can_freeze(&self) -> bool {
         self.v2 || self.dirs.iter().any(|(c, _)| *c == Some("freezer"))

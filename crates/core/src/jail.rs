@@ -77,9 +77,6 @@ impl JailBackend {
             .arg(&self.agent)
             .args(["--hostname", hostname, "--id-base", &JAIL_ID_BASE.to_string()])
             .args(["--id-count", &JAIL_ID_COUNT.to_string(), "--disk-mib", &spec.disk_mib.to_string()]);
-        for (key, value) in &spec.env {
-            command.arg("--env").arg(format!("{key}={value}"));
-        }
         // The cgroups to join come on stdin, made while the monitor builds the
         // root file system: the two overlap instead of adding up.
         command.arg("--cgroups-on-stdin");
@@ -107,7 +104,8 @@ impl JailBackend {
         let socket = state.path.join(moat_agent_socket());
         let mut jail = Jail { id: id.into(), monitor, state: Some(state), cgroup, socket };
         if let Err(e) = jail.wait_ready().await {
-            jail.stop();
+            // Stopping blocks (it waits for processes to die): not on an async thread.
+            let _ = tokio::task::spawn_blocking(move || jail.stop()).await;
             return Err(e);
         }
         Ok(jail)
@@ -146,6 +144,11 @@ impl Instance for Jail {
 
     fn can_suspend(&self) -> bool {
         self.cgroup.as_ref().is_some_and(Cgroup::can_freeze)
+    }
+
+    fn is_busy(&self) -> bool {
+        // The agent is one process; anything more is a command still running.
+        self.cgroup.as_ref().is_some_and(|c| c.process_count() > 1)
     }
 
     fn set_suspended(&self, suspended: bool) -> Result<(), CoreError> {

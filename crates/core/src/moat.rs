@@ -14,6 +14,10 @@ use crate::jail::{Jail, JailBackend};
 use crate::sandbox::{Sandbox, SandboxSpec, SandboxState, now};
 use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
 
+/// The most [`Moat::run`] collects of each of stdout and stderr; what a
+/// sandbox prints beyond is dropped (stream with [`Moat::exec`] for more).
+pub const RUN_OUTPUT_LIMIT: usize = 64 << 20;
+
 /// How a [`Moat`] runs.
 #[derive(Debug, Clone)]
 pub struct MoatConfig {
@@ -184,11 +188,19 @@ impl Moat {
             expires_at: created + spec.timeout_seconds,
             spec,
         };
-        let mut sandboxes = self.inner.lock();
-        if sandboxes.len() >= max {
+        let rejected = {
+            let mut sandboxes = self.inner.lock();
+            if sandboxes.len() >= max {
+                Some(jail)
+            } else {
+                sandboxes.insert(id, Entry { info: info.clone(), jail });
+                None
+            }
+        };
+        if let Some(jail) = rejected {
+            let _ = tokio::task::spawn_blocking(move || drop(jail)).await;
             return Err(CoreError::LimitReached { max });
         }
-        sandboxes.insert(id, Entry { info: info.clone(), jail });
         Ok(info)
     }
 
@@ -240,8 +252,13 @@ impl Moat {
     }
 
     /// Starts a process as `user` in `/home/user` unless the request says otherwise.
+    /// The sandbox's `env` comes first; the request's own variables override it.
     pub async fn exec(&self, id: &str, mut request: ExecRequest) -> Result<ExecHandle, CoreError> {
         request.user.get_or_insert_with(|| "user".into());
+        let spec_env = self.get(id)?.spec.env;
+        if !spec_env.is_empty() {
+            request.env = spec_env.into_iter().chain(std::mem::take(&mut request.env)).collect();
+        }
         let client = self.client(id)?;
         client.exec(request).await.map_err(|source| CoreError::Agent { id: id.into(), source })
     }
@@ -303,7 +320,7 @@ impl Moat {
                 .map_err(|source| CoreError::Agent { id: id.clone(), source })?;
             let baseline = "cd /workspace && git init -q && git add -A && \
                 git -c user.name=moat -c user.email=moat@localhost commit -q --allow-empty -m baseline";
-            let out = self.exec(&id, ExecRequest::shell(baseline)).await?.output().await;
+            let out = self.exec(&id, ExecRequest::shell(baseline)).await?.output_limited(RUN_OUTPUT_LIMIT).await;
             match out {
                 Ok(out) if out.status.success() => Ok(()),
                 Ok(out) => Err(CoreError::StartFailed {
@@ -348,7 +365,7 @@ impl Moat {
         let task = self.task(task_id)?;
         let script = "cd /workspace && git add -A && git -c core.quotepath=off diff --cached --no-color HEAD && \
             echo '@@moat-numstat@@' && git diff --cached --numstat HEAD";
-        let out = self.exec(&task.sandbox_id, ExecRequest::shell(script)).await?.output().await;
+        let out = self.exec(&task.sandbox_id, ExecRequest::shell(script)).await?.output_limited(RUN_OUTPUT_LIMIT).await;
         let out = out.map_err(|source| CoreError::Agent { id: task.sandbox_id.clone(), source })?;
         if !out.status.success() {
             return Err(CoreError::StartFailed {
@@ -487,6 +504,11 @@ impl Inner {
             }
             for (id, entry) in sandboxes.iter_mut() {
                 let idle = entry.info.spec.idle_seconds;
+                if idle > 0 && entry.info.state == SandboxState::Running && entry.jail.is_busy() {
+                    // A command or server still runs: that is use.
+                    entry.info.last_used_at = now;
+                    continue;
+                }
                 if idle > 0
                     && entry.info.state == SandboxState::Running
                     && now.saturating_sub(entry.info.last_used_at) >= idle
@@ -502,7 +524,10 @@ impl Inner {
                 }
             }
         }
-        drop(dead);
+        if !dead.is_empty() {
+            // Destroying blocks while processes die: off the async threads.
+            tokio::task::spawn_blocking(move || drop(dead));
+        }
     }
 }
 

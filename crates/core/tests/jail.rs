@@ -45,7 +45,7 @@ async fn sh(moat: &Moat, id: &str, script: &str) -> (String, Option<i32>) {
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_sandbox_runs_debian_as_user_and_moves_files() {
     let moat = moat(16).await;
-    let spec = SandboxSpec { name: Some("box-one".into()), ..small() };
+    let spec = SandboxSpec { name: Some("box-one".into()), env: vec![("GREETING".into(), "hi".into())], ..small() };
     let sandbox = moat.create(spec).await.expect("created");
     assert_eq!(sandbox.state, SandboxState::Running);
     let (out, code) = sh(
@@ -56,6 +56,8 @@ async fn a_sandbox_runs_debian_as_user_and_moves_files() {
     .await;
     assert_eq!(code, Some(0), "{out}");
     assert_eq!(out.lines().collect::<Vec<_>>(), ["user", "/home/user", "box-one", "debian", "numpy"]);
+    let (out, _) = sh(&moat, &sandbox.id, "echo $GREETING").await;
+    assert_eq!(out, "hi\n", "the sandbox's env reaches its commands");
 
     let client = moat.client(&sandbox.id).expect("client");
     let data: Vec<u8> = (0..=255u8).cycle().take(300_000).collect();
@@ -194,6 +196,22 @@ async fn escapes_fail() {
     // file inside; it is read-only).
     let out = moat.run(id, as_root("echo x > /.moat/agent 2>&1; echo $?")).await.expect("runs");
     assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"));
+
+    // Threat: a host file reachable through the agent's socket directory or
+    // an inherited descriptor (the monitor binds the socket outside and hands
+    // over only the listening descriptor; stdio is /dev/null).
+    let out = moat
+        .run(id, as_root("ls -A /.moat; ls -l /proc/1/fd | grep -c -e jail.log -e sandboxes || true"))
+        .await
+        .expect("runs");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "agent\n0", "host paths visible inside");
+
+    // Threat: bypassing the seccomp deny list through x32 system call numbers.
+    let out = moat
+        .run(id, as_root("python3 -c 'import ctypes; l=ctypes.CDLL(None,use_errno=True); print(l.syscall(0x40000000 | 165, 0, 0, 0, 0, 0), ctypes.get_errno())'"))
+        .await
+        .expect("runs");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "-1 1", "x32 mount must fail with EPERM");
 
     // Threat: seeing or signalling host processes.
     let (out, _) = sh(&moat, id, "ls -d /proc/[0-9]* | wc -l").await;

@@ -115,11 +115,11 @@ impl<C: Connector> AgentClient<C> {
         sink: &mut W,
     ) -> Result<u64, ProtoError> {
         let mut conn = self.open(Request::ReadFile(request)).await?;
-        match expect_reply(&mut conn).await? {
-            Reply::FileData { .. } => {}
+        let length = match expect_reply(&mut conn).await? {
+            Reply::FileData { length, .. } => length,
             other => return Err(unexpected_reply("file_data", &other)),
-        }
-        download(&mut conn, sink).await
+        };
+        download(&mut conn, sink, Some(length)).await
     }
 
     /// Reads (a range of) a file into memory.
@@ -195,7 +195,7 @@ impl<C: Connector> AgentClient<C> {
             Reply::TarStream => {}
             other => return Err(unexpected_reply("tar_stream", &other)),
         }
-        download(&mut conn, sink).await
+        download(&mut conn, sink, None).await
     }
 
     /// Unpacks the tar archive `source` yields into the directory `path`;
@@ -281,8 +281,9 @@ fn unexpected_reply(expected: &'static str, got: &Reply) -> ProtoError {
     ProtoError::Unexpected { expected, got: format!("{got:?}") }
 }
 
-/// Copies output data frames into `sink` until `End`.
-async fn download<S, W>(conn: &mut Connection<S>, sink: &mut W) -> Result<u64, ProtoError>
+/// Copies output data frames into `sink` until `End`; more than `max`
+/// bytes (the length the agent announced) is a protocol error.
+async fn download<S, W>(conn: &mut Connection<S>, sink: &mut W, max: Option<u64>) -> Result<u64, ProtoError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
     W: AsyncWrite + Unpin,
@@ -294,6 +295,12 @@ where
             Some(Err(e)) => return Err(e.into()),
             Some(Ok(Frame::Data(StreamId::Output, bytes))) => {
                 total += bytes.len() as u64;
+                if max.is_some_and(|max| total > max) {
+                    return Err(ProtoError::Unexpected {
+                        expected: "no more data than announced",
+                        got: format!("more than {} bytes", max.unwrap_or_default()),
+                    });
+                }
                 sink.write_all(&bytes).await?;
             }
             Some(Ok(Frame::Data(stream, _))) => {
@@ -348,6 +355,8 @@ pub struct Output {
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
     pub status: ExitStatus,
+    /// Output beyond the collection limit was dropped.
+    pub truncated: bool,
 }
 
 enum Control {
@@ -451,12 +460,19 @@ impl ExecHandle {
     }
 
     /// Closes stdin (unless taken), collects all output and waits for exit.
-    pub async fn output(mut self) -> Result<Output, ProtoError> {
-        let stdout = collect(self.stdout.take());
-        let stderr = collect(self.stderr.take());
-        let (stdout, stderr) = tokio::join!(stdout, stderr);
+    /// Memory grows with the output: see [`output_limited`](Self::output_limited).
+    pub async fn output(self) -> Result<Output, ProtoError> {
+        self.output_limited(usize::MAX).await
+    }
+
+    /// Like [`output`](Self::output), keeping at most `limit` bytes of each
+    /// stream (the rest is read and dropped; `truncated` says so).
+    pub async fn output_limited(mut self, limit: usize) -> Result<Output, ProtoError> {
+        let stdout = collect(self.stdout.take(), limit);
+        let stderr = collect(self.stderr.take(), limit);
+        let ((stdout, cut_out), (stderr, cut_err)) = tokio::join!(stdout, stderr);
         let status = self.wait().await?;
-        Ok(Output { stdout, stderr, status })
+        Ok(Output { stdout, stderr, status, truncated: cut_out || cut_err })
     }
 }
 
@@ -468,14 +484,17 @@ impl Drop for ExecHandle {
     }
 }
 
-async fn collect(rx: Option<mpsc::Receiver<Bytes>>) -> Vec<u8> {
+async fn collect(rx: Option<mpsc::Receiver<Bytes>>, limit: usize) -> (Vec<u8>, bool) {
     let mut out = Vec::new();
+    let mut truncated = false;
     if let Some(mut rx) = rx {
         while let Some(chunk) = rx.recv().await {
-            out.extend_from_slice(&chunk);
+            let room = limit.saturating_sub(out.len());
+            truncated |= chunk.len() > room;
+            out.extend_from_slice(&chunk[..chunk.len().min(room)]);
         }
     }
-    out
+    (out, truncated)
 }
 
 async fn write_controls<S>(mut sink: FrameSink<S>, mut control: mpsc::Receiver<Control>)

@@ -64,7 +64,11 @@ pub fn fetch(cache: &Path, package: &str, version: &str) -> Result<KernelPackage
     let download = cache.join("download");
     let _ = std::fs::remove_dir_all(&download);
     std::fs::create_dir_all(&download)?;
-    run(Command::new("apt-get").args(["download", "-q", &format!("{package}={version}")]).current_dir(&download))?;
+    // Downloading as root into our own directory: apt's `_apt` sandbox user
+    // could not write there, and says so in a warning.
+    run(Command::new("apt-get")
+        .args(["download", "-q", "-o", "APT::Sandbox::User=root", &format!("{package}={version}")])
+        .current_dir(&download))?;
     let deb = std::fs::read_dir(&download)?
         .filter_map(Result::ok)
         .map(|e| e.path())

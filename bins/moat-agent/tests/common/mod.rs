@@ -10,6 +10,9 @@ use moat_proto::{AgentClient, UnixConnector};
 
 pub const AGENT: &str = env!("CARGO_BIN_EXE_moat-agent");
 
+/// Where test agents put their sockets and files.
+const TEST_DIR: &str = "/var/tmp/moat-agent-tests";
+
 /// A running agent, killed (with its process tree) when dropped.
 pub struct TestAgent {
     pub child: Child,
@@ -25,11 +28,11 @@ impl TestAgent {
 
     /// The agent started through `wrapper` (e.g. `unshare …`), with `args`.
     pub async fn start_with(wrapper: &[&str], args: &[&str]) -> Self {
-        // Not under /tmp: an agent started with --init mounts a fresh /tmp.
-        let dir = tempfile::Builder::new()
-            .prefix("agent-")
-            .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
-            .expect("temp dir under target/");
+        // Not under /tmp (nor /run, /dev): an agent started with --init
+        // mounts fresh ones over them, hiding a socket there. The checkout
+        // itself may live under /tmp, so not under target/ either.
+        std::fs::create_dir_all(TEST_DIR).expect("creating the test directory");
+        let dir = tempfile::Builder::new().prefix("agent-").tempdir_in(TEST_DIR).expect("temp dir");
         // Open to all, so an agent started as another user can bind there.
         std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o777))
             .expect("chmod temp dir");
