@@ -3,7 +3,8 @@
 //! - create a sandbox and finish a first command (`true`) vs.
 //!   `bwrap --unshare-all --ro-bind / / --proc /proc --dev /dev true`;
 //! - host memory of idle sandboxes (proportional set size of every process
-//!   of each sandbox: monitor, agent), at 1, 10 and 50 sandboxes. Files a
+//!   of each sandbox: monitor, agent), at 1, 10 and 50 sandboxes (and
+//!   `MOAT_BENCH_IDLE` of them, when set). Files a
 //!   sandbox writes live in its tmpfs and are not counted: an idle sandbox
 //!   that wrote nothing has none.
 //!
@@ -40,7 +41,7 @@ async fn bench() {
         data_dir: moat_core::image::data_dir(),
         backend: moat_core::BackendKind::Jail,
         agent,
-        max_sandboxes: 64,
+        max_sandboxes: 1024,
         roots: vec![],
         pool_size: 0,
         pool_spec: spec(),
@@ -96,7 +97,10 @@ async fn bench() {
 
     let mut rows = Vec::new();
     let mut ids = Vec::new();
-    for target in [1usize, 10, 50] {
+    // MOAT_BENCH_IDLE=N adds a step with N idle sandboxes (e.g. 500).
+    let mut targets = vec![1usize, 10, 50];
+    targets.extend(std::env::var("MOAT_BENCH_IDLE").ok().and_then(|n| n.parse::<usize>().ok()).filter(|n| *n > 50));
+    for target in targets {
         while ids.len() < target {
             ids.push(moat.create(spec()).await.expect("create").id);
         }
