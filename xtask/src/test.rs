@@ -17,10 +17,36 @@ pub fn gate() -> Result<()> {
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     let agent = build::static_agent()?;
     image::build("default", false)?;
-    // Ignored tests are those that need root, the image, the static agent
-    // and QEMU, all provided above.
-    run(cargo().args(["test", "--workspace", "--no-fail-fast", "--", "--include-ignored"]).env("MOAT_AGENT", &agent))?;
+    let pythons = mcp_sdks()?;
+    // Ignored tests are those that need root, the image, the static agent,
+    // QEMU and the Python MCP SDKs, all provided above.
+    run(cargo()
+        .args(["test", "--workspace", "--no-fail-fast", "--", "--include-ignored"])
+        .env("MOAT_AGENT", &agent)
+        .env("MOAT_TEST_PYTHONS", pythons))?;
     fuzz_target_builds()
+}
+
+/// The official Python MCP SDKs the end-to-end tests drive moat-mcp with:
+/// the last 1.x and a 2.x, each in its own virtual environment under
+/// `target/`. Returns their interpreters, colon-separated.
+fn mcp_sdks() -> Result<String> {
+    let mut pythons = Vec::new();
+    for (dir, version) in [("mcp-py1", "1.30.0"), ("mcp-py2", "2.3.0")] {
+        let venv = crate::host::root().join("target").join(dir);
+        let python = venv.join("bin/python");
+        let installed = std::process::Command::new(&python)
+            .args(["-c", &format!("import importlib.metadata as m; assert m.version('mcp') == '{version}'")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !installed {
+            let _ = std::fs::remove_dir_all(&venv);
+            run(std::process::Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+            run(std::process::Command::new(&python).args(["-m", "pip", "install", "-q", &format!("mcp=={version}")]))?;
+        }
+        pythons.push(python.display().to_string());
+    }
+    Ok(pythons.join(":"))
 }
 
 /// The decoder's fuzz target must keep compiling; `cargo check` is enough

@@ -1,5 +1,94 @@
-//! The MCP server of moat: maps the tools contract in `testdata/tools.json`
-//! onto `moat-core`.
+//! The MCP server of moat: the tools contract in `testdata/tools.json`
+//! mapped onto `moat-core`, served over stdio with `rmcp`.
 //!
-//! Not built yet: the tools arrive with the MCP issue (M4). Until then this
-//! crate holds nothing, and `moat-mcp` refuses to start rather than pretend.
+//! `tools/list` answers with the contract itself, so what clients see is
+//! exactly what `testdata/tools.json` says. Each server process owns its
+//! sandboxes; tools without a `sandbox_id` use the session's current one,
+//! created with the defaults on first need.
+//!
+//! Work in progress (issue M4): the tools that need the network, host copies
+//! or the IPython kernel answer with an error that says they are not
+//! available yet; streamable HTTP, progress and cancellation are still to come.
+
+mod tools;
+
+use std::sync::{Arc, Mutex};
+
+use moat_core::Moat;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, Implementation, InitializeResult, ListToolsResult, PaginatedRequestParams,
+    ServerCapabilities, Tool,
+};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
+
+/// The tools contract, compiled in.
+pub const CONTRACT: &str = include_str!("../../../testdata/tools.json");
+
+/// The tools of the contract, as `tools/list` returns them.
+pub fn contract_tools() -> Result<Vec<Tool>, serde_json::Error> {
+    #[derive(serde::Deserialize)]
+    struct Contract {
+        tools: Vec<Tool>,
+    }
+    Ok(serde_json::from_str::<Contract>(CONTRACT)?.tools)
+}
+
+/// One MCP session: a `Moat` and the session's current sandbox.
+#[derive(Clone)]
+pub struct MoatServer {
+    moat: Moat,
+    tools: Arc<Vec<Tool>>,
+    current: Arc<Mutex<Option<String>>>,
+}
+
+impl std::fmt::Debug for MoatServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MoatServer").field("tools", &self.tools.len()).finish_non_exhaustive()
+    }
+}
+
+impl MoatServer {
+    pub fn new(moat: Moat) -> Result<Self, serde_json::Error> {
+        Ok(Self { moat, tools: Arc::new(contract_tools()?), current: Arc::new(Mutex::new(None)) })
+    }
+
+    pub fn moat(&self) -> &Moat {
+        &self.moat
+    }
+}
+
+impl ServerHandler for MoatServer {
+    fn get_info(&self) -> InitializeResult {
+        InitializeResult::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(Implementation::new("moat", env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "Disposable, isolated Linux sandboxes (Debian with Python, Node.js, git and build tools). \
+                 Tools act on the session's current sandbox unless given a sandbox_id; one is created on first need.",
+            )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, McpError> {
+        Ok(ListToolsResult { tools: self.tools.as_ref().clone(), ..Default::default() })
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, McpError> {
+        if !self.tools.iter().any(|t| t.name == request.name) {
+            let known: Vec<&str> = self.tools.iter().map(|t| t.name.as_ref()).collect();
+            return Err(McpError::invalid_params(
+                format!("unknown tool {:?}; the tools are: {}", request.name, known.join(", ")),
+                None,
+            ));
+        }
+        let args = serde_json::Value::Object(request.arguments.unwrap_or_default());
+        Ok(tools::call(self, &request.name, args).await.into())
+    }
+}

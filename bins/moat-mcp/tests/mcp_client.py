@@ -1,0 +1,122 @@
+"""Drives moat-mcp over stdio with the official Python MCP SDK (1.x or 2.x).
+
+Usage: python mcp_client.py MOAT_MCP_BINARY TOOLS_JSON PROJECT_DIR
+Exits non-zero (with the reason) when anything a client relies on is wrong.
+"""
+
+import asyncio
+import base64
+import json
+import os
+import sys
+
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+
+def structured(result):
+    value = getattr(result, "structuredContent", None)
+    if value is None:
+        value = getattr(result, "structured_content", None)
+    return value
+
+
+def is_error(result):
+    value = getattr(result, "isError", None)
+    if value is None:
+        value = getattr(result, "is_error", None)
+    return bool(value)
+
+
+def text(result):
+    return "".join(getattr(block, "text", "") for block in result.content)
+
+
+async def call(session, name, args, expect_error=False):
+    result = await session.call_tool(name, args)
+    if is_error(result) != expect_error:
+        raise AssertionError(f"{name} {args}: isError={is_error(result)}: {text(result)}")
+    if not expect_error:
+        value = structured(result)
+        assert value is not None, f"{name}: no structuredContent"
+        assert json.loads(text(result)) == value, f"{name}: text and structuredContent differ"
+        return value
+    return text(result)
+
+
+async def main(binary, contract_path, project):
+    contract = json.load(open(contract_path))["tools"]
+    env = dict(os.environ, MOAT_ROOTS=os.path.dirname(project))
+    params = StdioServerParameters(command=binary, args=[], env=env)
+    async with stdio_client(params) as (read, write):
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+
+            listed = (await session.list_tools()).tools
+            assert [t.name for t in listed] == [t["name"] for t in contract], "tools/list differs from tools.json"
+            for tool, spec in zip(listed, contract):
+                schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
+                assert schema == spec["inputSchema"], f"{tool.name}: input schema differs from tools.json"
+                assert tool.description == spec["description"], f"{tool.name}: description differs"
+
+            box = await call(session, "create_sandbox", {"name": "mcp-test"})
+            assert box["current"] and box["name"] == "mcp-test" and box["backend"] in ("jail", "vm"), box
+
+            out = await call(session, "run_command", {"cmd": "echo hi; echo err >&2; exit 3"})
+            assert (out["stdout"], out["stderr"], out["exit_code"], out["timed_out"]) == ("hi\n", "err\n", 3, False), out
+            out = await call(session, "run_command", {"cmd": "cat", "stdin": "fed"})
+            assert out["stdout"] == "fed", out
+            out = await call(session, "run_command", {"cmd": "sleep 30", "timeout": 1})
+            assert out["timed_out"], out
+
+            big = await call(session, "run_command", {"cmd": "python3 -c \"print('x' * 150000)\""})
+            assert big["truncated"] and "[truncated: " in big["stdout"], big["stdout"][-80:]
+            whole = await call(session, "read_file", {"path": big["full_output_path"], "offset": 149990, "length": 20})
+            assert whole["content"].startswith("xxxxxxxxxx"), whole
+
+            await call(session, "write_file", {"path": "notes/hello.txt", "content": "héllo\n"})
+            back = await call(session, "read_file", {"path": "/home/user/notes/hello.txt"})
+            assert back["content"] == "héllo\n", back
+            blob = base64.b64encode(bytes(range(256))).decode()
+            await call(session, "write_file", {"path": "blob.bin", "content": blob, "encoding": "base64", "mode": "600"})
+            back = await call(session, "read_file", {"path": "blob.bin", "encoding": "base64"})
+            assert back["content"] == blob, back
+            listing = await call(session, "list_files", {"depth": 2})
+            names = {e["path"] for e in listing["entries"]}
+            assert "/home/user/notes/hello.txt" in names and "/home/user/blob.bin" in names, names
+            await call(session, "make_dir", {"path": "a/b/c"})
+            await call(session, "move_file", {"source": "blob.bin", "destination": "a/b/c/blob.bin"})
+            await call(session, "delete_file", {"path": "a", "recursive": True})
+
+            # Errors the model can fix: tool results with isError and a way out.
+            message = await call(session, "read_file", {"path": "missing.txt"}, expect_error=True)
+            assert "no such file" in message, message
+            message = await call(session, "read_file", {"path": "blob.bin", "encoding": "hex"}, expect_error=True)
+            assert "utf8 or base64" in message, message
+            message = await call(session, "run_command", {"cmd": "true", "timeout": 0}, expect_error=True)
+            assert "from 1 to 3600" in message, message
+            message = await call(session, "run_command", {"cmd": "true", "sandbox_id": "sbx-nope"}, expect_error=True)
+            assert box["sandbox_id"] in message, message
+            message = await call(session, "git_clone", {"url": "https://github.com/x/y"}, expect_error=True)
+            assert "network" in message, message
+
+            # A task: import, change, diff, finish.
+            task = await call(session, "task_start", {"source": project})
+            assert task["runtime"] == "python", task
+            await call(session, "run_command", {"cmd": "cd /workspace && echo \"print('bye')\" >> main.py"})
+            diff = await call(session, "task_diff", {"task_id": task["task_id"]})
+            assert "+print('bye')" in diff["diff"] and diff["summary"]["files_changed"] == 1, diff
+            done = await call(session, "task_finish", {"task_id": task["task_id"]})
+            assert os.path.exists(done["patch_path"]), done
+            listed = await call(session, "list_sandboxes", {})
+            assert any(t["task_id"] == task["task_id"] for t in listed["tasks"]), listed
+            await call(session, "remove_task", {"task_id": task["task_id"]})
+
+            await call(session, "destroy_sandbox", {"sandbox_id": box["sandbox_id"]})
+            listed = await call(session, "list_sandboxes", {})
+            assert all(s["sandbox_id"] != box["sandbox_id"] for s in listed["sandboxes"]), listed
+    print("mcp client: all checks passed")
+
+
+if __name__ == "__main__":
+    asyncio.run(main(*sys.argv[1:4]))

@@ -1,0 +1,444 @@
+//! The tools: arguments checked, mapped onto `moat-core`, results shaped as
+//! the contract says. Mistakes the model can fix are tool results with
+//! `isError: true` and a message saying what to do.
+
+use base64::Engine;
+use moat_core::{CoreError, NetworkPolicy, SandboxSpec};
+use moat_proto::{ExecRequest, FileKind, ReadFileRequest, WriteFileRequest};
+use rmcp::model::{CallToolResult, ContentBlock};
+use serde_json::{Value, json};
+
+use crate::MoatServer;
+
+/// Text outputs are cut here, with the full output kept in the sandbox.
+pub const MAX_TEXT: usize = 100_000;
+
+/// A tool's failure, shown to the model.
+struct ToolError(String);
+
+impl From<CoreError> for ToolError {
+    fn from(e: CoreError) -> Self {
+        let mut message = e.to_string();
+        let mut source = std::error::Error::source(&e);
+        while let Some(cause) = source {
+            message.push_str(&format!(": {cause}"));
+            source = cause.source();
+        }
+        Self(message)
+    }
+}
+
+impl From<moat_proto::ProtoError> for ToolError {
+    fn from(e: moat_proto::ProtoError) -> Self {
+        Self(e.to_string())
+    }
+}
+
+type Outcome = Result<Value, ToolError>;
+
+/// Runs tool `name`; always a result, errors included.
+pub async fn call(server: &MoatServer, name: &str, args: Value) -> CallToolResult {
+    let outcome = match name {
+        "create_sandbox" => create_sandbox(server, &args).await,
+        "destroy_sandbox" => destroy_sandbox(server, &args).await,
+        "list_sandboxes" => Ok(list_sandboxes(server)),
+        "run_command" => run_command(server, &args).await,
+        "read_file" => read_file(server, &args).await,
+        "write_file" => write_file(server, &args).await,
+        "list_files" => list_files(server, &args).await,
+        "make_dir" => make_dir(server, &args).await,
+        "move_file" => move_file(server, &args).await,
+        "delete_file" => delete_file(server, &args).await,
+        "task_start" => task_start(server, &args).await,
+        "task_diff" => task_diff(server, &args).await,
+        "task_finish" => task_finish(server, &args).await,
+        "remove_task" => remove_task(server, &args),
+        "git_clone" | "preview_link" => Err(ToolError(format!(
+            "{name} needs network access from the sandbox, and sandboxes have no network yet (policy none); \
+             this tool becomes available with network policies"
+        ))),
+        other => Err(ToolError(format!("{other} is not available in this build of moat-mcp yet"))),
+    };
+    match outcome {
+        Ok(value) => {
+            let text = serde_json::to_string_pretty(&value).unwrap_or_default();
+            let mut result = CallToolResult::success(vec![ContentBlock::text(text)]);
+            result.structured_content = Some(value);
+            result
+        }
+        Err(ToolError(message)) => CallToolResult::error(vec![ContentBlock::text(message)]),
+    }
+}
+
+fn str_arg<'a>(args: &'a Value, key: &str) -> Result<Option<&'a str>, ToolError> {
+    match args.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(ToolError(format!("{key} must be a string"))),
+    }
+}
+
+fn required<'a>(args: &'a Value, key: &str) -> Result<&'a str, ToolError> {
+    str_arg(args, key)?.ok_or_else(|| ToolError(format!("{key} is required")))
+}
+
+fn int_arg(args: &Value, key: &str, min: u64, max: u64) -> Result<Option<u64>, ToolError> {
+    match args.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) if (min..=max).contains(&n) => Ok(Some(n)),
+            _ => Err(ToolError(format!("{key} must be an integer from {min} to {max}, got {v}"))),
+        },
+    }
+}
+
+fn bool_arg(args: &Value, key: &str) -> Result<bool, ToolError> {
+    match args.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(ToolError(format!("{key} must be true or false, got {v}"))),
+    }
+}
+
+/// Paths relative to the user's home are taken as inside it.
+fn sandbox_path(path: &str) -> String {
+    if path.starts_with('/') { path.to_owned() } else { format!("/home/user/{path}") }
+}
+
+fn rfc3339(secs: u64) -> String {
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs)).to_string()
+}
+
+/// The sandbox a call acts on: its `sandbox_id`, or the session's current
+/// one, created with the defaults when there is none.
+async fn target(server: &MoatServer, args: &Value) -> Result<String, ToolError> {
+    if let Some(id) = str_arg(args, "sandbox_id")? {
+        server.moat.get(id)?;
+        return Ok(id.to_owned());
+    }
+    let current = server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    if let Some(id) = current
+        && server.moat.get(&id).is_ok()
+    {
+        return Ok(id);
+    }
+    let sandbox = server.moat.create(SandboxSpec::default()).await?;
+    *server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(sandbox.id.clone());
+    Ok(sandbox.id)
+}
+
+fn sandbox_json(server: &MoatServer, sandbox: &moat_core::Sandbox) -> Value {
+    let current =
+        server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_deref() == Some(&sandbox.id);
+    json!({
+        "sandbox_id": sandbox.id,
+        "name": sandbox.name,
+        "state": sandbox.state,
+        "backend": sandbox.backend,
+        "image": sandbox.image,
+        "cpus": sandbox.spec.cpus,
+        "memory_mib": sandbox.spec.memory_mib,
+        "disk_mib": sandbox.spec.disk_mib,
+        "network": sandbox.spec.network,
+        "created_at": rfc3339(sandbox.created_at),
+        "expires_at": rfc3339(sandbox.expires_at),
+        "current": current,
+    })
+}
+
+async fn create_sandbox(server: &MoatServer, args: &Value) -> Outcome {
+    let mut spec = SandboxSpec { name: str_arg(args, "name")?.map(str::to_owned), ..SandboxSpec::default() };
+    if let Some(image) = str_arg(args, "image")? {
+        spec.image = image.to_owned();
+    }
+    if let Some(cpus) = int_arg(args, "cpus", 1, 16)? {
+        spec.cpus = u32::try_from(cpus).unwrap_or(1);
+    }
+    spec.memory_mib = int_arg(args, "memory_mib", 128, 65_536)?.unwrap_or(spec.memory_mib);
+    spec.disk_mib = int_arg(args, "disk_mib", 64, 262_144)?.unwrap_or(spec.disk_mib);
+    spec.timeout_seconds = int_arg(args, "timeout_seconds", 60, 28_800)?.unwrap_or(spec.timeout_seconds);
+    spec.idle_seconds = int_arg(args, "idle_seconds", 0, 28_800)?.unwrap_or(spec.idle_seconds);
+    if let Some(network) = str_arg(args, "network")? {
+        spec.network = network.parse::<NetworkPolicy>().map_err(ToolError)?;
+    }
+    if let Some(env) = args.get("env").filter(|v| !v.is_null()) {
+        let Some(map) = env.as_object() else { return Err(ToolError("env must be an object of strings".into())) };
+        for (key, value) in map {
+            let Some(value) = value.as_str() else { return Err(ToolError(format!("env.{key} must be a string"))) };
+            spec.env.push((key.clone(), value.to_owned()));
+        }
+    }
+    let sandbox = server.moat.create(spec).await?;
+    *server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(sandbox.id.clone());
+    Ok(sandbox_json(server, &sandbox))
+}
+
+async fn destroy_sandbox(server: &MoatServer, args: &Value) -> Outcome {
+    let id = required(args, "sandbox_id")?;
+    server.moat.destroy(id).await?;
+    let mut current = server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if current.as_deref() == Some(id) {
+        *current = None;
+    }
+    Ok(json!({ "ok": true, "message": format!("sandbox {id} destroyed") }))
+}
+
+fn list_sandboxes(server: &MoatServer) -> Value {
+    let sandboxes: Vec<Value> = server.moat.list().iter().map(|s| sandbox_json(server, s)).collect();
+    let tasks: Vec<Value> = server
+        .moat
+        .task_records()
+        .iter()
+        .map(|r| {
+            json!({
+                "task_id": r.task.id,
+                "source": r.task.source,
+                "finished_at": rfc3339(r.finished_at),
+                "patch_path": r.patch_path,
+                "summary": r.summary,
+            })
+        })
+        .collect();
+    json!({ "sandboxes": sandboxes, "tasks": tasks })
+}
+
+/// Cuts `text` at [`MAX_TEXT`] characters with a note of what was left out.
+fn clip(text: &str) -> (String, bool) {
+    match text.char_indices().nth(MAX_TEXT) {
+        None => (text.to_owned(), false),
+        Some((cut, _)) => {
+            let rest = text[cut..].chars().count();
+            (format!("{}… [truncated: {rest} more characters]", &text[..cut]), true)
+        }
+    }
+}
+
+async fn run_command(server: &MoatServer, args: &Value) -> Outcome {
+    let cmd = required(args, "cmd")?;
+    let timeout = int_arg(args, "timeout", 1, 3600)?.unwrap_or(60);
+    let cwd = str_arg(args, "cwd")?.map(sandbox_path);
+    let stdin = str_arg(args, "stdin")?.map(str::to_owned);
+    let background = bool_arg(args, "background")?;
+    let id = target(server, args).await?;
+    let mut env = Vec::new();
+    if let Some(map) = args.get("env").and_then(Value::as_object) {
+        for (key, value) in map {
+            let Some(value) = value.as_str() else { return Err(ToolError(format!("env.{key} must be a string"))) };
+            env.push((key.clone(), value.to_owned()));
+        }
+    }
+    if background {
+        let log = format!("/tmp/moat-bg-{}.log", std::process::id() ^ (rand_u32()));
+        let script = format!("setsid nohup bash -lc {} > {log} 2>&1 < /dev/null & echo $!", shell_quote(cmd));
+        let mut req = ExecRequest::shell(script);
+        req.cwd = cwd;
+        req.env = env;
+        let out = server.moat.run(&id, req).await?;
+        let pid: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(0);
+        return Ok(json!({
+            "stdout": "", "stderr": "", "exit_code": null, "timed_out": false, "duration_ms": out.status.duration_ms,
+            "truncated": false, "pid": pid, "log_path": log,
+        }));
+    }
+    let mut req = ExecRequest::argv(["bash", "-lc", cmd]);
+    req.cwd = cwd;
+    req.env = env;
+    req.timeout_ms = Some(timeout * 1000);
+    req.stdin = stdin.is_some();
+    let out = match stdin {
+        // Through Moat::run, so that a task's execution log records it.
+        None => server.moat.run(&id, req).await?,
+        Some(input) => {
+            let mut handle = server.moat.exec(&id, req).await?;
+            if let Some(mut pipe) = handle.take_stdin() {
+                tokio::spawn(async move {
+                    let _ = pipe.write(input.into_bytes().into()).await;
+                    let _ = pipe.close().await;
+                });
+            }
+            handle.output_limited(moat_core::moat::RUN_OUTPUT_LIMIT).await?
+        }
+    };
+    let client = server.moat.client(&id)?;
+    let stdout_full = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr_full = String::from_utf8_lossy(&out.stderr).into_owned();
+    let (stdout, cut_out) = clip(&stdout_full);
+    let (stderr, cut_err) = clip(&stderr_full);
+    let mut result = json!({
+        "stdout": stdout, "stderr": stderr, "exit_code": out.status.code, "timed_out": out.status.timed_out,
+        "duration_ms": out.status.duration_ms, "truncated": cut_out || cut_err || out.truncated,
+    });
+    if cut_out || cut_err {
+        // Keep the whole output inside the sandbox for paging with read_file.
+        let path = format!("/tmp/moat-output-{}.txt", rand_u32());
+        let whole =
+            format!("{stdout_full}{}{stderr_full}", if stderr_full.is_empty() { "" } else { "\n--- stderr ---\n" });
+        let req = WriteFileRequest {
+            path: path.clone(),
+            mode: Some(0o644),
+            create_parents: true,
+            owner: Some("user".into()),
+        };
+        if client.write_file(req, &mut whole.as_bytes()).await.is_ok() {
+            result["full_output_path"] = json!(path);
+        }
+    }
+    Ok(result)
+}
+
+fn rand_u32() -> u32 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos())
+}
+
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+async fn read_file(server: &MoatServer, args: &Value) -> Outcome {
+    let path = sandbox_path(required(args, "path")?);
+    let base64 = match str_arg(args, "encoding")? {
+        None | Some("utf8") => false,
+        Some("base64") => true,
+        Some(other) => return Err(ToolError(format!("encoding {other:?} is not known; use utf8 or base64"))),
+    };
+    let offset = int_arg(args, "offset", 0, u64::MAX >> 1)?.unwrap_or(0);
+    let length = int_arg(args, "length", 1, 10 << 20)?;
+    let id = target(server, args).await?;
+    let client = server.moat.client(&id)?;
+    let info = client.stat(path.clone()).await?;
+    let length = length.unwrap_or(10 << 20);
+    let bytes = client.read_file(ReadFileRequest { path: path.clone(), offset, length: Some(length) }).await?;
+    let truncated = offset + (bytes.len() as u64) < info.size;
+    let content = if base64 {
+        base64::engine::general_purpose::STANDARD.encode(&bytes)
+    } else {
+        match String::from_utf8(bytes) {
+            Ok(text) => text,
+            Err(_) => return Err(ToolError(format!("{path} is not UTF-8 text; read it with encoding base64"))),
+        }
+    };
+    Ok(json!({
+        "path": path, "content": content, "encoding": if base64 { "base64" } else { "utf8" },
+        "size": info.size, "offset": offset, "length": length, "truncated": truncated,
+    }))
+}
+
+async fn write_file(server: &MoatServer, args: &Value) -> Outcome {
+    let path = sandbox_path(required(args, "path")?);
+    let content = required(args, "content")?;
+    let bytes = match str_arg(args, "encoding")? {
+        None | Some("utf8") => content.as_bytes().to_vec(),
+        Some("base64") => base64::engine::general_purpose::STANDARD
+            .decode(content)
+            .map_err(|e| ToolError(format!("content is not valid base64 ({e}); send the bytes base64-encoded")))?,
+        Some(other) => return Err(ToolError(format!("encoding {other:?} is not known; use utf8 or base64"))),
+    };
+    let mode = match str_arg(args, "mode")? {
+        None => None,
+        Some(m) => Some(
+            u32::from_str_radix(m.trim_start_matches("0o"), 8)
+                .map_err(|_| ToolError(format!("mode {m:?} is not an octal permission such as 644 or 755")))?,
+        ),
+    };
+    let id = target(server, args).await?;
+    let client = server.moat.client(&id)?;
+    let req = WriteFileRequest { path: path.clone(), mode, create_parents: true, owner: Some("user".into()) };
+    let written = client.write_file(req, &mut bytes.as_slice()).await?;
+    Ok(json!({ "path": path, "bytes": written }))
+}
+
+async fn list_files(server: &MoatServer, args: &Value) -> Outcome {
+    let path = sandbox_path(str_arg(args, "path")?.unwrap_or("/home/user"));
+    let depth = int_arg(args, "depth", 1, 5)?.unwrap_or(1);
+    let id = target(server, args).await?;
+    let client = server.moat.client(&id)?;
+    let (entries, truncated) = client.list_dir(path, u8::try_from(depth).unwrap_or(1)).await?;
+    let entries: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            json!({
+                "name": e.name, "path": e.path,
+                "type": match e.kind { FileKind::File => "file", FileKind::Dir => "dir", FileKind::Symlink => "symlink", FileKind::Other => "other" },
+                "size": e.size, "mode": format!("{:o}", e.mode),
+                "mtime": rfc3339(u64::try_from(e.mtime).unwrap_or(0)),
+            })
+        })
+        .collect();
+    Ok(json!({ "entries": entries, "truncated": truncated }))
+}
+
+async fn make_dir(server: &MoatServer, args: &Value) -> Outcome {
+    let path = sandbox_path(required(args, "path")?);
+    let id = target(server, args).await?;
+    server.moat.client(&id)?.make_dir(path.clone(), Some("user".into())).await?;
+    Ok(json!({ "ok": true, "message": format!("{path} exists") }))
+}
+
+async fn move_file(server: &MoatServer, args: &Value) -> Outcome {
+    let from = sandbox_path(required(args, "source")?);
+    let to = sandbox_path(required(args, "destination")?);
+    let overwrite = bool_arg(args, "overwrite")?;
+    let id = target(server, args).await?;
+    server.moat.client(&id)?.move_path(from.clone(), to.clone(), overwrite).await?;
+    Ok(json!({ "ok": true, "message": format!("moved {from} to {to}") }))
+}
+
+async fn delete_file(server: &MoatServer, args: &Value) -> Outcome {
+    let path = sandbox_path(required(args, "path")?);
+    let recursive = bool_arg(args, "recursive")?;
+    let id = target(server, args).await?;
+    server.moat.client(&id)?.remove(path.clone(), recursive).await?;
+    Ok(json!({ "ok": true, "message": format!("deleted {path}") }))
+}
+
+async fn task_start(server: &MoatServer, args: &Value) -> Outcome {
+    let source = required(args, "source")?;
+    let spec = SandboxSpec { name: str_arg(args, "name")?.map(str::to_owned), ..SandboxSpec::default() };
+    let task = server.moat.task_start(std::path::Path::new(source), spec).await?;
+    *server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task.sandbox_id.clone());
+    Ok(json!({
+        "task_id": task.id, "sandbox_id": task.sandbox_id, "runtime": task.runtime, "files": task.files,
+        "workspace": "/workspace",
+    }))
+}
+
+async fn task_diff(server: &MoatServer, args: &Value) -> Outcome {
+    let (diff, summary) = server.moat.task_diff(required(args, "task_id")?).await?;
+    let (diff, truncated) = clip(&diff);
+    Ok(json!({ "diff": diff, "summary": summary, "truncated": truncated }))
+}
+
+async fn task_finish(server: &MoatServer, args: &Value) -> Outcome {
+    let record = server.moat.task_finish(required(args, "task_id")?, bool_arg(args, "keep_sandbox")?).await?;
+    Ok(json!({
+        "task_id": record.task.id, "patch_path": record.patch_path, "log_path": record.log_path,
+        "summary": record.summary, "sandbox_kept": record.sandbox_kept,
+    }))
+}
+
+fn remove_task(server: &MoatServer, args: &Value) -> Outcome {
+    let id = required(args, "task_id")?;
+    server.moat.remove_task(id)?;
+    Ok(json!({ "ok": true, "message": format!("task record {id} removed") }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_text_is_clipped_with_a_count() {
+        let long = "é".repeat(MAX_TEXT + 5);
+        let (text, cut) = clip(&long);
+        assert!(cut);
+        assert!(text.ends_with("… [truncated: 5 more characters]"), "{}", &text[text.len() - 40..]);
+        assert_eq!(clip("short"), ("short".to_owned(), false));
+    }
+
+    #[test]
+    fn the_contract_parses_into_tools() {
+        let tools = crate::contract_tools().expect("tools.json is valid");
+        assert_eq!(tools.len(), 19);
+        assert!(tools.iter().all(|t| t.description.is_some() && t.annotations.is_some()));
+    }
+}
