@@ -55,7 +55,7 @@ fn main() -> ExitCode {
         Task::Build => build::build_all(),
         Task::Test => test::gate(),
         Task::Bench => test::bench(),
-        Task::Demo => demo::run(),
+        Task::Demo => demo::run_demo(),
         Task::Image { name, force } => image::build(&name, force).map(|_| ()),
     };
     match result {

@@ -30,7 +30,7 @@ pub fn gate() -> Result<()> {
 /// The official Python MCP SDKs the end-to-end tests drive moat-mcp with:
 /// the last 1.x and a 2.x, each in its own virtual environment under
 /// `target/`. Returns their interpreters, colon-separated.
-fn mcp_sdks() -> Result<String> {
+pub fn mcp_sdks() -> Result<String> {
     let mut pythons = Vec::new();
     for (dir, version) in [("mcp-py1", "1.30.0"), ("mcp-py2", "2.3.0")] {
         let venv = crate::host::root().join("target").join(dir);
