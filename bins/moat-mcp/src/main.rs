@@ -3,10 +3,17 @@
 use std::process::ExitCode;
 
 use moat_core::{Moat, MoatConfig};
-use moat_mcp::MoatServer;
+use moat_mcp::{MoatServer, ServerConfig};
 use rmcp::ServiceExt;
 
 fn main() -> ExitCode {
+    let config = match ServerConfig::from_env() {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("moat-mcp: {e}");
+            return ExitCode::from(2);
+        }
+    };
     // stdout belongs to the MCP transport: logs go to stderr only.
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -27,12 +34,21 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(serve())
+    runtime.block_on(serve(config))
 }
 
-async fn serve() -> ExitCode {
+async fn serve(config: ServerConfig) -> ExitCode {
     let moat = match MoatConfig::from_env() {
-        Ok(config) => Moat::new(config).await,
+        Ok(moat_config) => {
+            let moat_config = MoatConfig {
+                backend: config.backend,
+                max_sandboxes: config.max_sandboxes,
+                pool_size: config.pool_size,
+                pool_spec: config.defaults.clone(),
+                ..moat_config
+            };
+            Moat::new(moat_config).await
+        }
         Err(e) => Err(e),
     };
     let moat = match moat {
@@ -42,7 +58,7 @@ async fn serve() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let server = match MoatServer::new(moat.clone()) {
+    let server = match MoatServer::new(moat.clone(), config.defaults.clone()) {
         Ok(server) => server,
         Err(e) => {
             eprintln!("moat-mcp: the built-in tools contract does not parse: {e}");

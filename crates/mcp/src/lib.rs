@@ -10,7 +10,10 @@
 //! or the IPython kernel answer with an error that says they are not
 //! available yet; streamable HTTP, progress and cancellation are still to come.
 
+pub mod config;
 mod tools;
+
+pub use config::{ConfigError, ServerConfig};
 
 use std::sync::{Arc, Mutex};
 
@@ -40,6 +43,8 @@ pub struct MoatServer {
     moat: Moat,
     tools: Arc<Vec<Tool>>,
     current: Arc<Mutex<Option<String>>>,
+    /// The spec of sandboxes made without arguments (from the environment).
+    defaults: moat_core::SandboxSpec,
 }
 
 impl std::fmt::Debug for MoatServer {
@@ -49,8 +54,8 @@ impl std::fmt::Debug for MoatServer {
 }
 
 impl MoatServer {
-    pub fn new(moat: Moat) -> Result<Self, serde_json::Error> {
-        Ok(Self { moat, tools: Arc::new(contract_tools()?), current: Arc::new(Mutex::new(None)) })
+    pub fn new(moat: Moat, defaults: moat_core::SandboxSpec) -> Result<Self, serde_json::Error> {
+        Ok(Self { moat, tools: Arc::new(contract_tools()?), current: Arc::new(Mutex::new(None)), defaults })
     }
 
     pub fn moat(&self) -> &Moat {

@@ -122,7 +122,7 @@ async fn target(server: &MoatServer, args: &Value) -> Result<String, ToolError> 
     {
         return Ok(id);
     }
-    let sandbox = server.moat.create(SandboxSpec::default()).await?;
+    let sandbox = server.moat.create(server.defaults.clone()).await?;
     *server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(sandbox.id.clone());
     Ok(sandbox.id)
 }
@@ -147,7 +147,7 @@ fn sandbox_json(server: &MoatServer, sandbox: &moat_core::Sandbox) -> Value {
 }
 
 async fn create_sandbox(server: &MoatServer, args: &Value) -> Outcome {
-    let mut spec = SandboxSpec { name: str_arg(args, "name")?.map(str::to_owned), ..SandboxSpec::default() };
+    let mut spec = SandboxSpec { name: str_arg(args, "name")?.map(str::to_owned), ..server.defaults.clone() };
     if let Some(image) = str_arg(args, "image")? {
         spec.image = image.to_owned();
     }
@@ -393,7 +393,7 @@ async fn delete_file(server: &MoatServer, args: &Value) -> Outcome {
 
 async fn task_start(server: &MoatServer, args: &Value) -> Outcome {
     let source = required(args, "source")?;
-    let spec = SandboxSpec { name: str_arg(args, "name")?.map(str::to_owned), ..SandboxSpec::default() };
+    let spec = SandboxSpec { name: str_arg(args, "name")?.map(str::to_owned), ..server.defaults.clone() };
     let task = server.moat.task_start(std::path::Path::new(source), spec).await?;
     *server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task.sandbox_id.clone());
     Ok(json!({

@@ -1,0 +1,127 @@
+//! `moat-mcp`'s configuration: environment variables only, each checked;
+//! a bad value stops the server with one line naming the variable and what
+//! is allowed (exit status 2).
+
+use moat_core::{BackendKind, NetworkPolicy, SandboxSpec};
+
+/// A variable with a value the server cannot use.
+#[derive(Debug, thiserror::Error)]
+#[error("{var}={value:?} is invalid: {allowed}")]
+pub struct ConfigError {
+    pub var: &'static str,
+    pub value: String,
+    pub allowed: String,
+}
+
+/// What the environment asks of the server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    pub backend: BackendKind,
+    pub max_sandboxes: usize,
+    pub pool_size: usize,
+    /// Defaults for sandboxes created without arguments.
+    pub defaults: SandboxSpec,
+}
+
+impl ServerConfig {
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_lookup(|var| std::env::var(var).ok().filter(|v| !v.is_empty()))
+    }
+
+    /// Reads the variables through `get`, so tests need not touch the environment.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let bad = |var: &'static str, value: &str, allowed: &str| ConfigError {
+            var,
+            value: value.to_owned(),
+            allowed: allowed.to_owned(),
+        };
+        let number = |var: &'static str, default: u64, min: u64, max: u64| -> Result<u64, ConfigError> {
+            match get(var) {
+                None => Ok(default),
+                Some(v) => match v.parse::<u64>() {
+                    Ok(n) if (min..=max).contains(&n) => Ok(n),
+                    _ => Err(bad(var, &v, &format!("an integer from {min} to {max}"))),
+                },
+            }
+        };
+        let backend = match get("MOAT_BACKEND") {
+            None => BackendKind::Auto,
+            Some(v) => v.parse().map_err(|_| bad("MOAT_BACKEND", &v, "auto, vm or jail"))?,
+        };
+        let network = match get("MOAT_NETWORK") {
+            None => NetworkPolicy::None,
+            Some(v) => match v.parse::<NetworkPolicy>() {
+                Ok(NetworkPolicy::None) => NetworkPolicy::None,
+                Ok(_) => {
+                    return Err(bad("MOAT_NETWORK", &v, "none (filtered and open are not available in this build)"));
+                }
+                Err(_) => return Err(bad("MOAT_NETWORK", &v, "none, filtered or open")),
+            },
+        };
+        let timeout = number("MOAT_TIMEOUT_SECONDS", 3600, 60, 28_800)?;
+        let idle = number("MOAT_IDLE_SECONDS", 300, 0, 28_800)?;
+        if idle != 0 && (idle < 60 || idle >= timeout) {
+            return Err(bad(
+                "MOAT_IDLE_SECONDS",
+                &idle.to_string(),
+                &format!("0 (never suspend) or from 60 to less than MOAT_TIMEOUT_SECONDS ({timeout})"),
+            ));
+        }
+        let image = get("MOAT_IMAGE").unwrap_or_else(|| "default".into());
+        if !image.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') || image.len() > 64 {
+            return Err(bad("MOAT_IMAGE", &image, "an image name of letters, digits, '-' or '_'"));
+        }
+        let max_sandboxes = number("MOAT_MAX_SANDBOXES", 16, 1, 1024)?;
+        let pool_size = number("MOAT_POOL_SIZE", 0, 0, 64)?;
+        if let Some(level) = get("MOAT_LOG_LEVEL")
+            && !["error", "warn", "info", "debug", "trace"].contains(&level.as_str())
+        {
+            return Err(bad("MOAT_LOG_LEVEL", &level, "error, warn, info, debug or trace"));
+        }
+        let defaults =
+            SandboxSpec { image, network, timeout_seconds: timeout, idle_seconds: idle, ..SandboxSpec::default() };
+        Ok(Self {
+            backend,
+            max_sandboxes: usize::try_from(max_sandboxes).unwrap_or(16),
+            pool_size: usize::try_from(pool_size).unwrap_or(0),
+            defaults,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(vars: &[(&str, &str)]) -> Result<ServerConfig, ConfigError> {
+        let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        ServerConfig::from_lookup(|var| vars.iter().find(|(k, _)| k == var).map(|(_, v)| v.clone()))
+    }
+
+    #[test]
+    fn defaults_without_variables() {
+        let config = with(&[]).expect("valid");
+        assert_eq!(config.backend, BackendKind::Auto);
+        assert_eq!((config.defaults.timeout_seconds, config.defaults.idle_seconds), (3600, 300));
+        assert_eq!((config.max_sandboxes, config.pool_size), (16, 0));
+    }
+
+    #[test]
+    fn bad_values_name_the_variable_and_what_is_allowed() {
+        let cases = [
+            (("MOAT_BACKEND", "docker"), "auto, vm or jail"),
+            (("MOAT_TIMEOUT_SECONDS", "10"), "from 60 to 28800"),
+            (("MOAT_IDLE_SECONDS", "30"), "0 (never suspend)"),
+            (("MOAT_IDLE_SECONDS", "4000"), "less than MOAT_TIMEOUT_SECONDS (3600)"),
+            (("MOAT_NETWORK", "wifi"), "none, filtered or open"),
+            (("MOAT_MAX_SANDBOXES", "-1"), "from 1 to 1024"),
+            (("MOAT_LOG_LEVEL", "loud"), "error, warn"),
+            (("MOAT_IMAGE", "../x"), "image name"),
+        ];
+        for ((var, value), allowed) in cases {
+            let err = with(&[(var, value)]).expect_err(var).to_string();
+            assert!(err.starts_with(&format!("{var}=")) && err.contains(allowed), "{err}");
+        }
+        assert_eq!(with(&[("MOAT_IDLE_SECONDS", "0")]).expect("0 turns it off").defaults.idle_seconds, 0);
+    }
+}
