@@ -100,6 +100,21 @@ async def main(binary, contract_path, project):
             message = await call(session, "git_clone", {"url": "https://github.com/x/y"}, expect_error=True)
             assert "network" in message, message
 
+            # Copies between host (inside MOAT_ROOTS) and sandbox.
+            copied = await call(session, "copy_to_sandbox", {"host_path": project, "sandbox_path": "copied"})
+            assert copied["files"] >= 1, copied
+            out = await call(session, "run_command", {"cmd": "cat copied/main.py && echo extra > copied/new.txt"})
+            assert out["stdout"] == "print('hello')\n" and out["exit_code"] == 0, out
+            back_dir = os.path.join(os.path.dirname(project), "copied-back-" + str(os.getpid()))
+            got = await call(session, "copy_from_sandbox", {"sandbox_path": "copied", "host_path": back_dir})
+            assert open(os.path.join(back_dir, "new.txt")).read() == "extra\n", got
+            one = await call(session, "copy_to_sandbox", {"host_path": os.path.join(project, "main.py"), "sandbox_path": "one.py"})
+            assert one == {"files": 1, "bytes": 15}, one
+            message = await call(session, "copy_from_sandbox", {"sandbox_path": "one.py", "host_path": back_dir}, expect_error=True)
+            assert "exists" in message, message
+            message = await call(session, "copy_to_sandbox", {"host_path": "/etc/passwd", "sandbox_path": "x"}, expect_error=True)
+            assert "outside the allowed roots" in message, message
+
             # A task: import, change, diff, finish.
             task = await call(session, "task_start", {"source": project})
             assert task["runtime"] == "python", task

@@ -228,7 +228,7 @@ pub fn make_dir(path: &str, owner: Option<&str>) -> Result<Reply, WireError> {
     Ok(Reply::Done)
 }
 
-fn make_dirs(path: &Path, owner: Option<(u32, u32)>) -> io::Result<()> {
+pub(crate) fn make_dirs(path: &Path, owner: Option<(u32, u32)>) -> io::Result<()> {
     let mut missing: Vec<PathBuf> = Vec::new();
     let mut cursor = Some(path);
     while let Some(dir) = cursor {

@@ -61,7 +61,8 @@ where
 {
     let dest = check_path(path)?.to_path_buf();
     let ids = owner.map(users::lookup).transpose()?.map(|u| (u.uid, u.gid));
-    std::fs::create_dir_all(&dest).map_err(|e| io_error(path, &e))?;
+    // Directories made for the destination belong to the owner too.
+    crate::files::make_dirs(&dest, ids).map_err(|e| io_error(path, &e))?;
     let (tx, rx) = mpsc::channel::<Bytes>(CHANNEL_DEPTH);
     let display = path.to_owned();
     let unpacker = tokio::task::spawn_blocking(move || unpack(&dest, ids, ChannelReader { rx, current: Bytes::new() }));

@@ -415,6 +415,63 @@ impl Moat {
         Ok(record)
     }
 
+    /// Copies a host file or tree (inside the configured roots; symlinks out
+    /// of it refused; a tree without its `.git`) to `sandbox_path`, owned by
+    /// `user`. Returns files and bytes.
+    pub async fn copy_to_sandbox(&self, id: &str, host: &Path, sandbox_path: &str) -> Result<(u64, u64), CoreError> {
+        let source = task::check_host_path(host, &self.inner.config.roots)?;
+        let client = self.client(id)?;
+        let agent = |source| CoreError::Agent { id: id.into(), source };
+        if source.is_file() {
+            let bytes =
+                std::fs::read(&source).map_err(|e| CoreError::ImportRefused(format!("{}: {e}", source.display())))?;
+            let req = moat_proto::WriteFileRequest {
+                path: sandbox_path.into(),
+                mode: None,
+                create_parents: true,
+                owner: Some("user".into()),
+            };
+            let written = client.write_file(req, &mut bytes.as_slice()).await.map_err(agent)?;
+            return Ok((1, written));
+        }
+        let packing = source.clone();
+        let (archive, files, _) = tokio::task::spawn_blocking(move || task::pack_project(&packing))
+            .await
+            .map_err(|e| CoreError::ImportRefused(format!("archiving failed: {e}")))??;
+        client.tar_in(sandbox_path, Some("user".into()), &mut archive.as_slice()).await.map_err(agent)?;
+        Ok((files, archive.len() as u64))
+    }
+
+    /// Copies a sandbox file or tree to `host` (a new path inside the
+    /// configured roots). Returns files and bytes.
+    pub async fn copy_from_sandbox(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<(u64, u64), CoreError> {
+        let dest = task::check_host_path(host, &self.inner.config.roots)?;
+        if dest.exists() {
+            return Err(CoreError::ImportRefused(format!(
+                "{} exists; copy to a new path (nothing on the host is overwritten)",
+                dest.display()
+            )));
+        }
+        let client = self.client(id)?;
+        let agent = |source| CoreError::Agent { id: id.into(), source };
+        let info = client.stat(sandbox_path).await.map_err(agent)?;
+        if info.kind == moat_proto::FileKind::File {
+            let req = moat_proto::ReadFileRequest {
+                path: sandbox_path.into(),
+                offset: 0,
+                length: Some(task::MAX_IMPORT_BYTES),
+            };
+            let bytes = client.read_file(req).await.map_err(agent)?;
+            std::fs::write(&dest, &bytes).map_err(|e| CoreError::ImportRefused(format!("{}: {e}", dest.display())))?;
+            return Ok((1, bytes.len() as u64));
+        }
+        let mut archive = Vec::new();
+        client.tar_out(sandbox_path, &mut archive).await.map_err(agent)?;
+        tokio::task::spawn_blocking(move || task::unpack_untrusted(&archive, &dest))
+            .await
+            .map_err(|e| CoreError::ImportRefused(format!("unpacking failed: {e}")))?
+    }
+
     /// Retained task records.
     pub fn task_records(&self) -> Vec<TaskRecord> {
         task::records(&self.inner.config.data_dir)

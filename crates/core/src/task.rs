@@ -168,13 +168,28 @@ pub fn allowed_roots() -> Vec<PathBuf> {
 /// Checks that `path` may be imported: inside an allowed root, not `$HOME`
 /// itself nor a dot directory in it. Returns it canonicalized.
 pub fn check_import_path(path: &Path, roots: &[PathBuf]) -> Result<PathBuf, CoreError> {
-    let refuse = |why: String| Err(CoreError::ImportRefused(why));
-    let Ok(path) = path.canonicalize() else {
-        return refuse(format!("{} does not exist or cannot be read", path.display()));
-    };
+    let path = check_host_path(path, roots)?;
     if !path.is_dir() {
-        return refuse(format!("{} is not a directory; give a project directory", path.display()));
+        return Err(CoreError::ImportRefused(format!(
+            "{} is not a directory; give a project directory",
+            path.display()
+        )));
     }
+    Ok(path)
+}
+
+/// Checks that `path` (which may not exist yet, when it is a copy's
+/// destination) lies inside an allowed root, and is not `$HOME` itself nor
+/// inside a dot directory of it. Returns it with its parent canonicalized.
+pub fn check_host_path(path: &Path, roots: &[PathBuf]) -> Result<PathBuf, CoreError> {
+    let refuse = |why: String| Err(CoreError::ImportRefused(why));
+    let path = match path.canonicalize() {
+        Ok(path) => path,
+        Err(_) => match (path.parent().and_then(|p| p.canonicalize().ok()), path.file_name()) {
+            (Some(parent), Some(name)) if path.is_absolute() => parent.join(name),
+            _ => return refuse(format!("{} does not exist or cannot be read (give an absolute path)", path.display())),
+        },
+    };
     if let Some(home) = std::env::var_os("HOME").map(PathBuf::from).and_then(|h| h.canonicalize().ok()) {
         if path == home {
             return refuse(format!("{} is the home directory; give a project directory inside it", path.display()));
@@ -251,7 +266,7 @@ pub fn pack_project(root: &Path) -> Result<(Vec<u8>, u64, Vec<String>), CoreErro
 
 /// Whether a symlink at `link` (relative to the project root) with `target`
 /// resolves inside the project, lexically.
-fn stays_inside(link: &Path, target: &Path) -> bool {
+pub fn stays_inside(link: &Path, target: &Path) -> bool {
     if target.is_absolute() {
         return false;
     }
@@ -267,6 +282,37 @@ fn stays_inside(link: &Path, target: &Path) -> bool {
         }
     }
     true
+}
+
+/// Unpacks an archive that came out of a sandbox into the new host
+/// directory `dest`: entries that would land outside it, links that point
+/// outside it, devices and set-id bits are refused or dropped. Returns
+/// files and bytes written.
+pub fn unpack_untrusted(archive: &[u8], dest: &Path) -> Result<(u64, u64), CoreError> {
+    let refuse = |why: String| CoreError::ImportRefused(why);
+    std::fs::create_dir_all(dest).map_err(|e| refuse(format!("cannot create {}: {e}", dest.display())))?;
+    let mut archive = tar::Archive::new(archive);
+    archive.set_preserve_permissions(false);
+    archive.set_unpack_xattrs(false);
+    let (mut files, mut bytes) = (0u64, 0u64);
+    for entry in archive.entries().map_err(|e| refuse(format!("bad archive: {e}")))? {
+        let mut entry = entry.map_err(|e| refuse(format!("bad archive entry: {e}")))?;
+        let path = entry.path().map_err(|e| refuse(format!("bad entry name: {e}")))?.into_owned();
+        let kind = entry.header().entry_type();
+        let allowed = kind.is_file()
+            || kind.is_dir()
+            || (kind.is_symlink()
+                && entry.link_name().ok().flatten().is_some_and(|target| stays_inside(&path, &target)));
+        if !allowed {
+            tracing::warn!(path = %path.display(), "skipped an entry that is not a file, directory or inside link");
+            continue;
+        }
+        bytes += entry.header().size().unwrap_or(0);
+        if entry.unpack_in(dest).map_err(|e| refuse(format!("cannot write {}: {e}", path.display())))? {
+            files += 1;
+        }
+    }
+    Ok((files, bytes))
 }
 
 /// Whether a task source names a Git remote rather than a host path.

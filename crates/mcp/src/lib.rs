@@ -6,8 +6,8 @@
 //! sandboxes; tools without a `sandbox_id` use the session's current one,
 //! created with the defaults on first need.
 //!
-//! Work in progress (issue M4): the tools that need the network, host copies
-//! or the IPython kernel answer with an error that says they are not
+//! Work in progress (issue M4): the tools that need the network or the
+//! IPython kernel answer with an error that says they are not
 //! available yet; streamable HTTP, progress and cancellation are still to come.
 
 pub mod config;

@@ -53,6 +53,8 @@ pub async fn call(server: &MoatServer, name: &str, args: Value) -> CallToolResul
         "task_diff" => task_diff(server, &args).await,
         "task_finish" => task_finish(server, &args).await,
         "remove_task" => remove_task(server, &args),
+        "copy_to_sandbox" => copy_to_sandbox(server, &args).await,
+        "copy_from_sandbox" => copy_from_sandbox(server, &args).await,
         "git_clone" | "preview_link" => Err(ToolError(format!(
             "{name} needs network access from the sandbox, and sandboxes have no network yet (policy none); \
              this tool becomes available with network policies"
@@ -414,6 +416,22 @@ async fn task_finish(server: &MoatServer, args: &Value) -> Outcome {
         "task_id": record.task.id, "patch_path": record.patch_path, "log_path": record.log_path,
         "summary": record.summary, "sandbox_kept": record.sandbox_kept,
     }))
+}
+
+async fn copy_to_sandbox(server: &MoatServer, args: &Value) -> Outcome {
+    let host = std::path::PathBuf::from(required(args, "host_path")?);
+    let dest = sandbox_path(required(args, "sandbox_path")?);
+    let id = target(server, args).await?;
+    let (files, bytes) = server.moat.copy_to_sandbox(&id, &host, &dest).await?;
+    Ok(json!({ "files": files, "bytes": bytes }))
+}
+
+async fn copy_from_sandbox(server: &MoatServer, args: &Value) -> Outcome {
+    let source = sandbox_path(required(args, "sandbox_path")?);
+    let host = std::path::PathBuf::from(required(args, "host_path")?);
+    let id = target(server, args).await?;
+    let (files, bytes) = server.moat.copy_from_sandbox(&id, &source, &host).await?;
+    Ok(json!({ "files": files, "bytes": bytes }))
 }
 
 fn remove_task(server: &MoatServer, args: &Value) -> Outcome {

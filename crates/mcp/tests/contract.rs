@@ -16,8 +16,8 @@ fn render() -> String {
          can fix come back as results with `isError: true` and a message saying what\n\
          to do. Text outputs are cut at 100,000 characters.\n\n\
          Not available in this build yet (they answer with an error that says so):\n\
-         `run_code`, `copy_to_sandbox`, `copy_from_sandbox`, and, until sandboxes have\n\
-         network policies, `git_clone` and `preview_link`.\n",
+         `run_code`, and, until sandboxes have network policies, `git_clone` and\n\
+         `preview_link`.\n",
     );
     for tool in contract["tools"].as_array().expect("tools") {
         let name = tool["name"].as_str().unwrap_or_default();
