@@ -11,6 +11,7 @@
 //! available yet; streamable HTTP, progress and cancellation are still to come.
 
 pub mod config;
+pub mod hosts;
 mod tools;
 
 pub use config::{ConfigError, ServerConfig};

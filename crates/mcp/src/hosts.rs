@@ -1,0 +1,128 @@
+//! `moat-mcp init`: adding moat to an agent host's MCP configuration,
+//! merged into what is there (other servers and settings are kept).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value, json};
+
+/// An agent host whose configuration moat knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Host {
+    ClaudeCode,
+    ClaudeDesktop,
+    Cursor,
+    VsCode,
+    Windsurf,
+}
+
+impl std::str::FromStr for Host {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "claude-code" => Ok(Self::ClaudeCode),
+            "claude-desktop" => Ok(Self::ClaudeDesktop),
+            "cursor" => Ok(Self::Cursor),
+            "vscode" => Ok(Self::VsCode),
+            "windsurf" => Ok(Self::Windsurf),
+            _ => {
+                Err(format!("unknown client {s:?}; allowed are claude-code, claude-desktop, cursor, vscode, windsurf"))
+            }
+        }
+    }
+}
+
+/// Where a configuration lives: in the project or for the user.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    Project,
+    User,
+}
+
+impl Host {
+    /// The configuration file for `scope`, or why the host has none there.
+    pub fn config_path(self, scope: Scope, project: &Path, home: &Path) -> Result<PathBuf, String> {
+        Ok(match (self, scope) {
+            (Self::ClaudeCode, Scope::Project) => project.join(".mcp.json"),
+            (Self::ClaudeCode, Scope::User) => home.join(".claude.json"),
+            (Self::ClaudeDesktop, Scope::User) => home.join(".config/Claude/claude_desktop_config.json"),
+            (Self::Cursor, Scope::Project) => project.join(".cursor/mcp.json"),
+            (Self::Cursor, Scope::User) => home.join(".cursor/mcp.json"),
+            (Self::VsCode, Scope::Project) => project.join(".vscode/mcp.json"),
+            (Self::VsCode, Scope::User) => home.join(".config/Code/User/mcp.json"),
+            (Self::Windsurf, Scope::User) => home.join(".codeium/windsurf/mcp_config.json"),
+            (Self::ClaudeDesktop | Self::Windsurf, Scope::Project) => {
+                return Err("this client has no project configuration; use --user".into());
+            }
+        })
+    }
+
+    /// The key the host keeps its servers under: VS Code says `servers`.
+    fn servers_key(self) -> &'static str {
+        if self == Self::VsCode { "servers" } else { "mcpServers" }
+    }
+
+    /// moat's entry for this host.
+    fn entry(self, command: &Path) -> Value {
+        let mut entry = json!({ "command": command, "args": [] });
+        if self == Self::VsCode {
+            entry["type"] = json!("stdio");
+        }
+        entry
+    }
+}
+
+/// `existing` (the file's text, if any) with moat added or replaced under
+/// the host's servers key. Fails, touching nothing, on a file that is not a
+/// JSON object.
+pub fn merge(host: Host, existing: Option<&str>, command: &Path) -> Result<(String, bool), String> {
+    let mut root = match existing.map(str::trim).filter(|t| !t.is_empty()) {
+        None => Value::Object(Map::new()),
+        Some(text) => serde_json::from_str::<Value>(text)
+            .map_err(|e| format!("it is not valid JSON ({e}); fix or move it first"))?,
+    };
+    let Some(object) = root.as_object_mut() else { return Err("it is not a JSON object; fix or move it first".into()) };
+    let servers = object.entry(host.servers_key()).or_insert_with(|| Value::Object(Map::new()));
+    let Some(servers) = servers.as_object_mut() else {
+        return Err(format!("its {:?} is not an object; fix it first", host.servers_key()));
+    };
+    let replaced = servers.insert("moat".into(), host.entry(command)).is_some();
+    Ok((serde_json::to_string_pretty(&root).unwrap_or_default() + "\n", replaced))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merges_keep_other_servers_and_settings() {
+        let existing = r#"{"theme": "dark", "mcpServers": {"other": {"command": "x"}}}"#;
+        let (text, replaced) = merge(Host::Cursor, Some(existing), Path::new("/opt/moat-mcp")).expect("merges");
+        let value: Value = serde_json::from_str(&text).expect("json");
+        assert!(!replaced);
+        assert_eq!(value["theme"], "dark");
+        assert_eq!(value["mcpServers"]["other"]["command"], "x");
+        assert_eq!(value["mcpServers"]["moat"]["command"], "/opt/moat-mcp");
+        let (again, replaced) = merge(Host::Cursor, Some(&text), Path::new("/opt/moat-mcp")).expect("merges");
+        assert!(replaced);
+        assert_eq!(again, text);
+    }
+
+    #[test]
+    fn vscode_uses_servers_with_a_type() {
+        let (text, _) = merge(Host::VsCode, None, Path::new("/m")).expect("merges");
+        let value: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(value["servers"]["moat"]["type"], "stdio");
+        assert!(value.get("mcpServers").is_none());
+    }
+
+    #[test]
+    fn broken_files_are_left_alone() {
+        assert!(
+            merge(Host::ClaudeCode, Some("{not json"), Path::new("/m")).expect_err("bad").contains("not valid JSON")
+        );
+        assert!(merge(Host::ClaudeCode, Some("[1]"), Path::new("/m")).expect_err("bad").contains("not a JSON object"));
+        assert!(merge(Host::ClaudeCode, Some(r#"{"mcpServers": 3}"#), Path::new("/m")).is_err());
+        assert!(Host::Windsurf.config_path(Scope::Project, Path::new("/p"), Path::new("/h")).is_err());
+        assert!("zed".parse::<Host>().expect_err("unknown").contains("allowed are"));
+    }
+}
