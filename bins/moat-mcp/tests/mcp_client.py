@@ -69,6 +69,20 @@ async def main(binary, contract_path, project):
             out = await call(session, "run_command", {"cmd": "sleep 30", "timeout": 1})
             assert out["timed_out"], out
 
+            # A long command reports progress (with its latest lines) every 2 s.
+            updates = []
+
+            async def on_progress(progress, total, message):
+                updates.append(message or "")
+
+            slow = await session.call_tool(
+                "run_command",
+                {"cmd": "for i in 1 2 3 4 5 6; do echo line$i; sleep 1; done"},
+                progress_callback=on_progress,
+            )
+            assert not is_error(slow) and structured(slow)["stdout"].count("line") == 6, text(slow)
+            assert len(updates) >= 2 and any("line" in m for m in updates), updates
+
             big = await call(session, "run_command", {"cmd": "python3 -c \"print('x' * 150000)\""})
             assert big["truncated"] and "[truncated: " in big["stdout"], big["stdout"][-80:]
             whole = await call(session, "read_file", {"path": big["full_output_path"], "offset": 149990, "length": 20})

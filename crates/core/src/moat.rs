@@ -266,23 +266,27 @@ impl Moat {
     /// Runs a process to completion and collects its output. In a task's
     /// sandbox, the command goes into the task's execution log.
     pub async fn run(&self, id: &str, request: ExecRequest) -> Result<Output, CoreError> {
-        let command = match &request.command {
-            moat_proto::Command::Shell(script) => script.clone(),
-            moat_proto::Command::Argv(argv) => argv.join(" "),
-        };
+        let command = command_line(&request);
         let started_at = now();
         let output = self
             .exec(id, request)
             .await?
-            .output()
+            .output_limited(RUN_OUTPUT_LIMIT)
             .await
             .map_err(|source| CoreError::Agent { id: id.into(), source })?;
+        self.log_command(id, &command, started_at, &output);
+        Ok(output)
+    }
+
+    /// Records a finished command in the execution log of the task that
+    /// owns sandbox `id`, if one does (for callers that stream with `exec`).
+    pub fn log_command(&self, id: &str, command: &str, started_at: u64, output: &Output) {
         let mut tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((_, log)) = tasks.values_mut().find(|(task, _)| task.sandbox_id == id) {
             let (stdout, cut_out) = task::clip(&output.stdout);
             let (stderr, cut_err) = task::clip(&output.stderr);
             log.push(LogEntry {
-                command,
+                command: command.to_owned(),
                 exit_code: output.status.code,
                 signal: output.status.signal,
                 started_at,
@@ -292,7 +296,6 @@ impl Moat {
                 truncated: cut_out || cut_err,
             });
         }
-        Ok(output)
     }
 
     /// Imports the project at `path` (inside one of the configured roots)
@@ -596,6 +599,14 @@ impl Drop for Inner {
         drop(pooled);
         // Wake the pool filler so that it sees this Moat is gone.
         self.refill.notify_one();
+    }
+}
+
+/// What a request runs, in words, for logs.
+pub fn command_line(request: &ExecRequest) -> String {
+    match &request.command {
+        moat_proto::Command::Shell(script) => script.clone(),
+        moat_proto::Command::Argv(argv) => argv.join(" "),
     }
 }
 

@@ -85,7 +85,7 @@ impl ServerHandler for MoatServer {
     async fn call_tool(
         &self,
         request: CallToolRequestParams,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
         if !self.tools.iter().any(|t| t.name == request.name) {
             let known: Vec<&str> = self.tools.iter().map(|t| t.name.as_ref()).collect();
@@ -95,6 +95,11 @@ impl ServerHandler for MoatServer {
             ));
         }
         let args = serde_json::Value::Object(request.arguments.unwrap_or_default());
-        Ok(tools::call(self, &request.name, args).await.into())
+        let call = tools::CallContext {
+            progress: context.meta.get_progress_token(),
+            cancelled: context.ct.clone(),
+            peer: context.peer.clone(),
+        };
+        Ok(tools::call(self, &request.name, args, &call).await.into())
     }
 }

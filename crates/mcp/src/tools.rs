@@ -5,7 +5,8 @@
 use base64::Engine;
 use moat_core::{CoreError, NetworkPolicy, SandboxSpec};
 use moat_proto::{ExecRequest, FileKind, ReadFileRequest, WriteFileRequest};
-use rmcp::model::{CallToolResult, ContentBlock};
+use rmcp::model::{CallToolResult, ContentBlock, ProgressNotificationParam, ProgressToken};
+use rmcp::{Peer, RoleServer};
 use serde_json::{Value, json};
 
 use crate::MoatServer;
@@ -36,13 +37,20 @@ impl From<moat_proto::ProtoError> for ToolError {
 
 type Outcome = Result<Value, ToolError>;
 
+/// What a call knows of its request: progress token, cancellation, peer.
+pub struct CallContext {
+    pub progress: Option<ProgressToken>,
+    pub cancelled: tokio_util::sync::CancellationToken,
+    pub peer: Peer<RoleServer>,
+}
+
 /// Runs tool `name`; always a result, errors included.
-pub async fn call(server: &MoatServer, name: &str, args: Value) -> CallToolResult {
+pub async fn call(server: &MoatServer, name: &str, args: Value, context: &CallContext) -> CallToolResult {
     let outcome = match name {
         "create_sandbox" => create_sandbox(server, &args).await,
         "destroy_sandbox" => destroy_sandbox(server, &args).await,
         "list_sandboxes" => Ok(list_sandboxes(server)),
-        "run_command" => run_command(server, &args).await,
+        "run_command" => run_command(server, &args, context).await,
         "read_file" => read_file(server, &args).await,
         "write_file" => write_file(server, &args).await,
         "list_files" => list_files(server, &args).await,
@@ -215,7 +223,7 @@ fn clip(text: &str) -> (String, bool) {
     }
 }
 
-async fn run_command(server: &MoatServer, args: &Value) -> Outcome {
+async fn run_command(server: &MoatServer, args: &Value, context: &CallContext) -> Outcome {
     let cmd = required(args, "cmd")?;
     let timeout = int_arg(args, "timeout", 1, 3600)?.unwrap_or(60);
     let cwd = str_arg(args, "cwd")?.map(sandbox_path);
@@ -247,20 +255,20 @@ async fn run_command(server: &MoatServer, args: &Value) -> Outcome {
     req.env = env;
     req.timeout_ms = Some(timeout * 1000);
     req.stdin = stdin.is_some();
-    let out = match stdin {
-        // Through Moat::run, so that a task's execution log records it.
-        None => server.moat.run(&id, req).await?,
-        Some(input) => {
-            let mut handle = server.moat.exec(&id, req).await?;
-            if let Some(mut pipe) = handle.take_stdin() {
-                tokio::spawn(async move {
-                    let _ = pipe.write(input.into_bytes().into()).await;
-                    let _ = pipe.close().await;
-                });
-            }
-            handle.output_limited(moat_core::moat::RUN_OUTPUT_LIMIT).await?
-        }
-    };
+    let started_at = moat_core::sandbox::now();
+    let command = moat_core::moat::command_line(&req);
+    let mut handle = server.moat.exec(&id, req).await?;
+    if let Some(input) = stdin
+        && let Some(mut pipe) = handle.take_stdin()
+    {
+        tokio::spawn(async move {
+            let _ = pipe.write(input.into_bytes().into()).await;
+            let _ = pipe.close().await;
+        });
+    }
+    let out = stream_output(handle, context).await?;
+    // Streamed, so logged here for a task's execution log.
+    server.moat.log_command(&id, &command, started_at, &out);
     let client = server.moat.client(&id)?;
     let stdout_full = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr_full = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -286,6 +294,74 @@ async fn run_command(server: &MoatServer, args: &Value) -> Outcome {
         }
     }
     Ok(result)
+}
+
+/// How often a long command reports progress (hosts time out on silence).
+const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Collects a command's output (bounded) while sending the latest lines as
+/// progress notifications when the client asked for them; a cancelled
+/// request drops the handle, which kills the command's process group.
+async fn stream_output(
+    mut handle: moat_proto::ExecHandle,
+    context: &CallContext,
+) -> Result<moat_proto::Output, ToolError> {
+    let limit = moat_core::moat::RUN_OUTPUT_LIMIT;
+    let mut stdout = handle.take_stdout();
+    let mut stderr = handle.take_stderr();
+    let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
+    let mut tick = tokio::time::interval(PROGRESS_EVERY);
+    tick.tick().await;
+    let mut reports = 0u32;
+    while stdout.is_some() || stderr.is_some() {
+        tokio::select! {
+            chunk = next_chunk(&mut stdout) => match chunk {
+                Some(bytes) => truncated |= append(&mut out, &bytes, limit),
+                None => stdout = None,
+            },
+            chunk = next_chunk(&mut stderr) => match chunk {
+                Some(bytes) => truncated |= append(&mut err, &bytes, limit),
+                None => stderr = None,
+            },
+            _ = tick.tick(), if context.progress.is_some() => {
+                reports += 1;
+                if let Some(token) = &context.progress {
+                    let tail = last_lines(&out, &err);
+                    let param = ProgressNotificationParam::new(token.clone(), f64::from(reports)).with_message(tail);
+                    let _ = context.peer.notify_progress(param).await;
+                }
+            },
+            () = context.cancelled.cancelled() => {
+                drop(handle);
+                return Err(ToolError("cancelled: the command and everything it started were killed".into()));
+            },
+        }
+    }
+    let status = handle.wait().await?;
+    Ok(moat_proto::Output { stdout: out, stderr: err, status, truncated })
+}
+
+async fn next_chunk(rx: &mut Option<tokio::sync::mpsc::Receiver<bytes::Bytes>>) -> Option<bytes::Bytes> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Appends up to `limit` bytes in all; `true` when some were dropped.
+fn append(buf: &mut Vec<u8>, bytes: &[u8], limit: usize) -> bool {
+    let room = limit.saturating_sub(buf.len());
+    buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    bytes.len() > room
+}
+
+/// The last few lines of output, for a progress message.
+fn last_lines(out: &[u8], err: &[u8]) -> String {
+    let text = String::from_utf8_lossy(if out.is_empty() { err } else { out });
+    let lines: Vec<&str> = text.lines().rev().take(5).collect();
+    let tail: String = lines.into_iter().rev().collect::<Vec<_>>().join("\n");
+    let start = tail.char_indices().rev().nth(500).map_or(0, |(i, _)| i);
+    format!("running… {}", &tail[start..])
 }
 
 fn rand_u32() -> u32 {
