@@ -64,5 +64,13 @@ pub fn bench() -> Result<()> {
     run(cargo().args(["bench", "--package", "moat-agent-bin", "--bench", "agent"]))?;
     let agent = build::static_agent()?;
     image::build("default", false)?;
-    run(cargo().args(["bench", "--package", "moat-core", "--bench", "jail"]).env("MOAT_AGENT", agent))
+    run(cargo().args(["bench", "--package", "moat-core", "--bench", "jail"]).env("MOAT_AGENT", &agent))?;
+    // The MCP server, release build, driven by the Python SDK.
+    run(cargo().args(["build", "--release", "--bin", "moat-mcp"]))?;
+    let pythons = mcp_sdks()?;
+    let python = pythons.split(':').next_back().unwrap_or("python3").to_owned();
+    run(std::process::Command::new(python)
+        .arg(crate::host::root().join("xtask/src/bench_mcp.py"))
+        .arg(crate::host::root().join("target/release/moat-mcp"))
+        .env("MOAT_AGENT", &agent))
 }

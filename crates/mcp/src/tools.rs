@@ -239,7 +239,7 @@ async fn run_command(server: &MoatServer, args: &Value, context: &CallContext) -
     }
     if background {
         let log = format!("/tmp/moat-bg-{}.log", std::process::id() ^ (rand_u32()));
-        let script = format!("setsid nohup bash -lc {} > {log} 2>&1 < /dev/null & echo $!", shell_quote(cmd));
+        let script = format!("setsid nohup bash -c {} > {log} 2>&1 < /dev/null & echo $!", shell_quote(cmd));
         let mut req = ExecRequest::shell(script);
         req.cwd = cwd;
         req.env = env;
@@ -250,7 +250,7 @@ async fn run_command(server: &MoatServer, args: &Value, context: &CallContext) -
             "truncated": false, "pid": pid, "log_path": log,
         }));
     }
-    let mut req = ExecRequest::argv(["bash", "-lc", cmd]);
+    let mut req = ExecRequest::argv(["bash", "-c", cmd]);
     req.cwd = cwd;
     req.env = env;
     req.timeout_ms = Some(timeout * 1000);

@@ -1,0 +1,44 @@
+"""`run_command` of `true` through moat-mcp over stdio, with the official
+Python SDK, beside an MCP `ping` round trip measured in the same run (the
+transport and SDK alone). Prints p50/p90 of each and the ratio.
+
+Usage: python bench_mcp.py MOAT_MCP [RUNS]
+"""
+
+import asyncio
+import statistics
+import sys
+import time
+
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+
+def pct(values, p):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * p))] * 1000
+
+
+async def main(binary, runs):
+    async with stdio_client(StdioServerParameters(command=binary, args=[])) as (read, write):
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+            await session.call_tool("create_sandbox", {"idle_seconds": 0})
+            for _ in range(20):
+                await session.call_tool("run_command", {"cmd": "true"})
+                await session.send_ping()
+            tool, ping = [], []
+            for _ in range(runs):
+                t = time.perf_counter()
+                await session.send_ping()
+                ping.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await session.call_tool("run_command", {"cmd": "true"})
+                tool.append(time.perf_counter() - t)
+    print("moat-mcp benchmarks (baseline measured in this run)")
+    print(f"  run_command `true` over stdio   p50 {pct(tool, .5):.2f} ms  p90 {pct(tool, .9):.2f} ms   (target p50 <= 2 ms)")
+    print(f"    baseline: MCP ping round trip  p50 {pct(ping, .5):.2f} ms  -> run_command adds {pct(tool, .5) - pct(ping, .5):.2f} ms")
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 300))
