@@ -32,15 +32,12 @@ pub fn run_demo() -> Result<()> {
         .arg(&server)
         .arg(&out)
         .env("MOAT_AGENT", &agent))?;
-    println!("\nAdd moat to an agent host (stdio; moat-mcp runs as root for jails):");
-    println!("  Claude Code:  claude mcp add moat -- {}", server.display());
-    println!(
-        "  Cursor:       ~/.cursor/mcp.json  {{\"mcpServers\": {{\"moat\": {{\"command\": \"{}\"}}}}}}",
-        server.display()
-    );
-    println!(
-        "  VS Code:      .vscode/mcp.json    {{\"servers\": {{\"moat\": {{\"type\": \"stdio\", \"command\": \"{}\"}}}}}}",
-        server.display()
-    );
+    println!("\nAdd moat to an agent host (it starts moat-mcp over stdio, as root for jails; see docs/hosts.md):");
+    for client in ["claude-code", "cursor", "vscode"] {
+        println!("  {} init --client {client}", server.display());
+    }
+    for client in ["claude-desktop", "windsurf"] {
+        println!("  {} init --client {client} --user", server.display());
+    }
     Ok(())
 }
