@@ -47,9 +47,23 @@ impl JailBackend {
     pub fn cgroups(&self) -> &CgroupSupport {
         &self.cgroups
     }
+}
+
+/// The agent's socket, relative to the state directory (as the launcher
+/// in `moat_agent::jail` binds it).
+fn moat_agent_socket() -> &'static str {
+    "sock/agent.sock"
+}
+
+impl Backend for JailBackend {
+    type Instance = Jail;
+
+    fn kind(&self) -> BackendKind {
+        BackendKind::Jail
+    }
 
     /// Creates a jail from `image` and waits until its agent answers.
-    async fn start_jail(
+    async fn start(
         &self,
         id: &str,
         hostname: &str,
@@ -109,31 +123,6 @@ impl JailBackend {
             return Err(e);
         }
         Ok(jail)
-    }
-}
-
-/// The agent's socket, relative to the state directory (as the launcher
-/// in `moat_agent::jail` binds it).
-fn moat_agent_socket() -> &'static str {
-    "sock/agent.sock"
-}
-
-impl Backend for JailBackend {
-    type Instance = Jail;
-
-    fn kind(&self) -> BackendKind {
-        BackendKind::Jail
-    }
-
-    async fn start(
-        &self,
-        id: &str,
-        hostname: &str,
-        spec: &SandboxSpec,
-        image: &Image,
-        data_dir: &Path,
-    ) -> Result<Jail, CoreError> {
-        self.start_jail(id, hostname, spec, image, data_dir).await
     }
 }
 
