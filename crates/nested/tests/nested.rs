@@ -1,0 +1,90 @@
+//! The nested test host end to end: level 1 boots under TCG, KVM works in
+//! it, payloads' output and status come back exactly, hangs are reported,
+//! and a level-2 Debian guest boots under QEMU with KVM inside level 1.
+//!
+//! Ignored by plain `cargo test`: they need the default image, the static
+//! agent, the moat binaries, QEMU and busybox-static, which `cargo xtask
+//! test` provides. The timeouts guard against hangs; they are not
+//! performance bounds.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use moat_nested::{Error, Payload, Stage, Timeouts};
+
+/// Each level 1 takes host CPUs for TCG: run them one at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn run(payload: Payload) -> Result<moat_nested::Output, Error> {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let result = moat_nested::run(payload);
+    if let Ok(out) = &result {
+        eprintln!("stages: {:?}", out.stages);
+    }
+    result
+}
+
+#[test]
+#[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
+fn a_payloads_output_and_exit_status_come_back_exactly() {
+    // Bytes that would not survive a text console: no trailing newline,
+    // a carriage return, a NUL, and something on stderr.
+    let out = run(Payload::script(r#"printf 'one\r\ntwo\000three'; printf 'to stderr\n' >&2; ls /dev/kvm >&2"#))
+        .expect("the payload runs");
+    assert_eq!(out.code, 0, "stderr: {}", out.stderr_text());
+    assert_eq!(out.stdout, b"one\r\ntwo\0three");
+    assert_eq!(out.stderr_text(), "to stderr\n/dev/kvm\n");
+    let stages: Vec<Stage> = out.stages.iter().map(|(s, _)| *s).collect();
+    assert_eq!(stages, [Stage::Launched, Stage::Booted, Stage::Kvm, Stage::PayloadStarted, Stage::PayloadFinished]);
+    assert!(out.console.contains("moat-nested: kvm works"), "console:\n{}", out.console);
+}
+
+#[test]
+#[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
+fn the_moat_binaries_and_the_image_are_in_place() {
+    let image = "$HOME/.local/share/moat/images/default";
+    let script = format!(
+        "set -e; moat --version; moat-vmm --version || true; moat-mcp --help > /dev/null; \
+         test -x \"$MOAT_AGENT\"; test -b \"$(readlink {image}/rootfs.ext4)\"; \
+         head -c 4 {image}/rootfs.ext4 > /dev/null; grep -q '\"name\": \"default\"' {image}/manifest.json; echo ok"
+    );
+    let out = run(Payload::script(&script)).expect("the payload runs");
+    assert_eq!(out.code, 0, "stdout: {}\nstderr: {}", out.stdout_text(), out.stderr_text());
+    assert!(out.stdout_text().ends_with("ok\n"), "{}", out.stdout_text());
+}
+
+#[test]
+#[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
+fn a_failing_payloads_status_comes_back() {
+    let out = run(Payload::new(["sh", "-c", "echo failing >&2; exit 7"]).env("UNUSED", "x")).expect("level 1 runs");
+    assert_eq!(out.code, 7);
+    assert_eq!(out.stderr_text(), "failing\n");
+    let out = run(Payload::new(["no-such-command"])).expect("level 1 runs");
+    assert_eq!(out.code, 127, "stderr: {}", out.stderr_text());
+}
+
+#[test]
+#[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
+fn a_hanging_payload_is_reported_with_its_stage_and_consoles() {
+    let timeouts = Timeouts { finish: Duration::from_secs(20), ..Timeouts::default() };
+    let err = run(Payload::script("echo about to hang; sleep 100000").timeouts(timeouts))
+        .expect_err("the payload never finishes");
+    assert_eq!(err.stage(), Some(Stage::PayloadStarted), "{err}");
+    let tails = err.tails().expect("both consoles");
+    assert!(tails.console.contains("moat-nested: kvm works"), "{err}");
+    assert!(tails.channel.contains("about to hang"), "{err}");
+    let message = err.to_string();
+    assert!(message.contains("payload finished") && message.contains("stage reached: payload started"), "{message}");
+}
+
+#[test]
+#[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
+fn a_level_2_debian_guest_boots_under_qemu_with_kvm_in_level_1() {
+    let out = run(moat_nested::level2::qemu_microvm_boot(1)).expect("level 1 runs");
+    let times = moat_nested::level2::boot_times(&out).expect("level 2 boots");
+    eprintln!("level 2 boot: {times:?}");
+    assert_eq!(times.len(), 1);
+    let stderr = out.stderr_text();
+    assert!(stderr.contains("moat-agent: root mounted (/dev/vda)"), "{stderr}");
+    assert!(stderr.contains("moat-agent: ready"), "vhost-vsock in level 1 gives level 2 its vsock:\n{stderr}");
+}
