@@ -44,5 +44,10 @@ pub fn run_in(bundle: &Bundle, payload: &Payload) -> Result<Output> {
 /// console; Ctrl-A X ends QEMU); returns the shell's exit status.
 pub fn shell(machine: Machine) -> Result<i32> {
     let bundle = bundle::prepare(&Sources::from_env()?)?;
-    machine::shell(&bundle, machine)
+    shell_in(&bundle, machine)
+}
+
+/// [`shell`] in a level 1 booted from `bundle`.
+pub fn shell_in(bundle: &Bundle, machine: Machine) -> Result<i32> {
+    machine::shell(bundle, machine)
 }

@@ -170,7 +170,7 @@ fn payload_script(payload: &Payload) -> Result<String> {
 }
 
 /// Single-quotes `s` for a POSIX shell.
-fn quote(s: &str) -> String {
+pub(crate) fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
