@@ -389,21 +389,15 @@ fn build(plan: &Plan, work: &Path) -> Result<()> {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path)
-        .map_err(|_| Error::Missing { what: format!("{}", path.display()), hint: "it should be readable".into() })
+    std::fs::read(path).map_err(|source| Error::Read { path: path.to_path_buf(), source })
 }
 
 fn hash_file(path: &Path) -> Result<String> {
-    let mut file = File::open(path)
-        .map_err(|_| Error::Missing { what: format!("{}", path.display()), hint: "it should be readable".into() })?;
+    let mut file = File::open(path).map_err(|source| Error::Read { path: path.to_path_buf(), source })?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = file.read(&mut buf).map_err(|source| Error::Bundle {
-            what: format!("reading {}", path.display()),
-            dir: path.to_path_buf(),
-            source,
-        })?;
+        let n = file.read(&mut buf).map_err(|source| Error::Read { path: path.to_path_buf(), source })?;
         if n == 0 {
             break;
         }
@@ -421,11 +415,7 @@ fn walk_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut files = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(dir) = stack.pop() {
-        let entries = std::fs::read_dir(&dir).map_err(|source| Error::Bundle {
-            what: format!("listing {}", dir.display()),
-            dir: dir.clone(),
-            source,
-        })?;
+        let entries = std::fs::read_dir(&dir).map_err(|source| Error::Read { path: dir.clone(), source })?;
         for entry in entries.filter_map(std::result::Result::ok) {
             let path = entry.path();
             if path.is_dir() {
@@ -476,11 +466,10 @@ fn shared_libraries(binary: &Path) -> Result<Vec<PathBuf>> {
         what: "ldd".into(),
         hint: "install it with `apt-get install libc-bin`".into(),
     })?;
-    let out = Command::new(ldd).arg(binary).output().map_err(|source| Error::Bundle {
-        what: format!("running ldd {}", binary.display()),
-        dir: binary.to_path_buf(),
-        source,
-    })?;
+    let out = Command::new(ldd)
+        .arg(binary)
+        .output()
+        .map_err(|source| Error::Tool { tool: "ldd".into(), message: source.to_string() })?;
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() || text.contains("not found") {
         return Err(Error::Tool {

@@ -29,6 +29,12 @@ impl fmt::Display for Tails {
 pub enum Error {
     #[error("Cannot find {what}; {hint}")]
     Missing { what: String, hint: String },
+    #[error("Cannot read {}, an input of the level-1 bundle", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Image(#[from] moat_core::image::ImageError),
     #[error("Cannot build the level-1 bundle ({what}); remove {} and retry", dir.display())]

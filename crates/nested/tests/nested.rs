@@ -72,6 +72,11 @@ fn a_failing_payloads_status_comes_back() {
     assert_eq!(out.stderr_text(), "failing\n");
     let out = run(Payload::new(["no-such-command"])).expect("level 1 runs");
     assert_eq!(out.code, 127, "stderr: {}", out.stderr_text());
+    // Level 1 going away under the payload is a failure at that stage.
+    let err = run(Payload::script("echo going; poweroff -f; sleep 100000")).expect_err("no exit status");
+    assert_eq!(err.stage(), Some(Stage::PayloadStarted), "{err}");
+    assert!(err.to_string().contains("QEMU exited"), "{err}");
+    assert!(err.tails().is_some_and(|t| t.channel.contains("going")), "{err}");
 }
 
 #[test]
