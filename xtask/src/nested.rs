@@ -109,8 +109,8 @@ fn run_command(command: Vec<String>, timeout: u64) -> Result<i32> {
 #[allow(clippy::print_stdout)]
 fn bench(runs: u32, machine: &str, cmdline: &str) -> Result<()> {
     let bundle = prepare()?;
-    let out = moat_nested::run_in(&bundle, &level2::qemu_microvm_boot_with(runs, machine, cmdline))?;
-    let times = level2::boot_times(&out)?;
+    let out = moat_nested::run_in(&bundle, &level2::boots(runs, &[level2::Boot::qemu_microvm(machine, cmdline)]))?;
+    let times = level2::boot_times(&out, "qemu")?;
     let at = |stage| out.reached(stage).map_or_else(|| "-".into(), |d: Duration| format!("{:.2} s", d.as_secs_f64()));
     println!(
         "level 1 (QEMU TCG -cpu max, microvm, {} MiB, {} vCPUs):",

@@ -1,6 +1,6 @@
 //! Level 2: the image booted under QEMU microvm with KVM inside level 1 —
 //! the baseline that moat-vmm's boot is compared to, side by side in the
-//! same level 1.
+//! same level 1 ([`boots`] takes any VMM's command beside QEMU's).
 
 use std::time::Duration;
 
@@ -28,78 +28,152 @@ pub const MACHINE: &str = "microvm,acpi=on,rtc=on";
 const VERDICTS: &[&str] =
     &["moat-agent: ready", "moat-agent: no vsock device", "moat-agent: boot failed", "Kernel panic"];
 
-/// A payload that boots the image `runs` times, one after another, under
-/// `qemu-system-x86_64 -M` [`MACHINE`] `-accel kvm` in level 1 (512 MiB,
-/// one vCPU, the root disk copy-on-write, a vhost-vsock device), each until
-/// the agent's last boot line, with [`CMDLINE`].
-pub fn qemu_microvm_boot(runs: u32) -> Payload {
-    qemu_microvm_boot_with(runs, MACHINE, CMDLINE)
+/// A way to boot level 2: a name, and a shell command (run by level 1's
+/// busybox `sh`, with `$img` the image directory) that boots the image with
+/// the guest's serial console on its stdout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Boot {
+    pub name: String,
+    pub command: String,
 }
 
-/// [`qemu_microvm_boot`] with another QEMU machine (`-M`) and kernel
-/// command line.
+impl Boot {
+    /// `qemu-system-x86_64 -M <machine> -accel kvm` (512 MiB, one vCPU, the
+    /// root disk copy-on-write, a vhost-vsock device) with `cmdline`.
+    pub fn qemu_microvm(machine: &str, cmdline: &str) -> Self {
+        let command = format!(
+            "qemu-system-x86_64 -M {} -accel kvm -cpu host -m 512 -smp 1 \
+             -nodefaults -no-user-config -display none -no-reboot -serial stdio \
+             -kernel \"$img/vmlinux\" -initrd \"$img/initramfs.cpio.gz\" -append {} \
+             -drive \"id=root,file=$img/rootfs.ext4,format=raw,if=none,snapshot=on\" \
+             -device virtio-blk-device,drive=root -device vhost-vsock-device,guest-cid=3",
+            quote(machine),
+            quote(cmdline)
+        );
+        Self { name: "qemu".into(), command }
+    }
+}
+
+/// A payload that boots the image `runs` times under `qemu-system-x86_64 -M`
+/// [`MACHINE`] `-accel kvm` in level 1 with [`CMDLINE`], one boot after
+/// another, each until the agent's last boot line.
+pub fn qemu_microvm_boot(runs: u32) -> Payload {
+    boots(runs, &[Boot::qemu_microvm(MACHINE, CMDLINE)])
+}
+
+/// A payload that boots level 2 `runs` times with each of `boots` in turn
+/// (A, B, A, B…: level 1's state drifts over a run, and interleaving shares
+/// the drift out), each until the agent's last boot line, then stops it.
 ///
 /// Each boot's start and verdict are marked on `$MOAT_NESTED_MARKS`, so the
-/// host times them. The console goes through `grep`, which reads it in
-/// blocks: a shell loop reading it line by line would hold back a chatty
-/// guest's UART. The consoles are copied to the payload's stderr at the end.
-pub fn qemu_microvm_boot_with(runs: u32, machine: &str, cmdline: &str) -> Payload {
+/// host times them ([`boot_times`]). The console goes through `grep`, which
+/// reads it in blocks: a shell loop reading it line by line would hold back
+/// a chatty guest's UART. The consoles are copied to the payload's stderr
+/// at the end.
+pub fn boots(runs: u32, boots: &[Boot]) -> Payload {
     let patterns: String = VERDICTS.iter().map(|v| format!(" -e '{v}'")).collect();
-    let script = format!(
-        r#"img="$HOME/.local/share/moat/images/$(cat /etc/nested/image)"
-i=0
-while [ $i -lt {runs} ]; do
-    i=$((i + 1))
-    rm -f /tmp/level2.pid /tmp/level2.verdict
-    echo "start $i" > "$MOAT_NESTED_MARKS"
-    qemu-system-x86_64 -M {machine} -accel kvm -cpu host -m 512 -smp 1 \
-        -nodefaults -no-user-config -display none -no-reboot -serial stdio -pidfile /tmp/level2.pid \
-        -kernel "$img/vmlinux" -initrd "$img/initramfs.cpio.gz" -append {cmdline} \
-        -drive "id=root,file=$img/rootfs.ext4,format=raw,if=none,snapshot=on" -device virtio-blk-device,drive=root \
-        -device vhost-vsock-device,guest-cid=3 2>&1 |
-    tee "/tmp/level2-$i.console" | {{
+    let mut body = String::new();
+    for boot in boots {
+        // The command's pid, to stop it: the shell execs the VMM in place.
+        let command = quote(&format!("echo $$ > /tmp/level2.pid; exec {}", boot.command));
+        body.push_str(&format!(
+            r#"    rm -f /tmp/level2.pid /tmp/level2.verdict
+    echo "start {name} $i" > "$MOAT_NESTED_MARKS"
+    sh -c {command} 2>&1 | tee "/tmp/level2-{name}-$i.console" | {{
         grep -m1{patterns} > /tmp/level2.verdict
         read -r verdict < /tmp/level2.verdict
-        echo "end $i ${{verdict#*: }}" > "$MOAT_NESTED_MARKS"
-        echo "level 2 boot $i: $verdict"
+        echo "end {name} $i ${{verdict#*: }}" > "$MOAT_NESTED_MARKS"
+        echo "level 2 {name} boot $i: $verdict"
         kill "$(cat /tmp/level2.pid)"
         cat > /dev/null
     }}
-done
-cat /tmp/level2-*.console >&2
 "#,
-        machine = quote(machine),
-        cmdline = quote(cmdline)
+            name = boot.name,
+        ));
+    }
+    let script = format!(
+        r#"img="$HOME/.local/share/moat/images/$(cat /etc/nested/image)"
+export img
+i=0
+while [ $i -lt {runs} ]; do
+    i=$((i + 1))
+{body}done
+cat /tmp/level2-*.console >&2
+"#
     );
     Payload::script(&script)
 }
 
-/// Each boot's time, from the marks of a [`qemu_microvm_boot`] payload's
-/// output: from just before QEMU started to the agent's last boot line,
-/// on the host's clock.
-pub fn boot_times(output: &Output) -> Result<Vec<Duration>> {
+/// The times of the boots named `name` in the output of a [`boots`] (or
+/// [`qemu_microvm_boot`]: name `qemu`) payload: from just before the VMM
+/// started to the agent's last boot line, on the host's clock.
+pub fn boot_times(output: &Output, name: &str) -> Result<Vec<Duration>> {
     let failed = |why: String| {
         let stderr = output.stderr_text();
         let tail: Vec<&str> = stderr.lines().rev().take(30).collect();
         let tail: Vec<&str> = tail.into_iter().rev().collect();
-        Error::Payload(format!("{why}; level 2's console ends:\n{}", tail.join("\n")))
+        Error::Payload(format!("{why}; level 2's consoles end:\n{}", tail.join("\n")))
     };
     let mut times = Vec::new();
     let mut start = None;
     for (at, mark) in &output.marks {
-        if mark.starts_with("start ") {
-            start = Some(*at);
-        } else if let Some(rest) = mark.strip_prefix("end ") {
-            let verdict = rest.split_once(' ').map_or("", |(_, v)| v);
-            if !(verdict.starts_with("ready") || verdict.starts_with("no vsock device")) {
-                return Err(failed(format!("level 2 did not boot: {verdict}")));
+        let mut words = mark.splitn(4, ' ');
+        let (event, boot, _run, verdict) = (words.next(), words.next(), words.next(), words.next().unwrap_or(""));
+        if boot != Some(name) {
+            continue;
+        }
+        match event {
+            Some("start") => start = Some(*at),
+            Some("end") => {
+                if !(verdict.starts_with("ready") || verdict.starts_with("no vsock device")) {
+                    return Err(failed(format!("level 2 ({name}) did not boot: {mark}")));
+                }
+                let began = start.take().ok_or_else(|| failed(format!("a boot ended without starting: {mark}")))?;
+                times.push(at.saturating_sub(began));
             }
-            let began = start.take().ok_or_else(|| failed(format!("a boot ended without starting: {mark}")))?;
-            times.push(at.saturating_sub(began));
+            _ => {}
         }
     }
     if times.is_empty() {
-        return Err(failed(format!("no level-2 boot finished (exit status {})", output.code)));
+        return Err(failed(format!("no level-2 {name} boot finished (exit status {})", output.code)));
     }
     Ok(times)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn output(marks: &[(u64, &str)]) -> Output {
+        Output {
+            code: 0,
+            stdout: Vec::new(),
+            stderr: b"console".to_vec(),
+            stages: Vec::new(),
+            marks: marks.iter().map(|(ms, m)| (Duration::from_millis(*ms), (*m).to_owned())).collect(),
+            console: String::new(),
+        }
+    }
+
+    #[test]
+    fn boot_times_pair_each_start_with_its_end_by_name() {
+        let out = output(&[
+            (100, "start qemu 1"),
+            (1100, "end qemu 1 ready"),
+            (1200, "start vmm 1"),
+            (1700, "end vmm 1 no vsock device: none"),
+            (1800, "start qemu 2"),
+            (3800, "end qemu 2 ready"),
+        ]);
+        assert_eq!(boot_times(&out, "qemu").expect("booted"), [Duration::from_secs(1), Duration::from_secs(2)]);
+        assert_eq!(boot_times(&out, "vmm").expect("booted"), [Duration::from_millis(500)]);
+        assert!(boot_times(&out, "other").is_err());
+    }
+
+    #[test]
+    fn a_failed_boot_is_an_error_with_the_console() {
+        let out = output(&[(0, "start qemu 1"), (10, "end qemu 1 boot failed: no root")]);
+        let err = boot_times(&out, "qemu").expect_err("failed boot");
+        assert!(err.to_string().contains("boot failed: no root") && err.to_string().contains("console"), "{err}");
+    }
 }

@@ -96,11 +96,23 @@ fn a_hanging_payload_is_reported_with_its_stage_and_consoles() {
 #[test]
 #[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
 fn a_level_2_debian_guest_boots_under_qemu_with_kvm_in_level_1() {
-    let out = run(moat_nested::level2::qemu_microvm_boot(1)).expect("level 1 runs");
-    let times = moat_nested::level2::boot_times(&out).expect("level 2 boots");
-    eprintln!("level 2 boot: {times:?}");
-    assert_eq!(times.len(), 1);
-    let stderr = out.stderr_text();
-    assert!(stderr.contains("moat-agent: root mounted (/dev/vda)"), "{stderr}");
-    assert!(stderr.contains("moat-agent: ready"), "vhost-vsock in level 1 gives level 2 its vsock:\n{stderr}");
+    use moat_nested::level2::{self, Boot};
+    // QEMU as the baseline is booted, and beside it (as moat-vmm will be)
+    // another VMM command: the same QEMU without a vsock device.
+    let qemu = Boot::qemu_microvm(level2::MACHINE, level2::CMDLINE);
+    let no_vsock =
+        Boot { name: "no-vsock".into(), command: qemu.command.replace("-device vhost-vsock-device,guest-cid=3", "") };
+    assert_ne!(no_vsock.command, qemu.command);
+    let out = run(level2::boots(1, &[qemu, no_vsock])).expect("level 1 runs");
+    let times = level2::boot_times(&out, "qemu").expect("level 2 boots");
+    let other = level2::boot_times(&out, "no-vsock").expect("level 2 boots without vsock");
+    eprintln!("level 2 boot: {times:?}, without vsock: {other:?}");
+    assert_eq!((times.len(), other.len()), (1, 1));
+    let stdout = out.stdout_text();
+    assert!(
+        stdout.contains("level 2 qemu boot 1: moat-agent: ready"),
+        "vhost-vsock gives level 2 its vsock:\n{stdout}"
+    );
+    assert!(stdout.contains("level 2 no-vsock boot 1: moat-agent: no vsock device"), "{stdout}");
+    assert!(out.stderr_text().contains("moat-agent: root mounted (/dev/vda)"), "{}", out.stderr_text());
 }
