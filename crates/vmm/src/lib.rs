@@ -10,5 +10,7 @@ pub mod arch;
 pub mod devices;
 pub mod vstate;
 
+pub use vstate::vcpu::VmExit;
+
 #[cfg(test)]
 pub(crate) mod test_support;
