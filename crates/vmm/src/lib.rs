@@ -7,7 +7,12 @@
 //! socket) and `seccomp` (the per-thread filters). See `docs/vmm.md`.
 
 pub mod arch;
+pub mod builder;
+pub mod config;
+pub mod control;
 pub mod devices;
+pub mod seccomp;
+pub mod vmm;
 pub mod vstate;
 
 pub use vstate::vcpu::VmExit;
