@@ -6,8 +6,10 @@ use crate::host::{BASE_PACKAGES, cargo, ensure_packages, run};
 use crate::{build, image};
 
 /// What the tests use beyond the base packages: QEMU boots the image in the
-/// microVM boot test; cpio(1) checks the initramfs writer.
-const TEST_PACKAGES: &[(&str, &str)] = &[("qemu-system-x86", "qemu-system-x86_64"), ("cpio", "cpio")];
+/// microVM boot test; cpio(1) checks the initramfs writer; iasl(1)
+/// disassembles moat-vmm's ACPI tables to prove they parse.
+const TEST_PACKAGES: &[(&str, &str)] =
+    &[("qemu-system-x86", "qemu-system-x86_64"), ("cpio", "cpio"), ("acpica-tools", "iasl")];
 
 /// The whole gate, on a fresh machine as on a warm one.
 pub fn gate() -> Result<()> {
