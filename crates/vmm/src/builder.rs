@@ -79,7 +79,7 @@ pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildEr
     let entry = boot::write_boot_params(&mem, &kernel, &config.cmdline, initramfs, acpi.rsdp)?;
     regs::write_boot_tables(&mem)?;
     tracing::info!(
-        "Kernel {} loaded; entering at {entry:x?}{}",
+        "Kernel {} loaded: {entry}{}",
         config.kernel.display(),
         initramfs.map(|i| format!(", initramfs {} bytes at {:#x}", i.size, i.addr)).unwrap_or_default()
     );

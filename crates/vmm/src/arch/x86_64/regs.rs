@@ -29,6 +29,15 @@ pub enum EntryPoint {
     Pvh { entry: u64, start_info: u64 },
 }
 
+impl std::fmt::Display for EntryPoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Linux64 { entry, zero_page } => write!(f, "64-bit entry {entry:#x}, zero page {zero_page:#x}"),
+            Self::Pvh { entry, start_info } => write!(f, "PVH entry {entry:#x}, start_info {start_info:#x}"),
+        }
+    }
+}
+
 /// Why guest memory could not take the boot tables.
 #[derive(Debug, thiserror::Error)]
 pub enum BootTablesError {
