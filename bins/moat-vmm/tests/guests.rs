@@ -337,3 +337,63 @@ fn forced_shutdown_and_sigterm_stop_the_vm() {
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("Signal 15 received"), "{err}");
 }
+
+#[test]
+#[ignore = "needs /dev/kvm; cargo xtask test provides it"]
+fn terminal_console_passes_keystrokes_to_the_guest() {
+    use std::io::Read;
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // Echo what the UART receives until a 'q', then power off.
+    #[rustfmt::skip]
+    let mut code = vec![
+        0x66, 0xba, 0xfd, 0x03, // 1: mov dx, 0x3fd (line status)
+        0xec,                   // in al, dx
+        0xa8, 0x01,             // test al, 1 (data ready)
+        0x74, 0xf7,             // jz 1b
+        0x66, 0xba, 0xf8, 0x03, // mov dx, 0x3f8
+        0xec,                   // in al, dx
+        0xee,                   // out dx, al
+        0x3c, b'q',             // cmp al, 'q'
+        0x75, 0xed,             // jne 1b
+    ];
+    code.extend(poweroff());
+    let (mut master, mut slave) = (-1, -1);
+    // SAFETY: openpty writes two descriptors into the given integers; the
+    // name, termios and winsize pointers may be null.
+    let rc =
+        unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), std::ptr::null()) };
+    assert_eq!(rc, 0, "openpty");
+    // SAFETY: openpty returned two fresh descriptors that nothing else owns.
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let kernel = dir.path().join("vmlinux");
+    std::fs::write(&kernel, elf(&code, true)).expect("written");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moat-vmm"))
+        .arg("--kernel")
+        .arg(&kernel)
+        .args(["--memory-mib", "64", "--console", "stdout"])
+        .stdin(Stdio::from(slave.try_clone().expect("dup")))
+        .stdout(Stdio::from(slave))
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("moat-vmm starts");
+    let mut log = BufReader::new(child.stderr.take().expect("stderr piped"));
+    let mut line = String::new();
+    // The terminal is raw once the guest starts; typing before would be
+    // cooked (echoed, line-buffered) by the terminal itself.
+    while !line.contains("Starting the guest") {
+        line.clear();
+        assert!(log.read_line(&mut line).expect("log readable") > 0, "moat-vmm exited early");
+    }
+    let mut master = std::fs::File::from(master);
+    master.write_all(b"hi q").expect("typed");
+    let mut echoed = Vec::new();
+    let mut byte = [0u8; 1];
+    while !echoed.ends_with(b"q") {
+        master.read_exact(&mut byte).expect("guest output");
+        echoed.push(byte[0]);
+    }
+    assert_eq!(echoed, b"hi q");
+    let status = child.wait().expect("exits");
+    assert_eq!(status.code(), Some(0));
+}

@@ -102,8 +102,11 @@ pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
         match kind {
             ThreadKind::Vmm => {
                 rules.extend(VMM.iter().map(|s| (*s, vec![])));
-                // Rust's std sets O_NONBLOCK and FD_CLOEXEC this way.
-                rules.insert(libc::SYS_ioctl, vec![rule(libc::FIONBIO)?, rule(libc::FIOCLEX)?]);
+                // Rust's std sets O_NONBLOCK and FD_CLOEXEC this way;
+                // TCGETS and TCSETS put a raw console terminal back as it
+                // was (glibc's tcsetattr reads the settings back too).
+                let ioctls = [libc::FIONBIO, libc::FIOCLEX, libc::TCGETS, libc::TCSETS];
+                rules.insert(libc::SYS_ioctl, ioctls.into_iter().map(rule).collect::<Result<_, _>>()?);
             }
             ThreadKind::Vcpu => {
                 let ioctls = [KVM_RUN, KVM_GET_REGS, KVM_GET_SREGS, KVM_TRANSLATE];

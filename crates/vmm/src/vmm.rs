@@ -107,6 +107,8 @@ impl Vmm {
         // /dev/null and regular files are refused by epoll and skipped.
         let stdin_open = self.parts.console_input
             && epoll.ctl(ControlOperation::Add, libc::STDIN_FILENO, EpollEvent::new(EventSet::IN, STDIN)).is_ok();
+        // Keystrokes go to the guest as typed; restored when this returns.
+        let _raw = stdin_open.then(RawTerminal::enter).flatten();
 
         let (vcpu_filter, vmm_filter) = if seccomp {
             (Some(seccomp::filter(ThreadKind::Vcpu)?), Some(seccomp::filter(ThreadKind::Vmm)?))
@@ -287,6 +289,41 @@ impl Vmm {
             tracing::error!("Cannot arm the shutdown timer ({e}); stopping the guest now");
             r.shared.end(VmExit::Stopped);
         }
+    }
+}
+
+/// A terminal on stdin switched to raw mode (but keeping Ctrl+C as SIGINT,
+/// which shuts the VM down), and put back as it was on drop.
+struct RawTerminal(libc::termios);
+
+impl RawTerminal {
+    fn enter() -> Option<Self> {
+        // SAFETY: isatty only inspects the descriptor.
+        if unsafe { libc::isatty(libc::STDIN_FILENO) } != 1 {
+            return None;
+        }
+        // SAFETY: an all-zero termios is a valid buffer for tcgetattr to fill.
+        let mut saved: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: `saved` is a valid, exclusively borrowed termios.
+        if unsafe { libc::tcgetattr(libc::STDIN_FILENO, &mut saved) } != 0 {
+            return None;
+        }
+        let mut raw = saved;
+        // SAFETY: `raw` is a valid termios; cfmakeraw only edits it.
+        unsafe { libc::cfmakeraw(&mut raw) };
+        raw.c_lflag |= libc::ISIG;
+        // SAFETY: `raw` is a valid termios for stdin, a terminal.
+        if unsafe { libc::tcsetattr(libc::STDIN_FILENO, libc::TCSANOW, &raw) } != 0 {
+            return None;
+        }
+        Some(Self(saved))
+    }
+}
+
+impl Drop for RawTerminal {
+    fn drop(&mut self) {
+        // SAFETY: restores the settings read from this same terminal.
+        unsafe { libc::tcsetattr(libc::STDIN_FILENO, libc::TCSANOW, &self.0) };
     }
 }
 

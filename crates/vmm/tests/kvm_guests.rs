@@ -226,3 +226,37 @@ fn halted_guest_wakes_for_an_ioapic_interrupt_from_an_irqfd() {
     handle.join();
     assert_eq!(shared.exit(), None, "stopping is not an exit of the guest's making");
 }
+
+#[test]
+#[ignore = "needs /dev/kvm; cargo xtask test provides it"]
+fn configured_vcpu_sees_normalized_cpuid() {
+    #[rustfmt::skip]
+    let code = [
+        0xb8, 0x01, 0x00, 0x00, 0x00, // mov eax, 1
+        0x31, 0xc9,                   // xor ecx, ecx
+        0x0f, 0xa2,                   // cpuid
+        0x89, 0xd8,                   // mov eax, ebx
+        0xc1, 0xe8, 0x10,             // shr eax, 16: al = logical processors
+        0x66, 0xba, 0xf8, 0x03,       // mov dx, 0x3f8
+        0xee,                         // out dx, al
+        0x89, 0xd8,                   // mov eax, ebx
+        0xc1, 0xe8, 0x18,             // shr eax, 24: al = initial APIC id
+        0xee,                         // out dx, al
+        0x89, 0xc8,                   // mov eax, ecx
+        0xc1, 0xe8, 0x18,             // shr eax, 24: bit 7 = hypervisor
+        0xee,                         // out dx, al
+        0xeb, 0xfe,                   // jmp $
+    ];
+    let m = machine(&code);
+    regs::write_boot_tables(m.vm.memory()).expect("boot tables");
+    let mut vcpu = m.vcpu();
+    // CPUID, MSRs, registers, FPU and LINT pins as for a Linux boot.
+    vcpu.configure(&m.vm, 4, EntryPoint::Pvh { entry: CODE, start_info: 0 }).expect("configured");
+    for _ in 0..3 {
+        assert_eq!(vcpu.run_once(), VcpuEvent::Continue);
+    }
+    let out = m.out.0.lock().expect("not poisoned").clone();
+    assert_eq!(out[0], 4, "logical processors per package");
+    assert_eq!(out[1], 0, "APIC id of vCPU 0");
+    assert_eq!(out[2] & 0x80, 0x80, "hypervisor bit");
+}
