@@ -397,3 +397,44 @@ fn terminal_console_passes_keystrokes_to_the_guest() {
     let status = child.wait().expect("exits");
     assert_eq!(status.code(), Some(0));
 }
+
+#[test]
+#[ignore = "needs /dev/kvm; cargo xtask test provides it"]
+fn guest_driver_reads_entropy_from_virtio_rng() {
+    const MMIO: u32 = 0xd000_0000; // the first virtio-mmio window (docs/vmm.md)
+    let (desc, avail, used, buf) = (0x1_0000u32, 0x1_1000u32, 0x1_2000u32, 0x1_3000u32);
+    let mut code = Vec::new();
+    let mut w = |addr: u32, value: u32| {
+        code.extend_from_slice(&[0xc7, 0x05]); // mov dword [addr], value
+        code.extend_from_slice(&addr.to_le_bytes());
+        code.extend_from_slice(&value.to_le_bytes());
+    };
+    w(MMIO + 0x70, 3); // ACKNOWLEDGE | DRIVER
+    w(MMIO + 0x24, 1);
+    w(MMIO + 0x20, 1); // VIRTIO_F_VERSION_1
+    w(MMIO + 0x70, 11); // | FEATURES_OK
+    w(MMIO + 0x30, 0);
+    w(MMIO + 0x38, 4);
+    for (reg, addr) in [(0x80, desc), (0x90, avail), (0xa0, used)] {
+        w(MMIO + reg, addr);
+        w(MMIO + reg + 4, 0);
+    }
+    w(MMIO + 0x44, 1); // QueueReady
+    w(MMIO + 0x70, 15); // | DRIVER_OK
+    w(desc, buf); // descriptor 0: 32 device-writable bytes at `buf`
+    w(desc + 4, 0);
+    w(desc + 8, 32);
+    w(desc + 12, 2);
+    w(avail, 1 << 16); // avail.idx = 1, ring[0] = 0
+    w(MMIO + 0x50, 0); // QueueNotify
+    code.extend_from_slice(&[0x66, 0xba, 0xf8, 0x03]); // mov dx, 0x3f8
+    for addr in [used + 2, used + 8, MMIO + 0x60] {
+        code.push(0xa1); // mov eax, [addr]: virtio-mmio registers are read 32 bits wide
+        code.extend_from_slice(&addr.to_le_bytes());
+        code.push(0xee); // out dx, al
+    }
+    code.extend(poweroff());
+    let (out, console) = Vm::start(&code, true, &[]).wait();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(console.as_bytes(), [1, 32, 1], "used idx, used length, interrupt status");
+}

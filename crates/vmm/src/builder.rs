@@ -12,15 +12,17 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::arch::x86_64::layout::{
     ACPI_SLEEP_PORT, BOOT_TIMER_ADDR, BOOT_TIMER_SIZE, I8042_IRQ, I8042_PORT, I8042_PORT_LEN, SERIAL_IRQ, SERIAL_PORT,
-    SERIAL_PORT_LEN,
+    SERIAL_PORT_LEN, VIRTIO_MMIO_SIZE, virtio_mmio_slot,
 };
 use crate::arch::x86_64::{boot, regs};
 use crate::config::{Console, VmConfig};
 use crate::control::{ControlError, ControlServer};
-use crate::devices::acpi::{AcpiTables, SleepControl};
+use crate::devices::acpi::{AcpiTables, SleepControl, VirtioMmioDevice};
 use crate::devices::boot_timer::BootTimer;
 use crate::devices::bus::Bus;
 use crate::devices::legacy::{I8042, SerialConsole};
+use crate::devices::virtio::MmioTransport;
+use crate::devices::virtio::rng::Rng;
 use crate::devices::{EventTrigger, IrqLine};
 use crate::vmm::{CONTROL_TOKENS, Vmm};
 use crate::vstate::memory::{MemoryError, create_guest_memory};
@@ -56,6 +58,8 @@ pub enum BuildError {
     Stdout(#[source] std::io::Error),
     #[error(transparent)]
     Control(#[from] ControlError),
+    #[error("No IOAPIC pin is left for a virtio device; attach fewer devices")]
+    NoIrq,
 }
 
 /// Builds the VM `config` describes. `started` is when the VMM started,
@@ -73,8 +77,10 @@ pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildEr
         Some(path) => Some(boot::load_initramfs(&mem, &mut open("the initramfs", path)?, kernel.end)?),
         None => None,
     };
-    // virtio-mmio devices arrive with M6; the DSDT lists none yet.
-    let acpi = AcpiTables::new(config.vcpus, &[])?;
+    // virtio-mmio devices: the entropy source now; disks and vsock in M6.
+    let (rng_base, rng_irq) = virtio_mmio_slot(0).ok_or(BuildError::NoIrq)?;
+    let virtio = [VirtioMmioDevice { base: rng_base, irq: rng_irq }];
+    let acpi = AcpiTables::new(config.vcpus, &virtio)?;
     acpi.write(&mem)?;
     let entry = boot::write_boot_params(&mem, &kernel, &config.cmdline, initramfs, acpi.rsdp)?;
     regs::write_boot_tables(&mem)?;
@@ -106,6 +112,8 @@ pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildEr
     io.insert(Arc::new(Mutex::new(sleep)), u64::from(ACPI_SLEEP_PORT), 1)?;
     let mut mmio = Bus::default();
     mmio.insert(Arc::new(Mutex::new(timer)), BOOT_TIMER_ADDR, BOOT_TIMER_SIZE)?;
+    let rng = MmioTransport::new(Box::new(Rng::new()), mem.clone(), irq(rng_irq)?);
+    mmio.insert(Arc::new(Mutex::new(rng)), rng_base, VIRTIO_MMIO_SIZE)?;
     let (io, mmio) = (Arc::new(io), Arc::new(mmio));
 
     let vcpus = (0..config.vcpus)

@@ -4,6 +4,7 @@ pub mod acpi;
 pub mod boot_timer;
 pub mod bus;
 pub mod legacy;
+pub mod virtio;
 
 use vmm_sys_util::eventfd::EventFd;
 
