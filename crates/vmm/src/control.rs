@@ -177,6 +177,10 @@ impl ControlServer {
                     break;
                 }
             }
+            // Enough for now: the rest is read on the next readiness event.
+            if client.pending.len() > 16 * MAX_LINE {
+                break;
+            }
             if client.pending.len() > MAX_LINE && !client.pending[..MAX_LINE].contains(&b'\n') {
                 let _ = client.stream.write_all(format!("{}\n", error("Request line over 4 KiB")).as_bytes());
                 self.clients.remove(&token);

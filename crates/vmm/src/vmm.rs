@@ -7,7 +7,7 @@
 
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -19,7 +19,7 @@ use crate::devices::boot_timer::BootReady;
 use crate::devices::bus::lock;
 use crate::devices::legacy::{I8042, SerialConsole};
 use crate::seccomp::{self, ThreadKind};
-use crate::vstate::vcpu::{Target, Vcpu, VcpuError, VcpuHandle, VcpuShared, VmExit};
+use crate::vstate::vcpu::{StartGate, Target, Vcpu, VcpuError, VcpuHandle, VcpuShared, VmExit};
 use crate::vstate::vm::Vm;
 
 const EXIT: u64 = 1;
@@ -115,15 +115,14 @@ impl Vmm {
         } else {
             (None, None)
         };
-        let start = Arc::new(Barrier::new(self.parts.vcpus.len() + 1));
+        let start = StartGate::new();
         let mut handles = Vec::new();
         for vcpu in std::mem::take(&mut self.parts.vcpus) {
             match vcpu.start(shared.clone(), vcpu_filter.clone(), start.clone()) {
                 Ok(handle) => handles.push(handle),
                 Err(e) => {
-                    // Release and end the threads already started.
-                    shared.request(Target::Stop);
-                    start.wait();
+                    // End the threads already started.
+                    start.open(false);
                     handles.into_iter().for_each(VcpuHandle::join);
                     return Err(e.into());
                 }
@@ -132,13 +131,12 @@ impl Vmm {
         if let Some(filter) = &vmm_filter
             && let Err(e) = seccomp::install(filter)
         {
-            shared.request(Target::Stop);
-            start.wait();
+            start.open(false);
             handles.into_iter().for_each(VcpuHandle::join);
             return Err(e.into());
         }
         tracing::info!("Starting the guest: {} vCPUs, {} MiB", handles.len(), self.parts.memory_mib);
-        start.wait();
+        start.open(true);
 
         let mut running = Running { shared, handles, epoll, timer, signals, stdin_open };
         let exit = self.event_loop(&mut running);
@@ -194,7 +192,9 @@ impl Vmm {
 
     fn console_input(&mut self, r: &mut Running) {
         let mut buf = [0u8; 64];
-        match std::io::stdin().lock().read(&mut buf) {
+        // Straight from fd 0: std's buffered stdin would keep bytes that
+        // epoll no longer reports.
+        match read_fd(libc::STDIN_FILENO, &mut buf) {
             Ok(0) | Err(_) => {
                 // End of input: the guest keeps running without it.
                 let _ = r.epoll.ctl(ControlOperation::Delete, libc::STDIN_FILENO, EpollEvent::default());
@@ -354,16 +354,19 @@ fn block_termination_signals() -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// One `read(2)` from a descriptor this process owns elsewhere.
+fn read_fd(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut file = std::mem::ManuallyDrop::new(
+        // SAFETY: the descriptor stays owned by its owner; ManuallyDrop keeps
+        // this temporary File from closing it.
+        unsafe { std::fs::File::from_raw_fd(fd) },
+    );
+    file.read(buf)
+}
+
 fn read_signal(fd: &OwnedFd) -> u32 {
     let mut info = [0u8; std::mem::size_of::<libc::signalfd_siginfo>()];
-    let n = {
-        let mut file = std::mem::ManuallyDrop::new(
-            // SAFETY: the descriptor stays owned by `fd`; ManuallyDrop keeps
-            // this temporary File from closing it.
-            unsafe { std::fs::File::from_raw_fd(fd.as_raw_fd()) },
-        );
-        file.read(&mut info).unwrap_or(0)
-    };
+    let n = read_fd(fd.as_raw_fd(), &mut info).unwrap_or(0);
     if n < 4 {
         return 0;
     }

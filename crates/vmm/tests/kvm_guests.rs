@@ -6,7 +6,7 @@
 //! The guests avoid `int3`: this project's development hosts run a
 //! paravirtual nested KVM whose emulator cannot handle it.
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use moat_vmm::VmExit;
@@ -15,7 +15,7 @@ use moat_vmm::arch::x86_64::regs::{self, EntryPoint};
 use moat_vmm::devices::boot_timer::{BootTimer, READY_MAGIC};
 use moat_vmm::devices::bus::{Bus, BusDevice};
 use moat_vmm::vstate::memory::create_guest_memory;
-use moat_vmm::vstate::vcpu::{Target, Vcpu, VcpuEvent, VcpuShared};
+use moat_vmm::vstate::vcpu::{StartGate, Target, Vcpu, VcpuEvent, VcpuShared};
 use moat_vmm::vstate::vm::Vm;
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
@@ -212,9 +212,9 @@ fn halted_guest_wakes_for_an_ioapic_interrupt_from_an_irqfd() {
     regs.rsp = 0x8000; // the interrupt frame goes here
     vcpu.fd().set_regs(&regs).expect("regs");
     let shared = VcpuShared::new().expect("shared state");
-    let start = Arc::new(Barrier::new(2));
+    let start = StartGate::new();
     let handle = vcpu.start(shared.clone(), None, start.clone()).expect("vCPU thread");
-    start.wait();
+    start.open(true);
     assert!(m.out.wait_for("R"), "guest never got ready: {:?}", m.out.text());
     // The guest now sits in HLT inside KVM: no exits until the interrupt.
     irq.write(1).expect("raise the interrupt");

@@ -11,7 +11,7 @@
 use std::cell::Cell;
 use std::fmt::Write as _;
 use std::os::unix::thread::JoinHandleExt;
-use std::sync::{Arc, Barrier, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -161,6 +161,38 @@ impl VcpuShared {
             guard.1 -= 1;
         }
         guard.0 != Target::Stop
+    }
+}
+
+/// Holds vCPU threads until the VMM has finished its own setup (its
+/// seccomp filter above all), then lets them run the guest — or end.
+#[derive(Debug, Default)]
+pub struct StartGate {
+    state: Mutex<Option<bool>>,
+    opened: Condvar,
+}
+
+impl StartGate {
+    /// A closed gate.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Releases every waiting thread: to run the guest, or (`false`) to end.
+    pub fn open(&self, run: bool) {
+        *lock(&self.state) = Some(run);
+        self.opened.notify_all();
+    }
+
+    /// Waits for the gate; whether to run the guest.
+    fn wait(&self) -> bool {
+        let mut state = lock(&self.state);
+        loop {
+            if let Some(run) = *state {
+                return run;
+            }
+            state = self.opened.wait(state).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
     }
 }
 
@@ -330,13 +362,13 @@ impl Vcpu {
         report
     }
 
-    /// Starts the vCPU's thread. It installs `filter`, waits on `start`, then
-    /// runs until the VM stops.
+    /// Starts the vCPU's thread. It installs `filter`, waits at `start`,
+    /// then runs until the VM stops.
     pub fn start(
         mut self,
         shared: Arc<VcpuShared>,
         filter: Option<seccompiler::BpfProgram>,
-        start: Arc<Barrier>,
+        start: Arc<StartGate>,
     ) -> Result<VcpuHandle, VcpuError> {
         install_kick_handler()?;
         let index = self.index;
@@ -350,8 +382,8 @@ impl Vcpu {
                 {
                     shared.end(VmExit::Failed(format!("vCPU {index}: cannot install its seccomp filter: {e}")));
                 }
-                start.wait();
-                while shared.park_while_paused() && shared.exit().is_none() {
+                let run = start.wait();
+                while run && shared.park_while_paused() && shared.exit().is_none() {
                     match self.run_once() {
                         VcpuEvent::Continue | VcpuEvent::Interrupted => {}
                         VcpuEvent::Exit(why) => {
