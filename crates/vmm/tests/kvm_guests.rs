@@ -260,3 +260,58 @@ fn configured_vcpu_sees_normalized_cpuid() {
     assert_eq!(out[1], 0, "APIC id of vCPU 0");
     assert_eq!(out[2] & 0x80, 0x80, "hypervisor bit");
 }
+
+/// A device model that, when the guest writes to it, makes a system call
+/// no vCPU thread needs — as a compromised device model would.
+struct Subverted;
+
+impl BusDevice for Subverted {
+    fn read(&mut self, _offset: u64, data: &mut [u8]) {
+        data.fill(0);
+    }
+    fn write(&mut self, _offset: u64, _data: &[u8]) {
+        eprintln!("device: opening a socket");
+        // SAFETY: socket(2) with constant arguments; the vCPU filter kills
+        // the process before it returns.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+        eprintln!("device: still alive, socket() = {fd}");
+    }
+}
+
+#[test]
+#[ignore = "needs /dev/kvm; cargo xtask test provides it"]
+fn a_forbidden_syscall_from_a_vcpu_thread_kills_the_vmm() {
+    if std::env::var_os("MOAT_SECCOMP_VCPU_CHILD").is_none() {
+        let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+            .args(["--exact", "a_forbidden_syscall_from_a_vcpu_thread_kills_the_vmm", "--include-ignored"])
+            .args(["--nocapture", "--test-threads", "1"])
+            .env("MOAT_SECCOMP_VCPU_CHILD", "1")
+            .output()
+            .expect("child runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("device: opening a socket"), "{stderr}");
+        assert!(!stderr.contains("still alive"), "{stderr}");
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{:?}\n{stderr}", out.status);
+        return;
+    }
+    // The child: a real vCPU thread under the real vCPU filter; the guest
+    // writes to port 0x80, where the subverted device sits.
+    let code = [0xb0, 0x01, 0xe6, 0x80, 0xeb, 0xfe]; // mov al, 1; out 0x80, al; jmp $
+    let vm = Vm::new(create_guest_memory(16 << 20).expect("guest memory")).expect("KVM VM");
+    vm.memory().write_slice(&code, GuestAddress(CODE)).expect("code fits");
+    let mut io = Bus::default();
+    io.insert(Arc::new(Mutex::new(Subverted)), 0x80, 1).expect("free port");
+    let vcpu = Vcpu::new(&vm, 0, Arc::new(io), Arc::new(Bus::default())).expect("vCPU");
+    real_mode(&vcpu);
+    let filter = moat_vmm::seccomp::filter(moat_vmm::seccomp::ThreadKind::Vcpu).expect("filter builds");
+    let shared = VcpuShared::new().expect("shared state");
+    let start = StartGate::new();
+    let _handle = vcpu.start(shared.clone(), Some(filter), start.clone()).expect("vCPU thread");
+    start.open(true);
+    // Bounded, so that a filter that fails to kill fails the test rather
+    // than hanging it.
+    std::thread::sleep(Duration::from_secs(30));
+    eprintln!("device: still alive 30 s later; exit {:?}", shared.exit());
+    std::process::exit(0);
+}
