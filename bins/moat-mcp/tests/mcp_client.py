@@ -28,6 +28,12 @@ def is_error(result):
     return bool(value)
 
 
+def field(obj, camel, snake):
+    """SDK 1.x spells fields in camelCase, 2.x in snake_case."""
+    value = getattr(obj, camel, None)
+    return getattr(obj, snake, None) if value is None else value
+
+
 def text(result):
     return "".join(getattr(block, "text", "") for block in result.content)
 
@@ -82,6 +88,34 @@ async def main(binary, contract_path, project):
             )
             assert not is_error(slow) and structured(slow)["stdout"].count("line") == 6, text(slow)
             assert len(updates) >= 2 and any("line" in m for m in updates), updates
+
+            # run_code: Python state persists, exceptions are data, figures are images.
+            out = await call(session, "run_code", {"code": "x = 21\nprint('hi')\nx * 2"})
+            assert (out["text"], out["stdout"], out["error"]) == ("42", "hi\n", None), out
+            out = await call(session, "run_code", {"code": "x + 1"})
+            assert out["text"] == "22" and out["execution_count"] == 2, out
+            out = await call(session, "run_code", {"code": "import os\nos.system('echo from-a-child')\n1/0"})
+            assert out["stdout"] == "from-a-child\n", out
+            assert out["error"]["name"] == "ZeroDivisionError" and "1/0" in out["error"]["traceback"], out
+            plot = await session.call_tool("run_code", {"code": "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"})
+            assert not is_error(plot), text(plot)
+            images = [b for b in plot.content if getattr(b, "type", "") == "image"]
+            assert len(images) == 1 and field(images[0], "mimeType", "mime_type") == "image/png", plot.content
+            assert base64.b64decode(images[0].data).startswith(b"\x89PNG"), images[0].data[:20]
+            assert sorted(structured(plot)["results"][0]["mime_types"]) == ["image/png", "text/plain"], structured(plot)
+            svg = await session.call_tool("run_code", {"code": "from IPython.display import SVG, display\ndisplay(SVG('<svg xmlns=\"http://www.w3.org/2000/svg\"><circle r=\"4\"/></svg>'))"})
+            resources = [b for b in svg.content if getattr(b, "type", "") == "resource"]
+            assert len(resources) == 1 and "<circle" in resources[0].resource.text, svg.content
+            out = await call(session, "run_code", {"code": "import time\ntime.sleep(30)", "timeout": 1})
+            assert out["error"]["name"] == "TimeoutError" and "kept" in out["error"]["value"], out
+            out = await call(session, "run_code", {"code": "x"})
+            assert out["text"] == "21", out
+            out = await call(session, "run_code", {"code": "echo $((6 * 7)); exit 4", "language": "bash"})
+            assert out["stdout"] == "42\n" and out["error"]["value"] == "exited with status 4", out
+            out = await call(session, "run_code", {"code": "console.log(1 + 1); nope()", "language": "node"})
+            assert out["stdout"] == "2\n" and out["error"]["name"] == "ReferenceError", out
+            message = await call(session, "run_code", {"code": "1", "language": "ruby"}, expect_error=True)
+            assert "python, bash or node" in message, message
 
             big = await call(session, "run_command", {"cmd": "python3 -c \"print('x' * 150000)\""})
             assert big["truncated"] and "[truncated: " in big["stdout"], big["stdout"][-80:]

@@ -10,6 +10,7 @@ use moat_proto::{AgentClient, ExecHandle, ExecRequest, Output, UnixConnector};
 use crate::backend::{Backend, BackendKind, Instance};
 use crate::error::CoreError;
 use crate::image::{self, Image};
+use crate::interpreter::{CodeOutput, Language, PythonSession, StreamName, snippet_request};
 use crate::jail::{Jail, JailBackend};
 use crate::sandbox::{Sandbox, SandboxSpec, SandboxState, now};
 use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
@@ -77,6 +78,9 @@ pub fn find_agent() -> Result<PathBuf, CoreError> {
 struct Entry {
     info: Sandbox,
     jail: Jail,
+    /// The sandbox's Python session for `run_code`, started on first use;
+    /// the async lock queues calls on one sandbox.
+    python: Arc<tokio::sync::Mutex<Option<PythonSession>>>,
 }
 
 struct Inner {
@@ -193,7 +197,7 @@ impl Moat {
             if sandboxes.len() >= max {
                 Some(jail)
             } else {
-                sandboxes.insert(id, Entry { info: info.clone(), jail });
+                sandboxes.insert(id, Entry { info: info.clone(), jail, python: Arc::default() });
                 None
             }
         };
@@ -275,6 +279,74 @@ impl Moat {
             .await
             .map_err(|source| CoreError::Agent { id: id.into(), source })?;
         self.log_command(id, &command, started_at, &output);
+        Ok(output)
+    }
+
+    /// Runs `code` in sandbox `id` like a notebook cell (see
+    /// [`interpreter`](crate::interpreter)): Python in the sandbox's
+    /// persistent session, bash and node as one process each. Output text
+    /// reaches `on_stream` as it comes. When `cancelled` completes, the
+    /// code is interrupted (Python) or killed. Errors of the code are
+    /// data in the output; `Err` means the sandbox could not run it.
+    pub async fn run_code(
+        &self,
+        id: &str,
+        language: Language,
+        code: &str,
+        timeout: Duration,
+        cancelled: impl Future<Output = ()>,
+        on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
+    ) -> Result<CodeOutput, CoreError> {
+        let started_at = now();
+        let output = match language {
+            Language::Python => {
+                let session = {
+                    let sandboxes = self.inner.lock();
+                    sandboxes.get(id).map(|e| e.python.clone()).ok_or_else(|| self.inner.unknown(id, &sandboxes))?
+                };
+                let mut session = session.lock().await;
+                let running = match session.as_mut() {
+                    Some(running) => {
+                        // Resumes a suspended sandbox and marks it used.
+                        self.client(id)?;
+                        running
+                    }
+                    None => {
+                        let handle = self.exec(id, PythonSession::request()).await?;
+                        let started = PythonSession::start(handle)
+                            .await
+                            .map_err(|e| CoreError::StartFailed { id: id.into(), reason: e.to_string() })?;
+                        session.insert(started)
+                    }
+                };
+                let (output, alive) = running.execute(code, timeout, cancelled, RUN_OUTPUT_LIMIT, on_stream).await;
+                if !alive {
+                    *session = None;
+                }
+                output
+            }
+            snippet => {
+                let mut request = snippet_request(snippet, code);
+                request.timeout_ms = Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
+                let handle = self.exec(id, request).await?;
+                let streamed = stream_output(handle, RUN_OUTPUT_LIMIT, cancelled, on_stream)
+                    .await
+                    .map_err(|source| CoreError::Agent { id: id.into(), source })?;
+                CodeOutput::from_process(streamed, timeout)
+            }
+        };
+        let as_command = Output {
+            stdout: output.stdout.clone(),
+            stderr: output.stderr.clone(),
+            status: moat_proto::ExitStatus {
+                code: Some(i32::from(output.error.is_some())),
+                signal: None,
+                timed_out: output.error.as_ref().is_some_and(|e| e.name == "TimeoutError"),
+                duration_ms: now().saturating_sub(started_at) * 1000,
+            },
+            truncated: output.truncated,
+        };
+        self.log_command(id, &format!("run_code {language:?}: {code}"), started_at, &as_command);
         Ok(output)
     }
 
@@ -564,7 +636,13 @@ impl Inner {
             }
             for (id, entry) in sandboxes.iter_mut() {
                 let idle = entry.info.spec.idle_seconds;
-                if idle > 0 && entry.info.state == SandboxState::Running && entry.jail.is_busy() {
+                // A Python session waiting for its next cell is resident;
+                // one running a cell holds its lock.
+                let busy = match entry.python.try_lock() {
+                    Ok(session) => entry.jail.is_busy(usize::from(session.is_some())),
+                    Err(_) => true,
+                };
+                if idle > 0 && entry.info.state == SandboxState::Running && busy {
                     // A command or server still runs: that is use.
                     entry.info.last_used_at = now;
                     continue;
@@ -632,4 +710,52 @@ pub fn expire_now(moat: &Moat, id: &str) {
         entry.info.expires_at = now();
     }
     moat.inner.lifecycle();
+}
+
+/// Collects a process's output (at most `limit` bytes of each stream) while
+/// handing each chunk to `on_stream` as it comes. When `cancelled`
+/// completes first, the handle is dropped, which kills the process group,
+/// and the result is `None`.
+pub async fn stream_output(
+    mut handle: ExecHandle,
+    limit: usize,
+    cancelled: impl Future<Output = ()>,
+    on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
+) -> Result<Option<Output>, moat_proto::ProtoError> {
+    async fn next_chunk(rx: &mut Option<tokio::sync::mpsc::Receiver<bytes::Bytes>>) -> Option<bytes::Bytes> {
+        match rx {
+            Some(rx) => rx.recv().await,
+            None => std::future::pending().await,
+        }
+    }
+    fn append(buf: &mut Vec<u8>, bytes: &[u8], limit: usize) -> bool {
+        let room = limit.saturating_sub(buf.len());
+        buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
+        bytes.len() > room
+    }
+    let mut stdout = handle.take_stdout();
+    let mut stderr = handle.take_stderr();
+    let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
+    tokio::pin!(cancelled);
+    while stdout.is_some() || stderr.is_some() {
+        tokio::select! {
+            chunk = next_chunk(&mut stdout) => match chunk {
+                Some(bytes) => {
+                    on_stream(StreamName::Stdout, &bytes);
+                    truncated |= append(&mut out, &bytes, limit);
+                }
+                None => stdout = None,
+            },
+            chunk = next_chunk(&mut stderr) => match chunk {
+                Some(bytes) => {
+                    on_stream(StreamName::Stderr, &bytes);
+                    truncated |= append(&mut err, &bytes, limit);
+                }
+                None => stderr = None,
+            },
+            () = &mut cancelled => return Ok(None),
+        }
+    }
+    let status = handle.wait().await?;
+    Ok(Some(Output { stdout: out, stderr: err, status, truncated }))
 }

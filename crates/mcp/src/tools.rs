@@ -3,9 +3,9 @@
 //! `isError: true` and a message saying what to do.
 
 use base64::Engine;
-use moat_core::{CoreError, NetworkPolicy, SandboxSpec};
+use moat_core::{CoreError, Language, NetworkPolicy, SandboxSpec};
 use moat_proto::{ExecRequest, FileKind, ReadFileRequest, WriteFileRequest};
-use rmcp::model::{CallToolResult, ContentBlock, ProgressNotificationParam, ProgressToken};
+use rmcp::model::{CallToolResult, ContentBlock, ProgressNotificationParam, ProgressToken, ResourceContents};
 use rmcp::{Peer, RoleServer};
 use serde_json::{Value, json};
 
@@ -37,6 +37,9 @@ impl From<moat_proto::ProtoError> for ToolError {
 
 type Outcome = Result<Value, ToolError>;
 
+/// A result with content beyond its JSON (run_code's images).
+type RichOutcome = Result<(Value, Vec<ContentBlock>), ToolError>;
+
 /// What a call knows of its request: progress token, cancellation, peer.
 pub struct CallContext {
     pub progress: Option<ProgressToken>,
@@ -46,7 +49,26 @@ pub struct CallContext {
 
 /// Runs tool `name`; always a result, errors included.
 pub async fn call(server: &MoatServer, name: &str, args: Value, context: &CallContext) -> CallToolResult {
-    let outcome = match name {
+    let outcome: RichOutcome = match name {
+        "run_code" => run_code(server, &args, context).await,
+        _ => plain_call(server, name, &args, context).await.map(|value| (value, Vec::new())),
+    };
+    match outcome {
+        Ok((value, extra)) => {
+            let text = serde_json::to_string_pretty(&value).unwrap_or_default();
+            let mut content = vec![ContentBlock::text(text)];
+            content.extend(extra);
+            let mut result = CallToolResult::success(content);
+            result.structured_content = Some(value);
+            result
+        }
+        Err(ToolError(message)) => CallToolResult::error(vec![ContentBlock::text(message)]),
+    }
+}
+
+async fn plain_call(server: &MoatServer, name: &str, args: &Value, context: &CallContext) -> Outcome {
+    let args = args.clone();
+    match name {
         "create_sandbox" => create_sandbox(server, &args).await,
         "destroy_sandbox" => destroy_sandbox(server, &args).await,
         "list_sandboxes" => Ok(list_sandboxes(server)),
@@ -68,15 +90,6 @@ pub async fn call(server: &MoatServer, name: &str, args: Value, context: &CallCo
              this tool becomes available with network policies"
         ))),
         other => Err(ToolError(format!("{other} is not available in this build of moat-mcp yet"))),
-    };
-    match outcome {
-        Ok(value) => {
-            let text = serde_json::to_string_pretty(&value).unwrap_or_default();
-            let mut result = CallToolResult::success(vec![ContentBlock::text(text)]);
-            result.structured_content = Some(value);
-            result
-        }
-        Err(ToolError(message)) => CallToolResult::error(vec![ContentBlock::text(message)]),
     }
 }
 
@@ -266,7 +279,13 @@ async fn run_command(server: &MoatServer, args: &Value, context: &CallContext) -
             let _ = pipe.close().await;
         });
     }
-    let out = stream_output(handle, context).await?;
+    let tail = Tail::default();
+    let feed = |_, bytes: &[u8]| tail.feed(bytes);
+    let streamed =
+        moat_core::moat::stream_output(handle, moat_core::moat::RUN_OUTPUT_LIMIT, context.cancelled.cancelled(), &feed);
+    let Some(out) = with_progress(streamed, context, &tail).await? else {
+        return Err(ToolError("cancelled: the command and everything it started were killed".into()));
+    };
     // Streamed, so logged here for a task's execution log.
     server.moat.log_command(&id, &command, started_at, &out);
     let client = server.moat.client(&id)?;
@@ -299,69 +318,92 @@ async fn run_command(server: &MoatServer, args: &Value, context: &CallContext) -
 /// How often a long command reports progress (hosts time out on silence).
 const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Collects a command's output (bounded) while sending the latest lines as
-/// progress notifications when the client asked for them; a cancelled
-/// request drops the handle, which kills the command's process group.
-async fn stream_output(
-    mut handle: moat_proto::ExecHandle,
-    context: &CallContext,
-) -> Result<moat_proto::Output, ToolError> {
-    let limit = moat_core::moat::RUN_OUTPUT_LIMIT;
-    let mut stdout = handle.take_stdout();
-    let mut stderr = handle.take_stderr();
-    let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
+/// The latest output of a running command, for progress messages.
+#[derive(Default)]
+struct Tail(std::sync::Mutex<Vec<u8>>);
+
+impl Tail {
+    const KEEP: usize = 4096;
+
+    fn feed(&self, bytes: &[u8]) {
+        let mut kept = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        kept.extend_from_slice(&bytes[bytes.len().saturating_sub(Self::KEEP)..]);
+        let excess = kept.len().saturating_sub(Self::KEEP);
+        kept.drain(..excess);
+    }
+
+    /// The last few lines, at most 500 characters.
+    fn message(&self) -> String {
+        let kept = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let text = String::from_utf8_lossy(&kept);
+        let lines: Vec<&str> = text.lines().rev().take(5).collect();
+        let tail: String = lines.into_iter().rev().collect::<Vec<_>>().join("\n");
+        let start = tail.char_indices().rev().nth(500).map_or(0, |(i, _)| i);
+        format!("running… {}", &tail[start..])
+    }
+}
+
+/// Drives `work` to completion, sending the latest output lines as a
+/// progress notification every [`PROGRESS_EVERY`] when the client asked for
+/// progress.
+async fn with_progress<F: Future>(work: F, context: &CallContext, tail: &Tail) -> F::Output {
+    tokio::pin!(work);
+    let Some(token) = &context.progress else { return work.await };
     let mut tick = tokio::time::interval(PROGRESS_EVERY);
     tick.tick().await;
     let mut reports = 0u32;
-    while stdout.is_some() || stderr.is_some() {
+    loop {
         tokio::select! {
-            chunk = next_chunk(&mut stdout) => match chunk {
-                Some(bytes) => truncated |= append(&mut out, &bytes, limit),
-                None => stdout = None,
-            },
-            chunk = next_chunk(&mut stderr) => match chunk {
-                Some(bytes) => truncated |= append(&mut err, &bytes, limit),
-                None => stderr = None,
-            },
-            _ = tick.tick(), if context.progress.is_some() => {
+            done = &mut work => return done,
+            _ = tick.tick() => {
                 reports += 1;
-                if let Some(token) = &context.progress {
-                    let tail = last_lines(&out, &err);
-                    let param = ProgressNotificationParam::new(token.clone(), f64::from(reports)).with_message(tail);
-                    let _ = context.peer.notify_progress(param).await;
-                }
-            },
-            () = context.cancelled.cancelled() => {
-                drop(handle);
-                return Err(ToolError("cancelled: the command and everything it started were killed".into()));
-            },
+                let param =
+                    ProgressNotificationParam::new(token.clone(), f64::from(reports)).with_message(tail.message());
+                let _ = context.peer.notify_progress(param).await;
+            }
         }
     }
-    let status = handle.wait().await?;
-    Ok(moat_proto::Output { stdout: out, stderr: err, status, truncated })
 }
 
-async fn next_chunk(rx: &mut Option<tokio::sync::mpsc::Receiver<bytes::Bytes>>) -> Option<bytes::Bytes> {
-    match rx {
-        Some(rx) => rx.recv().await,
-        None => std::future::pending().await,
+async fn run_code(server: &MoatServer, args: &Value, context: &CallContext) -> RichOutcome {
+    let code = required(args, "code")?;
+    let language = match str_arg(args, "language")? {
+        None => Language::Python,
+        Some(name) => name.parse::<Language>().map_err(ToolError)?,
+    };
+    let timeout = std::time::Duration::from_secs(int_arg(args, "timeout", 1, 3600)?.unwrap_or(300));
+    let id = target(server, args).await?;
+    let tail = Tail::default();
+    let feed = |_, bytes: &[u8]| tail.feed(bytes);
+    let run = server.moat.run_code(&id, language, code, timeout, context.cancelled.cancelled(), &feed);
+    let output = with_progress(run, context, &tail).await?;
+    let (stdout, cut_out) = clip(&String::from_utf8_lossy(&output.stdout));
+    let (stderr, cut_err) = clip(&String::from_utf8_lossy(&output.stderr));
+    let (text, cut_text) = clip(&output.text);
+    let mut extra = Vec::new();
+    let mut results = Vec::new();
+    for (index, bundle) in output.results.iter().enumerate() {
+        results.push(json!({ "index": index, "mime_types": bundle.keys().collect::<Vec<_>>() }));
+        for (mime, value) in bundle {
+            let Some(data) = value.as_str() else { continue };
+            match mime.as_str() {
+                "image/png" | "image/jpeg" => extra.push(ContentBlock::image(data, mime)),
+                "image/svg+xml" => extra.push(ContentBlock::resource(
+                    ResourceContents::text(data, format!("moat://sandbox/{id}/results/{index}.svg"))
+                        .with_mime_type(mime),
+                )),
+                _ => {}
+            }
+        }
     }
-}
-
-/// Appends up to `limit` bytes in all; `true` when some were dropped.
-fn append(buf: &mut Vec<u8>, bytes: &[u8], limit: usize) -> bool {
-    let room = limit.saturating_sub(buf.len());
-    buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
-    bytes.len() > room
-}
-
-/// The last few lines of output, for a progress message.
-fn last_lines(out: &[u8], err: &[u8]) -> String {
-    let text = String::from_utf8_lossy(if out.is_empty() { err } else { out });
-    let lines: Vec<&str> = text.lines().rev().take(5).collect();
-    let tail: String = lines.into_iter().rev().collect::<Vec<_>>().join("\n");
-    let start = tail.char_indices().rev().nth(500).map_or(0, |(i, _)| i);
-    format!("running… {}", &tail[start..])
+    let mut value = json!({
+        "text": text, "stdout": stdout, "stderr": stderr, "error": output.error, "results": results,
+        "truncated": output.truncated || cut_out || cut_err || cut_text,
+    });
+    if let Some(count) = output.execution_count {
+        value["execution_count"] = json!(count);
+    }
+    Ok((value, extra))
 }
 
 fn rand_u32() -> u32 {
