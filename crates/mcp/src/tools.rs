@@ -9,7 +9,7 @@ use rmcp::model::{CallToolResult, ContentBlock, ProgressNotificationParam, Progr
 use rmcp::{Peer, RoleServer};
 use serde_json::{Value, json};
 
-use crate::MoatServer;
+use crate::scope::Scope;
 
 /// Text outputs are cut here, with the full output kept in the sandbox.
 pub const MAX_TEXT: usize = 100_000;
@@ -40,6 +40,14 @@ type Outcome = Result<Value, ToolError>;
 /// A result with content beyond its JSON (run_code's images).
 type RichOutcome = Result<(Value, Vec<ContentBlock>), ToolError>;
 
+/// What a tool acts with: the server's `Moat`, the default spec, and the
+/// scope (stdio connection or HTTP session) that owns its sandboxes.
+pub struct Session<'a> {
+    pub moat: &'a moat_core::Moat,
+    pub defaults: &'a SandboxSpec,
+    pub scope: std::sync::Arc<Scope>,
+}
+
 /// What a call knows of its request: progress token, cancellation, peer.
 pub struct CallContext {
     pub progress: Option<ProgressToken>,
@@ -48,7 +56,7 @@ pub struct CallContext {
 }
 
 /// Runs tool `name`; always a result, errors included.
-pub async fn call(server: &MoatServer, name: &str, args: Value, context: &CallContext) -> CallToolResult {
+pub async fn call(server: &Session<'_>, name: &str, args: Value, context: &CallContext) -> CallToolResult {
     let outcome: RichOutcome = match name {
         "run_code" => run_code(server, &args, context).await,
         _ => plain_call(server, name, &args, context).await.map(|value| (value, Vec::new())),
@@ -66,7 +74,7 @@ pub async fn call(server: &MoatServer, name: &str, args: Value, context: &CallCo
     }
 }
 
-async fn plain_call(server: &MoatServer, name: &str, args: &Value, context: &CallContext) -> Outcome {
+async fn plain_call(server: &Session<'_>, name: &str, args: &Value, context: &CallContext) -> Outcome {
     let args = args.clone();
     match name {
         "create_sandbox" => create_sandbox(server, &args).await,
@@ -134,25 +142,47 @@ fn rfc3339(secs: u64) -> String {
 
 /// The sandbox a call acts on: its `sandbox_id`, or the session's current
 /// one, created with the defaults when there is none.
-async fn target(server: &MoatServer, args: &Value) -> Result<String, ToolError> {
+async fn target(server: &Session<'_>, args: &Value) -> Result<String, ToolError> {
     if let Some(id) = str_arg(args, "sandbox_id")? {
-        server.moat.get(id)?;
+        owned(server, id)?;
         return Ok(id.to_owned());
     }
-    let current = server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-    if let Some(id) = current
+    if let Some(id) = server.scope.current()
         && server.moat.get(&id).is_ok()
     {
         return Ok(id);
     }
     let sandbox = server.moat.create(server.defaults.clone()).await?;
-    *server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(sandbox.id.clone());
+    server.scope.adopt(&sandbox.id, true);
     Ok(sandbox.id)
 }
 
-fn sandbox_json(server: &MoatServer, sandbox: &moat_core::Sandbox) -> Value {
-    let current =
-        server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_deref() == Some(&sandbox.id);
+/// Checks that sandbox `id` is this session's and still alive.
+fn owned(server: &Session<'_>, id: &str) -> Result<(), ToolError> {
+    if !server.scope.owns(id) {
+        let mine = server.scope.sandboxes();
+        let mine = if mine.is_empty() { "none".to_owned() } else { mine.join(", ") };
+        return Err(ToolError(format!(
+            "No sandbox {id:?} in this session; this session's sandboxes: {mine} (see list_sandboxes, or create one with create_sandbox)"
+        )));
+    }
+    server.moat.get(id).map(drop).map_err(|e| {
+        server.scope.forget(id);
+        e.into()
+    })
+}
+
+/// Checks that task `id` was started in this session.
+fn own_task(server: &Session<'_>, id: &str) -> Result<(), ToolError> {
+    if server.scope.sees_task(id) {
+        Ok(())
+    } else {
+        Err(ToolError(format!("No task {id:?} in this session; list_sandboxes shows this session's tasks")))
+    }
+}
+
+fn sandbox_json(server: &Session<'_>, sandbox: &moat_core::Sandbox) -> Value {
+    let current = server.scope.current().as_deref() == Some(&sandbox.id);
     json!({
         "sandbox_id": sandbox.id,
         "name": sandbox.name,
@@ -169,7 +199,7 @@ fn sandbox_json(server: &MoatServer, sandbox: &moat_core::Sandbox) -> Value {
     })
 }
 
-async fn create_sandbox(server: &MoatServer, args: &Value) -> Outcome {
+async fn create_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     let mut spec = SandboxSpec { name: str_arg(args, "name")?.map(str::to_owned), ..server.defaults.clone() };
     if let Some(image) = str_arg(args, "image")? {
         spec.image = image.to_owned();
@@ -192,26 +222,26 @@ async fn create_sandbox(server: &MoatServer, args: &Value) -> Outcome {
         }
     }
     let sandbox = server.moat.create(spec).await?;
-    *server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(sandbox.id.clone());
+    server.scope.adopt(&sandbox.id, true);
     Ok(sandbox_json(server, &sandbox))
 }
 
-async fn destroy_sandbox(server: &MoatServer, args: &Value) -> Outcome {
+async fn destroy_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     let id = required(args, "sandbox_id")?;
+    owned(server, id)?;
     server.moat.destroy(id).await?;
-    let mut current = server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if current.as_deref() == Some(id) {
-        *current = None;
-    }
+    server.scope.forget(id);
     Ok(json!({ "ok": true, "message": format!("sandbox {id} destroyed") }))
 }
 
-fn list_sandboxes(server: &MoatServer) -> Value {
-    let sandboxes: Vec<Value> = server.moat.list().iter().map(|s| sandbox_json(server, s)).collect();
+fn list_sandboxes(server: &Session<'_>) -> Value {
+    let sandboxes: Vec<Value> =
+        server.moat.list().iter().filter(|s| server.scope.owns(&s.id)).map(|s| sandbox_json(server, s)).collect();
     let tasks: Vec<Value> = server
         .moat
         .task_records()
         .iter()
+        .filter(|r| server.scope.sees_task(&r.task.id))
         .map(|r| {
             json!({
                 "task_id": r.task.id,
@@ -236,7 +266,7 @@ fn clip(text: &str) -> (String, bool) {
     }
 }
 
-async fn run_command(server: &MoatServer, args: &Value, context: &CallContext) -> Outcome {
+async fn run_command(server: &Session<'_>, args: &Value, context: &CallContext) -> Outcome {
     let cmd = required(args, "cmd")?;
     let timeout = int_arg(args, "timeout", 1, 3600)?.unwrap_or(60);
     let cwd = str_arg(args, "cwd")?.map(sandbox_path);
@@ -365,7 +395,7 @@ async fn with_progress<F: Future>(work: F, context: &CallContext, tail: &Tail) -
     }
 }
 
-async fn run_code(server: &MoatServer, args: &Value, context: &CallContext) -> RichOutcome {
+async fn run_code(server: &Session<'_>, args: &Value, context: &CallContext) -> RichOutcome {
     let code = required(args, "code")?;
     let language = match str_arg(args, "language")? {
         None => Language::Python,
@@ -414,7 +444,7 @@ fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 
-async fn read_file(server: &MoatServer, args: &Value) -> Outcome {
+async fn read_file(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(required(args, "path")?);
     let base64 = match str_arg(args, "encoding")? {
         None | Some("utf8") => false,
@@ -443,7 +473,7 @@ async fn read_file(server: &MoatServer, args: &Value) -> Outcome {
     }))
 }
 
-async fn write_file(server: &MoatServer, args: &Value) -> Outcome {
+async fn write_file(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(required(args, "path")?);
     let content = required(args, "content")?;
     let bytes = match str_arg(args, "encoding")? {
@@ -467,7 +497,7 @@ async fn write_file(server: &MoatServer, args: &Value) -> Outcome {
     Ok(json!({ "path": path, "bytes": written }))
 }
 
-async fn list_files(server: &MoatServer, args: &Value) -> Outcome {
+async fn list_files(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(str_arg(args, "path")?.unwrap_or("/home/user"));
     let depth = int_arg(args, "depth", 1, 5)?.unwrap_or(1);
     let id = target(server, args).await?;
@@ -487,14 +517,14 @@ async fn list_files(server: &MoatServer, args: &Value) -> Outcome {
     Ok(json!({ "entries": entries, "truncated": truncated }))
 }
 
-async fn make_dir(server: &MoatServer, args: &Value) -> Outcome {
+async fn make_dir(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(required(args, "path")?);
     let id = target(server, args).await?;
     server.moat.client(&id)?.make_dir(path.clone(), Some("user".into())).await?;
     Ok(json!({ "ok": true, "message": format!("{path} exists") }))
 }
 
-async fn move_file(server: &MoatServer, args: &Value) -> Outcome {
+async fn move_file(server: &Session<'_>, args: &Value) -> Outcome {
     let from = sandbox_path(required(args, "source")?);
     let to = sandbox_path(required(args, "destination")?);
     let overwrite = bool_arg(args, "overwrite")?;
@@ -503,7 +533,7 @@ async fn move_file(server: &MoatServer, args: &Value) -> Outcome {
     Ok(json!({ "ok": true, "message": format!("moved {from} to {to}") }))
 }
 
-async fn delete_file(server: &MoatServer, args: &Value) -> Outcome {
+async fn delete_file(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(required(args, "path")?);
     let recursive = bool_arg(args, "recursive")?;
     let id = target(server, args).await?;
@@ -511,32 +541,40 @@ async fn delete_file(server: &MoatServer, args: &Value) -> Outcome {
     Ok(json!({ "ok": true, "message": format!("deleted {path}") }))
 }
 
-async fn task_start(server: &MoatServer, args: &Value) -> Outcome {
+async fn task_start(server: &Session<'_>, args: &Value) -> Outcome {
     let source = required(args, "source")?;
     let spec = SandboxSpec { name: str_arg(args, "name")?.map(str::to_owned), ..server.defaults.clone() };
     let task = server.moat.task_start(std::path::Path::new(source), spec).await?;
-    *server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task.sandbox_id.clone());
+    server.scope.adopt(&task.sandbox_id, true);
+    server.scope.adopt_task(&task.id);
     Ok(json!({
         "task_id": task.id, "sandbox_id": task.sandbox_id, "runtime": task.runtime, "files": task.files,
         "workspace": "/workspace",
     }))
 }
 
-async fn task_diff(server: &MoatServer, args: &Value) -> Outcome {
-    let (diff, summary) = server.moat.task_diff(required(args, "task_id")?).await?;
+async fn task_diff(server: &Session<'_>, args: &Value) -> Outcome {
+    let task_id = required(args, "task_id")?;
+    own_task(server, task_id)?;
+    let (diff, summary) = server.moat.task_diff(task_id).await?;
     let (diff, truncated) = clip(&diff);
     Ok(json!({ "diff": diff, "summary": summary, "truncated": truncated }))
 }
 
-async fn task_finish(server: &MoatServer, args: &Value) -> Outcome {
-    let record = server.moat.task_finish(required(args, "task_id")?, bool_arg(args, "keep_sandbox")?).await?;
+async fn task_finish(server: &Session<'_>, args: &Value) -> Outcome {
+    let task_id = required(args, "task_id")?;
+    own_task(server, task_id)?;
+    let record = server.moat.task_finish(task_id, bool_arg(args, "keep_sandbox")?).await?;
+    if !record.sandbox_kept {
+        server.scope.forget(&record.task.sandbox_id);
+    }
     Ok(json!({
         "task_id": record.task.id, "patch_path": record.patch_path, "log_path": record.log_path,
         "summary": record.summary, "sandbox_kept": record.sandbox_kept,
     }))
 }
 
-async fn copy_to_sandbox(server: &MoatServer, args: &Value) -> Outcome {
+async fn copy_to_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     let host = std::path::PathBuf::from(required(args, "host_path")?);
     let dest = sandbox_path(required(args, "sandbox_path")?);
     let id = target(server, args).await?;
@@ -544,7 +582,7 @@ async fn copy_to_sandbox(server: &MoatServer, args: &Value) -> Outcome {
     Ok(json!({ "files": files, "bytes": bytes }))
 }
 
-async fn copy_from_sandbox(server: &MoatServer, args: &Value) -> Outcome {
+async fn copy_from_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     let source = sandbox_path(required(args, "sandbox_path")?);
     let host = std::path::PathBuf::from(required(args, "host_path")?);
     let id = target(server, args).await?;
@@ -552,9 +590,11 @@ async fn copy_from_sandbox(server: &MoatServer, args: &Value) -> Outcome {
     Ok(json!({ "files": files, "bytes": bytes }))
 }
 
-fn remove_task(server: &MoatServer, args: &Value) -> Outcome {
+fn remove_task(server: &Session<'_>, args: &Value) -> Outcome {
     let id = required(args, "task_id")?;
+    own_task(server, id)?;
     server.moat.remove_task(id)?;
+    server.scope.forget_task(id);
     Ok(json!({ "ok": true, "message": format!("task record {id} removed") }))
 }
 
