@@ -293,14 +293,23 @@ async fn run_command(server: &Session<'_>, args: &Value, context: &CallContext) 
             "truncated": false, "pid": pid, "log_path": log,
         }));
     }
-    let mut req = ExecRequest::argv(["bash", "-c", cmd]);
+    let through_bash = ExecRequest::argv(["bash", "-c", cmd]);
+    let mut req = simple_argv(cmd).map_or_else(|| through_bash.clone(), ExecRequest::argv);
     req.cwd = cwd;
     req.env = env;
     req.timeout_ms = Some(timeout * 1000);
     req.stdin = stdin.is_some();
     let started_at = moat_core::sandbox::now();
-    let command = moat_core::moat::command_line(&req);
-    let mut handle = server.moat.exec(&id, req).await?;
+    let command = moat_core::moat::command_line(&through_bash);
+    let mut handle = match server.moat.exec(&id, req.clone()).await {
+        Ok(handle) => handle,
+        // A direct start that failed (no such program, say): bash gives the
+        // answer a shell user knows ("command not found", status 127).
+        Err(_) if req.command != through_bash.command => {
+            server.moat.exec(&id, ExecRequest { command: through_bash.command, ..req }).await?
+        }
+        Err(e) => return Err(e.into()),
+    };
     if let Some(input) = stdin
         && let Some(mut pipe) = handle.take_stdin()
     {
@@ -343,6 +352,106 @@ async fn run_command(server: &Session<'_>, args: &Value, context: &CallContext) 
         }
     }
     Ok(result)
+}
+
+/// Bash's builtins and reserved words: a command starting with one must go
+/// through bash (`true` and `false` are not here: the programs of those
+/// names do exactly what the builtins do).
+const BASH_WORDS: &[&str] = &[
+    "!",
+    "[[",
+    "]]",
+    "{",
+    "}",
+    "alias",
+    "bg",
+    "bind",
+    "break",
+    "builtin",
+    "caller",
+    "case",
+    "cd",
+    "command",
+    "compgen",
+    "complete",
+    "compopt",
+    "continue",
+    "coproc",
+    "declare",
+    "dirs",
+    "disown",
+    "do",
+    "done",
+    "echo",
+    "elif",
+    "else",
+    "enable",
+    "esac",
+    "eval",
+    "exec",
+    "exit",
+    "export",
+    "fc",
+    "fg",
+    "fi",
+    "for",
+    "function",
+    "getopts",
+    "hash",
+    "help",
+    "history",
+    "if",
+    "in",
+    "jobs",
+    "kill",
+    "let",
+    "local",
+    "logout",
+    "mapfile",
+    "popd",
+    "printf",
+    "pushd",
+    "pwd",
+    "read",
+    "readarray",
+    "readonly",
+    "return",
+    "select",
+    "set",
+    "shift",
+    "shopt",
+    "source",
+    "suspend",
+    "test",
+    "then",
+    "time",
+    "times",
+    "trap",
+    "type",
+    "typeset",
+    "ulimit",
+    "umask",
+    "unalias",
+    "unset",
+    "until",
+    "wait",
+    "while",
+    ".",
+    ":",
+    "[",
+];
+
+/// `cmd` split into words when starting it directly means exactly what
+/// bash would do with it: plain words with no quoting, expansion,
+/// redirection, operators or assignments, and not a builtin. Skipping
+/// bash saves its start-up (about a millisecond) on every such command.
+fn simple_argv(cmd: &str) -> Option<Vec<&str>> {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./=:,+@%^".contains(c);
+    let words: Vec<&str> = cmd.split([' ', '\t']).filter(|w| !w.is_empty()).collect();
+    let first = words.first()?;
+    let simple =
+        cmd.chars().all(|c| plain(c) || c == ' ' || c == '\t') && !first.contains('=') && !BASH_WORDS.contains(first);
+    simple.then_some(words)
 }
 
 /// How often a long command reports progress (hosts time out on silence).
@@ -601,6 +710,35 @@ fn remove_task(server: &Session<'_>, args: &Value) -> Outcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_plain_commands_skip_bash() {
+        assert_eq!(simple_argv("ls -la /tmp"), Some(vec!["ls", "-la", "/tmp"]));
+        assert_eq!(simple_argv("true"), Some(vec!["true"]));
+        assert_eq!(simple_argv("python3 -m pip --version"), Some(vec!["python3", "-m", "pip", "--version"]));
+        for shell in [
+            "echo hi",
+            "cd /tmp",
+            "ls *.py",
+            "ls ~",
+            "a=1 env",
+            "ls > x",
+            "ls; ls",
+            "ls | wc",
+            "ls && ls",
+            "echo $HOME",
+            "ls 'a b'",
+            "ls {a,b}",
+            "ls\nls",
+            "ls # note",
+            "ls &",
+            "(ls)",
+            "",
+            "   ",
+        ] {
+            assert_eq!(simple_argv(shell), None, "{shell:?} needs bash");
+        }
+    }
 
     #[test]
     fn long_text_is_clipped_with_a_count() {
