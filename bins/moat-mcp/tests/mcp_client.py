@@ -12,6 +12,7 @@ Exits non-zero (with the reason) when anything a client relies on is wrong.
 import asyncio
 import base64
 import contextlib
+import importlib.metadata
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 TOKEN = "moat-test-token-0123456789abcdef"
+SDK_MAJOR = int(importlib.metadata.version("mcp").split(".")[0])
 
 
 class HttpServer:
@@ -180,6 +182,12 @@ async def every_tool(session, contract, project):
     message = await call(session, "run_code", {"code": "1", "language": "ruby"}, expect_error=True)
     assert "python, bash or node" in message, message
 
+    # Cancelling a call (notifications/cancelled) kills what it started.
+    # SDK 1.x does not send notifications/cancelled when a call is
+    # cancelled (and its session breaks), so only 2.x checks this.
+    if SDK_MAJOR >= 2:
+        await cancellation_kills(session)
+
     big = await call(session, "run_command", {"cmd": "python3 -c \"print('x' * 150000)\""})
     assert big["truncated"] and "[truncated: " in big["stdout"], big["stdout"][-80:]
     whole = await call(session, "read_file", {"path": big["full_output_path"], "offset": 149990, "length": 20})
@@ -241,6 +249,27 @@ async def every_tool(session, contract, project):
     await call(session, "destroy_sandbox", {"sandbox_id": box["sandbox_id"]})
     listed = await call(session, "list_sandboxes", {})
     assert all(s["sandbox_id"] != box["sandbox_id"] for s in listed["sandboxes"]), listed
+
+
+async def cancellation_kills(session):
+    running = asyncio.ensure_future(session.call_tool("run_command", {"cmd": "touch started; sleep 61; touch finished"}))
+    for _ in range(100):
+        await asyncio.sleep(0.1)
+        probe = await call(session, "run_command", {"cmd": "test -e started && pgrep -f 'sleep 6[1]'"})
+        if probe["exit_code"] == 0:
+            break
+    else:
+        raise AssertionError("the command to cancel did not start")
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    for _ in range(100):
+        probe = await call(session, "run_command", {"cmd": "pgrep -f 'sleep 6[1]'"})
+        if probe["exit_code"] == 1:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"cancelled command still runs: {probe}")
 
 
 def raw_post(url, headers):

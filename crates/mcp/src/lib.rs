@@ -1,14 +1,13 @@
 //! The MCP server of moat: the tools contract in `testdata/tools.json`
-//! mapped onto `moat-core`, served over stdio with `rmcp`.
+//! mapped onto `moat-core`, served with `rmcp` over stdio or streamable
+//! HTTP ([`http`]).
 //!
 //! `tools/list` answers with the contract itself, so what clients see is
-//! exactly what `testdata/tools.json` says. Each server process owns its
-//! sandboxes; tools without a `sandbox_id` use the session's current one,
-//! created with the defaults on first need.
-//!
-//! Work in progress (issue M4): the tools that need the network or the
-//! IPython kernel answer with an error that says they are not
-//! available yet; streamable HTTP, progress and cancellation are still to come.
+//! exactly what `testdata/tools.json` says. Each stdio connection or HTTP
+//! session owns its sandboxes ([`scope`]); tools without a `sandbox_id` use
+//! the session's current one, created with the defaults on first need.
+//! `git_clone` and `preview_link` answer that they need network policies,
+//! which are not in this build.
 
 pub mod config;
 pub mod hosts;
