@@ -25,6 +25,9 @@ pub struct BootConfig {
     pub fstype: String,
     /// `moat.ro`: mount the root read-only under a tmpfs overlay.
     pub read_only: bool,
+    /// `moat.overlay_mib=`: the size of that overlay (default: the tmpfs
+    /// default, half of the guest's memory).
+    pub overlay_mib: Option<u64>,
     /// `moat.hostname=`.
     pub hostname: Option<String>,
     /// `moat.port=`: the vsock port to serve (default 1024).
@@ -44,6 +47,7 @@ impl BootConfig {
                 Some(("moat.rootfstype", fs)) => config.fstype = fs.into(),
                 Some(("moat.hostname", name)) => config.hostname = Some(name.into()),
                 Some(("moat.port", port)) => config.port = port.parse().ok(),
+                Some(("moat.overlay_mib", mib)) => config.overlay_mib = mib.parse().ok(),
                 Some(("moat.boot_timer", addr)) => {
                     config.boot_timer = u64::from_str_radix(addr.trim_start_matches("0x"), 16).ok();
                 }
@@ -222,7 +226,11 @@ pub fn switch_root(config: &BootConfig) -> Result<(), BootError> {
         let _ = std::fs::create_dir_all(lower);
         let _ = std::fs::create_dir_all(scratch);
         mount_root(lower, MsFlags::MS_RDONLY)?;
-        let tmpfs = mount(Some("tmpfs"), scratch, Some("tmpfs"), MsFlags::empty(), Some("mode=0755"));
+        let options = match config.overlay_mib {
+            Some(mib) => format!("mode=0755,size={mib}m"),
+            None => "mode=0755".to_owned(),
+        };
+        let tmpfs = mount(Some("tmpfs"), scratch, Some("tmpfs"), MsFlags::empty(), Some(options.as_str()));
         tmpfs.map_err(|e| BootError::SwitchRoot(scratch.to_path_buf(), e))?;
         let _ = std::fs::create_dir_all(scratch.join("upper"));
         let _ = std::fs::create_dir_all(scratch.join("work"));
@@ -295,5 +303,6 @@ kernel/drivers/char/hw_random/virtio-rng.ko: kernel/drivers/virtio/virtio.ko ker
         assert!(!BootConfig::from_cmdline("BOOT_IMAGE=/vmlinuz root=/dev/sda1").is_vm_boot());
         assert_eq!(BootConfig::from_cmdline("moat.boot_timer=0xc0000000").boot_timer, Some(0xc000_0000));
         assert_eq!(config.boot_timer, None);
+        assert_eq!(BootConfig::from_cmdline("moat.ro moat.overlay_mib=512").overlay_mib, Some(512));
     }
 }

@@ -13,10 +13,12 @@ pub mod error;
 pub mod image;
 pub mod interpreter;
 pub mod jail;
+pub mod machine;
 pub mod moat;
 pub mod sandbox;
 pub mod state;
 pub mod task;
+pub mod vm;
 
 pub use backend::{Backend, BackendChoice, BackendKind, HostVirtualization, Instance};
 pub use error::CoreError;
