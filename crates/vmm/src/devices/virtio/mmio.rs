@@ -48,6 +48,7 @@ pub const STATUS_ACKNOWLEDGE: u32 = 1;
 pub const STATUS_DRIVER: u32 = 2;
 pub const STATUS_DRIVER_OK: u32 = 4;
 pub const STATUS_FEATURES_OK: u32 = 8;
+pub const STATUS_DEVICE_NEEDS_RESET: u32 = 0x40;
 pub const STATUS_FAILED: u32 = 0x80;
 
 /// Interrupt status: the device used buffers.
@@ -143,7 +144,11 @@ impl MmioTransport {
         if newly & STATUS_DRIVER_OK != 0 {
             let mem = &*self.mem;
             if self.status & STATUS_FEATURES_OK == 0 || self.queues.iter().any(|q| q.ready() && !q.is_valid(mem)) {
-                self.status = value | STATUS_FAILED;
+                tracing::warn!(
+                    "virtio device {}: the driver's queue setup is invalid; the device needs a reset",
+                    self.device.device_type()
+                );
+                self.status = value | STATUS_DEVICE_NEEDS_RESET;
                 return;
             }
             self.device.activate(self.acked_features);
@@ -152,7 +157,7 @@ impl MmioTransport {
     }
 
     fn notify(&mut self, index: u32) {
-        if self.status & STATUS_DRIVER_OK == 0 {
+        if self.status & (STATUS_DRIVER_OK | STATUS_DEVICE_NEEDS_RESET | STATUS_FAILED) != STATUS_DRIVER_OK {
             return;
         }
         let Some(queue) = usize::try_from(index).ok().and_then(|i| self.queues.get_mut(i)) else { return };

@@ -145,12 +145,24 @@ mod tests {
         }
         /// Offers one write-only buffer of `len` bytes as descriptor 0.
         fn offer(&mut self, len: u32) {
+            self.offer_raw(BUF, len, 2, 0);
+        }
+        /// Offers descriptor 0 as given (flags: 1 NEXT, 2 WRITE).
+        fn offer_raw(&mut self, addr: u64, len: u32, flags: u16, next: u16) {
             let m = &*self.mem;
-            m.write_obj(BUF, GuestAddress(DESC)).expect("desc addr");
+            m.write_obj(addr, GuestAddress(DESC)).expect("desc addr");
             m.write_obj(len, GuestAddress(DESC + 8)).expect("desc len");
-            m.write_obj(2u16, GuestAddress(DESC + 12)).expect("desc flags: WRITE");
-            m.write_obj(0u16, GuestAddress(AVAIL + 4)).expect("avail ring[0]");
-            m.write_obj(1u16, GuestAddress(AVAIL + 2)).expect("avail idx");
+            m.write_obj(flags, GuestAddress(DESC + 12)).expect("desc flags");
+            m.write_obj(next, GuestAddress(DESC + 14)).expect("desc next");
+            let idx: u16 = m.read_obj(GuestAddress(AVAIL + 2)).expect("avail idx");
+            m.write_obj(0u16, GuestAddress(AVAIL + 4 + 2 * u64::from(idx % 4))).expect("avail ring");
+            m.write_obj(idx.wrapping_add(1), GuestAddress(AVAIL + 2)).expect("avail idx");
+        }
+        fn used(&self) -> (u16, u32) {
+            let idx: u16 = self.mem.read_obj(GuestAddress(USED + 2)).expect("used idx");
+            let slot = u64::from(idx.wrapping_sub(1) % 4);
+            let len: u32 = self.mem.read_obj(GuestAddress(USED + 8 + 8 * slot)).expect("used len");
+            (idx, len)
         }
     }
 
@@ -202,5 +214,64 @@ mod tests {
         d.write(0x50, 0);
         assert!(d.irq.read().is_ok(), "the earlier interrupt only");
         assert!(d.irq.read().is_err(), "no notify is served after reset");
+    }
+
+    #[test]
+    fn notifications_before_setup_are_ignored() {
+        let mut d = Driver::new();
+        d.offer(16);
+        d.write(0x50, 0);
+        d.write(0x50, 7);
+        assert_eq!(d.used().0, 0);
+        assert!(d.irq.read().is_err());
+    }
+
+    #[test]
+    fn hostile_buffers_are_returned_empty_without_touching_other_memory() {
+        let mut d = Driver::new();
+        assert!(d.bring_up(1));
+        // Outside guest memory.
+        d.offer_raw(1 << 40, 64, 2, 0);
+        d.write(0x50, 0);
+        assert_eq!(d.used(), (1, 0));
+        // Zero length.
+        d.offer_raw(BUF, 0, 2, 0);
+        d.write(0x50, 0);
+        assert_eq!(d.used(), (2, 0));
+        // Device-readable only: nothing to write into.
+        d.offer_raw(BUF, 64, 0, 0);
+        d.write(0x50, 0);
+        assert_eq!(d.used(), (3, 0));
+        let mut bytes = [0u8; 64];
+        d.mem.read_slice(&mut bytes, GuestAddress(BUF)).expect("buffer");
+        assert_eq!(bytes, [0u8; 64], "no buffer was written");
+        // A descriptor chained to itself ends (the chain is bounded by the
+        // queue size) rather than looping forever.
+        d.offer_raw(BUF, 8, 2 | 1, 0);
+        d.write(0x50, 0);
+        assert_eq!(d.used().0, 4);
+        // A queue index past the device's queues.
+        d.write(0x50, 9);
+    }
+
+    #[test]
+    fn a_queue_outside_guest_memory_fails_driver_ok() {
+        let mut d = Driver::new();
+        d.status(STATUS_ACKNOWLEDGE | STATUS_DRIVER);
+        d.write(0x24, 1);
+        d.write(0x20, 1);
+        d.status(STATUS_FEATURES_OK);
+        d.write(0x30, 0);
+        d.write(0x38, 4);
+        d.write(0x80, 0);
+        d.write(0x84, 0x100); // 1 TiB: no such memory
+        d.write(0x44, 1);
+        d.status(STATUS_DRIVER_OK);
+        let status = d.read(0x70);
+        assert_ne!(status & crate::devices::virtio::mmio::STATUS_DEVICE_NEEDS_RESET, 0, "{status:#x}");
+        // Even with a good ring to serve, a device needing reset serves nothing.
+        d.offer(16);
+        d.write(0x50, 0);
+        assert!(d.irq.read().is_err(), "a failed device serves nothing");
     }
 }
