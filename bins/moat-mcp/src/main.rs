@@ -1,21 +1,30 @@
-//! `moat-mcp`: the MCP server, over stdio.
+//! `moat-mcp`: the MCP server, over stdio or streamable HTTP.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use moat_core::{Moat, MoatConfig};
 use moat_mcp::hosts::{Host, Scope};
+use moat_mcp::http::{HttpConfig, HttpServer, parse_host};
 use moat_mcp::{MoatServer, ServerConfig};
 use rmcp::ServiceExt;
 
 /// moat's MCP server: disposable, isolated Linux sandboxes for AI agents.
 /// Without a command it serves MCP over stdio (what agent hosts start).
+/// Configuration comes from MOAT_* environment variables (docs/operations.md).
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Cli {
-    /// Serve streamable HTTP instead of stdio (not in this build yet).
+    /// Serve streamable HTTP at http://HOST:PORT/mcp instead of stdio.
+    /// Set MOAT_HTTP_TOKEN to require a bearer token.
     #[arg(long)]
     http: bool,
+    /// The address to listen on with --http: one address, not a wildcard.
+    #[arg(long, default_value = "127.0.0.1", requires = "http")]
+    host: String,
+    /// The port to listen on with --http (0 picks a free one).
+    #[arg(long, default_value_t = 8000, requires = "http")]
+    port: u16,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -41,12 +50,6 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if cli.http {
-        eprintln!(
-            "moat-mcp: --http: streamable HTTP is not part of this build yet; agent hosts can start moat-mcp over stdio"
-        );
-        return ExitCode::from(2);
-    }
     if let Some(Command::Init { client, user, print, .. }) = cli.command {
         return init(client, if user { Scope::User } else { Scope::Project }, print);
     }
@@ -64,12 +67,24 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    if let Some(arg) = std::env::args().nth(1) {
-        eprintln!(
-            "moat-mcp: unknown argument {arg:?}; this build serves MCP over stdio only (streamable HTTP is not part of it yet)"
-        );
-        return ExitCode::from(2);
-    }
+    let http = if cli.http {
+        let host = match parse_host(&cli.host) {
+            Ok(host) => host,
+            Err(e) => {
+                eprintln!("moat-mcp: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        if !host.is_loopback() && config.http_token.is_none() {
+            eprintln!(
+                "moat-mcp: warning: serving on {host}, which is not a loopback address, without MOAT_HTTP_TOKEN: \
+                 anyone who can reach it can run code in sandboxes; set MOAT_HTTP_TOKEN"
+            );
+        }
+        Some(HttpConfig { host, port: cli.port, token: config.http_token.clone() })
+    } else {
+        None
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -77,10 +92,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(serve(config))
+    runtime.block_on(serve(config, http))
 }
 
-async fn serve(config: ServerConfig) -> ExitCode {
+async fn serve(config: ServerConfig, http: Option<HttpConfig>) -> ExitCode {
     let moat = match MoatConfig::from_env() {
         Ok(moat_config) => {
             let moat_config = MoatConfig {
@@ -101,6 +116,11 @@ async fn serve(config: ServerConfig) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some(http) = http {
+        let code = serve_http(&moat, config.defaults.clone(), http).await;
+        moat.destroy_all().await;
+        return code;
+    }
     let server = match MoatServer::new(moat.clone(), config.defaults.clone()) {
         Ok(server) => server,
         Err(e) => {
@@ -116,15 +136,54 @@ async fn serve(config: ServerConfig) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     let code = tokio::select! {
         // stdin closed: the host went away.
         result = running.waiting() => if result.is_ok() { ExitCode::SUCCESS } else { ExitCode::FAILURE },
-        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => ExitCode::SUCCESS,
+        () = terminated() => ExitCode::SUCCESS,
     };
     // Every sandbox this process owns goes with it.
     moat.destroy_all().await;
     code
+}
+
+/// Serves streamable HTTP until SIGTERM or SIGINT.
+async fn serve_http(moat: &Moat, defaults: moat_core::SandboxSpec, http: HttpConfig) -> ExitCode {
+    let server = match HttpServer::bind(http).await {
+        Ok(server) => server,
+        Err(e) => {
+            eprintln!("moat-mcp: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // The URL on stderr, for people and for scripts that asked for port 0.
+    eprintln!("moat-mcp: serving MCP over streamable HTTP at {}", server.url());
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let stop = shutdown.clone();
+    tokio::spawn(async move {
+        terminated().await;
+        stop.cancel();
+    });
+    match server.serve(moat.clone(), defaults, shutdown).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("moat-mcp: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Completes on SIGTERM or SIGINT.
+async fn terminated() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+        _ => std::future::pending().await,
+    }
 }
 
 /// Writes (or with `print`, shows) the host's configuration with moat in it.

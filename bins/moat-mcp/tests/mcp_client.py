@@ -1,17 +1,74 @@
-"""Drives moat-mcp over stdio with the official Python MCP SDK (1.x or 2.x).
+"""Drives moat-mcp with the official Python MCP SDK (1.x or 2.x).
 
-Usage: python mcp_client.py MOAT_MCP_BINARY TOOLS_JSON PROJECT_DIR
+Usage: python mcp_client.py MOAT_MCP_BINARY TOOLS_JSON PROJECT_DIR TRANSPORT ERA
+  TRANSPORT: stdio, or http (the script starts `moat-mcp --http` itself)
+  ERA: handshake (initialize; 2025-11-25 and earlier) or modern
+       (server/discover; 2026-07-28, SDK 2.x only)
+Over http it also checks what only HTTP has: the bearer token, Host and
+Origin checks, and that two sessions cannot see each other's sandboxes.
 Exits non-zero (with the reason) when anything a client relies on is wrong.
 """
 
 import asyncio
 import base64
+import contextlib
+import importlib.metadata
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+
+TOKEN = "moat-test-token-0123456789abcdef"
+SDK_MAJOR = int(importlib.metadata.version("mcp").split(".")[0])
+
+
+class HttpServer:
+    """`moat-mcp --http --port 0`, its URL read from stderr."""
+
+    def __init__(self, binary, env):
+        self.process = subprocess.Popen(
+            [binary, "--http", "--port", "0"], env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        for line in self.process.stderr:
+            if "serving MCP over streamable HTTP at " in line:
+                self.url = line.strip().rsplit(" ", 1)[-1]
+                break
+        else:
+            raise AssertionError(f"moat-mcp --http did not start (exit {self.process.wait()})")
+        # Keep draining its log so that it never blocks on a full pipe.
+        threading.Thread(target=lambda: [sys.stderr.write(line) for line in self.process.stderr], daemon=True).start()
+
+    def stop(self):
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=60)
+        assert code == 0, f"moat-mcp --http exited {code} on SIGTERM"
+
+
+@contextlib.asynccontextmanager
+async def connect(binary, env, transport, era, server=None, headers=None):
+    if transport == "stdio":
+        opened = stdio_client(StdioServerParameters(command=binary, args=[], env=env))
+    else:
+        client = create_mcp_http_client(headers={"Authorization": f"Bearer {TOKEN}", **(headers or {})})
+        opened = streamable_http_client(server.url, http_client=client)
+    async with opened as streams:
+        async with ClientSession(streams[0], streams[1]) as session:
+            if era == "modern":
+                found = await session.discover()
+                assert "2026-07-28" in found.supported_versions, found
+            else:
+                await session.initialize()
+            yield session
 
 
 def structured(result):
@@ -26,6 +83,12 @@ def is_error(result):
     if value is None:
         value = getattr(result, "is_error", None)
     return bool(value)
+
+
+def field(obj, camel, snake):
+    """SDK 1.x spells fields in camelCase, 2.x in snake_case."""
+    value = getattr(obj, camel, None)
+    return getattr(obj, snake, None) if value is None else value
 
 
 def text(result):
@@ -44,108 +107,220 @@ async def call(session, name, args, expect_error=False):
     return text(result)
 
 
-async def main(binary, contract_path, project):
+async def main(binary, contract_path, project, transport, era):
     contract = json.load(open(contract_path))["tools"]
-    env = dict(os.environ, MOAT_ROOTS=os.path.dirname(project))
-    params = StdioServerParameters(command=binary, args=[], env=env)
-    async with stdio_client(params) as (read, write):
-        async with ClientSession(read, write) as session:
-            await session.initialize()
+    env = dict(os.environ, MOAT_ROOTS=os.path.dirname(project), MOAT_HTTP_TOKEN=TOKEN)
+    server = HttpServer(binary, env) if transport == "http" else None
+    try:
+        async with connect(binary, env, transport, era, server) as session:
+            await every_tool(session, contract, project)
+        if server:
+            await http_only(binary, env, server)
+    finally:
+        if server:
+            server.stop()
+    print(f"mcp client ({transport}, {era}): all checks passed")
 
-            listed = (await session.list_tools()).tools
-            assert [t.name for t in listed] == [t["name"] for t in contract], "tools/list differs from tools.json"
-            for tool, spec in zip(listed, contract):
-                schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
-                assert schema == spec["inputSchema"], f"{tool.name}: input schema differs from tools.json"
-                assert tool.description == spec["description"], f"{tool.name}: description differs"
 
-            box = await call(session, "create_sandbox", {"name": "mcp-test"})
-            assert box["current"] and box["name"] == "mcp-test" and box["backend"] in ("jail", "vm"), box
+async def every_tool(session, contract, project):
+    listed = (await session.list_tools()).tools
+    assert [t.name for t in listed] == [t["name"] for t in contract], "tools/list differs from tools.json"
+    for tool, spec in zip(listed, contract):
+        schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
+        assert schema == spec["inputSchema"], f"{tool.name}: input schema differs from tools.json"
+        assert tool.description == spec["description"], f"{tool.name}: description differs"
 
-            out = await call(session, "run_command", {"cmd": "echo hi; echo err >&2; exit 3"})
-            assert (out["stdout"], out["stderr"], out["exit_code"], out["timed_out"]) == ("hi\n", "err\n", 3, False), out
-            out = await call(session, "run_command", {"cmd": "cat", "stdin": "fed"})
-            assert out["stdout"] == "fed", out
-            out = await call(session, "run_command", {"cmd": "sleep 30", "timeout": 1})
-            assert out["timed_out"], out
+    box = await call(session, "create_sandbox", {"name": "mcp-test"})
+    assert box["current"] and box["name"] == "mcp-test" and box["backend"] in ("jail", "vm"), box
 
-            # A long command reports progress (with its latest lines) every 2 s.
-            updates = []
+    out = await call(session, "run_command", {"cmd": "echo hi; echo err >&2; exit 3"})
+    assert (out["stdout"], out["stderr"], out["exit_code"], out["timed_out"]) == ("hi\n", "err\n", 3, False), out
+    out = await call(session, "run_command", {"cmd": "cat", "stdin": "fed"})
+    assert out["stdout"] == "fed", out
+    out = await call(session, "run_command", {"cmd": "sleep 30", "timeout": 1})
+    assert out["timed_out"], out
 
-            async def on_progress(progress, total, message):
-                updates.append(message or "")
+    # A long command reports progress (with its latest lines) every 2 s.
+    updates = []
 
-            slow = await session.call_tool(
-                "run_command",
-                {"cmd": "for i in 1 2 3 4 5 6; do echo line$i; sleep 1; done"},
-                progress_callback=on_progress,
-            )
-            assert not is_error(slow) and structured(slow)["stdout"].count("line") == 6, text(slow)
-            assert len(updates) >= 2 and any("line" in m for m in updates), updates
+    async def on_progress(progress, total, message):
+        updates.append(message or "")
 
-            big = await call(session, "run_command", {"cmd": "python3 -c \"print('x' * 150000)\""})
-            assert big["truncated"] and "[truncated: " in big["stdout"], big["stdout"][-80:]
-            whole = await call(session, "read_file", {"path": big["full_output_path"], "offset": 149990, "length": 20})
-            assert whole["content"].startswith("xxxxxxxxxx"), whole
+    slow = await session.call_tool(
+        "run_command",
+        {"cmd": "for i in 1 2 3 4 5 6; do echo line$i; sleep 1; done"},
+        progress_callback=on_progress,
+    )
+    assert not is_error(slow) and structured(slow)["stdout"].count("line") == 6, text(slow)
+    assert len(updates) >= 2 and any("line" in m for m in updates), updates
 
-            await call(session, "write_file", {"path": "notes/hello.txt", "content": "héllo\n"})
-            back = await call(session, "read_file", {"path": "/home/user/notes/hello.txt"})
-            assert back["content"] == "héllo\n", back
-            blob = base64.b64encode(bytes(range(256))).decode()
-            await call(session, "write_file", {"path": "blob.bin", "content": blob, "encoding": "base64", "mode": "600"})
-            back = await call(session, "read_file", {"path": "blob.bin", "encoding": "base64"})
-            assert back["content"] == blob, back
-            listing = await call(session, "list_files", {"depth": 2})
-            names = {e["path"] for e in listing["entries"]}
-            assert "/home/user/notes/hello.txt" in names and "/home/user/blob.bin" in names, names
-            await call(session, "make_dir", {"path": "a/b/c"})
-            await call(session, "move_file", {"source": "blob.bin", "destination": "a/b/c/blob.bin"})
-            await call(session, "delete_file", {"path": "a", "recursive": True})
+    # run_code: Python state persists, exceptions are data, figures are images.
+    out = await call(session, "run_code", {"code": "x = 21\nprint('hi')\nx * 2"})
+    assert (out["text"], out["stdout"], out["error"]) == ("42", "hi\n", None), out
+    out = await call(session, "run_code", {"code": "x + 1"})
+    assert out["text"] == "22" and out["execution_count"] == 2, out
+    out = await call(session, "run_code", {"code": "import os\nos.system('echo from-a-child')\n1/0"})
+    assert out["stdout"] == "from-a-child\n", out
+    assert out["error"]["name"] == "ZeroDivisionError" and "1/0" in out["error"]["traceback"], out
+    plot = await session.call_tool("run_code", {"code": "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"})
+    assert not is_error(plot), text(plot)
+    images = [b for b in plot.content if getattr(b, "type", "") == "image"]
+    assert len(images) == 1 and field(images[0], "mimeType", "mime_type") == "image/png", plot.content
+    assert base64.b64decode(images[0].data).startswith(b"\x89PNG"), images[0].data[:20]
+    assert sorted(structured(plot)["results"][0]["mime_types"]) == ["image/png", "text/plain"], structured(plot)
+    svg = await session.call_tool("run_code", {"code": "from IPython.display import SVG, display\ndisplay(SVG('<svg xmlns=\"http://www.w3.org/2000/svg\"><circle r=\"4\"/></svg>'))"})
+    resources = [b for b in svg.content if getattr(b, "type", "") == "resource"]
+    assert len(resources) == 1 and "<circle" in resources[0].resource.text, svg.content
+    out = await call(session, "run_code", {"code": "import time\ntime.sleep(30)", "timeout": 1})
+    assert out["error"]["name"] == "TimeoutError" and "kept" in out["error"]["value"], out
+    out = await call(session, "run_code", {"code": "x"})
+    assert out["text"] == "21", out
+    out = await call(session, "run_code", {"code": "echo $((6 * 7)); exit 4", "language": "bash"})
+    assert out["stdout"] == "42\n" and out["error"]["value"] == "exited with status 4", out
+    out = await call(session, "run_code", {"code": "console.log(1 + 1); nope()", "language": "node"})
+    assert out["stdout"] == "2\n" and out["error"]["name"] == "ReferenceError", out
+    message = await call(session, "run_code", {"code": "1", "language": "ruby"}, expect_error=True)
+    assert "python, bash or node" in message, message
 
-            # Errors the model can fix: tool results with isError and a way out.
-            message = await call(session, "read_file", {"path": "missing.txt"}, expect_error=True)
-            assert "no such file" in message, message
-            message = await call(session, "read_file", {"path": "blob.bin", "encoding": "hex"}, expect_error=True)
-            assert "utf8 or base64" in message, message
-            message = await call(session, "run_command", {"cmd": "true", "timeout": 0}, expect_error=True)
-            assert "from 1 to 3600" in message, message
-            message = await call(session, "run_command", {"cmd": "true", "sandbox_id": "sbx-nope"}, expect_error=True)
-            assert box["sandbox_id"] in message, message
-            message = await call(session, "git_clone", {"url": "https://github.com/x/y"}, expect_error=True)
-            assert "network" in message, message
+    # Cancelling a call (notifications/cancelled) kills what it started.
+    # SDK 1.x does not send notifications/cancelled when a call is
+    # cancelled (and its session breaks), so only 2.x checks this.
+    if SDK_MAJOR >= 2:
+        await cancellation_kills(session)
 
-            # Copies between host (inside MOAT_ROOTS) and sandbox.
-            copied = await call(session, "copy_to_sandbox", {"host_path": project, "sandbox_path": "copied"})
-            assert copied["files"] >= 1, copied
-            out = await call(session, "run_command", {"cmd": "cat copied/main.py && echo extra > copied/new.txt"})
-            assert out["stdout"] == "print('hello')\n" and out["exit_code"] == 0, out
-            back_dir = os.path.join(os.path.dirname(project), "copied-back-" + str(os.getpid()))
-            got = await call(session, "copy_from_sandbox", {"sandbox_path": "copied", "host_path": back_dir})
-            assert open(os.path.join(back_dir, "new.txt")).read() == "extra\n", got
-            one = await call(session, "copy_to_sandbox", {"host_path": os.path.join(project, "main.py"), "sandbox_path": "one.py"})
-            assert one == {"files": 1, "bytes": 15}, one
-            message = await call(session, "copy_from_sandbox", {"sandbox_path": "one.py", "host_path": back_dir}, expect_error=True)
-            assert "exists" in message, message
-            message = await call(session, "copy_to_sandbox", {"host_path": "/etc/passwd", "sandbox_path": "x"}, expect_error=True)
-            assert "outside the allowed roots" in message, message
+    big = await call(session, "run_command", {"cmd": "python3 -c \"print('x' * 150000)\""})
+    assert big["truncated"] and "[truncated: " in big["stdout"], big["stdout"][-80:]
+    whole = await call(session, "read_file", {"path": big["full_output_path"], "offset": 149990, "length": 20})
+    assert whole["content"].startswith("xxxxxxxxxx"), whole
 
-            # A task: import, change, diff, finish.
-            task = await call(session, "task_start", {"source": project})
-            assert task["runtime"] == "python", task
-            await call(session, "run_command", {"cmd": "cd /workspace && echo \"print('bye')\" >> main.py"})
-            diff = await call(session, "task_diff", {"task_id": task["task_id"]})
-            assert "+print('bye')" in diff["diff"] and diff["summary"]["files_changed"] == 1, diff
-            done = await call(session, "task_finish", {"task_id": task["task_id"]})
-            assert os.path.exists(done["patch_path"]), done
-            listed = await call(session, "list_sandboxes", {})
-            assert any(t["task_id"] == task["task_id"] for t in listed["tasks"]), listed
-            await call(session, "remove_task", {"task_id": task["task_id"]})
+    await call(session, "write_file", {"path": "notes/hello.txt", "content": "héllo\n"})
+    back = await call(session, "read_file", {"path": "/home/user/notes/hello.txt"})
+    assert back["content"] == "héllo\n", back
+    blob = base64.b64encode(bytes(range(256))).decode()
+    await call(session, "write_file", {"path": "blob.bin", "content": blob, "encoding": "base64", "mode": "600"})
+    back = await call(session, "read_file", {"path": "blob.bin", "encoding": "base64"})
+    assert back["content"] == blob, back
+    listing = await call(session, "list_files", {"depth": 2})
+    names = {e["path"] for e in listing["entries"]}
+    assert "/home/user/notes/hello.txt" in names and "/home/user/blob.bin" in names, names
+    await call(session, "make_dir", {"path": "a/b/c"})
+    await call(session, "move_file", {"source": "blob.bin", "destination": "a/b/c/blob.bin"})
+    await call(session, "delete_file", {"path": "a", "recursive": True})
 
-            await call(session, "destroy_sandbox", {"sandbox_id": box["sandbox_id"]})
-            listed = await call(session, "list_sandboxes", {})
-            assert all(s["sandbox_id"] != box["sandbox_id"] for s in listed["sandboxes"]), listed
-    print("mcp client: all checks passed")
+    # Errors the model can fix: tool results with isError and a way out.
+    message = await call(session, "read_file", {"path": "missing.txt"}, expect_error=True)
+    assert "no such file" in message, message
+    message = await call(session, "read_file", {"path": "blob.bin", "encoding": "hex"}, expect_error=True)
+    assert "utf8 or base64" in message, message
+    message = await call(session, "run_command", {"cmd": "true", "timeout": 0}, expect_error=True)
+    assert "from 1 to 3600" in message, message
+    message = await call(session, "run_command", {"cmd": "true", "sandbox_id": "sbx-nope"}, expect_error=True)
+    assert box["sandbox_id"] in message, message
+    message = await call(session, "git_clone", {"url": "https://github.com/x/y"}, expect_error=True)
+    assert "network" in message, message
+
+    # Copies between host (inside MOAT_ROOTS) and sandbox.
+    copied = await call(session, "copy_to_sandbox", {"host_path": project, "sandbox_path": "copied"})
+    assert copied["files"] >= 1, copied
+    out = await call(session, "run_command", {"cmd": "cat copied/main.py && echo extra > copied/new.txt"})
+    assert out["stdout"] == "print('hello')\n" and out["exit_code"] == 0, out
+    back_dir = os.path.join(os.path.dirname(project), "copied-back-" + str(os.getpid()))
+    got = await call(session, "copy_from_sandbox", {"sandbox_path": "copied", "host_path": back_dir})
+    assert open(os.path.join(back_dir, "new.txt")).read() == "extra\n", got
+    one = await call(session, "copy_to_sandbox", {"host_path": os.path.join(project, "main.py"), "sandbox_path": "one.py"})
+    assert one == {"files": 1, "bytes": 15}, one
+    message = await call(session, "copy_from_sandbox", {"sandbox_path": "one.py", "host_path": back_dir}, expect_error=True)
+    assert "exists" in message, message
+    message = await call(session, "copy_to_sandbox", {"host_path": "/etc/passwd", "sandbox_path": "x"}, expect_error=True)
+    assert "outside the allowed roots" in message, message
+
+    # A task: import, change, diff, finish.
+    task = await call(session, "task_start", {"source": project})
+    assert task["runtime"] == "python", task
+    await call(session, "run_command", {"cmd": "cd /workspace && echo \"print('bye')\" >> main.py"})
+    diff = await call(session, "task_diff", {"task_id": task["task_id"]})
+    assert "+print('bye')" in diff["diff"] and diff["summary"]["files_changed"] == 1, diff
+    done = await call(session, "task_finish", {"task_id": task["task_id"]})
+    assert os.path.exists(done["patch_path"]), done
+    listed = await call(session, "list_sandboxes", {})
+    assert any(t["task_id"] == task["task_id"] for t in listed["tasks"]), listed
+    await call(session, "remove_task", {"task_id": task["task_id"]})
+
+    await call(session, "destroy_sandbox", {"sandbox_id": box["sandbox_id"]})
+    listed = await call(session, "list_sandboxes", {})
+    assert all(s["sandbox_id"] != box["sandbox_id"] for s in listed["sandboxes"]), listed
+
+
+async def cancellation_kills(session):
+    running = asyncio.ensure_future(session.call_tool("run_command", {"cmd": "touch started; sleep 61; touch finished"}))
+    for _ in range(100):
+        await asyncio.sleep(0.1)
+        probe = await call(session, "run_command", {"cmd": "test -e started && pgrep -f 'sleep 6[1]'"})
+        if probe["exit_code"] == 0:
+            break
+    else:
+        raise AssertionError("the command to cancel did not start")
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    for _ in range(100):
+        probe = await call(session, "run_command", {"cmd": "pgrep -f 'sleep 6[1]'"})
+        if probe["exit_code"] == 1:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"cancelled command still runs: {probe}")
+
+
+def raw_post(url, headers):
+    """A bare initialize POST; returns (status, headers, body)."""
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}}).encode()
+    request = urllib.request.Request(url, data=body, method="POST", headers={
+        "Content-Type": "application/json", "Accept": "application/json, text/event-stream", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.headers, response.read(200).decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode(errors="replace")
+
+
+async def http_only(binary, env, server):
+    authority = server.url.split("/")[2]
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    status, headers, body = raw_post(server.url, {})
+    assert status == 401 and headers.get("WWW-Authenticate", "").startswith("Bearer"), (status, dict(headers), body)
+    assert "MOAT_HTTP_TOKEN" in body, body
+    status, headers, body = raw_post(server.url, {"Authorization": "Bearer wrong-token-wrong-token"})
+    assert status == 401 and "invalid_token" in headers.get("WWW-Authenticate", ""), (status, dict(headers), body)
+    status, _, body = raw_post(server.url, {**auth, "Origin": "http://evil.example"})
+    assert status == 403 and "evil.example" in body, (status, body)
+    status, _, body = raw_post(server.url, {**auth, "Host": "rebound.example:80"})
+    assert status == 403 and authority in body, (status, body)
+    status, _, _ = raw_post(server.url, {**auth, "Origin": f"http://{authority}"})
+    assert status == 200, status
+
+    # Two sessions: neither sees nor touches the other's sandboxes, and a
+    # session's sandboxes end with it.
+    data_dir = env.get("MOAT_DATA_DIR") or os.path.join(
+        env.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local/share"), "moat")
+    async with connect(binary, env, "http", "handshake", server) as first:
+        mine = await call(first, "create_sandbox", {"name": "first"})
+        async with connect(binary, env, "http", "handshake", server) as second:
+            theirs = await call(second, "list_sandboxes", {})
+            assert theirs["sandboxes"] == [], theirs
+            message = await call(second, "run_command", {"cmd": "true", "sandbox_id": mine["sandbox_id"]}, expect_error=True)
+            assert message.startswith("No sandbox") and "this session" in message, message
+            message = await call(second, "destroy_sandbox", {"sandbox_id": mine["sandbox_id"]}, expect_error=True)
+            assert "this session" in message, message
+        out = await call(first, "run_command", {"cmd": "echo still here"})
+        assert out["stdout"] == "still here\n", out
+    state = os.path.join(data_dir, "sandboxes", mine["sandbox_id"])
+    deadline = time.monotonic() + 60
+    while os.path.exists(state) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert not os.path.exists(state), f"{state} outlived its closed session"
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:4]))
+    asyncio.run(main(*sys.argv[1:6]))

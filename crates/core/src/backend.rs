@@ -38,10 +38,11 @@ pub trait Instance: Send + 'static {
     /// Whether the sandbox can be suspended (frozen, or its vCPUs paused).
     fn can_suspend(&self) -> bool;
     fn set_suspended(&self, suspended: bool) -> Result<(), CoreError>;
-    /// Whether a process other than the agent runs in the sandbox: a
-    /// command in progress, or a server started in the background. Busy
-    /// sandboxes are not suspended for being idle.
-    fn is_busy(&self) -> bool;
+    /// Whether a process runs in the sandbox beyond the agent and
+    /// `resident` known idle ones (a waiting Python session): a command in
+    /// progress, or a server started in the background. Busy sandboxes are
+    /// not suspended for being idle.
+    fn is_busy(&self, resident: usize) -> bool;
     /// Stops every process of the sandbox and removes its state.
     fn destroy(&mut self);
 }

@@ -192,13 +192,18 @@ fn write(dir: &Path, file: &str, value: &str) -> std::io::Result<()> {
 }
 
 /// A cgroup can be removed only once its last process is gone, which takes
-/// the kernel a moment after a SIGKILL.
+/// the kernel a moment after a SIGKILL, and longer on a loaded machine.
 fn remove_dir_retrying(dir: &Path) {
-    for _ in 0..100 {
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut pause = std::time::Duration::from_millis(2);
+    while std::time::Instant::now() < give_up {
         match std::fs::remove_dir(dir) {
             Ok(()) => return,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
-            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+            Err(_) => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(std::time::Duration::from_millis(100));
+            }
         }
     }
     tracing::warn!(dir = %dir.display(), "could not remove a sandbox cgroup");

@@ -135,9 +135,9 @@ impl Instance for Jail {
         self.cgroup.as_ref().is_some_and(Cgroup::can_freeze)
     }
 
-    fn is_busy(&self) -> bool {
+    fn is_busy(&self, resident: usize) -> bool {
         // The agent is one process; anything more is a command still running.
-        self.cgroup.as_ref().is_some_and(|c| c.process_count() > 1)
+        self.cgroup.as_ref().is_some_and(|c| c.process_count() > 1 + resident)
     }
 
     fn set_suspended(&self, suspended: bool) -> Result<(), CoreError> {

@@ -7,12 +7,15 @@ use std::time::Duration;
 
 use moat_proto::{AgentClient, ExecHandle, ExecRequest, Output, UnixConnector};
 
-use crate::backend::{Backend, BackendKind, Instance};
+use crate::backend::BackendKind;
 use crate::error::CoreError;
 use crate::image::{self, Image};
-use crate::jail::{Jail, JailBackend};
+use crate::interpreter::{CodeOutput, Language, PythonSession, StreamName, snippet_request};
+use crate::jail::JailBackend;
+use crate::machine::{Machine, Runner, find_vmm};
 use crate::sandbox::{Sandbox, SandboxSpec, SandboxState, now};
 use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
+use crate::vm::VmBackend;
 
 /// The most [`Moat::run`] collects of each of stdout and stderr; what a
 /// sandbox prints beyond is dropped (stream with [`Moat::exec`] for more).
@@ -53,6 +56,24 @@ impl MoatConfig {
 /// Where the agent binary is: `$MOAT_AGENT`, else the static build
 /// (`target/x86_64-unknown-linux-gnu/release/moat-agent`, as `cargo xtask
 /// build` makes it) near the current executable, else `moat-agent` beside it.
+/// The backend `config.backend` resolves to on this host: `auto` is a
+/// microVM where the host has hardware virtualization and `moat-vmm` is
+/// found, a jail otherwise (see [`HostVirtualization::choose`]).
+fn choose_backend(config: &MoatConfig) -> Result<Runner, CoreError> {
+    let choice = crate::backend::HostVirtualization::probe().choose(config.backend);
+    match choice.kind {
+        BackendKind::Vm => match find_vmm() {
+            Some(vmm) => Ok(Runner::Vm(VmBackend::new(vmm))),
+            None if config.backend == BackendKind::Vm => Err(CoreError::VmmMissing),
+            None => {
+                tracing::info!("{}, but moat-vmm is not found: using jails", choice.reason);
+                Ok(Runner::Jail(JailBackend::new(config.agent.clone())))
+            }
+        },
+        _ => Ok(Runner::Jail(JailBackend::new(config.agent.clone()))),
+    }
+}
+
 pub fn find_agent() -> Result<PathBuf, CoreError> {
     if let Some(path) = std::env::var_os("MOAT_AGENT") {
         let path = PathBuf::from(path);
@@ -76,18 +97,21 @@ pub fn find_agent() -> Result<PathBuf, CoreError> {
 
 struct Entry {
     info: Sandbox,
-    jail: Jail,
+    jail: Machine,
+    /// The sandbox's Python session for `run_code`, started on first use;
+    /// the async lock queues calls on one sandbox.
+    python: Arc<tokio::sync::Mutex<Option<PythonSession>>>,
 }
 
 struct Inner {
     config: MoatConfig,
-    backend: JailBackend,
+    backend: Runner,
     sandboxes: Mutex<BTreeMap<String, Entry>>,
     expired: Mutex<Vec<String>>,
     /// Tasks in progress, by task id, with their execution logs.
     tasks: Mutex<BTreeMap<String, (Task, Vec<LogEntry>)>>,
     /// Started sandboxes waiting to be handed out, by id.
-    pool: Mutex<Vec<(String, Jail)>>,
+    pool: Mutex<Vec<(String, Machine)>>,
     refill: Arc<tokio::sync::Notify>,
 }
 
@@ -119,11 +143,9 @@ impl Moat {
     /// Sweeps what dead owners left, picks the backend, and starts the
     /// lifecycle task (idle suspend, expiry).
     pub async fn new(config: MoatConfig) -> Result<Self, CoreError> {
-        // Until the vm backend lands, `auto` means jail everywhere.
-        if config.backend == BackendKind::Vm {
-            return Err(CoreError::BackendUnavailable("vm"));
-        }
-        if !config.agent.is_file() {
+        let backend = choose_backend(&config)?;
+        tracing::info!(backend = %backend.kind(), "sandboxes run in this backend");
+        if backend.kind() == BackendKind::Jail && !config.agent.is_file() {
             return Err(CoreError::AgentMissing(config.agent.display().to_string()));
         }
         let swept = crate::state::sweep(&config.data_dir);
@@ -131,7 +153,7 @@ impl Moat {
             tracing::info!(count = swept.len(), "cleaned up sandboxes of dead owners");
         }
         let inner = Arc::new(Inner {
-            backend: JailBackend::new(config.agent.clone()),
+            backend,
             config,
             sandboxes: Mutex::new(BTreeMap::new()),
             expired: Mutex::new(Vec::new()),
@@ -193,7 +215,17 @@ impl Moat {
             if sandboxes.len() >= max {
                 Some(jail)
             } else {
-                sandboxes.insert(id, Entry { info: info.clone(), jail });
+                if let Machine::Vm(vm) = &jail {
+                    // How busy the guest is, for idle suspend: asked of its
+                    // agent while it runs.
+                    let (inner, key) = (Arc::downgrade(&self.inner), id.clone());
+                    vm.watch_processes(Duration::from_secs(2), move || {
+                        inner.upgrade().is_none_or(|inner| {
+                            inner.lock().get(&key).is_none_or(|e| e.info.state == SandboxState::Paused)
+                        })
+                    });
+                }
+                sandboxes.insert(id, Entry { info: info.clone(), jail, python: Arc::default() });
                 None
             }
         };
@@ -275,6 +307,74 @@ impl Moat {
             .await
             .map_err(|source| CoreError::Agent { id: id.into(), source })?;
         self.log_command(id, &command, started_at, &output);
+        Ok(output)
+    }
+
+    /// Runs `code` in sandbox `id` like a notebook cell (see
+    /// [`interpreter`](crate::interpreter)): Python in the sandbox's
+    /// persistent session, bash and node as one process each. Output text
+    /// reaches `on_stream` as it comes. When `cancelled` completes, the
+    /// code is interrupted (Python) or killed. Errors of the code are
+    /// data in the output; `Err` means the sandbox could not run it.
+    pub async fn run_code(
+        &self,
+        id: &str,
+        language: Language,
+        code: &str,
+        timeout: Duration,
+        cancelled: impl Future<Output = ()>,
+        on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
+    ) -> Result<CodeOutput, CoreError> {
+        let started_at = now();
+        let output = match language {
+            Language::Python => {
+                let session = {
+                    let sandboxes = self.inner.lock();
+                    sandboxes.get(id).map(|e| e.python.clone()).ok_or_else(|| self.inner.unknown(id, &sandboxes))?
+                };
+                let mut session = session.lock().await;
+                let running = match session.as_mut() {
+                    Some(running) => {
+                        // Resumes a suspended sandbox and marks it used.
+                        self.client(id)?;
+                        running
+                    }
+                    None => {
+                        let handle = self.exec(id, PythonSession::request()).await?;
+                        let started = PythonSession::start(handle)
+                            .await
+                            .map_err(|e| CoreError::StartFailed { id: id.into(), reason: e.to_string() })?;
+                        session.insert(started)
+                    }
+                };
+                let (output, alive) = running.execute(code, timeout, cancelled, RUN_OUTPUT_LIMIT, on_stream).await;
+                if !alive {
+                    *session = None;
+                }
+                output
+            }
+            snippet => {
+                let mut request = snippet_request(snippet, code);
+                request.timeout_ms = Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
+                let handle = self.exec(id, request).await?;
+                let streamed = stream_output(handle, RUN_OUTPUT_LIMIT, cancelled, on_stream)
+                    .await
+                    .map_err(|source| CoreError::Agent { id: id.into(), source })?;
+                CodeOutput::from_process(streamed, timeout)
+            }
+        };
+        let as_command = Output {
+            stdout: output.stdout.clone(),
+            stderr: output.stderr.clone(),
+            status: moat_proto::ExitStatus {
+                code: Some(i32::from(output.error.is_some())),
+                signal: None,
+                timed_out: output.error.as_ref().is_some_and(|e| e.name == "TimeoutError"),
+                duration_ms: now().saturating_sub(started_at) * 1000,
+            },
+            truncated: output.truncated,
+        };
+        self.log_command(id, &format!("run_code {language:?}: {code}"), started_at, &as_command);
         Ok(output)
     }
 
@@ -528,7 +628,7 @@ async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::sync::Notif
 
 impl Inner {
     /// A started sandbox from the pool, if one is ready; the pool refills.
-    fn take_pooled(&self) -> Option<(String, Jail)> {
+    fn take_pooled(&self) -> Option<(String, Machine)> {
         let taken = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
         self.refill.notify_one();
         taken
@@ -564,7 +664,13 @@ impl Inner {
             }
             for (id, entry) in sandboxes.iter_mut() {
                 let idle = entry.info.spec.idle_seconds;
-                if idle > 0 && entry.info.state == SandboxState::Running && entry.jail.is_busy() {
+                // A Python session waiting for its next cell is resident;
+                // one running a cell holds its lock.
+                let busy = match entry.python.try_lock() {
+                    Ok(session) => entry.jail.is_busy(usize::from(session.is_some())),
+                    Err(_) => true,
+                };
+                if idle > 0 && entry.info.state == SandboxState::Running && busy {
                     // A command or server still runs: that is use.
                     entry.info.last_used_at = now;
                     continue;
@@ -632,4 +738,52 @@ pub fn expire_now(moat: &Moat, id: &str) {
         entry.info.expires_at = now();
     }
     moat.inner.lifecycle();
+}
+
+/// Collects a process's output (at most `limit` bytes of each stream) while
+/// handing each chunk to `on_stream` as it comes. When `cancelled`
+/// completes first, the handle is dropped, which kills the process group,
+/// and the result is `None`.
+pub async fn stream_output(
+    mut handle: ExecHandle,
+    limit: usize,
+    cancelled: impl Future<Output = ()>,
+    on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
+) -> Result<Option<Output>, moat_proto::ProtoError> {
+    async fn next_chunk(rx: &mut Option<tokio::sync::mpsc::Receiver<bytes::Bytes>>) -> Option<bytes::Bytes> {
+        match rx {
+            Some(rx) => rx.recv().await,
+            None => std::future::pending().await,
+        }
+    }
+    fn append(buf: &mut Vec<u8>, bytes: &[u8], limit: usize) -> bool {
+        let room = limit.saturating_sub(buf.len());
+        buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
+        bytes.len() > room
+    }
+    let mut stdout = handle.take_stdout();
+    let mut stderr = handle.take_stderr();
+    let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
+    tokio::pin!(cancelled);
+    while stdout.is_some() || stderr.is_some() {
+        tokio::select! {
+            chunk = next_chunk(&mut stdout) => match chunk {
+                Some(bytes) => {
+                    on_stream(StreamName::Stdout, &bytes);
+                    truncated |= append(&mut out, &bytes, limit);
+                }
+                None => stdout = None,
+            },
+            chunk = next_chunk(&mut stderr) => match chunk {
+                Some(bytes) => {
+                    on_stream(StreamName::Stderr, &bytes);
+                    truncated |= append(&mut err, &bytes, limit);
+                }
+                None => stderr = None,
+            },
+            () = &mut cancelled => return Ok(None),
+        }
+    }
+    let status = handle.wait().await?;
+    Ok(Some(Output { stdout: out, stderr: err, status, truncated }))
 }

@@ -21,6 +21,33 @@ pub struct ServerConfig {
     pub pool_size: usize,
     /// Defaults for sandboxes created without arguments.
     pub defaults: SandboxSpec,
+    /// `MOAT_HTTP_TOKEN`: the bearer token `--http` requires, when set.
+    pub http_token: Option<String>,
+    /// `MOAT_ALLOW_HOSTS`: hosts filtered sandboxes may reach beyond the defaults.
+    pub allow_hosts: Vec<String>,
+    /// `MOAT_GIT_HOSTS`: hosts `git_clone` may clone from.
+    pub git_hosts: Vec<String>,
+}
+
+/// The hosts `git_clone` may use unless `MOAT_GIT_HOSTS` says otherwise.
+pub const DEFAULT_GIT_HOSTS: &[&str] = &["github.com", "gitlab.com", "bitbucket.org"];
+
+/// A comma-separated list of host names; the error is the first bad one.
+fn host_list(value: &str) -> Result<Vec<String>, String> {
+    let mut hosts = Vec::new();
+    for host in value.split(',').map(str::trim).filter(|h| !h.is_empty()) {
+        let label_ok = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+                && !l.starts_with('-')
+        };
+        if host.len() > 253 || !host.split('.').all(label_ok) {
+            return Err(host.to_owned());
+        }
+        hosts.push(host.to_ascii_lowercase());
+    }
+    Ok(hosts)
 }
 
 impl ServerConfig {
@@ -78,6 +105,26 @@ impl ServerConfig {
         {
             return Err(bad("MOAT_LOG_LEVEL", &level, "error, warn, info, debug or trace"));
         }
+        let http_token = get("MOAT_HTTP_TOKEN");
+        if let Some(token) = &http_token
+            && (token.len() < 16 || !token.chars().all(|c| c.is_ascii_graphic()))
+        {
+            return Err(bad("MOAT_HTTP_TOKEN", "(hidden)", "at least 16 printable ASCII characters without spaces"));
+        }
+        let hosts = |var: &'static str, default: &[&str]| -> Result<Vec<String>, ConfigError> {
+            match get(var) {
+                None => Ok(default.iter().map(|h| (*h).to_owned()).collect()),
+                Some(v) => host_list(&v).map_err(|host| {
+                    bad(
+                        var,
+                        &v,
+                        &format!("comma-separated host names such as pypi.org,example.com ({host:?} is not one)"),
+                    )
+                }),
+            }
+        };
+        let allow_hosts = hosts("MOAT_ALLOW_HOSTS", &[])?;
+        let git_hosts = hosts("MOAT_GIT_HOSTS", DEFAULT_GIT_HOSTS)?;
         let defaults =
             SandboxSpec { image, network, timeout_seconds: timeout, idle_seconds: idle, ..SandboxSpec::default() };
         Ok(Self {
@@ -85,6 +132,9 @@ impl ServerConfig {
             max_sandboxes: usize::try_from(max_sandboxes).unwrap_or(16),
             pool_size: usize::try_from(pool_size).unwrap_or(0),
             defaults,
+            http_token,
+            allow_hosts,
+            git_hosts,
         })
     }
 }
@@ -117,11 +167,22 @@ mod tests {
             (("MOAT_MAX_SANDBOXES", "-1"), "from 1 to 1024"),
             (("MOAT_LOG_LEVEL", "loud"), "error, warn"),
             (("MOAT_IMAGE", "../x"), "image name"),
+            (("MOAT_HTTP_TOKEN", "short"), "at least 16"),
+            (("MOAT_ALLOW_HOSTS", "pypi.org,bad host"), "\"bad host\" is not one"),
+            (("MOAT_GIT_HOSTS", "https://github.com"), "host names"),
         ];
         for ((var, value), allowed) in cases {
             let err = with(&[(var, value)]).expect_err(var).to_string();
             assert!(err.starts_with(&format!("{var}=")) && err.contains(allowed), "{err}");
         }
         assert_eq!(with(&[("MOAT_IDLE_SECONDS", "0")]).expect("0 turns it off").defaults.idle_seconds, 0);
+    }
+
+    #[test]
+    fn host_lists_are_read_and_defaulted() {
+        let config = with(&[("MOAT_ALLOW_HOSTS", " Example.com, files.pythonhosted.org ,")]).expect("valid");
+        assert_eq!(config.allow_hosts, ["example.com", "files.pythonhosted.org"]);
+        assert_eq!(config.git_hosts, DEFAULT_GIT_HOSTS);
+        assert_eq!(config.http_token, None);
     }
 }

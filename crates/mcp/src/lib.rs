@@ -1,22 +1,23 @@
 //! The MCP server of moat: the tools contract in `testdata/tools.json`
-//! mapped onto `moat-core`, served over stdio with `rmcp`.
+//! mapped onto `moat-core`, served with `rmcp` over stdio or streamable
+//! HTTP ([`http`]).
 //!
 //! `tools/list` answers with the contract itself, so what clients see is
-//! exactly what `testdata/tools.json` says. Each server process owns its
-//! sandboxes; tools without a `sandbox_id` use the session's current one,
-//! created with the defaults on first need.
-//!
-//! Work in progress (issue M4): the tools that need the network or the
-//! IPython kernel answer with an error that says they are not
-//! available yet; streamable HTTP, progress and cancellation are still to come.
+//! exactly what `testdata/tools.json` says. Each stdio connection or HTTP
+//! session owns its sandboxes ([`scope`]); tools without a `sandbox_id` use
+//! the session's current one, created with the defaults on first need.
+//! `git_clone` and `preview_link` answer that they need network policies,
+//! which are not in this build.
 
 pub mod config;
 pub mod hosts;
+pub mod http;
+pub mod scope;
 mod tools;
 
 pub use config::{ConfigError, ServerConfig};
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use moat_core::Moat;
 use rmcp::model::{
@@ -25,6 +26,7 @@ use rmcp::model::{
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
+use scope::Scope;
 
 /// The tools contract, compiled in.
 pub const CONTRACT: &str = include_str!("../../../testdata/tools.json");
@@ -38,14 +40,19 @@ pub fn contract_tools() -> Result<Vec<Tool>, serde_json::Error> {
     Ok(serde_json::from_str::<Contract>(CONTRACT)?.tools)
 }
 
-/// One MCP session: a `Moat` and the session's current sandbox.
+/// One MCP connection (stdio) or HTTP session: a `Moat`, and the scope
+/// that owns the sandboxes made through it.
 #[derive(Clone)]
 pub struct MoatServer {
     moat: Moat,
     tools: Arc<Vec<Tool>>,
-    current: Arc<Mutex<Option<String>>>,
     /// The spec of sandboxes made without arguments (from the environment).
     defaults: moat_core::SandboxSpec,
+    /// This connection's or session's own sandboxes.
+    own: Arc<Scope>,
+    /// Over HTTP, the scope of requests that carry no session (protocol
+    /// 2026-07-28 has none): one shared by all of them.
+    sessionless: Option<Arc<Scope>>,
 }
 
 impl std::fmt::Debug for MoatServer {
@@ -55,8 +62,21 @@ impl std::fmt::Debug for MoatServer {
 }
 
 impl MoatServer {
+    /// The server of a stdio connection: it sees every task record.
     pub fn new(moat: Moat, defaults: moat_core::SandboxSpec) -> Result<Self, serde_json::Error> {
-        Ok(Self { moat, tools: Arc::new(contract_tools()?), current: Arc::new(Mutex::new(None)), defaults })
+        let own = Arc::new(Scope::new(moat.clone(), true));
+        Ok(Self { moat, tools: Arc::new(contract_tools()?), defaults, own, sessionless: None })
+    }
+
+    /// The server of one HTTP session (or of one sessionless request).
+    pub fn for_http(
+        moat: Moat,
+        defaults: moat_core::SandboxSpec,
+        tools: Arc<Vec<Tool>>,
+        sessionless: Arc<Scope>,
+    ) -> Self {
+        let own = Arc::new(Scope::new(moat.clone(), false));
+        Self { moat, tools, defaults, own, sessionless: Some(sessionless) }
     }
 
     pub fn moat(&self) -> &Moat {
@@ -95,11 +115,17 @@ impl ServerHandler for MoatServer {
             ));
         }
         let args = serde_json::Value::Object(request.arguments.unwrap_or_default());
+        let parts = context.extensions.get::<::http::request::Parts>();
+        let scope = match (parts, &self.sessionless) {
+            (Some(parts), Some(shared)) if !parts.headers.contains_key("mcp-session-id") => shared.clone(),
+            _ => self.own.clone(),
+        };
+        let session = tools::Session { moat: &self.moat, defaults: &self.defaults, scope };
         let call = tools::CallContext {
             progress: context.meta.get_progress_token(),
             cancelled: context.ct.clone(),
             peer: context.peer.clone(),
         };
-        Ok(tools::call(self, &request.name, args, &call).await.into())
+        Ok(tools::call(&session, &request.name, args, &call).await.into())
     }
 }

@@ -3,13 +3,13 @@
 //! `isError: true` and a message saying what to do.
 
 use base64::Engine;
-use moat_core::{CoreError, NetworkPolicy, SandboxSpec};
+use moat_core::{CoreError, Language, NetworkPolicy, SandboxSpec};
 use moat_proto::{ExecRequest, FileKind, ReadFileRequest, WriteFileRequest};
-use rmcp::model::{CallToolResult, ContentBlock, ProgressNotificationParam, ProgressToken};
+use rmcp::model::{CallToolResult, ContentBlock, ProgressNotificationParam, ProgressToken, ResourceContents};
 use rmcp::{Peer, RoleServer};
 use serde_json::{Value, json};
 
-use crate::MoatServer;
+use crate::scope::Scope;
 
 /// Text outputs are cut here, with the full output kept in the sandbox.
 pub const MAX_TEXT: usize = 100_000;
@@ -37,6 +37,17 @@ impl From<moat_proto::ProtoError> for ToolError {
 
 type Outcome = Result<Value, ToolError>;
 
+/// A result with content beyond its JSON (run_code's images).
+type RichOutcome = Result<(Value, Vec<ContentBlock>), ToolError>;
+
+/// What a tool acts with: the server's `Moat`, the default spec, and the
+/// scope (stdio connection or HTTP session) that owns its sandboxes.
+pub struct Session<'a> {
+    pub moat: &'a moat_core::Moat,
+    pub defaults: &'a SandboxSpec,
+    pub scope: std::sync::Arc<Scope>,
+}
+
 /// What a call knows of its request: progress token, cancellation, peer.
 pub struct CallContext {
     pub progress: Option<ProgressToken>,
@@ -45,8 +56,27 @@ pub struct CallContext {
 }
 
 /// Runs tool `name`; always a result, errors included.
-pub async fn call(server: &MoatServer, name: &str, args: Value, context: &CallContext) -> CallToolResult {
-    let outcome = match name {
+pub async fn call(server: &Session<'_>, name: &str, args: Value, context: &CallContext) -> CallToolResult {
+    let outcome: RichOutcome = match name {
+        "run_code" => run_code(server, &args, context).await,
+        _ => plain_call(server, name, &args, context).await.map(|value| (value, Vec::new())),
+    };
+    match outcome {
+        Ok((value, extra)) => {
+            let text = serde_json::to_string_pretty(&value).unwrap_or_default();
+            let mut content = vec![ContentBlock::text(text)];
+            content.extend(extra);
+            let mut result = CallToolResult::success(content);
+            result.structured_content = Some(value);
+            result
+        }
+        Err(ToolError(message)) => CallToolResult::error(vec![ContentBlock::text(message)]),
+    }
+}
+
+async fn plain_call(server: &Session<'_>, name: &str, args: &Value, context: &CallContext) -> Outcome {
+    let args = args.clone();
+    match name {
         "create_sandbox" => create_sandbox(server, &args).await,
         "destroy_sandbox" => destroy_sandbox(server, &args).await,
         "list_sandboxes" => Ok(list_sandboxes(server)),
@@ -68,15 +98,6 @@ pub async fn call(server: &MoatServer, name: &str, args: Value, context: &CallCo
              this tool becomes available with network policies"
         ))),
         other => Err(ToolError(format!("{other} is not available in this build of moat-mcp yet"))),
-    };
-    match outcome {
-        Ok(value) => {
-            let text = serde_json::to_string_pretty(&value).unwrap_or_default();
-            let mut result = CallToolResult::success(vec![ContentBlock::text(text)]);
-            result.structured_content = Some(value);
-            result
-        }
-        Err(ToolError(message)) => CallToolResult::error(vec![ContentBlock::text(message)]),
     }
 }
 
@@ -121,25 +142,47 @@ fn rfc3339(secs: u64) -> String {
 
 /// The sandbox a call acts on: its `sandbox_id`, or the session's current
 /// one, created with the defaults when there is none.
-async fn target(server: &MoatServer, args: &Value) -> Result<String, ToolError> {
+async fn target(server: &Session<'_>, args: &Value) -> Result<String, ToolError> {
     if let Some(id) = str_arg(args, "sandbox_id")? {
-        server.moat.get(id)?;
+        owned(server, id)?;
         return Ok(id.to_owned());
     }
-    let current = server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-    if let Some(id) = current
+    if let Some(id) = server.scope.current()
         && server.moat.get(&id).is_ok()
     {
         return Ok(id);
     }
     let sandbox = server.moat.create(server.defaults.clone()).await?;
-    *server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(sandbox.id.clone());
+    server.scope.adopt(&sandbox.id, true);
     Ok(sandbox.id)
 }
 
-fn sandbox_json(server: &MoatServer, sandbox: &moat_core::Sandbox) -> Value {
-    let current =
-        server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_deref() == Some(&sandbox.id);
+/// Checks that sandbox `id` is this session's and still alive.
+fn owned(server: &Session<'_>, id: &str) -> Result<(), ToolError> {
+    if !server.scope.owns(id) {
+        let mine = server.scope.sandboxes();
+        let mine = if mine.is_empty() { "none".to_owned() } else { mine.join(", ") };
+        return Err(ToolError(format!(
+            "No sandbox {id:?} in this session; this session's sandboxes: {mine} (see list_sandboxes, or create one with create_sandbox)"
+        )));
+    }
+    server.moat.get(id).map(drop).map_err(|e| {
+        server.scope.forget(id);
+        e.into()
+    })
+}
+
+/// Checks that task `id` was started in this session.
+fn own_task(server: &Session<'_>, id: &str) -> Result<(), ToolError> {
+    if server.scope.sees_task(id) {
+        Ok(())
+    } else {
+        Err(ToolError(format!("No task {id:?} in this session; list_sandboxes shows this session's tasks")))
+    }
+}
+
+fn sandbox_json(server: &Session<'_>, sandbox: &moat_core::Sandbox) -> Value {
+    let current = server.scope.current().as_deref() == Some(&sandbox.id);
     json!({
         "sandbox_id": sandbox.id,
         "name": sandbox.name,
@@ -156,7 +199,7 @@ fn sandbox_json(server: &MoatServer, sandbox: &moat_core::Sandbox) -> Value {
     })
 }
 
-async fn create_sandbox(server: &MoatServer, args: &Value) -> Outcome {
+async fn create_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     let mut spec = SandboxSpec { name: str_arg(args, "name")?.map(str::to_owned), ..server.defaults.clone() };
     if let Some(image) = str_arg(args, "image")? {
         spec.image = image.to_owned();
@@ -179,26 +222,26 @@ async fn create_sandbox(server: &MoatServer, args: &Value) -> Outcome {
         }
     }
     let sandbox = server.moat.create(spec).await?;
-    *server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(sandbox.id.clone());
+    server.scope.adopt(&sandbox.id, true);
     Ok(sandbox_json(server, &sandbox))
 }
 
-async fn destroy_sandbox(server: &MoatServer, args: &Value) -> Outcome {
+async fn destroy_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     let id = required(args, "sandbox_id")?;
+    owned(server, id)?;
     server.moat.destroy(id).await?;
-    let mut current = server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if current.as_deref() == Some(id) {
-        *current = None;
-    }
+    server.scope.forget(id);
     Ok(json!({ "ok": true, "message": format!("sandbox {id} destroyed") }))
 }
 
-fn list_sandboxes(server: &MoatServer) -> Value {
-    let sandboxes: Vec<Value> = server.moat.list().iter().map(|s| sandbox_json(server, s)).collect();
+fn list_sandboxes(server: &Session<'_>) -> Value {
+    let sandboxes: Vec<Value> =
+        server.moat.list().iter().filter(|s| server.scope.owns(&s.id)).map(|s| sandbox_json(server, s)).collect();
     let tasks: Vec<Value> = server
         .moat
         .task_records()
         .iter()
+        .filter(|r| server.scope.sees_task(&r.task.id))
         .map(|r| {
             json!({
                 "task_id": r.task.id,
@@ -223,7 +266,7 @@ fn clip(text: &str) -> (String, bool) {
     }
 }
 
-async fn run_command(server: &MoatServer, args: &Value, context: &CallContext) -> Outcome {
+async fn run_command(server: &Session<'_>, args: &Value, context: &CallContext) -> Outcome {
     let cmd = required(args, "cmd")?;
     let timeout = int_arg(args, "timeout", 1, 3600)?.unwrap_or(60);
     let cwd = str_arg(args, "cwd")?.map(sandbox_path);
@@ -250,14 +293,23 @@ async fn run_command(server: &MoatServer, args: &Value, context: &CallContext) -
             "truncated": false, "pid": pid, "log_path": log,
         }));
     }
-    let mut req = ExecRequest::argv(["bash", "-c", cmd]);
+    let through_bash = ExecRequest::argv(["bash", "-c", cmd]);
+    let mut req = simple_argv(cmd).map_or_else(|| through_bash.clone(), ExecRequest::argv);
     req.cwd = cwd;
     req.env = env;
     req.timeout_ms = Some(timeout * 1000);
     req.stdin = stdin.is_some();
     let started_at = moat_core::sandbox::now();
-    let command = moat_core::moat::command_line(&req);
-    let mut handle = server.moat.exec(&id, req).await?;
+    let command = moat_core::moat::command_line(&through_bash);
+    let mut handle = match server.moat.exec(&id, req.clone()).await {
+        Ok(handle) => handle,
+        // A direct start that failed (no such program, say): bash gives the
+        // answer a shell user knows ("command not found", status 127).
+        Err(_) if req.command != through_bash.command => {
+            server.moat.exec(&id, ExecRequest { command: through_bash.command, ..req }).await?
+        }
+        Err(e) => return Err(e.into()),
+    };
     if let Some(input) = stdin
         && let Some(mut pipe) = handle.take_stdin()
     {
@@ -266,7 +318,13 @@ async fn run_command(server: &MoatServer, args: &Value, context: &CallContext) -
             let _ = pipe.close().await;
         });
     }
-    let out = stream_output(handle, context).await?;
+    let tail = Tail::default();
+    let feed = |_, bytes: &[u8]| tail.feed(bytes);
+    let streamed =
+        moat_core::moat::stream_output(handle, moat_core::moat::RUN_OUTPUT_LIMIT, context.cancelled.cancelled(), &feed);
+    let Some(out) = with_progress(streamed, context, &tail).await? else {
+        return Err(ToolError("cancelled: the command and everything it started were killed".into()));
+    };
     // Streamed, so logged here for a task's execution log.
     server.moat.log_command(&id, &command, started_at, &out);
     let client = server.moat.client(&id)?;
@@ -296,72 +354,195 @@ async fn run_command(server: &MoatServer, args: &Value, context: &CallContext) -
     Ok(result)
 }
 
+/// Bash's builtins and reserved words: a command starting with one must go
+/// through bash (`true` and `false` are not here: the programs of those
+/// names do exactly what the builtins do).
+const BASH_WORDS: &[&str] = &[
+    "!",
+    "[[",
+    "]]",
+    "{",
+    "}",
+    "alias",
+    "bg",
+    "bind",
+    "break",
+    "builtin",
+    "caller",
+    "case",
+    "cd",
+    "command",
+    "compgen",
+    "complete",
+    "compopt",
+    "continue",
+    "coproc",
+    "declare",
+    "dirs",
+    "disown",
+    "do",
+    "done",
+    "echo",
+    "elif",
+    "else",
+    "enable",
+    "esac",
+    "eval",
+    "exec",
+    "exit",
+    "export",
+    "fc",
+    "fg",
+    "fi",
+    "for",
+    "function",
+    "getopts",
+    "hash",
+    "help",
+    "history",
+    "if",
+    "in",
+    "jobs",
+    "kill",
+    "let",
+    "local",
+    "logout",
+    "mapfile",
+    "popd",
+    "printf",
+    "pushd",
+    "pwd",
+    "read",
+    "readarray",
+    "readonly",
+    "return",
+    "select",
+    "set",
+    "shift",
+    "shopt",
+    "source",
+    "suspend",
+    "test",
+    "then",
+    "time",
+    "times",
+    "trap",
+    "type",
+    "typeset",
+    "ulimit",
+    "umask",
+    "unalias",
+    "unset",
+    "until",
+    "wait",
+    "while",
+    ".",
+    ":",
+    "[",
+];
+
+/// `cmd` split into words when starting it directly means exactly what
+/// bash would do with it: plain words with no quoting, expansion,
+/// redirection, operators or assignments, and not a builtin. Skipping
+/// bash saves its start-up (about a millisecond) on every such command.
+fn simple_argv(cmd: &str) -> Option<Vec<&str>> {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./=:,+@%^".contains(c);
+    let words: Vec<&str> = cmd.split([' ', '\t']).filter(|w| !w.is_empty()).collect();
+    let first = words.first()?;
+    let simple =
+        cmd.chars().all(|c| plain(c) || c == ' ' || c == '\t') && !first.contains('=') && !BASH_WORDS.contains(first);
+    simple.then_some(words)
+}
+
 /// How often a long command reports progress (hosts time out on silence).
 const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Collects a command's output (bounded) while sending the latest lines as
-/// progress notifications when the client asked for them; a cancelled
-/// request drops the handle, which kills the command's process group.
-async fn stream_output(
-    mut handle: moat_proto::ExecHandle,
-    context: &CallContext,
-) -> Result<moat_proto::Output, ToolError> {
-    let limit = moat_core::moat::RUN_OUTPUT_LIMIT;
-    let mut stdout = handle.take_stdout();
-    let mut stderr = handle.take_stderr();
-    let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
+/// The latest output of a running command, for progress messages.
+#[derive(Default)]
+struct Tail(std::sync::Mutex<Vec<u8>>);
+
+impl Tail {
+    const KEEP: usize = 4096;
+
+    fn feed(&self, bytes: &[u8]) {
+        let mut kept = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        kept.extend_from_slice(&bytes[bytes.len().saturating_sub(Self::KEEP)..]);
+        let excess = kept.len().saturating_sub(Self::KEEP);
+        kept.drain(..excess);
+    }
+
+    /// The last few lines, at most 500 characters.
+    fn message(&self) -> String {
+        let kept = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let text = String::from_utf8_lossy(&kept);
+        let lines: Vec<&str> = text.lines().rev().take(5).collect();
+        let tail: String = lines.into_iter().rev().collect::<Vec<_>>().join("\n");
+        let start = tail.char_indices().rev().nth(500).map_or(0, |(i, _)| i);
+        format!("running… {}", &tail[start..])
+    }
+}
+
+/// Drives `work` to completion, sending the latest output lines as a
+/// progress notification every [`PROGRESS_EVERY`] when the client asked for
+/// progress.
+async fn with_progress<F: Future>(work: F, context: &CallContext, tail: &Tail) -> F::Output {
+    tokio::pin!(work);
+    let Some(token) = &context.progress else { return work.await };
     let mut tick = tokio::time::interval(PROGRESS_EVERY);
     tick.tick().await;
     let mut reports = 0u32;
-    while stdout.is_some() || stderr.is_some() {
+    loop {
         tokio::select! {
-            chunk = next_chunk(&mut stdout) => match chunk {
-                Some(bytes) => truncated |= append(&mut out, &bytes, limit),
-                None => stdout = None,
-            },
-            chunk = next_chunk(&mut stderr) => match chunk {
-                Some(bytes) => truncated |= append(&mut err, &bytes, limit),
-                None => stderr = None,
-            },
-            _ = tick.tick(), if context.progress.is_some() => {
+            done = &mut work => return done,
+            _ = tick.tick() => {
                 reports += 1;
-                if let Some(token) = &context.progress {
-                    let tail = last_lines(&out, &err);
-                    let param = ProgressNotificationParam::new(token.clone(), f64::from(reports)).with_message(tail);
-                    let _ = context.peer.notify_progress(param).await;
-                }
-            },
-            () = context.cancelled.cancelled() => {
-                drop(handle);
-                return Err(ToolError("cancelled: the command and everything it started were killed".into()));
-            },
+                let param =
+                    ProgressNotificationParam::new(token.clone(), f64::from(reports)).with_message(tail.message());
+                let _ = context.peer.notify_progress(param).await;
+            }
         }
     }
-    let status = handle.wait().await?;
-    Ok(moat_proto::Output { stdout: out, stderr: err, status, truncated })
 }
 
-async fn next_chunk(rx: &mut Option<tokio::sync::mpsc::Receiver<bytes::Bytes>>) -> Option<bytes::Bytes> {
-    match rx {
-        Some(rx) => rx.recv().await,
-        None => std::future::pending().await,
+async fn run_code(server: &Session<'_>, args: &Value, context: &CallContext) -> RichOutcome {
+    let code = required(args, "code")?;
+    let language = match str_arg(args, "language")? {
+        None => Language::Python,
+        Some(name) => name.parse::<Language>().map_err(ToolError)?,
+    };
+    let timeout = std::time::Duration::from_secs(int_arg(args, "timeout", 1, 3600)?.unwrap_or(300));
+    let id = target(server, args).await?;
+    let tail = Tail::default();
+    let feed = |_, bytes: &[u8]| tail.feed(bytes);
+    let run = server.moat.run_code(&id, language, code, timeout, context.cancelled.cancelled(), &feed);
+    let output = with_progress(run, context, &tail).await?;
+    let (stdout, cut_out) = clip(&String::from_utf8_lossy(&output.stdout));
+    let (stderr, cut_err) = clip(&String::from_utf8_lossy(&output.stderr));
+    let (text, cut_text) = clip(&output.text);
+    let mut extra = Vec::new();
+    let mut results = Vec::new();
+    for (index, bundle) in output.results.iter().enumerate() {
+        results.push(json!({ "index": index, "mime_types": bundle.keys().collect::<Vec<_>>() }));
+        for (mime, value) in bundle {
+            let Some(data) = value.as_str() else { continue };
+            match mime.as_str() {
+                "image/png" | "image/jpeg" => extra.push(ContentBlock::image(data, mime)),
+                "image/svg+xml" => extra.push(ContentBlock::resource(
+                    ResourceContents::text(data, format!("moat://sandbox/{id}/results/{index}.svg"))
+                        .with_mime_type(mime),
+                )),
+                _ => {}
+            }
+        }
     }
-}
-
-/// Appends up to `limit` bytes in all; `true` when some were dropped.
-fn append(buf: &mut Vec<u8>, bytes: &[u8], limit: usize) -> bool {
-    let room = limit.saturating_sub(buf.len());
-    buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
-    bytes.len() > room
-}
-
-/// The last few lines of output, for a progress message.
-fn last_lines(out: &[u8], err: &[u8]) -> String {
-    let text = String::from_utf8_lossy(if out.is_empty() { err } else { out });
-    let lines: Vec<&str> = text.lines().rev().take(5).collect();
-    let tail: String = lines.into_iter().rev().collect::<Vec<_>>().join("\n");
-    let start = tail.char_indices().rev().nth(500).map_or(0, |(i, _)| i);
-    format!("running… {}", &tail[start..])
+    let mut value = json!({
+        "text": text, "stdout": stdout, "stderr": stderr, "error": output.error, "results": results,
+        "truncated": output.truncated || cut_out || cut_err || cut_text,
+    });
+    if let Some(count) = output.execution_count {
+        value["execution_count"] = json!(count);
+    }
+    Ok((value, extra))
 }
 
 fn rand_u32() -> u32 {
@@ -372,7 +553,7 @@ fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 
-async fn read_file(server: &MoatServer, args: &Value) -> Outcome {
+async fn read_file(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(required(args, "path")?);
     let base64 = match str_arg(args, "encoding")? {
         None | Some("utf8") => false,
@@ -401,7 +582,7 @@ async fn read_file(server: &MoatServer, args: &Value) -> Outcome {
     }))
 }
 
-async fn write_file(server: &MoatServer, args: &Value) -> Outcome {
+async fn write_file(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(required(args, "path")?);
     let content = required(args, "content")?;
     let bytes = match str_arg(args, "encoding")? {
@@ -425,7 +606,7 @@ async fn write_file(server: &MoatServer, args: &Value) -> Outcome {
     Ok(json!({ "path": path, "bytes": written }))
 }
 
-async fn list_files(server: &MoatServer, args: &Value) -> Outcome {
+async fn list_files(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(str_arg(args, "path")?.unwrap_or("/home/user"));
     let depth = int_arg(args, "depth", 1, 5)?.unwrap_or(1);
     let id = target(server, args).await?;
@@ -445,14 +626,14 @@ async fn list_files(server: &MoatServer, args: &Value) -> Outcome {
     Ok(json!({ "entries": entries, "truncated": truncated }))
 }
 
-async fn make_dir(server: &MoatServer, args: &Value) -> Outcome {
+async fn make_dir(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(required(args, "path")?);
     let id = target(server, args).await?;
     server.moat.client(&id)?.make_dir(path.clone(), Some("user".into())).await?;
     Ok(json!({ "ok": true, "message": format!("{path} exists") }))
 }
 
-async fn move_file(server: &MoatServer, args: &Value) -> Outcome {
+async fn move_file(server: &Session<'_>, args: &Value) -> Outcome {
     let from = sandbox_path(required(args, "source")?);
     let to = sandbox_path(required(args, "destination")?);
     let overwrite = bool_arg(args, "overwrite")?;
@@ -461,7 +642,7 @@ async fn move_file(server: &MoatServer, args: &Value) -> Outcome {
     Ok(json!({ "ok": true, "message": format!("moved {from} to {to}") }))
 }
 
-async fn delete_file(server: &MoatServer, args: &Value) -> Outcome {
+async fn delete_file(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(required(args, "path")?);
     let recursive = bool_arg(args, "recursive")?;
     let id = target(server, args).await?;
@@ -469,32 +650,40 @@ async fn delete_file(server: &MoatServer, args: &Value) -> Outcome {
     Ok(json!({ "ok": true, "message": format!("deleted {path}") }))
 }
 
-async fn task_start(server: &MoatServer, args: &Value) -> Outcome {
+async fn task_start(server: &Session<'_>, args: &Value) -> Outcome {
     let source = required(args, "source")?;
     let spec = SandboxSpec { name: str_arg(args, "name")?.map(str::to_owned), ..server.defaults.clone() };
     let task = server.moat.task_start(std::path::Path::new(source), spec).await?;
-    *server.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task.sandbox_id.clone());
+    server.scope.adopt(&task.sandbox_id, true);
+    server.scope.adopt_task(&task.id);
     Ok(json!({
         "task_id": task.id, "sandbox_id": task.sandbox_id, "runtime": task.runtime, "files": task.files,
         "workspace": "/workspace",
     }))
 }
 
-async fn task_diff(server: &MoatServer, args: &Value) -> Outcome {
-    let (diff, summary) = server.moat.task_diff(required(args, "task_id")?).await?;
+async fn task_diff(server: &Session<'_>, args: &Value) -> Outcome {
+    let task_id = required(args, "task_id")?;
+    own_task(server, task_id)?;
+    let (diff, summary) = server.moat.task_diff(task_id).await?;
     let (diff, truncated) = clip(&diff);
     Ok(json!({ "diff": diff, "summary": summary, "truncated": truncated }))
 }
 
-async fn task_finish(server: &MoatServer, args: &Value) -> Outcome {
-    let record = server.moat.task_finish(required(args, "task_id")?, bool_arg(args, "keep_sandbox")?).await?;
+async fn task_finish(server: &Session<'_>, args: &Value) -> Outcome {
+    let task_id = required(args, "task_id")?;
+    own_task(server, task_id)?;
+    let record = server.moat.task_finish(task_id, bool_arg(args, "keep_sandbox")?).await?;
+    if !record.sandbox_kept {
+        server.scope.forget(&record.task.sandbox_id);
+    }
     Ok(json!({
         "task_id": record.task.id, "patch_path": record.patch_path, "log_path": record.log_path,
         "summary": record.summary, "sandbox_kept": record.sandbox_kept,
     }))
 }
 
-async fn copy_to_sandbox(server: &MoatServer, args: &Value) -> Outcome {
+async fn copy_to_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     let host = std::path::PathBuf::from(required(args, "host_path")?);
     let dest = sandbox_path(required(args, "sandbox_path")?);
     let id = target(server, args).await?;
@@ -502,7 +691,7 @@ async fn copy_to_sandbox(server: &MoatServer, args: &Value) -> Outcome {
     Ok(json!({ "files": files, "bytes": bytes }))
 }
 
-async fn copy_from_sandbox(server: &MoatServer, args: &Value) -> Outcome {
+async fn copy_from_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     let source = sandbox_path(required(args, "sandbox_path")?);
     let host = std::path::PathBuf::from(required(args, "host_path")?);
     let id = target(server, args).await?;
@@ -510,15 +699,46 @@ async fn copy_from_sandbox(server: &MoatServer, args: &Value) -> Outcome {
     Ok(json!({ "files": files, "bytes": bytes }))
 }
 
-fn remove_task(server: &MoatServer, args: &Value) -> Outcome {
+fn remove_task(server: &Session<'_>, args: &Value) -> Outcome {
     let id = required(args, "task_id")?;
+    own_task(server, id)?;
     server.moat.remove_task(id)?;
+    server.scope.forget_task(id);
     Ok(json!({ "ok": true, "message": format!("task record {id} removed") }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_plain_commands_skip_bash() {
+        assert_eq!(simple_argv("ls -la /tmp"), Some(vec!["ls", "-la", "/tmp"]));
+        assert_eq!(simple_argv("true"), Some(vec!["true"]));
+        assert_eq!(simple_argv("python3 -m pip --version"), Some(vec!["python3", "-m", "pip", "--version"]));
+        for shell in [
+            "echo hi",
+            "cd /tmp",
+            "ls *.py",
+            "ls ~",
+            "a=1 env",
+            "ls > x",
+            "ls; ls",
+            "ls | wc",
+            "ls && ls",
+            "echo $HOME",
+            "ls 'a b'",
+            "ls {a,b}",
+            "ls\nls",
+            "ls # note",
+            "ls &",
+            "(ls)",
+            "",
+            "   ",
+        ] {
+            assert_eq!(simple_argv(shell), None, "{shell:?} needs bash");
+        }
+    }
 
     #[test]
     fn long_text_is_clipped_with_a_count() {

@@ -1,0 +1,203 @@
+# The Python side of run_code: an IPython InteractiveShell that runs one
+# cell per request, so state persists between calls like a notebook.
+#
+# moat-core starts it with `python3 -c` inside the sandbox and speaks JSON
+# lines: requests {"code": str} on stdin; events on stdout:
+#   {"type": "ready"}
+#   {"type": "stream", "name": "stdout"|"stderr", "text": str}
+#   {"type": "done", "execution_count": int, "result": {mime: value}|null,
+#    "displays": [{mime: value}], "error": {name, value, traceback}|null}
+# Binary values (PNG, JPEG) are base64 strings.
+#
+# File descriptors 0, 1 and 2 are taken over so that nothing the code does
+# (print, os.write, subprocesses, input()) can mix with the protocol: the
+# protocol keeps private duplicates, fd 0 becomes /dev/null, and fds 1 and 2
+# become pipes whose contents are forwarded as stream events.
+
+import base64
+import codecs
+import json
+import os
+import signal
+import sys
+import threading
+
+PROTO_IN = os.fdopen(os.dup(0), "r", encoding="utf-8")
+PROTO_OUT = os.fdopen(os.dup(1), "w", encoding="utf-8")
+DIAG = os.fdopen(os.dup(2), "w", encoding="utf-8", buffering=1)
+SEND_LOCK = threading.Lock()
+
+
+def send(message):
+    line = json.dumps(message, ensure_ascii=False)
+    with SEND_LOCK:
+        PROTO_OUT.write(line + "\n")
+        PROTO_OUT.flush()
+
+
+devnull = os.open(os.devnull, os.O_RDONLY)
+os.dup2(devnull, 0)
+os.close(devnull)
+
+# Marks the end of one cell's output in a pipe: everything written before it
+# belongs to that cell. Bytes no UTF-8 text contains, so print() cannot forge it.
+MARK = b"\xff\xfe\xfdmoat-cell-end\xfd\xfe\xff"
+
+
+class Pump(threading.Thread):
+    """Forwards what is written to fd `fd` as stream events."""
+
+    def __init__(self, name, fd):
+        super().__init__(daemon=True)
+        read, write = os.pipe()
+        os.dup2(write, fd)
+        os.close(write)
+        self.fd = fd
+        self.read = read
+        self.stream = name
+        self.drained = threading.Event()
+        self.start()
+
+    def run(self):
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        pending = b""
+        while True:
+            data = os.read(self.read, 65536)
+            if not data:
+                return
+            pending += data
+            while True:
+                at = pending.find(MARK)
+                if at < 0:
+                    break
+                self.emit(decoder.decode(pending[:at], final=True))
+                pending = pending[at + len(MARK):]
+                self.drained.set()
+            # Hold back a tail that may be the start of a mark.
+            keep = 0
+            for n in range(min(len(MARK) - 1, len(pending)), 0, -1):
+                if MARK.startswith(pending[-n:]):
+                    keep = n
+                    break
+            self.emit(decoder.decode(pending[: len(pending) - keep]))
+            pending = pending[len(pending) - keep:]
+
+    def emit(self, text):
+        if text:
+            send({"type": "stream", "name": self.stream, "text": text})
+
+    def drain(self):
+        """Waits until everything written to the fd so far was forwarded."""
+        self.drained.clear()
+        os.write(self.fd, MARK)
+        self.drained.wait()
+
+
+sys.stdout.flush()
+sys.stderr.flush()
+PUMPS = [Pump("stdout", 1), Pump("stderr", 2)]
+sys.stdout = open(1, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)
+sys.stderr = open(2, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)
+sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+
+# matplotlib's inline backend hooks itself into the running shell when it is
+# loaded, shows figures on plt.show() and those left open after each cell.
+os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+
+from IPython.core.displayhook import DisplayHook  # noqa: E402
+from IPython.core.displaypub import DisplayPublisher  # noqa: E402
+from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
+
+
+class Cell:
+    result = None
+    displays = []
+    traceback = None
+
+
+class Displays(DisplayPublisher):
+    def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
+        Cell.displays.append(data)
+
+    def clear_output(self, wait=False):
+        Cell.displays.clear()
+
+
+class Results(DisplayHook):
+    def write_output_prompt(self):
+        pass
+
+    def write_format_data(self, format_dict, md_dict=None):
+        Cell.result = format_dict
+
+    def finish_displayhook(self):
+        sys.stdout.flush()
+
+
+class Shell(InteractiveShell):
+    def _showtraceback(self, etype, evalue, stb):
+        Cell.traceback = self.InteractiveTB.stb2text(stb)
+
+
+shell = Shell.instance(displayhook_class=Results, display_pub_class=Displays, colors="NoColor")
+
+
+def plain(data):
+    """A MIME bundle as JSON: bytes as base64, everything else as is."""
+    out = {}
+    for mime, value in (data or {}).items():
+        if isinstance(value, bytes):
+            if mime.startswith("image/") and mime != "image/svg+xml":
+                value = base64.b64encode(value).decode("ascii")
+            else:
+                value = value.decode("utf-8", "replace")
+        out[mime] = value
+    return out
+
+
+def run(code):
+    Cell.result, Cell.displays, Cell.traceback = None, [], None
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        outcome = shell.run_cell(code, store_history=True)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for pump in PUMPS:
+        pump.drain()
+    error = None
+    exc = outcome.error_in_exec or outcome.error_before_exec
+    if exc is not None:
+        error = {"name": type(exc).__name__, "value": str(exc), "traceback": Cell.traceback or ""}
+    send(
+        {
+            "type": "done",
+            "execution_count": shell.execution_count - 1,
+            "result": plain(Cell.result) if Cell.result else None,
+            "displays": [plain(d) for d in Cell.displays],
+            "error": error,
+        }
+    )
+
+
+def main():
+    send({"type": "ready"})
+    while True:
+        try:
+            line = PROTO_IN.readline()
+            if not line:
+                return
+            request = json.loads(line)
+            run(request["code"])
+        except KeyboardInterrupt:
+            continue
+        except Exception as e:  # the runner's own failure, not the user's
+            DIAG.write(f"moat runner: {type(e).__name__}: {e}\n")
+            return
+
+
+# SIGINT interrupts the running cell (IPython turns it into a
+# KeyboardInterrupt error); between cells it is ignored.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+main()
