@@ -138,7 +138,7 @@ impl Image {
         }
         let image = Self { name: name.into(), dir, manifest };
         for (file, artifact) in &image.manifest.artifacts {
-            let size = artifact_size(&image.dir.join(file)).ok();
+            let size = std::fs::metadata(image.dir.join(file)).map(|m| m.len()).ok();
             if size != Some(artifact.size) {
                 return Err(image.corrupt(match size {
                     None => format!("{file} is missing"),
@@ -177,19 +177,6 @@ impl Image {
     pub fn path(&self, artifact: &str) -> PathBuf {
         self.dir.join(artifact)
     }
-}
-
-/// The size of an artifact: a file's length, or a block device's capacity
-/// (the nested test host attaches `rootfs.ext4` as a disk and links it into
-/// its image directory; `metadata().len()` of a device is 0).
-fn artifact_size(path: &Path) -> std::io::Result<u64> {
-    use std::io::Seek;
-    use std::os::unix::fs::FileTypeExt;
-    let meta = std::fs::metadata(path)?;
-    if meta.file_type().is_block_device() {
-        return std::fs::File::open(path)?.seek(std::io::SeekFrom::End(0));
-    }
-    Ok(meta.len())
 }
 
 /// Size and SHA-256 of a file.

@@ -6,7 +6,7 @@
 //! | the image's `vmlinux` | passed to QEMU as it is | level 1 runs the same kernel as the sandboxes |
 //! | `initramfs.cpio.gz` | `<cache>/<key>/` | busybox, `/init`, and only the modules level 1 needs: small, so it unpacks fast under TCG |
 //! | `bundle.ext4` | `<cache>/<key>/`, read-only virtio-blk disk | the moat binaries, QEMU with the shared libraries it links, QEMU's firmware, the image's small files: a few hundred MiB, too big for an initramfs |
-//! | the image's `rootfs.ext4` | attached read-only as it is | 4 GiB; copying it would cost more than the rest of the run |
+//! | `rootfs-disk.ext4` | `<cache>/rootfs-<key>/`, read-only virtio-blk disk | an ext4 holding the image's `rootfs.ext4` as a regular file, as moat-vmm takes disks; built once per root file system (about 20 s), not per binary |
 //!
 //! The key is a SHA-256 over the contents of every input (the image's
 //! artifacts through the hashes in its manifest), so a rebuilt binary or
@@ -142,7 +142,7 @@ pub struct Bundle {
     pub initramfs: PathBuf,
     /// The read-only disk with binaries, libraries and the image's small files.
     pub disk: PathBuf,
-    /// The image's root disk, attached read-only.
+    /// An ext4 disk holding the image's `rootfs.ext4`, attached read-only.
     pub rootfs: PathBuf,
     pub qemu: PathBuf,
 }
@@ -162,54 +162,124 @@ pub fn prepare(sources: &Sources) -> Result<Bundle> {
     let image = Image::open(&sources.data_dir, &sources.image)?;
     let plan = plan(sources, &image)?;
     let key = key(&plan)?;
-    let dir = sources.cache_dir.join(&key[..16]);
-    let bundle = Bundle {
-        key: key.clone(),
+    let dir = cached(&sources.cache_dir, "bundle-", &key, |work| build(&plan, work))?;
+    // The root disk changes only when the image's packages do: its own key.
+    let rootfs_key = image.manifest.artifacts.get("rootfs.ext4").map(|a| a.sha256.clone()).ok_or_else(|| {
+        Error::Missing { what: "rootfs.ext4 in the image's manifest".into(), hint: "rebuild the image".into() }
+    })?;
+    let rootfs_dir =
+        cached(&sources.cache_dir, "rootfs-", &rootfs_key, |work| build_rootfs_disk(&image.path("rootfs.ext4"), work))?;
+    Ok(Bundle {
+        key,
         kernel: image.path("vmlinux"),
         initramfs: dir.join("initramfs.cpio.gz"),
         disk: dir.join("bundle.ext4"),
-        rootfs: image.path("rootfs.ext4"),
+        rootfs: rootfs_dir.join("rootfs-disk.ext4"),
         qemu: sources.qemu.clone(),
         dir,
-    };
-    if bundle.dir.join("complete").is_file() {
-        return Ok(bundle);
+    })
+}
+
+/// The cache entry `<cache>/<prefix><key>/`, made by `build` in a work
+/// directory when it is not complete yet. Tests run in parallel threads and
+/// processes: one builds, the others wait on the lock. Entries with the same
+/// prefix and another key are removed (a QEMU still using one keeps its
+/// open files).
+fn cached(cache: &Path, prefix: &str, key: &str, build: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
+    let dir = cache.join(format!("{prefix}{}", &key[..16.min(key.len())]));
+    let complete = |dir: &Path| dir.join("complete").is_file();
+    if complete(&dir) {
+        return Ok(dir);
     }
     let io = |what: &str| {
-        let dir = sources.cache_dir.clone();
+        let dir = cache.to_path_buf();
         let what = what.to_owned();
         move |source| Error::Bundle { what, dir, source }
     };
-    std::fs::create_dir_all(&sources.cache_dir).map_err(io("creating the cache directory"))?;
-    // Tests run in parallel threads and processes: one builds, the others wait.
-    let lock = File::create(sources.cache_dir.join(".lock")).map_err(io("creating the lock file"))?;
+    std::fs::create_dir_all(cache).map_err(io("creating the cache directory"))?;
+    let lock = File::create(cache.join(".lock")).map_err(io("creating the lock file"))?;
     let _lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
         .map_err(|(_, e)| io("locking the cache")(e.into()))?;
-    if bundle.dir.join("complete").is_file() {
-        return Ok(bundle);
+    if complete(&dir) {
+        return Ok(dir);
     }
-    tracing::info!(key = %&key[..16], "building the level-1 bundle");
-    let work = sources.cache_dir.join(format!(".build-{}", std::process::id()));
+    tracing::info!(entry = %dir.display(), "building a level-1 cache entry");
+    let work = cache.join(format!(".build-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work).map_err(io("creating the build directory"))?;
-    let built = build(&plan, &work);
-    if let Err(e) = built {
+    if let Err(e) = build(&work) {
         let _ = std::fs::remove_dir_all(&work);
         return Err(e);
     }
-    std::fs::write(work.join("complete"), format!("{key}\n")).map_err(io("marking the bundle complete"))?;
-    let _ = std::fs::remove_dir_all(&bundle.dir);
-    std::fs::rename(&work, &bundle.dir).map_err(io("moving the bundle into place"))?;
-    // Older bundles go: a QEMU still using one keeps its open files.
-    if let Ok(entries) = std::fs::read_dir(&sources.cache_dir) {
+    std::fs::write(work.join("complete"), format!("{key}\n")).map_err(io("marking the entry complete"))?;
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&work, &dir).map_err(io("moving the entry into place"))?;
+    if let Ok(entries) = std::fs::read_dir(cache) {
         for entry in entries.filter_map(std::result::Result::ok) {
             let path = entry.path();
-            if path != bundle.dir && path.is_dir() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if path != dir && path.is_dir() && name.starts_with(prefix) {
                 let _ = std::fs::remove_dir_all(path);
             }
         }
     }
-    Ok(bundle)
+    Ok(dir)
+}
+
+/// `rootfs-disk.ext4`: an ext4 file system holding the image's `rootfs.ext4`
+/// as a regular file, for level 1 to mount read-only. moat-vmm (like most
+/// programs) takes a disk image as a regular file, which a block device
+/// attached as it is would not be; `mkfs.ext4 -d` copies only the allocated
+/// part of the sparse image (1.7 of 4 GiB), once per root file system.
+fn build_rootfs_disk(rootfs: &Path, work: &Path) -> Result<()> {
+    let io = |what: String| {
+        let dir = work.to_path_buf();
+        move |source| Error::Bundle { what, dir, source }
+    };
+    let tree = work.join("tree");
+    std::fs::create_dir_all(&tree).map_err(io("creating the staging tree".into()))?;
+    let staged = tree.join("rootfs.ext4");
+    // A hard link when the cache shares the data directory's file system.
+    if std::fs::hard_link(rootfs, &staged).is_err() {
+        let out = Command::new("cp")
+            .arg("--sparse=always")
+            .arg(rootfs)
+            .arg(&staged)
+            .output()
+            .map_err(io("running cp".into()))?;
+        if !out.status.success() {
+            return Err(Error::Tool { tool: "cp".into(), message: String::from_utf8_lossy(&out.stderr).into_owned() });
+        }
+    }
+    let allocated = std::fs::metadata(&staged)
+        .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+        .map_err(io(format!("reading {}", staged.display())))?;
+    // Room for ext4's metadata: a twentieth more, and 64 MiB.
+    let size_kib = (allocated + allocated / 20) / 1024 + 64 * 1024;
+    let made = mkfs_ext4(&tree, &work.join("rootfs-disk.ext4"), "moat-rootfs", size_kib);
+    std::fs::remove_dir_all(&tree).map_err(io("removing the staging tree".into()))?;
+    made
+}
+
+fn mkfs_ext4(tree: &Path, dest: &Path, label: &str, size_kib: u64) -> Result<()> {
+    let mkfs = find_program("mkfs.ext4").ok_or_else(|| Error::Missing {
+        what: "mkfs.ext4".into(),
+        hint: "install it with `apt-get install e2fsprogs`".into(),
+    })?;
+    let out = Command::new(mkfs)
+        .args(["-q", "-F", "-L", label, "-O", "^has_journal", "-E", "root_owner=0:0", "-d"])
+        .arg(tree)
+        .arg(dest)
+        .arg(format!("{size_kib}k"))
+        .output()
+        .map_err(|source| Error::Tool { tool: "mkfs.ext4".into(), message: source.to_string() })?;
+    if !out.status.success() {
+        return Err(Error::Tool {
+            tool: "mkfs.ext4".into(),
+            message: String::from_utf8_lossy(&out.stderr).into_owned(),
+        });
+    }
+    Ok(())
 }
 
 fn plan(sources: &Sources, image: &Image) -> Result<Plan> {
@@ -335,7 +405,7 @@ fn build(plan: &Plan, work: &Path) -> Result<()> {
         }
     }
     let write = |cpio: &mut Cpio<_>| -> std::io::Result<()> {
-        for dir in ["dev", "proc", "sys", "tmp", "run", "root", "nested", "var", "mnt"] {
+        for dir in ["dev", "proc", "sys", "tmp", "run", "root", "nested", "nested-rootfs", "var", "mnt"] {
             cpio.dir(dir)?;
         }
         for dir in &dirs {
@@ -368,23 +438,7 @@ fn build(plan: &Plan, work: &Path) -> Result<()> {
     }
     // Room for ext4's metadata: a tenth more, and 32 MiB.
     let size_kib = (bytes + bytes / 10) / 1024 + 32 * 1024;
-    let mkfs = find_program("mkfs.ext4").ok_or_else(|| Error::Missing {
-        what: "mkfs.ext4".into(),
-        hint: "install it with `apt-get install e2fsprogs`".into(),
-    })?;
-    let out = Command::new(mkfs)
-        .args(["-q", "-F", "-L", "moat-nested", "-O", "^has_journal", "-E", "root_owner=0:0", "-d"])
-        .arg(&tree)
-        .arg(work.join("bundle.ext4"))
-        .arg(format!("{size_kib}k"))
-        .output()
-        .map_err(io("running mkfs.ext4".into()))?;
-    if !out.status.success() {
-        return Err(Error::Tool {
-            tool: "mkfs.ext4".into(),
-            message: String::from_utf8_lossy(&out.stderr).into_owned(),
-        });
-    }
+    mkfs_ext4(&tree, &work.join("bundle.ext4"), "moat-nested", size_kib)?;
     std::fs::remove_dir_all(&tree).map_err(io("removing the staging tree".into()))
 }
 

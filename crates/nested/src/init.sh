@@ -95,15 +95,16 @@ report "stage kvm $up"
 say "kvm works"
 
 # The data directory as moat finds it by default, with the image's small
-# files from the bundle disk and its root disk as the block device.
+# files from the bundle disk and its root disk from its own disk.
 IMAGE=$(cat /etc/nested/image)
 ROOTFS=$(await disk moat-rootfs) || fail "no image root disk (virtio-blk serial moat-rootfs)"
+mount -t ext4 -o ro "$ROOTFS" /nested-rootfs || fail "cannot mount the image root disk $ROOTFS"
 dir=/root/.local/share/moat/images/$IMAGE
 mkdir -p "$dir/rootfs"
 for f in vmlinux config initramfs.cpio.gz manifest.json; do
     ln -s "/nested/image/$f" "$dir/$f"
 done
-ln -s "$ROOTFS" "$dir/rootfs.ext4"
+ln -s /nested-rootfs/rootfs.ext4 "$dir/rootfs.ext4"
 export MOAT_AGENT=/usr/bin/moat-agent
 hostname nested
 ip link set lo up

@@ -52,16 +52,14 @@ fn the_moat_binaries_and_the_image_are_in_place() {
     assert!(report.contains("image \"default\":        /root/.local/share/moat/images/default (kernel"), "{report}");
     assert!(report.contains("agent:                   /usr/bin/moat-agent"), "{report}");
     let out = run(Payload::script(
-        "which moat-mcp moat-vmm moat-agent; readlink $HOME/.local/share/moat/images/default/rootfs.ext4",
+        "which moat-mcp moat-vmm moat-agent; readlink $HOME/.local/share/moat/images/default/rootfs.ext4; \
+         test -f $HOME/.local/share/moat/images/default/rootfs.ext4 && echo regular",
     ))
     .expect("the payload runs");
     let lines: Vec<String> = out.stdout_text().lines().map(str::to_owned).collect();
-    assert_eq!(
-        lines.get(..3),
-        Some(&["/usr/bin/moat-mcp".to_owned(), "/usr/bin/moat-vmm".into(), "/usr/bin/moat-agent".into()][..]),
-        "{lines:?}"
-    );
-    assert!(lines.get(3).is_some_and(|l| l.starts_with("/dev/vd")), "the root disk is a block device: {lines:?}");
+    let expected =
+        ["/usr/bin/moat-mcp", "/usr/bin/moat-vmm", "/usr/bin/moat-agent", "/nested-rootfs/rootfs.ext4", "regular"];
+    assert_eq!(lines, expected, "the binaries on PATH, the root disk a regular file");
 }
 
 #[test]
