@@ -112,7 +112,8 @@ pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildEr
     io.insert(Arc::new(Mutex::new(sleep)), u64::from(ACPI_SLEEP_PORT), 1)?;
     let mut mmio = Bus::default();
     mmio.insert(Arc::new(Mutex::new(timer)), BOOT_TIMER_ADDR, BOOT_TIMER_SIZE)?;
-    let rng = MmioTransport::new(Box::new(Rng::new()), mem.clone(), irq(rng_irq)?);
+    let rng = MmioTransport::new(Box::new(Rng::new().map_err(BuildError::EventFd)?), mem.clone(), irq(rng_irq)?)
+        .map_err(BuildError::EventFd)?;
     mmio.insert(Arc::new(Mutex::new(rng)), rng_base, VIRTIO_MMIO_SIZE)?;
     let (io, mmio) = (Arc::new(io), Arc::new(mmio));
 
