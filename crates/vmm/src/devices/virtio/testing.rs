@@ -129,3 +129,129 @@ pub fn guest_memory(size: usize) -> GuestMemoryMmap {
     GuestMemoryMmap::from_ranges(&[(GuestAddress(0), size)])
         .unwrap_or_else(|e| panic!("{size} bytes of test memory: {e}"))
 }
+
+/// A guest's vsock driver over an in-memory `Vsock` device: RX buffers of
+/// `rx_buf` bytes (header included) kept posted, TX packets sent one chain
+/// each (header, payload), the way Linux's `vmw_vsock_virtio_transport` does.
+#[derive(Debug)]
+pub struct VsockGuest {
+    pub dev: super::vsock::Vsock,
+    pub mem: GuestMemoryMmap,
+    pub cid: u64,
+    rx: QueueDriver,
+    tx: QueueDriver,
+    queues: Vec<Queue>,
+    rx_buf: u32,
+    rx_posted: u16,
+    tx_slot: u16,
+}
+
+const VSOCK_RINGS: u64 = 0x1_0000;
+const VSOCK_RX_BUFS: u64 = 0x10_0000;
+const VSOCK_TX_BUFS: u64 = 0x200_0000;
+const VSOCK_QUEUE: u16 = 256;
+const VSOCK_SLOT: u64 = 0x1_1000;
+
+impl VsockGuest {
+    /// A guest with context id `cid` whose device listens on `uds`.
+    pub fn new(cid: u64, uds: &std::path::Path, rx_buf: u32) -> Self {
+        assert!(u64::from(rx_buf) <= VSOCK_SLOT, "RX buffers are at most {VSOCK_SLOT} bytes");
+        let dev = super::vsock::Vsock::new(cid, uds).unwrap_or_else(|e| panic!("vsock device on {uds:?}: {e}"));
+        let step = QueueDriver::footprint(VSOCK_QUEUE).next_multiple_of(0x1000);
+        let rx = QueueDriver::new(VSOCK_RINGS, VSOCK_QUEUE);
+        let tx = QueueDriver::new(VSOCK_RINGS + step, VSOCK_QUEUE);
+        let event = QueueDriver::new(VSOCK_RINGS + 2 * step, VSOCK_QUEUE);
+        let queues = vec![rx.queue(), tx.queue(), event.queue()];
+        let mem = guest_memory(0x400_0000 + 0x200_0000);
+        let mut guest = Self { dev, mem, cid, rx, tx, queues, rx_buf, rx_posted: 0, tx_slot: 0 };
+        guest.post_rx();
+        guest
+    }
+
+    /// Posts RX buffers until the queue is full.
+    pub fn post_rx(&mut self) {
+        while self.rx_posted < VSOCK_QUEUE {
+            // Descriptors are handed out in order, so slot = descriptor index.
+            let slot = u64::from(self.rx.next_desc);
+            self.rx.add_chain(&self.mem, &[Buf::write(VSOCK_RX_BUFS + slot * VSOCK_SLOT, self.rx_buf)]);
+            self.rx_posted += 1;
+        }
+    }
+
+    /// Sends one packet (the header's `len` set from `payload`).
+    pub fn send(&mut self, mut hdr: super::vsock::packet::Header, payload: &[u8]) {
+        use super::VirtioDevice;
+        hdr.len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
+        let at = VSOCK_TX_BUFS + u64::from(self.tx_slot % VSOCK_QUEUE) * VSOCK_SLOT;
+        self.tx_slot = self.tx_slot.wrapping_add(1);
+        let _ = self.mem.write_slice(&hdr.to_bytes(), GuestAddress(at));
+        let _ = self.mem.write_slice(payload, GuestAddress(at + 64));
+        let mut bufs = vec![Buf::read(at, 44)];
+        if !payload.is_empty() {
+            bufs.push(Buf::read(at + 64, hdr.len));
+        }
+        self.tx.add_chain(&self.mem, &bufs);
+        self.dev.process_queue(1, &mut self.queues, &self.mem);
+        self.tx.take_used(&self.mem);
+    }
+
+    /// Sends a raw chain on TX (for hostile tests).
+    pub fn send_raw(&mut self, bufs: &[Buf]) {
+        use super::VirtioDevice;
+        self.tx.add_chain(&self.mem, bufs);
+        self.dev.process_queue(1, &mut self.queues, &self.mem);
+        self.tx.take_used(&self.mem);
+    }
+
+    /// Lets the device act on host socket events (as the VMM loop does
+    /// when its descriptor is ready) and on posted RX buffers.
+    pub fn pump(&mut self) {
+        use super::VirtioDevice;
+        self.dev.process_host(Some(&mut self.queues), &self.mem);
+    }
+
+    /// Waits up to `ms` for the device's host descriptor, then pumps.
+    pub fn poll(&mut self, ms: i32) {
+        use super::VirtioDevice;
+        if let Some(fd) = self.dev.host_fd() {
+            let mut p = [libc::pollfd { fd, events: libc::POLLIN, revents: 0 }];
+            // SAFETY: one valid pollfd on a descriptor the device owns.
+            unsafe { libc::poll(p.as_mut_ptr(), 1, ms) };
+        }
+        self.pump();
+    }
+
+    /// The packets the device delivered since the last call; their buffers
+    /// are posted again when `repost`.
+    pub fn recv_with(&mut self, repost: bool) -> Vec<(super::vsock::packet::Header, Vec<u8>)> {
+        let mut out = Vec::new();
+        for (id, len) in self.rx.take_used(&self.mem) {
+            self.rx_posted -= 1;
+            let at = VSOCK_RX_BUFS + u64::from(id) * VSOCK_SLOT;
+            let mut raw = [0u8; 44];
+            if len < 44 || self.mem.read_slice(&mut raw, GuestAddress(at)).is_err() {
+                continue;
+            }
+            let hdr = super::vsock::packet::Header::parse(&raw);
+            let n = usize::try_from(len - 44).unwrap_or(0);
+            let mut payload = vec![0u8; n];
+            let _ = self.mem.read_slice(&mut payload, GuestAddress(at + 44));
+            out.push((hdr, payload));
+        }
+        if repost {
+            self.post_rx();
+        }
+        out
+    }
+
+    /// `recv_with(true)`.
+    pub fn recv(&mut self) -> Vec<(super::vsock::packet::Header, Vec<u8>)> {
+        self.recv_with(true)
+    }
+
+    /// Lets the device deliver into freshly posted buffers.
+    pub fn kick_rx(&mut self) {
+        use super::VirtioDevice;
+        self.dev.process_queue(0, &mut self.queues, &self.mem);
+    }
+}
