@@ -74,18 +74,8 @@ pub enum BuildError {
 /// the zero of the boot timer.
 pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildError> {
     config.validate()?;
-    let vm = Vm::new(create_guest_memory(config.memory_bytes())?)?;
-    let mem = vm.memory().clone();
-    let open = |what, path: &std::path::Path| {
-        File::open(path).map_err(|source| BuildError::Open { what, path: path.into(), source })
-    };
-    let mut kernel_file = open("the kernel", &config.kernel)?;
-    let kernel = boot::load_kernel(&mem, &mut kernel_file)?;
-    let initramfs = match &config.initramfs {
-        Some(path) => Some(boot::load_initramfs(&mem, &mut open("the initramfs", path)?, kernel.end)?),
-        None => None,
-    };
-    // virtio-mmio devices, in window order: the entropy source, the disks
+    // virtio-mmio devices first, in window order, so that a bad disk is
+    // reported before anything else is set up: the entropy source, the disks
     // (vda, vdb, … in config order), the vsock device.
     let mut devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new().map_err(BuildError::EventFd)?)];
     for (i, disk) in config.disks.iter().enumerate() {
@@ -100,6 +90,17 @@ pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildEr
             })?,
         ));
     }
+    let vm = Vm::new(create_guest_memory(config.memory_bytes())?)?;
+    let mem = vm.memory().clone();
+    let open = |what, path: &std::path::Path| {
+        File::open(path).map_err(|source| BuildError::Open { what, path: path.into(), source })
+    };
+    let mut kernel_file = open("the kernel", &config.kernel)?;
+    let kernel = boot::load_kernel(&mem, &mut kernel_file)?;
+    let initramfs = match &config.initramfs {
+        Some(path) => Some(boot::load_initramfs(&mem, &mut open("the initramfs", path)?, kernel.end)?),
+        None => None,
+    };
     let slots = (0u32..)
         .zip(&devices)
         .map(|(i, _)| virtio_mmio_slot(i).map(|(base, irq)| VirtioMmioDevice { base, irq }).ok_or(BuildError::NoIrq))
