@@ -73,7 +73,14 @@ impl Rng {
 
     /// A device serving `rate` bytes a second after a burst of `burst`.
     pub fn with_rate(rate: u64, burst: u64) -> std::io::Result<Self> {
-        Ok(Self { bucket: TokenBucket::new(rate, burst), timer: TimerFd::new()?, throttled: false })
+        let timer = TimerFd::new()?;
+        // Non-blocking: reading a timer that has not fired must not stall
+        // the VMM thread.
+        // SAFETY: fcntl on a descriptor this timer owns; no memory is passed.
+        if unsafe { libc::fcntl(timer.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self { bucket: TokenBucket::new(rate, burst), timer, throttled: false })
     }
 
     fn serve(&mut self, queue: &mut Queue, mem: &GuestMemoryMmap) -> bool {
@@ -158,9 +165,10 @@ impl VirtioDevice for Rng {
     }
 
     fn process_host(&mut self, queues: Option<&mut [Queue]>, mem: &GuestMemoryMmap) -> bool {
-        // The timer fired (epoll said so): reading it cannot block.
-        let _ = self.timer.wait();
-        self.throttled = false;
+        // Reading clears the expiry; an error means it has not fired yet.
+        if self.timer.wait().is_ok() {
+            self.throttled = false;
+        }
         match queues.and_then(|q| q.first_mut()) {
             Some(queue) => self.serve(queue, mem),
             None => false,

@@ -6,12 +6,14 @@
 pub mod muxer;
 pub mod packet;
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::RawFd;
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 
-use virtio_queue::{Queue, QueueOwnedT, QueueT, Reader, Writer};
-use vm_memory::GuestMemoryMmap;
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT, Reader};
+use vm_memory::volatile_memory::Error as VolatileMemoryError;
+use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryMmap, ReadVolatile, VolatileSlice};
 
 use super::{TYPE_VSOCK, VirtioDevice, read_config_bytes};
 pub use muxer::VsockMuxer;
@@ -70,21 +72,21 @@ impl Vsock {
         used
     }
 
-    /// Fills the guest's RX buffers with what the muxer has for it.
+    /// Fills the guest's RX buffers with what the muxer has for it; data
+    /// goes from the host socket straight into guest memory.
     fn process_rx(&mut self, queue: &mut Queue, mem: &GuestMemoryMmap) -> bool {
         let mut used = false;
         while self.muxer.has_rx() {
             let Some(chain) = queue.pop_descriptor_chain(mem) else { break };
             let head = chain.head_index();
             let mut len = 0;
-            if let Ok(mut writer) = Writer::<()>::new(mem, chain)
-                && writer.available_bytes() >= HDR_LEN
-            {
-                match self.muxer.next_rx(writer.available_bytes() - HDR_LEN) {
+            if let Some(buffer) = RxBuffer::new(mem, chain) {
+                let mut read = |stream: &mut UnixStream, want: usize| buffer.read_payload(stream, want);
+                match self.muxer.next_rx(buffer.room(), &mut read) {
                     Some(hdr) => {
-                        let payload = if hdr.op == packet::OP_RW { self.muxer.payload() } else { &[] };
-                        if writer.write_all(&hdr.to_bytes()).is_ok() && writer.write_all(payload).is_ok() {
-                            len = u32::try_from(HDR_LEN + payload.len()).unwrap_or(0);
+                        let payload = if hdr.op == packet::OP_RW { hdr.len } else { 0 };
+                        if buffer.write_header(&hdr) {
+                            len = u32::try_from(HDR_LEN).unwrap_or(0) + payload;
                         } else {
                             self.muxer.unread(hdr);
                         }
@@ -104,6 +106,85 @@ impl Vsock {
             used = true;
         }
         used
+    }
+}
+
+/// An RX chain's device-writable memory, checked against guest memory.
+struct RxBuffer<'a> {
+    slices: Vec<VolatileSlice<'a, ()>>,
+    total: usize,
+}
+
+impl<'a> RxBuffer<'a> {
+    /// `None` for a chain with a buffer outside guest memory (or crossing
+    /// a region boundary) or too small for a header.
+    fn new(mem: &'a GuestMemoryMmap, chain: DescriptorChain<&GuestMemoryMmap>) -> Option<Self> {
+        let mut slices = Vec::new();
+        let mut total = 0usize;
+        for desc in chain.writable() {
+            let len = usize::try_from(desc.len()).ok()?;
+            if len == 0 {
+                continue;
+            }
+            slices.push(mem.get_slice(desc.addr(), len).ok()?);
+            total = total.checked_add(len)?;
+        }
+        (total >= HDR_LEN).then_some(Self { slices, total })
+    }
+
+    fn room(&self) -> usize {
+        (self.total - HDR_LEN).min(muxer::MAX_PKT_PAYLOAD)
+    }
+
+    /// The slices from byte `skip` on.
+    fn from(&self, mut skip: usize) -> impl Iterator<Item = VolatileSlice<'a, ()>> + '_ {
+        self.slices.iter().filter_map(move |s| {
+            if skip >= s.len() {
+                skip -= s.len();
+                return None;
+            }
+            let rest = s.offset(skip).ok();
+            skip = 0;
+            rest
+        })
+    }
+
+    fn write_header(&self, hdr: &Header) -> bool {
+        let bytes = hdr.to_bytes();
+        let mut done = 0;
+        for slice in self.from(0) {
+            let n = slice.len().min(HDR_LEN - done);
+            if slice.write_slice(&bytes[done..done + n], 0).is_err() {
+                return false;
+            }
+            done += n;
+            if done == HDR_LEN {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Reads up to `want` bytes from `stream` into the payload area.
+    fn read_payload(&self, stream: &mut UnixStream, want: usize) -> std::io::Result<usize> {
+        let mut done = 0;
+        for slice in self.from(HDR_LEN) {
+            if done == want {
+                break;
+            }
+            let mut part = slice.subslice(0, slice.len().min(want - done)).map_err(std::io::Error::other)?;
+            let n = match stream.read_volatile(&mut part) {
+                Ok(n) => n,
+                Err(VolatileMemoryError::IOError(e)) if done == 0 => return Err(e),
+                Err(_) if done > 0 => break,
+                Err(e) => return Err(std::io::Error::other(e)),
+            };
+            done += n;
+            if n < part.len() {
+                break;
+            }
+        }
+        Ok(done)
     }
 }
 

@@ -165,7 +165,6 @@ pub struct VsockMuxer {
     readable: VecDeque<Key>,
     next_token: u64,
     next_local_port: u32,
-    scratch: Vec<u8>,
 }
 
 impl VsockMuxer {
@@ -194,7 +193,6 @@ impl VsockMuxer {
             readable: VecDeque::new(),
             next_token: LISTENER_TOKEN + 1,
             next_local_port: LOCAL_PORT_START,
-            scratch: Vec::new(),
         })
     }
 
@@ -559,9 +557,14 @@ impl VsockMuxer {
         self.sync(key);
     }
 
-    /// The next packet for the guest, its payload (if any) in `payload()`,
-    /// for an RX buffer with room for `room` payload bytes.
-    pub fn next_rx(&mut self, room: usize) -> Option<Header> {
+    /// The next packet for the guest, for an RX buffer with room for `room`
+    /// payload bytes. For data, `read` is called with the host socket and
+    /// how much to take: it reads straight into the guest's buffer.
+    pub fn next_rx(
+        &mut self,
+        room: usize,
+        read: &mut dyn FnMut(&mut UnixStream, usize) -> std::io::Result<usize>,
+    ) -> Option<Header> {
         if let Some(header) = self.control.pop_front() {
             return Some(header);
         }
@@ -573,8 +576,7 @@ impl VsockMuxer {
                 self.sync(key);
                 continue;
             }
-            self.scratch.resize(want, 0);
-            match conn.stream.read(&mut self.scratch[..want]) {
+            match read(&mut conn.stream, want) {
                 Ok(0) => {
                     conn.host_eof = true;
                     if conn.hup {
@@ -598,7 +600,6 @@ impl VsockMuxer {
                     if let Some(conn) = self.conns.get_mut(&key) {
                         conn.last_fwd_sent = rw.fwd_cnt;
                     }
-                    self.scratch.truncate(n);
                     return Some(rw);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
@@ -614,16 +615,11 @@ impl VsockMuxer {
         None
     }
 
-    /// The payload of the last `OP_RW` packet `next_rx` returned.
-    pub fn payload(&self) -> &[u8] {
-        &self.scratch
-    }
-
     /// Puts a packet `next_rx` returned back (the guest's buffer could not
     /// take it); it goes first next time.
     pub fn unread(&mut self, header: Header) {
-        // Only control packets are put back: data was already taken from
-        // the host socket, so the device never fails after taking it.
+        // Only control packets are put back: data is read into the guest's
+        // buffer itself, after which nothing can fail.
         if header.op != OP_RW {
             self.control.push_front(header);
         }
