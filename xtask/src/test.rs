@@ -82,10 +82,12 @@ fn conformance_suite() -> Result<std::path::PathBuf> {
     Ok(dir)
 }
 
-/// The decoder's fuzz target must keep compiling; `cargo check` is enough
-/// (running it needs cargo-fuzz; see crates/proto/fuzz/README.md).
+/// The fuzz targets (the protocol decoder, the virtio device models) must
+/// keep compiling; `cargo check` is enough (running them needs cargo-fuzz;
+/// see crates/proto/fuzz/README.md and crates/vmm/fuzz/README.md).
 fn fuzz_target_builds() -> Result<()> {
-    run(cargo().args(["check", "--manifest-path", "crates/proto/fuzz/Cargo.toml", "--bins"]))
+    run(cargo().args(["check", "--manifest-path", "crates/proto/fuzz/Cargo.toml", "--bins"]))?;
+    run(cargo().args(["check", "--manifest-path", "crates/vmm/fuzz/Cargo.toml", "--bins"]))
 }
 
 /// The jail benchmark's baseline.
@@ -95,6 +97,7 @@ pub fn bench() -> Result<()> {
     ensure_packages(BASE_PACKAGES)?;
     ensure_packages(BENCH_PACKAGES)?;
     run(cargo().args(["bench", "--package", "moat-agent-bin", "--bench", "agent"]))?;
+    run(cargo().args(["bench", "--package", "moat-vmm", "--bench", "devices"]))?;
     let agent = build::static_agent()?;
     image::build("default", false)?;
     run(cargo().args(["bench", "--package", "moat-core", "--bench", "jail"]).env("MOAT_AGENT", &agent))?;
