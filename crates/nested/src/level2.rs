@@ -52,6 +52,21 @@ impl Boot {
         );
         Self { name: "qemu".into(), command }
     }
+
+    /// `moat-vmm` booting the same kernel, initramfs and root disk with the
+    /// same devices (512 MiB, one vCPU, the root disk copy-on-write into a
+    /// fresh overlay, a vsock device) and `cmdline`.
+    pub fn moat_vmm(cmdline: &str) -> Self {
+        let command = format!(
+            "rm -f /tmp/level2-overlay.img /tmp/level2-vsock.sock; \
+             exec moat-vmm --vcpus 1 --memory-mib 512 --console stdout \
+             --kernel \"$img/vmlinux\" --initramfs \"$img/initramfs.cpio.gz\" --cmdline {} \
+             --disk \"$img/rootfs.ext4,overlay=/tmp/level2-overlay.img\" \
+             --vsock-cid 3 --vsock-uds /tmp/level2-vsock.sock",
+            quote(cmdline)
+        );
+        Self { name: "moat-vmm".into(), command }
+    }
 }
 
 /// A payload that boots the image `runs` times under `qemu-system-x86_64 -M`
