@@ -80,6 +80,7 @@ const VMM: &[i64] = &[
     libc::SYS_pwrite64,
     libc::SYS_fdatasync,
     libc::SYS_fsync,
+    libc::SYS_fallocate,
     libc::SYS_connect,
     libc::SYS_epoll_wait,
     libc::SYS_epoll_pwait,
@@ -219,6 +220,7 @@ mod tests {
                 disk.write_at(&[2u8; 4096], 4096).expect("cow write");
                 disk.read_at(&mut got, 0).expect("cow read");
                 disk.flush().expect("flush");
+                disk.discard(0, 8192).expect("discard punches a hole");
                 assert_eq!((got[0], got[4096]), (1, 2));
                 let h = Header {
                     src_cid: 3,
