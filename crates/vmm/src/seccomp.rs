@@ -120,6 +120,12 @@ pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
                 rules.insert(libc::SYS_socket, vec![SeccompRule::new(vec![unix])?]);
             }
             ThreadKind::Vcpu => {
+                // A driver's status write resets or activates its device on
+                // the vCPU thread that made it: the device may take its
+                // descriptors out of (or into) the VMM thread's epoll sets
+                // and disarm timers. Nothing here creates a descriptor.
+                rules.insert(libc::SYS_epoll_ctl, vec![]);
+                rules.insert(libc::SYS_timerfd_settime, vec![]);
                 let ioctls = [KVM_RUN, KVM_GET_REGS, KVM_GET_SREGS, KVM_TRANSLATE];
                 rules.insert(libc::SYS_ioctl, ioctls.into_iter().map(rule).collect::<Result<_, _>>()?);
             }

@@ -149,8 +149,11 @@ impl VirtioDevice for Rng {
     }
 
     fn reset(&mut self) {
+        // Not disarming the timer: a reset comes from a register write on a
+        // vCPU thread, whose seccomp filter has no timerfd_settime. A timer
+        // still armed just fires once more on the VMM thread, finding
+        // nothing to serve.
         self.throttled = false;
-        let _ = self.timer.clear();
     }
 
     fn process_queue(&mut self, _index: usize, queues: &mut [Queue], mem: &GuestMemoryMmap) -> bool {
