@@ -80,6 +80,7 @@ const VMM: &[i64] = &[
     libc::SYS_pwrite64,
     libc::SYS_fdatasync,
     libc::SYS_fsync,
+    libc::SYS_fallocate,
     libc::SYS_connect,
     libc::SYS_epoll_wait,
     libc::SYS_epoll_pwait,
@@ -225,6 +226,7 @@ mod tests {
                 disk.write_at(&[2u8; 4096], 4096).expect("cow write");
                 disk.read_at(&mut got, 0).expect("cow read");
                 disk.flush().expect("flush");
+                disk.discard(0, 8192).expect("discard punches a hole");
                 assert_eq!((got[0], got[4096]), (1, 2));
                 let h = Header {
                     src_cid: 3,
@@ -266,5 +268,47 @@ mod tests {
         assert!(!stderr.contains("still alive"), "{stderr}");
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{:?}\n{stderr}", out.status);
+    }
+
+    /// A driver's reset is a status write on a vCPU thread: resetting a
+    /// vsock device with live connections (closing them, leaving the VMM's
+    /// epoll) and an rng device must pass the vCPU filter (the seccomp kill
+    /// the nested host found).
+    #[test]
+    fn a_device_reset_on_a_vcpu_thread_passes_its_filter() {
+        use std::io::Write;
+
+        use crate::devices::virtio::VirtioDevice;
+        use crate::devices::virtio::rng::Rng;
+        use crate::devices::virtio::testing::VsockGuest;
+
+        if std::env::var_os("MOAT_SECCOMP_RESET_CHILD").is_some() {
+            let dir = tempfile::tempdir().expect("dir");
+            let uds = dir.path().join("v.sock");
+            let mut guest = VsockGuest::new(3, &uds, 4096);
+            let mut host = std::os::unix::net::UnixStream::connect(&uds).expect("connects");
+            host.write_all(b"CONNECT 1024\n").expect("writes");
+            guest.poll(1000);
+            assert_eq!(guest.dev.muxer().connections(), 1);
+            let mut rng = Rng::new().expect("rng");
+            let program = filter(ThreadKind::Vcpu).expect("builds");
+            let vcpu = std::thread::spawn(move || {
+                install(&program).expect("installs");
+                guest.dev.reset();
+                rng.reset();
+                eprintln!("reset done: {} connections", guest.dev.muxer().connections());
+            });
+            let _ = vcpu.join();
+            std::process::exit(0);
+        }
+        let exe = std::env::current_exe().expect("test binary path");
+        let out = std::process::Command::new(exe)
+            .args(["--exact", "seccomp::tests::a_device_reset_on_a_vcpu_thread_passes_its_filter", "--nocapture"])
+            .env("MOAT_SECCOMP_RESET_CHILD", "1")
+            .output()
+            .expect("child runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("reset done: 0 connections"), "{:?}\n{stderr}", out.status);
+        assert!(out.status.success(), "{:?}\n{stderr}", out.status);
     }
 }

@@ -248,6 +248,50 @@ impl DiskBackend for CowDisk {
     fn flush(&mut self) -> io::Result<()> {
         self.overlay.sync_data()
     }
+
+    /// Whole blocks in the range leave the overlay (their bit cleared and
+    /// written first, then their space given back), so the guest's TRIM
+    /// frees room under the limit; they read as the base again.
+    fn discard(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        let first = offset.div_ceil(BLOCK_SIZE);
+        let end = (offset + len) / BLOCK_SIZE;
+        if first >= end {
+            return Ok(());
+        }
+        let mut freed = Vec::new();
+        for block in first..end {
+            if self.is_mapped(block) {
+                let word = usize::try_from(block / 64).map_err(|_| io::ErrorKind::InvalidInput)?;
+                self.map[word] &= !(1 << (block % 64));
+                self.mapped -= 1;
+                freed.push(block);
+            }
+        }
+        let (Some(&lo), Some(&hi)) = (freed.first(), freed.last()) else { return Ok(()) };
+        let (w0, w1) = (lo / 64, hi / 64);
+        let words = &self.map[usize::try_from(w0).unwrap_or(0)..=usize::try_from(w1).unwrap_or(0)];
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        self.overlay.write_all_at(&bytes, HEADER_SIZE + w0 * 8)?;
+        for block in freed {
+            punch_hole(&self.overlay, self.block_offset(block), BLOCK_SIZE);
+        }
+        Ok(())
+    }
+}
+
+/// Gives a range of a file's space back (best effort: the map already says
+/// the blocks are free, so a file system without hole punching only keeps
+/// the space).
+fn punch_hole(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else { return };
+    // SAFETY: fallocate on a descriptor `file` owns; no memory is passed.
+    let rc = unsafe {
+        libc::fallocate(file.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
+    };
+    if rc != 0 {
+        tracing::debug!("virtio-blk: cannot punch a hole in the overlay: {}", io::Error::last_os_error());
+    }
 }
 
 #[cfg(test)]
@@ -323,6 +367,27 @@ mod tests {
         want.extend_from_slice(&expected(16384)[8192..]);
         assert_eq!(got, want, "nothing of the refused writes landed");
         assert_eq!(disk.used_bytes(), 2 * BLOCK_SIZE);
+    }
+
+    #[test]
+    fn discarded_blocks_leave_the_overlay_and_read_as_the_base() {
+        let b = base(1 << 20);
+        let dir = tempfile::tempdir().expect("dir");
+        let mut disk = CowDisk::open(b.path(), &dir.path().join("ov"), 4 * BLOCK_SIZE).expect("opens");
+        disk.write_at(&[9u8; 16384], 0).expect("four blocks");
+        assert!(disk.write_at(&[9u8; 512], 65536).is_err(), "full");
+        // Blocks 1 and 2 are wholly inside; 0 and 3 only in part and stay.
+        disk.discard(100, 12200).expect("discards");
+        assert_eq!(disk.used_bytes(), 2 * BLOCK_SIZE);
+        let mut got = vec![0u8; 16384];
+        disk.read_at(&mut got, 0).expect("reads");
+        assert_eq!(&got[..4096], &[9u8; 4096][..]);
+        assert_eq!(&got[4096..12288], &expected(12288)[4096..]);
+        assert_eq!(&got[12288..], &[9u8; 4096][..]);
+        disk.write_at(&[7u8; 512], 65536).expect("room again");
+        drop(disk);
+        let disk = CowDisk::open(b.path(), &dir.path().join("ov"), 4 * BLOCK_SIZE).expect("reopens");
+        assert_eq!(disk.used_bytes(), 3 * BLOCK_SIZE, "the map on disk agrees");
     }
 
     #[test]

@@ -18,6 +18,23 @@ pub trait DiskBackend: Send {
     fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()>;
     /// Makes every completed write durable.
     fn flush(&mut self) -> io::Result<()>;
+    /// The guest no longer needs `len` bytes at `offset`: a hint, after
+    /// which their content is unspecified. Nothing by default.
+    fn discard(&mut self, _offset: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+    /// Writes `len` zero bytes at `offset`.
+    fn write_zeroes(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        const CHUNK: u64 = 1 << 20;
+        let zeros = vec![0u8; usize::try_from(len.min(CHUNK)).unwrap_or(0)];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(CHUNK);
+            self.write_at(&zeros[..usize::try_from(n).unwrap_or(0)], offset + done)?;
+            done += n;
+        }
+        Ok(())
+    }
 }
 
 /// Reads `buf.len()` bytes at `offset`, zeros past the end of the file.

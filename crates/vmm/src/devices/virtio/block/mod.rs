@@ -1,5 +1,5 @@
-//! virtio-blk (virtio 1.2, §5.2): one request queue; read, write, flush
-//! and get-id; a read-only flag. The bytes come from a `DiskBackend`: a
+//! virtio-blk (virtio 1.2, §5.2): one request queue; read, write, flush,
+//! get-id, discard and write-zeroes; a read-only flag. The bytes come from a `DiskBackend`: a
 //! plain file or a copy-on-write overlay on a shared base (`cow`).
 //!
 //! Requests run synchronously on the VMM thread. Every descriptor is
@@ -27,6 +27,15 @@ const F_SEG_MAX: u64 = 1 << 2;
 const F_RO: u64 = 1 << 5;
 /// `VIRTIO_BLK_F_FLUSH`: the device has a volatile cache the driver flushes.
 const F_FLUSH: u64 = 1 << 9;
+/// `VIRTIO_BLK_F_DISCARD` and `VIRTIO_BLK_F_WRITE_ZEROES` (writable disks).
+const F_DISCARD: u64 = 1 << 13;
+const F_WRITE_ZEROES: u64 = 1 << 14;
+/// Largest discard (a hint, cheap at any size) and write-zeroes (written
+/// like data) in sectors; one segment each, 4 KiB aligned discards.
+const MAX_DISCARD_SECTORS: u32 = 1 << 21;
+const MAX_WRITE_ZEROES_SECTORS: u32 = 8192; // MAX_REQUEST_BYTES in sectors
+const DISCARD_ALIGNMENT_SECTORS: u32 = 8;
+const _: () = assert!(MAX_WRITE_ZEROES_SECTORS as usize * 512 == MAX_REQUEST_BYTES);
 /// Data segments per request (the queue size less header and status).
 const SEG_MAX: u32 = 254;
 /// The largest request served: bigger ones fail, so one request cannot
@@ -39,6 +48,8 @@ const T_IN: u32 = 0;
 const T_OUT: u32 = 1;
 const T_FLUSH: u32 = 4;
 const T_GET_ID: u32 = 8;
+const T_DISCARD: u32 = 11;
+const T_WRITE_ZEROES: u32 = 13;
 /// Request status values.
 pub const S_OK: u8 = 0;
 pub const S_IOERR: u8 = 1;
@@ -154,6 +165,44 @@ impl Block {
                 }
                 S_OK
             }
+            T_DISCARD | T_WRITE_ZEROES => {
+                if self.read_only {
+                    return S_IOERR;
+                }
+                // One segment: sector (le64), sectors (le32), flags (le32).
+                let mut seg = [0u8; 16];
+                if reader.available_bytes() != seg.len() || reader.read_exact(&mut seg).is_err() {
+                    return S_IOERR;
+                }
+                let mut at = [0u8; 8];
+                at.copy_from_slice(&seg[0..8]);
+                let sectors = u64::from(u32::from_le_bytes([seg[8], seg[9], seg[10], seg[11]]));
+                let flags = u32::from_le_bytes([seg[12], seg[13], seg[14], seg[15]]);
+                let (max, allowed_flags) = if kind == T_DISCARD {
+                    (MAX_DISCARD_SECTORS, 0)
+                } else {
+                    (MAX_WRITE_ZEROES_SECTORS, 1) // UNMAP: a hint, zeros are written anyway
+                };
+                if sectors == 0 || sectors > u64::from(max) || flags & !allowed_flags != 0 {
+                    return S_IOERR;
+                }
+                let offset = match u64::from_le_bytes(at).checked_mul(SECTOR) {
+                    Some(o) if o.checked_add(sectors * SECTOR).is_some_and(|end| end <= self.disk.size()) => o,
+                    _ => return S_IOERR,
+                };
+                let result = if kind == T_DISCARD {
+                    self.disk.discard(offset, sectors * SECTOR)
+                } else {
+                    self.disk.write_zeroes(offset, sectors * SECTOR)
+                };
+                match result {
+                    Ok(()) => S_OK,
+                    Err(e) => {
+                        tracing::warn!("virtio-blk: discard or write-zeroes at {offset} failed: {e}");
+                        S_IOERR
+                    }
+                }
+            }
             _ => S_UNSUPP,
         }
     }
@@ -179,14 +228,20 @@ impl VirtioDevice for Block {
     }
 
     fn features(&self) -> u64 {
-        F_SEG_MAX | F_FLUSH | if self.read_only { F_RO } else { 0 }
+        F_SEG_MAX | F_FLUSH | if self.read_only { F_RO } else { F_DISCARD | F_WRITE_ZEROES }
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        // capacity (le64, sectors), size_max (le32, unused), seg_max (le32).
-        let mut config = [0u8; 16];
+        // struct virtio_blk_config: capacity (le64, sectors) at 0, seg_max
+        // at 12, then the discard and write-zeroes limits from 36.
+        let mut config = [0u8; 60];
         config[0..8].copy_from_slice(&(self.disk.size() / SECTOR).to_le_bytes());
         config[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
+        config[36..40].copy_from_slice(&MAX_DISCARD_SECTORS.to_le_bytes());
+        config[40..44].copy_from_slice(&1u32.to_le_bytes());
+        config[44..48].copy_from_slice(&DISCARD_ALIGNMENT_SECTORS.to_le_bytes());
+        config[48..52].copy_from_slice(&MAX_WRITE_ZEROES_SECTORS.to_le_bytes());
+        config[52..56].copy_from_slice(&1u32.to_le_bytes());
         read_config_bytes(&config, offset, data);
     }
 

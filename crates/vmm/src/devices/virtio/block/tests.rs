@@ -234,3 +234,40 @@ fn transport_reset_during_io_serves_nothing_further() {
     assert!(drv.take_used(&mem).is_empty(), "nothing served after the reset");
     assert!(irq.read().is_err());
 }
+
+#[test]
+fn write_zeroes_and_discard_take_one_checked_segment() {
+    let mut r = rig(false);
+    assert_ne!(r.dev.features() & (F_DISCARD | F_WRITE_ZEROES), 0);
+    let seg = |r: &Rig, sector: u64, sectors: u32, flags: u32| {
+        let mut s = [0u8; 16];
+        s[0..8].copy_from_slice(&sector.to_le_bytes());
+        s[8..12].copy_from_slice(&sectors.to_le_bytes());
+        s[12..16].copy_from_slice(&flags.to_le_bytes());
+        r.mem.write_slice(&s, GuestAddress(DATA)).expect("segment");
+    };
+    let run = |r: &mut Rig, kind: u32, len: u32| {
+        r.header(kind, 0);
+        r.run(&[Buf::read(HDR, 16), Buf::read(DATA, len), Buf::write(STATUS, 1)]);
+        r.status()
+    };
+    seg(&r, 2, 4, 0);
+    assert_eq!(run(&mut r, T_WRITE_ZEROES, 16), S_OK);
+    assert_eq!(r.read(2, 2048), (S_OK, vec![0u8; 2048]));
+    assert_eq!(r.read(6, 512), (S_OK, pattern(3072, 512)), "only the range");
+    seg(&r, 0, 8, 0);
+    assert_eq!(run(&mut r, T_DISCARD, 16), S_OK);
+    for (sector, sectors, flags, len) in
+        [(0, 0, 0, 16), (2047, 2, 0, 16), (0, 8, 4, 16), (0, 8, 0, 32), (u64::MAX, 1, 0, 16)]
+    {
+        seg(&r, sector, sectors, flags);
+        assert_eq!(run(&mut r, T_DISCARD, len), S_IOERR, "{sector} {sectors} {flags} {len}");
+    }
+    let mut ro = rig(true);
+    assert_eq!(ro.dev.features() & (F_DISCARD | F_WRITE_ZEROES), 0);
+    seg(&ro, 0, 1, 0);
+    assert_eq!(run(&mut ro, T_WRITE_ZEROES, 16), S_IOERR);
+    let mut cfg = [0u8; 4];
+    r.dev.read_config(48, &mut cfg);
+    assert_eq!(u32::from_le_bytes(cfg), MAX_WRITE_ZEROES_SECTORS);
+}
