@@ -67,6 +67,12 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    if !config.test_egress_nets.is_empty() || !config.test_resolve.is_empty() {
+        tracing::warn!(
+            "MOAT_TEST_EGRESS_NETS or MOAT_TEST_RESOLVE is set: filtered sandboxes may reach the addresses they name; \
+             these are for tests only"
+        );
+    }
     let http = if cli.http {
         let host = match parse_host(&cli.host) {
             Ok(host) => host,
@@ -103,6 +109,7 @@ async fn serve(config: ServerConfig, http: Option<HttpConfig>) -> ExitCode {
                 max_sandboxes: config.max_sandboxes,
                 pool_size: config.pool_size,
                 pool_spec: config.defaults.clone(),
+                egress: config.egress(),
                 ..moat_config
             };
             Moat::new(moat_config).await
