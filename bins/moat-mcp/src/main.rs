@@ -61,12 +61,7 @@ fn main() -> ExitCode {
         }
     };
     // stdout belongs to the MCP transport: logs go to stderr only.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("MOAT_LOG_LEVEL").unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    tracing_subscriber::fmt().with_env_filter(log_filter()).with_writer(std::io::stderr).init();
     if !config.test_egress_nets.is_empty() || !config.test_resolve.is_empty() {
         tracing::warn!(
             "MOAT_TEST_EGRESS_NETS or MOAT_TEST_RESOLVE is set: filtered sandboxes may reach the addresses they name; \
@@ -99,6 +94,18 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(serve(config, http))
+}
+
+/// `MOAT_LOG_LEVEL` (default warn), with rmcp held at info: its debug
+/// records carry every request's arguments, secrets such as git_clone's
+/// token included.
+fn log_filter() -> tracing_subscriber::EnvFilter {
+    let level = std::env::var("MOAT_LOG_LEVEL").ok().filter(|l| !l.is_empty()).unwrap_or_else(|| "warn".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(&level).unwrap_or_else(|_| "warn".into());
+    match "rmcp=info".parse() {
+        Ok(directive) if level == "debug" || level == "trace" => filter.add_directive(directive),
+        _ => filter,
+    }
 }
 
 async fn serve(config: ServerConfig, http: Option<HttpConfig>) -> ExitCode {
