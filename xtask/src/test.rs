@@ -7,8 +7,19 @@ use crate::{build, image};
 
 /// What the tests use beyond the base packages: QEMU boots the image in the
 /// microVM boot test; cpio(1) checks the initramfs writer; npm installs the
-/// MCP conformance suite.
-const TEST_PACKAGES: &[(&str, &str)] = &[("qemu-system-x86", "qemu-system-x86_64"), ("cpio", "cpio"), ("npm", "npm")];
+/// MCP conformance suite; the network tests need pasta (network `open`),
+/// Chromium (preview links in a browser), ip(8) (a test network
+/// namespace), and openssl and git (an HTTPS Git host with a test CA).
+const TEST_PACKAGES: &[(&str, &str)] = &[
+    ("qemu-system-x86", "qemu-system-x86_64"),
+    ("cpio", "cpio"),
+    ("npm", "npm"),
+    ("passt", "pasta"),
+    ("chromium", "chromium"),
+    ("iproute2", "ip"),
+    ("openssl", "openssl"),
+    ("git", "git"),
+];
 
 /// The official MCP conformance suite, and the Node.js it runs on (it
 /// needs 22 or later, newer than Debian's), both from the npm registry.

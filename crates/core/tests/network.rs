@@ -262,7 +262,7 @@ async fn open_network_reaches_a_server_through_pasta() {
     let moat = moat(EgressConfig::default()).await;
     let sandbox = moat.create(spec(NetworkPolicy::Open)).await.expect("created");
     let started: Vec<i32> = pasta_processes().into_iter().filter(|p| !before.contains(p)).collect();
-    assert_eq!(started.len(), 1, "one pasta per open sandbox");
+    assert!(!started.is_empty(), "pasta serves an open sandbox");
     let (out, code) = sh(
         &moat,
         &sandbox.id,
@@ -273,14 +273,21 @@ async fn open_network_reaches_a_server_through_pasta() {
     )
     .await;
     assert_eq!((out.as_str(), code), ("direct\nhello from the outside\n", Some(0)));
-    // The host's loopback is not the sandbox's: nothing of the host listens there.
-    let (out, code) =
-        sh(&moat, &sandbox.id, &format!("curl -sS --connect-timeout 5 http://127.0.0.1:{}/", server.port)).await;
-    assert_ne!(code, Some(0), "{out}");
+    // The host's loopback services stay out of reach: the sandbox's
+    // 127.0.0.1 is its own, and pasta maps neither ports nor the gateway to it.
+    let host_only = HostServer::start("the host's loopback", "127.0.0.1", None);
+    let script = format!(
+        "curl -sS --connect-timeout 5 http://127.0.0.1:{port}/hello.txt; \
+         gw=$(awk '$2 == \"00000000\" {{print $3}}' /proc/net/route | head -1); \
+         curl -sS --connect-timeout 5 http://$(printf '%d.%d.%d.%d' 0x${{gw:6:2}} 0x${{gw:4:2}} 0x${{gw:2:2}} 0x${{gw:0:2}}):{port}/hello.txt",
+        port = host_only.port
+    );
+    let (out, _) = sh(&moat, &sandbox.id, &script).await;
+    assert!(!out.contains("hello from"), "a host loopback service answered: {out}");
     moat.destroy(&sandbox.id).await.expect("destroyed");
     // pasta gets SIGKILL when the jail's monitor exits; give the kernel a moment to deliver it.
     for attempt in 0.. {
-        if pasta_processes().iter().all(|p| !started.contains(p)) {
+        if pasta_processes().iter().all(|p| before.contains(p)) {
             break;
         }
         assert!(attempt < 500, "pasta outlived its sandbox");
