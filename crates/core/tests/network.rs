@@ -381,6 +381,57 @@ async fn preview_links_work_in_a_browser_and_only_with_their_token() {
     let response = http_get(link.host_port, "/index.html", Some(&cookie)).await;
     assert!(response.starts_with("HTTP/1.0 200") && response.contains("served from the sandbox"), "{response}");
 
+    // After the first request head the link splices raw bytes: an upgraded
+    // (WebSocket-style) connection talks both ways.
+    let upgrade = r#"import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('127.0.0.1', 8002)); s.listen(1)
+c, _ = s.accept(); head = b''
+while b'\r\n\r\n' not in head: head += c.recv(1024)
+c.sendall(b'HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n')
+while True:
+    data = c.recv(1024)
+    if not data: break
+    c.sendall(data.upper())
+"#;
+    let client_req = moat_proto::WriteFileRequest {
+        path: "/home/user/upgrade.py".into(),
+        mode: None,
+        create_parents: false,
+        owner: Some("user".into()),
+    };
+    client.write_file(client_req, &mut upgrade.as_bytes()).await.expect("writes the server");
+    let (out, code) =
+        sh(&moat, id, "setsid nohup python3 /home/user/upgrade.py > /tmp/up.log 2>&1 < /dev/null &").await;
+    assert_eq!(code, Some(0), "{out}");
+    for attempt in 0.. {
+        if sh(&moat, id, "grep -q ':1F42 ' /proc/net/tcp").await.1 == Some(0) {
+            break;
+        }
+        assert!(attempt < 500, "the upgrade server did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ws = moat.preview_link(id, 8002).await.expect("a link for the upgrade server");
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", ws.host_port)).await.expect("connects");
+        let request = format!(
+            "GET /socket HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nCookie: moat_preview_{}={}\r\n\r\n",
+            ws.host_port, ws.token
+        );
+        stream.write_all(request.as_bytes()).await.expect("sends");
+        let mut head =
+            vec![0u8; b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n".len()];
+        stream.read_exact(&mut head).await.expect("101");
+        assert!(head.starts_with(b"HTTP/1.1 101"), "{}", String::from_utf8_lossy(&head));
+        for word in ["hello", "both ways"] {
+            stream.write_all(word.as_bytes()).await.expect("sends");
+            let mut back = vec![0u8; word.len()];
+            stream.read_exact(&mut back).await.expect("echo");
+            assert_eq!(back, word.to_uppercase().as_bytes());
+        }
+    }
+
     // The link ends with the sandbox.
     moat.destroy(id).await.expect("destroyed");
     // The listener's task is aborted with the sandbox and closes as the runtime drops it.
