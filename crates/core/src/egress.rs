@@ -200,6 +200,67 @@ pub struct EgressConfig {
     pub test_resolve: Vec<(String, IpAddr)>,
 }
 
+/// The hosts `git_clone` may use unless `MOAT_GIT_HOSTS` says otherwise.
+pub const DEFAULT_GIT_HOSTS: &[&str] = &["github.com", "gitlab.com", "bitbucket.org"];
+
+impl EgressConfig {
+    /// `MOAT_ALLOW_HOSTS` and `MOAT_GIT_HOSTS` from the environment (for
+    /// tools without their own configuration, such as the `moat` CLI);
+    /// names that are not host names are skipped with a warning. The test
+    /// knobs are never read here.
+    pub fn from_env() -> Self {
+        let list = |var: &str, default: &[&str]| -> Vec<String> {
+            let Some(value) = std::env::var(var).ok().filter(|v| !v.is_empty()) else {
+                return default.iter().map(|h| (*h).to_owned()).collect();
+            };
+            value
+                .split(',')
+                .map(|h| h.trim().to_ascii_lowercase())
+                .filter(|h| !h.is_empty())
+                .filter(|h| {
+                    let ok = valid_host_name(h);
+                    if !ok {
+                        tracing::warn!("{var}: {h:?} is not a host name; skipped");
+                    }
+                    ok
+                })
+                .collect()
+        };
+        Self {
+            allow_hosts: list("MOAT_ALLOW_HOSTS", &[]),
+            git_hosts: list("MOAT_GIT_HOSTS", DEFAULT_GIT_HOSTS),
+            ..Self::default()
+        }
+    }
+}
+
+/// The host of a Git remote URL (`https://host/…`, `ssh://git@host/…`,
+/// `git@host:owner/repo`), when it is a host name.
+pub fn git_remote_host(url: &str) -> Option<String> {
+    let authority = match url.split_once("://") {
+        Some((_, rest)) => rest.split('/').next().unwrap_or_default(),
+        // scp-like syntax: [user@]host:path
+        None if url.contains(':') && !url.starts_with('/') => url.split(':').next().unwrap_or_default(),
+        None => return None,
+    };
+    let host = authority.rsplit('@').next()?.split(':').next()?.to_ascii_lowercase();
+    valid_host_name(&host).then_some(host)
+}
+
+/// The host of the `origin` remote in a checkout's `.git/config`, if any.
+pub fn repository_host(project: &std::path::Path) -> Option<String> {
+    let config = std::fs::read_to_string(project.join(".git/config")).ok()?;
+    let mut in_origin = false;
+    for line in config.lines().map(str::trim) {
+        if line.starts_with('[') {
+            in_origin = line.replace(' ', "") == "[remote\"origin\"]";
+        } else if in_origin && let Some(("url", value)) = line.split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
+            return git_remote_host(value);
+        }
+    }
+    None
+}
+
 /// One decision of a sandbox's egress policy.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EgressDecision {
@@ -223,6 +284,8 @@ pub struct SandboxEgress {
     own_hosts: Vec<String>,
     /// The runtime whose registries are allowed (`None`: Python and Node.js).
     runtime: Mutex<Option<Runtime>>,
+    /// A task's repository host.
+    repository: Mutex<Option<String>>,
     log: Mutex<EgressLog>,
 }
 
@@ -239,6 +302,7 @@ impl SandboxEgress {
             config,
             own_hosts,
             runtime: Mutex::new(None),
+            repository: Mutex::new(None),
             log: Mutex::new(EgressLog { recent: VecDeque::new(), file: log_file, written: 0 }),
         }
     }
@@ -248,12 +312,19 @@ impl SandboxEgress {
         *self.runtime.lock().unwrap_or_else(PoisonError::into_inner) = Some(runtime);
     }
 
+    /// Allows a task's repository host.
+    pub fn set_repository_host(&self, host: String) {
+        *self.repository.lock().unwrap_or_else(PoisonError::into_inner) = Some(host);
+    }
+
     /// Every host name this sandbox may reach.
     pub fn allowed_hosts(&self) -> BTreeSet<String> {
         let runtime = *self.runtime.lock().unwrap_or_else(PoisonError::into_inner);
+        let repository = self.repository.lock().unwrap_or_else(PoisonError::into_inner).clone();
         registries(runtime)
             .iter()
             .map(|h| (*h).to_owned())
+            .chain(repository)
             .chain(self.config.allow_hosts.iter().cloned())
             .chain(self.config.git_hosts.iter().cloned())
             .chain(self.own_hosts.iter().cloned())
@@ -531,6 +602,31 @@ mod tests {
         assert_eq!(address.as_deref(), Some("10.0.0.7"));
         let addrs = egress.resolve("good.test", 8443).await.expect("allowed test address");
         assert_eq!(addrs, [SocketAddr::from(([127, 0, 0, 1], 8443))]);
+    }
+
+    #[test]
+    fn repository_hosts_are_read_from_remotes() {
+        for (url, host) in [
+            ("https://github.com/owner/repo.git", Some("github.com")),
+            ("https://user@Git.Example.com:8443/r", Some("git.example.com")),
+            ("ssh://git@gitlab.com/owner/repo", Some("gitlab.com")),
+            ("git@bitbucket.org:owner/repo.git", Some("bitbucket.org")),
+            ("/srv/repos/local.git", None),
+            ("https://bad host/x", None),
+        ] {
+            assert_eq!(git_remote_host(url).as_deref(), host, "{url}");
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir(dir.path().join(".git")).expect("mkdir");
+        std::fs::write(
+            dir.path().join(".git/config"),
+            "[core]\n\tbare = false\n[remote \"upstream\"]\n\turl = https://a.example/x\n[remote \"origin\"]\n\turl = git@code.example.org:me/p.git\n",
+        )
+        .expect("write");
+        assert_eq!(repository_host(dir.path()).as_deref(), Some("code.example.org"));
+        let egress = policy(EgressConfig::default(), &[]);
+        egress.set_repository_host("code.example.org".into());
+        assert!(egress.allowed_hosts().contains("code.example.org"));
     }
 
     #[test]

@@ -35,7 +35,8 @@ pub struct MoatConfig {
     /// equals `pool_spec`: those return at once. 0 turns the pool off.
     pub pool_size: usize,
     pub pool_spec: SandboxSpec,
-    /// What `filtered` sandboxes may reach beyond their runtime's registries.
+    /// What `filtered` sandboxes may reach beyond their runtime's registries
+    /// (and a task's repository host).
     pub egress: EgressConfig,
 }
 
@@ -51,7 +52,7 @@ impl MoatConfig {
             roots: task::allowed_roots(),
             pool_size: 0,
             pool_spec: SandboxSpec::default(),
-            egress: EgressConfig::default(),
+            egress: EgressConfig::from_env(),
         })
     }
 }
@@ -494,6 +495,9 @@ impl Moat {
         let runtime = task::Runtime::detect(&top);
         if let Some((policy, _)) = self.inner.lock().get(&id).and_then(|e| e.egress.as_ref()) {
             policy.set_runtime(runtime);
+            if let Some(host) = crate::egress::repository_host(&root) {
+                policy.set_repository_host(host);
+            }
         }
         let task = Task {
             id: new_id().replacen("sbx-", "task-", 1),

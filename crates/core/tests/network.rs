@@ -443,3 +443,23 @@ while True:
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_filtered_task_reaches_its_runtimes_registries_and_its_repository_host() {
+    let project = tempfile::Builder::new().prefix("net-task-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("dir");
+    std::fs::write(project.path().join("package.json"), "{}\n").expect("write");
+    std::fs::create_dir(project.path().join(".git")).expect("mkdir");
+    std::fs::write(
+        project.path().join(".git/config"),
+        "[remote \"origin\"]\n\turl = https://code.example.org/me/p.git\n",
+    )
+    .expect("write");
+    let moat = moat(EgressConfig::default()).await;
+    let task = moat.task_start(project.path(), spec(NetworkPolicy::Filtered)).await.expect("task starts");
+    let allowed = moat.allowed_hosts(&task.sandbox_id).expect("hosts");
+    assert!(allowed.iter().any(|h| h == "code.example.org"), "{allowed:?}");
+    assert!(allowed.iter().any(|h| h == "registry.npmjs.org"), "{allowed:?}");
+    assert!(!allowed.iter().any(|h| h == "pypi.org"), "a node task gets node's registry only: {allowed:?}");
+    moat.destroy_all().await;
+}
