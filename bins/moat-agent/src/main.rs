@@ -178,6 +178,14 @@ async fn run(init_mode: bool, listen: ListenAddr) -> ExitCode {
         Ok(listener) => {
             if init_mode {
                 boot::stage("ready");
+                let timer = std::fs::read_to_string("/proc/cmdline")
+                    .ok()
+                    .and_then(|cmdline| boot::BootConfig::from_cmdline(&cmdline).boot_timer);
+                if let Some(addr) = timer
+                    && let Err(e) = boot::signal_boot_timer(addr)
+                {
+                    eprintln!("moat-agent: cannot signal the boot timer at {addr:#x}: {e}");
+                }
             }
             tracing::info!(?listen, "listening");
             tokio::select! {

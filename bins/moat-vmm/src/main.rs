@@ -1,8 +1,191 @@
-//! `moat-vmm`: one microVM per process. Not built yet (issue M5).
+//! `moat-vmm`: one KVM microVM per process.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Parser;
+use moat_vmm::arch::x86_64::boot::BootError;
+use moat_vmm::builder::{BuildError, build_microvm};
+use moat_vmm::config::{ConfigError, DiskConfig, VmConfig, VsockConfig};
+
+/// Exit status for an invalid configuration (clap's usage errors use it too).
+const EXIT_CONFIG: u8 = 2;
+/// Exit status when the VM could not be built or failed.
+const EXIT_FAILURE: u8 = 1;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "moat-vmm",
+    version,
+    about = "Runs one KVM microVM: moat's minimal rust-vmm monitor.",
+    long_about = "Runs one KVM microVM: moat's minimal rust-vmm monitor.\n\n\
+        Configure it with a JSON file (--config), flags, or both (flags win). \
+        The guest's serial console goes to --console; the VM is driven through \
+        the JSON-lines --control-socket (status, pause, resume, shutdown). \
+        See docs/vmm.md for the configuration format and the protocols.",
+    after_help = "Exit status: 0 when the guest powers off, reboots or is shut down on request; \
+        1 when the VM cannot be built or fails (the reason is printed); \
+        2 when the configuration is invalid (one line names the field).\n\n\
+        Example:\n  moat-vmm --kernel vmlinux --initramfs initramfs.cpio.gz --memory-mib 512 \\\n    \
+        --console file:/tmp/console.log --control-socket /tmp/vm.sock"
+)]
+struct Args {
+    /// JSON configuration file (fields as in docs/vmm.md); flags override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Guest kernel: ELF vmlinux (entered by its PVH note when present) or bzImage.
+    #[arg(long, value_name = "PATH")]
+    kernel: Option<PathBuf>,
+    /// Initramfs to load.
+    #[arg(long, value_name = "PATH")]
+    initramfs: Option<PathBuf>,
+    /// Kernel command line [default: "console=ttyS0 reboot=k panic=1 pci=off i8042.noaux i8042.nomux"].
+    #[arg(long, value_name = "TEXT")]
+    cmdline: Option<String>,
+    /// Number of vCPUs, 1 to 8 [default: 1].
+    #[arg(long, value_name = "N")]
+    vcpus: Option<u8>,
+    /// Guest memory in MiB [default: 256].
+    #[arg(long, value_name = "MIB")]
+    memory_mib: Option<u32>,
+    /// A disk image; append ":ro" for read-only. Repeat for more disks.
+    /// (Accepted and validated; the virtio-blk device arrives in M6.)
+    #[arg(long = "disk", value_name = "PATH[:ro]")]
+    disks: Vec<String>,
+    /// Guest vsock context id (3 or more); needs --vsock-uds. (Validated; the
+    /// virtio-vsock device arrives in M6.)
+    #[arg(long, value_name = "CID", requires = "vsock_uds")]
+    vsock_cid: Option<u32>,
+    /// Host Unix socket behind the guest's vsock.
+    #[arg(long, value_name = "PATH", requires = "vsock_cid")]
+    vsock_uds: Option<PathBuf>,
+    /// Serial console destination: stdout, none, file:PATH or fd:N [default: stdout].
+    #[arg(long, value_name = "DEST")]
+    console: Option<String>,
+    /// Unix socket to serve the JSON-lines control protocol on.
+    #[arg(long, value_name = "PATH")]
+    control_socket: Option<PathBuf>,
+    /// How long a graceful shutdown waits before stopping the guest [default: 5000].
+    #[arg(long, value_name = "MS")]
+    shutdown_timeout_ms: Option<u64>,
+    /// Run without seccomp filters (debugging only).
+    #[arg(long)]
+    no_seccomp: bool,
+    /// Print the effective configuration as JSON and exit.
+    #[arg(long)]
+    print_config: bool,
+}
 
 fn main() -> ExitCode {
-    eprintln!("moat-vmm: the microVM monitor is not part of this build yet; sandboxes use the jail backend");
-    ExitCode::from(2)
+    let started = Instant::now();
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MOAT_LOG_LEVEL").unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .init();
+    let config = match configure(&args) {
+        Ok(config) => config,
+        Err(e) => return fail(EXIT_CONFIG, &e),
+    };
+    if args.print_config {
+        #[allow(clippy::print_stdout)] // the user asked for it on stdout
+        {
+            println!("{}", serde_json::to_string_pretty(&config).unwrap_or_default());
+        }
+        return ExitCode::SUCCESS;
+    }
+    let vmm = match build_microvm(&config, started) {
+        Ok(vmm) => vmm,
+        Err(BuildError::Config(e)) => return fail(EXIT_CONFIG, &e),
+        Err(BuildError::Boot(e @ BootError::Kernel { .. })) => {
+            return fail(EXIT_CONFIG, &ConfigError { field: "kernel".into(), reason: chain(&e) });
+        }
+        Err(e) => return fail(EXIT_FAILURE, &e),
+    };
+    match vmm.run(!args.no_seccomp) {
+        Ok(exit) if exit.exit_code() == 0 => {
+            tracing::info!("VM ended: {exit}");
+            ExitCode::SUCCESS
+        }
+        Ok(exit) => {
+            eprintln!("moat-vmm: the VM failed: {exit}");
+            ExitCode::from(exit.exit_code())
+        }
+        Err(e) => fail(EXIT_FAILURE, &e),
+    }
+}
+
+/// The JSON file (if any) with the flags applied on top, validated.
+fn configure(args: &Args) -> Result<VmConfig, ConfigError> {
+    let invalid = |field: &str, reason: String| ConfigError { field: field.into(), reason };
+    let mut config = match (&args.config, &args.kernel) {
+        (Some(path), _) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| invalid("config", format!("cannot read {}: {e}", path.display())))?;
+            VmConfig::from_json(&text)?
+        }
+        (None, Some(kernel)) => VmConfig::new(kernel),
+        (None, None) => return Err(invalid("kernel", "required; pass --kernel PATH or --config FILE".into())),
+    };
+    if let Some(kernel) = &args.kernel {
+        config.kernel = kernel.clone();
+    }
+    if let Some(initramfs) = &args.initramfs {
+        config.initramfs = Some(initramfs.clone());
+    }
+    if let Some(cmdline) = &args.cmdline {
+        config.cmdline = cmdline.clone();
+    }
+    if let Some(vcpus) = args.vcpus {
+        config.vcpus = vcpus;
+    }
+    if let Some(memory) = args.memory_mib {
+        config.memory_mib = memory;
+    }
+    if !args.disks.is_empty() {
+        config.disks = args
+            .disks
+            .iter()
+            .map(|d| match d.strip_suffix(":ro") {
+                Some(path) => DiskConfig { path: path.into(), read_only: true },
+                None => DiskConfig { path: d.into(), read_only: false },
+            })
+            .collect();
+    }
+    if let (Some(cid), Some(uds_path)) = (args.vsock_cid, &args.vsock_uds) {
+        config.vsock = Some(VsockConfig { cid, uds_path: uds_path.clone() });
+    }
+    if let Some(console) = &args.console {
+        config.console = console.clone();
+    }
+    if let Some(path) = &args.control_socket {
+        config.control_socket = Some(path.clone());
+    }
+    if let Some(ms) = args.shutdown_timeout_ms {
+        config.shutdown_timeout_ms = ms;
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+/// An error and its sources on one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+fn fail(code: u8, e: &dyn std::error::Error) -> ExitCode {
+    eprintln!("moat-vmm: {}", chain(e));
+    ExitCode::from(code)
 }

@@ -373,12 +373,21 @@ fn doctor(image_name: &str) -> ExitCode {
         Some(pasta) => println!("network open:            pasta at {}", pasta.display()),
         None => println!("network open:            unavailable: no pasta (apt-get install passt)"),
     }
+    let vmm = moat_core::machine::find_vmm();
+    match &vmm {
+        Some(vmm) => println!("moat-vmm:                {}", vmm.display()),
+        None => println!("moat-vmm:                not found (set MOAT_VMM, or put it beside moat or on PATH)"),
+    }
     let choice = host.choose(BackendKind::Auto);
-    println!("backend auto uses:       {} ({})", choice.kind, choice.reason);
-    if choice.kind == BackendKind::Vm {
-        println!("                         note: the vm backend is not in this build yet; use --backend jail");
-    } else {
-        println!("for microVMs this host needs: {}", host.vm_missing());
+    match (choice.kind, &vmm) {
+        (BackendKind::Vm, Some(_)) => println!("backend auto uses:       vm ({})", choice.reason),
+        (BackendKind::Vm, None) => {
+            println!("backend auto uses:       jail ({}, but moat-vmm is not found)", choice.reason);
+        }
+        _ => {
+            println!("backend auto uses:       {} ({})", choice.kind, choice.reason);
+            println!("for microVMs this host needs: {}", host.vm_missing());
+        }
     }
     ExitCode::SUCCESS
 }

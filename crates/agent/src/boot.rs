@@ -25,10 +25,16 @@ pub struct BootConfig {
     pub fstype: String,
     /// `moat.ro`: mount the root read-only under a tmpfs overlay.
     pub read_only: bool,
+    /// `moat.overlay_mib=`: the size of that overlay (default: the tmpfs
+    /// default, half of the guest's memory).
+    pub overlay_mib: Option<u64>,
     /// `moat.hostname=`.
     pub hostname: Option<String>,
     /// `moat.port=`: the vsock port to serve (default 1024).
     pub port: Option<u32>,
+    /// `moat.boot_timer=ADDR` (hex): the physical address of moat-vmm's
+    /// boot-timer page, written once the agent is ready.
+    pub boot_timer: Option<u64>,
 }
 
 impl BootConfig {
@@ -41,6 +47,10 @@ impl BootConfig {
                 Some(("moat.rootfstype", fs)) => config.fstype = fs.into(),
                 Some(("moat.hostname", name)) => config.hostname = Some(name.into()),
                 Some(("moat.port", port)) => config.port = port.parse().ok(),
+                Some(("moat.overlay_mib", mib)) => config.overlay_mib = mib.parse().ok(),
+                Some(("moat.boot_timer", addr)) => {
+                    config.boot_timer = u64::from_str_radix(addr.trim_start_matches("0x"), 16).ok();
+                }
                 None if word == "moat.ro" => config.read_only = true,
                 _ => {}
             }
@@ -52,6 +62,29 @@ impl BootConfig {
     pub fn is_vm_boot(&self) -> bool {
         self.root.is_some()
     }
+}
+
+/// The value moat-vmm's boot timer takes as "the guest is ready".
+pub const BOOT_TIMER_READY: u8 = 123;
+
+/// Tells moat-vmm's boot timer that the agent is ready: one byte written to
+/// the timer's MMIO page through `/dev/mem`. The VMM records the time.
+pub fn signal_boot_timer(addr: u64) -> std::io::Result<()> {
+    use std::os::fd::AsFd;
+
+    use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
+    let mem = std::fs::OpenOptions::new().read(true).write(true).open("/dev/mem")?;
+    let offset = i64::try_from(addr).map_err(|_| std::io::Error::other("boot timer address out of range"))?;
+    let len = std::num::NonZeroUsize::new(4096).ok_or_else(|| std::io::Error::other("page size"))?;
+    // SAFETY: a new shared mapping of one page of /dev/mem at a device
+    // address; it aliases no memory of this process.
+    let page = unsafe { mmap(None, len, ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, mem.as_fd(), offset) }
+        .map_err(std::io::Error::from)?;
+    // SAFETY: `page` is a live, writable mapping of at least one byte;
+    // volatile because the write is a device access, not memory.
+    unsafe { page.cast::<u8>().as_ptr().write_volatile(BOOT_TIMER_READY) };
+    // SAFETY: unmapping exactly the mapping made above, no longer used.
+    unsafe { munmap(page, len.get()) }.map_err(std::io::Error::from)
 }
 
 /// One line on the console, where a host watching the boot reads it.
@@ -193,7 +226,11 @@ pub fn switch_root(config: &BootConfig) -> Result<(), BootError> {
         let _ = std::fs::create_dir_all(lower);
         let _ = std::fs::create_dir_all(scratch);
         mount_root(lower, MsFlags::MS_RDONLY)?;
-        let tmpfs = mount(Some("tmpfs"), scratch, Some("tmpfs"), MsFlags::empty(), Some("mode=0755"));
+        let options = match config.overlay_mib {
+            Some(mib) => format!("mode=0755,size={mib}m"),
+            None => "mode=0755".to_owned(),
+        };
+        let tmpfs = mount(Some("tmpfs"), scratch, Some("tmpfs"), MsFlags::empty(), Some(options.as_str()));
         tmpfs.map_err(|e| BootError::SwitchRoot(scratch.to_path_buf(), e))?;
         let _ = std::fs::create_dir_all(scratch.join("upper"));
         let _ = std::fs::create_dir_all(scratch.join("work"));
@@ -264,5 +301,8 @@ kernel/drivers/char/hw_random/virtio-rng.ko: kernel/drivers/virtio/virtio.ko ker
         assert!(config.read_only && config.is_vm_boot());
         assert_eq!((config.fstype.as_str(), config.hostname.as_deref()), ("ext4", Some("box")));
         assert!(!BootConfig::from_cmdline("BOOT_IMAGE=/vmlinuz root=/dev/sda1").is_vm_boot());
+        assert_eq!(BootConfig::from_cmdline("moat.boot_timer=0xc0000000").boot_timer, Some(0xc000_0000));
+        assert_eq!(config.boot_timer, None);
+        assert_eq!(BootConfig::from_cmdline("moat.ro moat.overlay_mib=512").overlay_mib, Some(512));
     }
 }

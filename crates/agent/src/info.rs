@@ -20,8 +20,23 @@ pub fn info(started: Instant, init: bool) -> Reply {
             hostname,
             load: load(&std::fs::read_to_string("/proc/loadavg").unwrap_or_default()),
             init,
+            processes: user_processes(),
         },
     }
+}
+
+/// Processes other than this one with a command line (kernel threads have
+/// none), from the sandbox's own `/proc`.
+fn user_processes() -> u32 {
+    let me = std::process::id().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return 0 };
+    let count = entries
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.bytes().all(|b| b.is_ascii_digit()) && *name != me)
+        .filter(|pid| std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty()))
+        .count();
+    u32::try_from(count).unwrap_or(u32::MAX)
 }
 
 fn first_number(text: &str) -> Option<f64> {

@@ -18,8 +18,11 @@ pub enum CoreError {
     ImportRefused(String),
     #[error(transparent)]
     Image(#[from] ImageError),
-    #[error("The {0} backend is not available in this build; use the jail backend (backend = jail or auto)")]
-    BackendUnavailable(&'static str),
+    #[error(
+        "The vm backend needs moat-vmm: build it with `cargo xtask build`, put it beside this program or on PATH, \
+         or set MOAT_VMM (or use MOAT_BACKEND=jail)"
+    )]
+    VmmMissing,
     #[error("Cannot find the moat-agent binary ({0}); build it with `cargo xtask build` or set MOAT_AGENT")]
     AgentMissing(String),
     #[error("Sandbox {id} failed to start: {reason}")]

@@ -180,11 +180,6 @@ impl Instance for Jail {
 }
 
 impl Jail {
-    /// The sandbox's state directory on the host.
-    pub fn state_path(&self) -> Option<&Path> {
-        self.state.as_ref().map(|s| s.path.as_path())
-    }
-
     async fn wait_ready(&mut self) -> Result<(), CoreError> {
         let started = Instant::now();
         let client = self.client();

@@ -14,11 +14,13 @@ pub mod error;
 pub mod image;
 pub mod interpreter;
 pub mod jail;
+pub mod machine;
 pub mod moat;
 pub mod preview;
 pub mod sandbox;
 pub mod state;
 pub mod task;
+pub mod vm;
 
 pub use backend::{Backend, BackendChoice, BackendKind, HostVirtualization, Instance};
 pub use egress::{EgressConfig, EgressDecision, IpNet};

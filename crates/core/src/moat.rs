@@ -7,15 +7,17 @@ use std::time::Duration;
 
 use moat_proto::{AgentClient, ExecHandle, ExecRequest, Output, UnixConnector};
 
-use crate::backend::{Backend, BackendKind, Instance};
+use crate::backend::BackendKind;
 use crate::egress::{EgressConfig, EgressDecision, EgressProxy, SandboxEgress};
 use crate::error::CoreError;
 use crate::image::{self, Image};
 use crate::interpreter::{CodeOutput, Language, PythonSession, StreamName, snippet_request};
-use crate::jail::{Jail, JailBackend};
+use crate::jail::JailBackend;
+use crate::machine::{Machine, Runner, find_vmm};
 use crate::preview::{Preview, PreviewLink};
 use crate::sandbox::{NetworkPolicy, Sandbox, SandboxSpec, SandboxState, now};
 use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
+use crate::vm::VmBackend;
 
 /// The most [`Moat::run`] collects of each of stdout and stderr; what a
 /// sandbox prints beyond is dropped (stream with [`Moat::exec`] for more).
@@ -60,6 +62,24 @@ impl MoatConfig {
 /// Where the agent binary is: `$MOAT_AGENT`, else the static build
 /// (`target/x86_64-unknown-linux-gnu/release/moat-agent`, as `cargo xtask
 /// build` makes it) near the current executable, else `moat-agent` beside it.
+/// The backend `config.backend` resolves to on this host: `auto` is a
+/// microVM where the host has hardware virtualization and `moat-vmm` is
+/// found, a jail otherwise (see [`HostVirtualization::choose`]).
+fn choose_backend(config: &MoatConfig) -> Result<Runner, CoreError> {
+    let choice = crate::backend::HostVirtualization::probe().choose(config.backend);
+    match choice.kind {
+        BackendKind::Vm => match find_vmm() {
+            Some(vmm) => Ok(Runner::Vm(VmBackend::new(vmm))),
+            None if config.backend == BackendKind::Vm => Err(CoreError::VmmMissing),
+            None => {
+                tracing::info!("{}, but moat-vmm is not found: using jails", choice.reason);
+                Ok(Runner::Jail(JailBackend::new(config.agent.clone())))
+            }
+        },
+        _ => Ok(Runner::Jail(JailBackend::new(config.agent.clone()))),
+    }
+}
+
 pub fn find_agent() -> Result<PathBuf, CoreError> {
     if let Some(path) = std::env::var_os("MOAT_AGENT") {
         let path = PathBuf::from(path);
@@ -83,11 +103,11 @@ pub fn find_agent() -> Result<PathBuf, CoreError> {
 
 struct Entry {
     info: Sandbox,
-    /// Network parts, dropped before the jail: the egress proxy (filtered)
-    /// and the preview links.
+    /// Network parts, dropped before the sandbox: the egress proxy
+    /// (filtered) and the preview links.
     egress: Option<(Arc<SandboxEgress>, EgressProxy)>,
     previews: BTreeMap<u16, Preview>,
-    jail: Jail,
+    jail: Machine,
     /// The sandbox's Python session for `run_code`, started on first use;
     /// the async lock queues calls on one sandbox.
     python: Arc<tokio::sync::Mutex<Option<PythonSession>>>,
@@ -96,13 +116,13 @@ struct Entry {
 struct Inner {
     config: MoatConfig,
     egress: Arc<EgressConfig>,
-    backend: JailBackend,
+    backend: Runner,
     sandboxes: Mutex<BTreeMap<String, Entry>>,
     expired: Mutex<Vec<String>>,
     /// Tasks in progress, by task id, with their execution logs.
     tasks: Mutex<BTreeMap<String, (Task, Vec<LogEntry>)>>,
     /// Started sandboxes waiting to be handed out, by id.
-    pool: Mutex<Vec<(String, Jail)>>,
+    pool: Mutex<Vec<(String, Machine)>>,
     refill: Arc<tokio::sync::Notify>,
 }
 
@@ -134,11 +154,9 @@ impl Moat {
     /// Sweeps what dead owners left, picks the backend, and starts the
     /// lifecycle task (idle suspend, expiry).
     pub async fn new(config: MoatConfig) -> Result<Self, CoreError> {
-        // Until the vm backend lands, `auto` means jail everywhere.
-        if config.backend == BackendKind::Vm {
-            return Err(CoreError::BackendUnavailable("vm"));
-        }
-        if !config.agent.is_file() {
+        let backend = choose_backend(&config)?;
+        tracing::info!(backend = %backend.kind(), "sandboxes run in this backend");
+        if backend.kind() == BackendKind::Jail && !config.agent.is_file() {
             return Err(CoreError::AgentMissing(config.agent.display().to_string()));
         }
         let swept = crate::state::sweep(&config.data_dir);
@@ -146,7 +164,7 @@ impl Moat {
             tracing::info!(count = swept.len(), "cleaned up sandboxes of dead owners");
         }
         let inner = Arc::new(Inner {
-            backend: JailBackend::new(config.agent.clone()),
+            backend,
             egress: Arc::new(config.egress.clone()),
             config,
             sandboxes: Mutex::new(BTreeMap::new()),
@@ -182,6 +200,13 @@ impl Moat {
     /// Creates a sandbox and waits until its agent answers.
     pub async fn create(&self, spec: SandboxSpec) -> Result<Sandbox, CoreError> {
         spec.validate()?;
+        if spec.network == NetworkPolicy::Open && self.inner.backend.kind() == BackendKind::Vm {
+            return Err(CoreError::InvalidSpec(
+                "network open is not available on the vm backend yet (it needs passt and a virtio-net device in \
+                 moat-vmm); use network filtered, or the jail backend"
+                    .into(),
+            ));
+        }
         let max = self.inner.config.max_sandboxes;
         if self.inner.lock().len() >= max {
             return Err(CoreError::LimitReached { max });
@@ -199,7 +224,7 @@ impl Moat {
         };
         let egress = match spec.network {
             NetworkPolicy::Filtered => {
-                let log = jail.state_path().map(|p| p.join("egress.log"));
+                let log = Some(crate::state::sandboxes_dir(&self.inner.config.data_dir).join(&id).join("egress.log"));
                 let policy = Arc::new(SandboxEgress::new(self.inner.egress.clone(), spec.allow_hosts.clone(), log));
                 match EgressProxy::start(jail.client(), policy.clone()).await {
                     Ok(proxy) => Some((policy, proxy)),
@@ -228,6 +253,16 @@ impl Moat {
             if sandboxes.len() >= max {
                 Some(jail)
             } else {
+                if let Machine::Vm(vm) = &jail {
+                    // How busy the guest is, for idle suspend: asked of its
+                    // agent while it runs.
+                    let (inner, key) = (Arc::downgrade(&self.inner), id.clone());
+                    vm.watch_processes(Duration::from_secs(2), move || {
+                        inner.upgrade().is_none_or(|inner| {
+                            inner.lock().get(&key).is_none_or(|e| e.info.state == SandboxState::Paused)
+                        })
+                    });
+                }
                 let entry =
                     Entry { info: info.clone(), egress, previews: BTreeMap::new(), jail, python: Arc::default() };
                 sandboxes.insert(id, entry);
@@ -689,7 +724,7 @@ async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::sync::Notif
 
 impl Inner {
     /// A started sandbox from the pool, if one is ready; the pool refills.
-    fn take_pooled(&self) -> Option<(String, Jail)> {
+    fn take_pooled(&self) -> Option<(String, Machine)> {
         let taken = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
         self.refill.notify_one();
         taken

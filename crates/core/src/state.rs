@@ -102,7 +102,7 @@ fn is_monitor_of(pid: i32, dir: &Path) -> bool {
     std::fs::read(format!("/proc/{pid}/cmdline"))
         .map(|cmdline| {
             let text = String::from_utf8_lossy(&cmdline);
-            text.contains("jail") && text.contains(&*dir.to_string_lossy())
+            (text.contains("jail") || text.contains("moat-vmm")) && text.contains(&*dir.to_string_lossy())
         })
         .unwrap_or(false)
 }

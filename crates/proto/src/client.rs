@@ -22,16 +22,65 @@ pub trait Connector: Send + Sync + 'static {
     fn connect(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send;
 }
 
-/// Connects to an agent listening on a Unix socket.
+/// Connects to an agent through a Unix socket: the agent's own (a jail), or
+/// a microVM's vsock socket, where each connection first asks for the
+/// agent's vsock port (`CONNECT <port>\n`, answered `OK <host port>\n`:
+/// the protocol of Firecracker's vsock device, which moat-vmm speaks).
 #[derive(Debug, Clone)]
 pub struct UnixConnector {
     pub path: PathBuf,
+    /// The guest's vsock port to ask for; `None` for a plain socket.
+    pub vsock_port: Option<u32>,
 }
+
+/// The longest answer to `CONNECT` accepted (`OK 4294967295\n` is 14 bytes).
+const MAX_VSOCK_ANSWER: usize = 32;
 
 impl Connector for UnixConnector {
     type Stream = tokio::net::UnixStream;
     fn connect(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send {
-        tokio::net::UnixStream::connect(self.path.clone())
+        let (path, port) = (self.path.clone(), self.vsock_port);
+        async move {
+            let mut stream = tokio::net::UnixStream::connect(&path).await?;
+            if let Some(port) = port {
+                vsock_handshake(&mut stream, port).await?;
+            }
+            Ok(stream)
+        }
+    }
+}
+
+/// Asks the vsock muxer on `stream` for guest port `port`. Reads the answer
+/// a byte at a time so that nothing of the agent's first frame is consumed.
+async fn vsock_handshake(stream: &mut tokio::net::UnixStream, port: u32) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream.write_all(format!("CONNECT {port}\n").as_bytes()).await?;
+    let mut answer = Vec::with_capacity(MAX_VSOCK_ANSWER);
+    loop {
+        let mut byte = [0u8; 1];
+        if stream.read(&mut byte).await? == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionRefused,
+                format!("the microVM refused vsock port {port}: its agent is not listening (yet)"),
+            ));
+        }
+        if byte[0] == b'\n' {
+            break;
+        }
+        answer.push(byte[0]);
+        if answer.len() > MAX_VSOCK_ANSWER {
+            break;
+        }
+    }
+    match std::str::from_utf8(&answer).ok().and_then(|a| a.strip_prefix("OK ")) {
+        Some(host_port) if host_port.parse::<u32>().is_ok() => Ok(()),
+        _ => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "the vsock socket answered {:?} to CONNECT {port}; expected \"OK <port>\"",
+                String::from_utf8_lossy(&answer)
+            ),
+        )),
     }
 }
 
@@ -53,7 +102,13 @@ pub struct AgentClient<C> {
 impl AgentClient<UnixConnector> {
     /// A client of the agent listening on the Unix socket at `path`.
     pub fn unix(path: impl Into<PathBuf>) -> Self {
-        Self::new(UnixConnector { path: path.into() })
+        Self::new(UnixConnector { path: path.into(), vsock_port: None })
+    }
+
+    /// A client of the agent listening on vsock port `port` of the microVM
+    /// whose vsock device is bridged to the Unix socket at `path`.
+    pub fn vsock(path: impl Into<PathBuf>, port: u32) -> Self {
+        Self::new(UnixConnector { path: path.into(), vsock_port: Some(port) })
     }
 }
 
@@ -651,5 +706,49 @@ impl Drop for ExecStdin {
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A muxer that expects `CONNECT 1024`, answers `answer` and then sends
+    /// `then` right behind it, as an agent's first bytes would be.
+    async fn muxer(answer: &'static [u8], then: &'static [u8]) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("vsock.sock");
+        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.expect("accept");
+            let mut request = [0u8; 13];
+            stream.read_exact(&mut request).await.expect("request");
+            assert_eq!(&request, b"CONNECT 1024\n");
+            stream.write_all(answer).await.expect("answer");
+            stream.write_all(then).await.expect("then");
+        });
+        (dir, path)
+    }
+
+    #[tokio::test]
+    async fn vsock_connect_leaves_the_agents_bytes_unread() {
+        let (_dir, path) = muxer(b"OK 1073741824\n", b"agent").await;
+        let connector = UnixConnector { path, vsock_port: Some(1024) };
+        let mut stream = connector.connect().await.expect("connects");
+        let mut first = [0u8; 5];
+        stream.read_exact(&mut first).await.expect("agent bytes");
+        assert_eq!(&first, b"agent");
+    }
+
+    #[tokio::test]
+    async fn vsock_refusals_say_what_happened() {
+        let (_dir, path) = muxer(b"", b"").await;
+        let err = UnixConnector { path, vsock_port: Some(1024) }.connect().await.expect_err("closed");
+        assert!(err.to_string().contains("not listening"), "{err}");
+        let (_dir, path) = muxer(b"NO\n", b"").await;
+        let err = UnixConnector { path, vsock_port: Some(1024) }.connect().await.expect_err("garbage");
+        assert!(err.to_string().contains("expected \"OK <port>\""), "{err}");
     }
 }

@@ -345,6 +345,11 @@ pub struct AgentInfo {
     pub load: [f64; 3],
     /// The agent runs as PID 1 (init of a microVM or jail).
     pub init: bool,
+    /// Processes in the sandbox besides the agent itself (kernel threads
+    /// not counted): commands and servers still running. 0 from agents
+    /// older than this field.
+    #[serde(default)]
+    pub processes: u32,
 }
 
 /// Results of non-exec operations.

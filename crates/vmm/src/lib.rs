@@ -1,5 +1,21 @@
-//! moat's minimal rust-vmm microVM monitor.
+//! moat's minimal rust-vmm microVM monitor: one process per microVM.
 //!
-//! Not built yet: the KVM setup, Linux boot, devices and the vsock muxer
-//! arrive with the VMM issues (M5, M6). Until then this crate holds nothing,
-//! and `moat-vmm` refuses to start rather than pretend to run a VM.
+//! The tree follows the machine: `arch` (memory map, boot protocol, CPU
+//! state), `vstate` (the KVM VM, guest memory, vCPU threads), `devices`
+//! (buses, serial, i8042, boot timer, ACPI), `builder` (configuration →
+//! running VM), `vmm` (the event loop), `control` (the JSON-lines control
+//! socket) and `seccomp` (the per-thread filters). See `docs/vmm.md`.
+
+pub mod arch;
+pub mod builder;
+pub mod config;
+pub mod control;
+pub mod devices;
+pub mod seccomp;
+pub mod vmm;
+pub mod vstate;
+
+pub use vstate::vcpu::VmExit;
+
+#[cfg(test)]
+pub(crate) mod test_support;

@@ -1,5 +1,7 @@
-//! Real jail sandboxes from the `default` image, end to end, and the
-//! attempts to escape them that must fail.
+//! The sandbox contract, end to end with real sandboxes from the `default`
+//! image, and the attempts to escape them that must fail. The same tests
+//! run for each backend: jails directly (`MOAT_TEST_BACKEND` unset or
+//! `jail`), microVMs with `MOAT_TEST_BACKEND=vm` inside the nested test host.
 //!
 //! Ignored by plain `cargo test` (they need root, the built image and the
 //! static agent); `cargo xtask test` provides all three and runs them.
@@ -17,10 +19,16 @@ fn agent() -> PathBuf {
     )
 }
 
+/// The backend under test.
+fn backend() -> moat_core::BackendKind {
+    std::env::var("MOAT_TEST_BACKEND")
+        .map_or(moat_core::BackendKind::Jail, |b| b.parse().unwrap_or_else(|e| panic!("MOAT_TEST_BACKEND: {e}")))
+}
+
 async fn moat(max_sandboxes: usize) -> Moat {
     let config = MoatConfig {
         data_dir: moat_core::image::data_dir(),
-        backend: moat_core::BackendKind::Jail,
+        backend: backend(),
         agent: agent(),
         max_sandboxes,
         roots: vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))],
@@ -165,7 +173,7 @@ async fn sandboxes_never_outlive_a_killed_owner() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(!std::path::Path::new(&format!("/proc/{monitor}")).exists(), "the jail outlived its owner");
+    assert!(!std::path::Path::new(&format!("/proc/{monitor}")).exists(), "the sandbox outlived its owner");
     assert!(state.exists(), "nothing swept yet");
     let _moat = moat(16).await;
     assert!(!state.exists(), "the next Moat must sweep the dead owner's state");
@@ -179,6 +187,7 @@ async fn escapes_fail() {
     let sandbox =
         moat.create(SandboxSpec { memory_mib: 128, disk_mib: 64, ..SandboxSpec::default() }).await.expect("created");
     let id = sandbox.id.as_str();
+    let jail = backend() == moat_core::BackendKind::Jail;
     let as_root = |script: &str| {
         let mut req = ExecRequest::shell(script);
         req.user = Some("root".into());
@@ -193,26 +202,29 @@ async fn escapes_fail() {
     let host_shadow = std::fs::read_to_string("/etc/shadow").unwrap_or_default();
     assert!(host_shadow.lines().next().is_none_or(|l| !out.contains(l)), "host /etc/shadow visible");
 
-    // Threat: writing outside the sandbox (the agent binary is the one host
-    // file inside; it is read-only).
-    let out = moat.run(id, as_root("echo x > /.moat/agent 2>&1; echo $?")).await.expect("runs");
-    assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"));
+    // Jail only: a microVM's guest has its own kernel, file system and devices.
+    if jail {
+        // Threat: writing outside the sandbox (the agent binary is the one host
+        // file inside; it is read-only).
+        let out = moat.run(id, as_root("echo x > /.moat/agent 2>&1; echo $?")).await.expect("runs");
+        assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"));
 
-    // Threat: a host file reachable through the agent's socket directory or
-    // an inherited descriptor (the monitor binds the socket outside and hands
-    // over only the listening descriptor; stdio is /dev/null).
-    let out = moat
-        .run(id, as_root("ls -A /.moat; ls -l /proc/1/fd | grep -c -e jail.log -e sandboxes || true"))
-        .await
-        .expect("runs");
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "agent\n0", "host paths visible inside");
+        // Threat: a host file reachable through the agent's socket directory or
+        // an inherited descriptor (the monitor binds the socket outside and hands
+        // over only the listening descriptor; stdio is /dev/null).
+        let out = moat
+            .run(id, as_root("ls -A /.moat; ls -l /proc/1/fd | grep -c -e jail.log -e sandboxes || true"))
+            .await
+            .expect("runs");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "agent\n0", "host paths visible inside");
 
-    // Threat: bypassing the seccomp deny list through x32 system call numbers.
-    let out = moat
-        .run(id, as_root("python3 -c 'import ctypes; l=ctypes.CDLL(None,use_errno=True); print(l.syscall(0x40000000 | 165, 0, 0, 0, 0, 0), ctypes.get_errno())'"))
-        .await
-        .expect("runs");
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "-1 1", "x32 mount must fail with EPERM");
+        // Threat: bypassing the seccomp deny list through x32 system call numbers.
+        let out = moat
+            .run(id, as_root("python3 -c 'import ctypes; l=ctypes.CDLL(None,use_errno=True); print(l.syscall(0x40000000 | 165, 0, 0, 0, 0, 0), ctypes.get_errno())'"))
+            .await
+            .expect("runs");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "-1 1", "x32 mount must fail with EPERM");
+    }
 
     // Threat: seeing or signalling host processes.
     let (out, _) = sh(&moat, id, "ls -d /proc/[0-9]* | wc -l").await;
@@ -231,31 +243,38 @@ async fn escapes_fail() {
     .await;
     assert!(out.contains("Connection refused") || out.contains("unreachable"), "{out}");
 
-    // Threat: loading kernel modules, mounting, rebooting: denied to sandbox root.
-    let out = moat
-        .run(id, as_root("python3 -c 'import ctypes,os; l=ctypes.CDLL(None,use_errno=True); print(l.syscall(313,0,b\"\",0), ctypes.get_errno())'"))
-        .await
-        .expect("runs");
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "-1 1", "finit_module must fail with EPERM");
-    let out = moat.run(id, as_root("mount -t tmpfs x /mnt 2>&1; echo $?")).await.expect("runs");
-    assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"), "mount worked");
-    let out = moat.run(id, as_root("mknod /tmp/sda b 8 0 2>&1; echo $?")).await.expect("runs");
-    assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"), "a block device node was made");
+    // Jail only: in a microVM these act on the guest's own kernel, not the host's.
+    if jail {
+        // Threat: loading kernel modules, mounting, rebooting: denied to sandbox root.
+        let out = moat
+            .run(id, as_root("python3 -c 'import ctypes,os; l=ctypes.CDLL(None,use_errno=True); print(l.syscall(313,0,b\"\",0), ctypes.get_errno())'"))
+            .await
+            .expect("runs");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "-1 1", "finit_module must fail with EPERM");
+        let out = moat.run(id, as_root("mount -t tmpfs x /mnt 2>&1; echo $?")).await.expect("runs");
+        assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"), "mount worked");
+        let out = moat.run(id, as_root("mknod /tmp/sda b 8 0 2>&1; echo $?")).await.expect("runs");
+        assert_ne!(
+            String::from_utf8_lossy(&out.stdout).trim().lines().last(),
+            Some("0"),
+            "a block device node was made"
+        );
 
-    // Threat: gaining host privileges. Sandbox root is an unprivileged host uid.
-    let info = moat.run(id, as_root("cat /proc/self/uid_map")).await.expect("runs");
-    let map = String::from_utf8_lossy(&info.stdout);
-    assert_eq!(map.split_whitespace().collect::<Vec<_>>(), ["0", "2000000000", "65536"], "{map}");
+        // Threat: gaining host privileges. Sandbox root is an unprivileged host uid.
+        let info = moat.run(id, as_root("cat /proc/self/uid_map")).await.expect("runs");
+        let map = String::from_utf8_lossy(&info.stdout);
+        assert_eq!(map.split_whitespace().collect::<Vec<_>>(), ["0", "2000000000", "65536"], "{map}");
 
-    // Threat: raising privileges with a set-uid binary. no_new_privs makes
-    // the kernel ignore the bit: a set-uid-root copy of `id` still says 1000.
-    let out = moat
-        .run(id, as_root("cp /usr/bin/id /home/user/suid-id && chmod 4755 /home/user/suid-id && echo ok"))
-        .await
-        .expect("runs");
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
-    let (out, _) = sh(&moat, id, "/home/user/suid-id -u").await;
-    assert_eq!(out.trim(), "1000", "a set-uid binary raised privileges");
+        // Threat: raising privileges with a set-uid binary. no_new_privs makes
+        // the kernel ignore the bit: a set-uid-root copy of `id` still says 1000.
+        let out = moat
+            .run(id, as_root("cp /usr/bin/id /home/user/suid-id && chmod 4755 /home/user/suid-id && echo ok"))
+            .await
+            .expect("runs");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
+        let (out, _) = sh(&moat, id, "/home/user/suid-id -u").await;
+        assert_eq!(out.trim(), "1000", "a set-uid binary raised privileges");
+    }
 
     // Threat: exhausting host memory. The cgroup limit kills the hog, not the
     // host. (The bytes must be written: untouched allocations cost nothing.)
@@ -279,7 +298,8 @@ async fn escapes_fail() {
     // Threat: a fork bomb. The pids limit holds.
     let (out, _) = sh(&moat, id, "python3 - <<'EOF'\nimport os, time\nn = 0\nfor _ in range(3000):\n    try:\n        if os.fork() == 0:\n            time.sleep(5); os._exit(0)\n        n += 1\n    except OSError:\n        break\nprint(n)\nEOF").await;
     let forked: u32 = out.trim().lines().last().and_then(|l| l.parse().ok()).unwrap_or(0);
-    if moat_core::cgroup::CgroupSupport::probe() != moat_core::cgroup::CgroupSupport::None {
+    // (A microVM's processes are bounded by its own memory; only its guest suffers.)
+    if jail && moat_core::cgroup::CgroupSupport::probe() != moat_core::cgroup::CgroupSupport::None {
         assert!(forked < 1100, "forked {forked} processes past the pids limit");
     }
 

@@ -1,0 +1,89 @@
+//! The backend a [`Moat`](crate::Moat) runs, chosen once at start, and its
+//! sandboxes: one type over both backends, so the rest of core is written
+//! once.
+
+use std::path::{Path, PathBuf};
+
+use moat_proto::{AgentClient, UnixConnector};
+
+use crate::backend::{Backend, BackendKind, Instance};
+use crate::error::CoreError;
+use crate::image::Image;
+use crate::jail::{Jail, JailBackend};
+use crate::sandbox::SandboxSpec;
+use crate::vm::{Vm, VmBackend};
+
+/// The backend in use.
+#[derive(Debug, Clone)]
+pub enum Runner {
+    Jail(JailBackend),
+    Vm(VmBackend),
+}
+
+/// A running sandbox of either backend. Dropping it destroys the sandbox.
+#[derive(Debug)]
+pub enum Machine {
+    Jail(Jail),
+    Vm(Vm),
+}
+
+impl Runner {
+    pub fn kind(&self) -> BackendKind {
+        match self {
+            Self::Jail(backend) => backend.kind(),
+            Self::Vm(backend) => backend.kind(),
+        }
+    }
+
+    pub async fn start(
+        &self,
+        id: &str,
+        hostname: &str,
+        spec: &SandboxSpec,
+        image: &Image,
+        data_dir: &Path,
+    ) -> Result<Machine, CoreError> {
+        match self {
+            Self::Jail(backend) => backend.start(id, hostname, spec, image, data_dir).await.map(Machine::Jail),
+            Self::Vm(backend) => backend.start(id, hostname, spec, image, data_dir).await.map(Machine::Vm),
+        }
+    }
+}
+
+impl Machine {
+    fn instance(&self) -> &dyn Instance {
+        match self {
+            Self::Jail(jail) => jail,
+            Self::Vm(vm) => vm,
+        }
+    }
+
+    pub fn client(&self) -> AgentClient<UnixConnector> {
+        self.instance().client()
+    }
+
+    pub fn can_suspend(&self) -> bool {
+        self.instance().can_suspend()
+    }
+
+    pub fn set_suspended(&self, suspended: bool) -> Result<(), CoreError> {
+        self.instance().set_suspended(suspended)
+    }
+
+    pub fn is_busy(&self, resident: usize) -> bool {
+        self.instance().is_busy(resident)
+    }
+}
+
+/// Where `moat-vmm` is: `$MOAT_VMM`, else beside the current executable
+/// (`cargo xtask build` puts both in `target/release`), else on `PATH`.
+pub fn find_vmm() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("MOAT_VMM") {
+        return Some(PathBuf::from(path)).filter(|p| p.is_file());
+    }
+    let beside = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join("moat-vmm")));
+    let on_path = std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).map(|d| d.join("moat-vmm")).collect::<Vec<_>>())
+        .unwrap_or_default();
+    beside.into_iter().chain(on_path).find(|p| p.is_file())
+}

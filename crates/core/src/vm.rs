@@ -1,0 +1,342 @@
+//! The vm backend, host side: one `moat-vmm` process per sandbox, booting
+//! the image's kernel and initramfs with the image's `rootfs.ext4` as its
+//! root disk; the agent reached over the VM's vsock socket.
+//!
+//! The root disk is shared read-only by every VM of the image; the guest
+//! agent mounts it under a tmpfs overlay (`moat.ro`), so a sandbox's writes
+//! live in its own guest memory and vanish with it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use moat_proto::{AgentClient, UnixConnector};
+use serde::Serialize;
+
+use crate::backend::{Backend, BackendKind, Instance};
+use crate::error::CoreError;
+use crate::image::Image;
+use crate::sandbox::SandboxSpec;
+use crate::state::StateDir;
+
+/// The vsock port the agent serves in a microVM (its default).
+pub const AGENT_VSOCK_PORT: u32 = 1024;
+
+/// The guest's vsock context id; each VM has its own device, so all can
+/// use the first id available to guests.
+const GUEST_CID: u32 = 3;
+
+/// moat-vmm's boot-timer page (see docs/vmm.md): the agent writes to it
+/// when ready, and the VMM records the time.
+const BOOT_TIMER: u64 = 0xc000_0000;
+
+/// A guard against a wedged boot, far above the seconds a boot takes, even
+/// under nested emulation in tests.
+const BOOT_GUARD: Duration = Duration::from_secs(180);
+
+/// How long a control request may take.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Starts microVMs with `moat-vmm`.
+#[derive(Debug, Clone)]
+pub struct VmBackend {
+    vmm: PathBuf,
+}
+
+/// A running microVM.
+#[derive(Debug)]
+pub struct Vm {
+    id: String,
+    vmm: Child,
+    state: Option<StateDir>,
+    vsock: PathBuf,
+    control: PathBuf,
+    /// Processes in the guest besides the agent, as last reported by it.
+    processes: Arc<AtomicU32>,
+}
+
+/// moat-vmm's configuration file (docs/vmm.md).
+#[derive(Debug, Serialize)]
+struct VmConfig<'a> {
+    kernel: &'a Path,
+    initramfs: &'a Path,
+    cmdline: String,
+    vcpus: u32,
+    memory_mib: u64,
+    disks: Vec<DiskConfig<'a>>,
+    vsock: VsockConfig<'a>,
+    console: String,
+    control_socket: &'a Path,
+}
+
+#[derive(Debug, Serialize)]
+struct DiskConfig<'a> {
+    path: &'a Path,
+    read_only: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct VsockConfig<'a> {
+    cid: u32,
+    uds_path: &'a Path,
+}
+
+impl VmBackend {
+    pub fn new(vmm: PathBuf) -> Self {
+        Self { vmm }
+    }
+}
+
+/// The kernel command line of a sandbox's VM.
+fn cmdline(hostname: &str, disk_mib: u64) -> String {
+    format!(
+        "console=ttyS0 reboot=k panic=-1 pci=off i8042.noaux i8042.nomux quiet \
+         moat.root=/dev/vda moat.ro moat.overlay_mib={disk_mib} moat.hostname={hostname} \
+         moat.port={AGENT_VSOCK_PORT} moat.boot_timer={BOOT_TIMER:#x}"
+    )
+}
+
+impl Backend for VmBackend {
+    type Instance = Vm;
+
+    fn kind(&self) -> BackendKind {
+        BackendKind::Vm
+    }
+
+    async fn start(
+        &self,
+        id: &str,
+        hostname: &str,
+        spec: &SandboxSpec,
+        image: &Image,
+        data_dir: &Path,
+    ) -> Result<Vm, CoreError> {
+        let io = |what: &str| {
+            let (id, what) = (id.to_owned(), what.to_owned());
+            move |source| CoreError::Io { id, what, source }
+        };
+        let state = StateDir::create(data_dir, id).map_err(io("creating its state directory"))?;
+        let vsock = state.path.join("vsock.sock");
+        let control = state.path.join("control.sock");
+        let console = state.path.join("console.log");
+        let (kernel, initramfs, rootfs) =
+            (image.path("vmlinux"), image.path("initramfs.cpio.gz"), image.path("rootfs.ext4"));
+        let config = VmConfig {
+            kernel: &kernel,
+            initramfs: &initramfs,
+            cmdline: cmdline(hostname, spec.disk_mib),
+            vcpus: spec.cpus,
+            memory_mib: spec.memory_mib,
+            disks: vec![DiskConfig { path: &rootfs, read_only: true }],
+            vsock: VsockConfig { cid: GUEST_CID, uds_path: &vsock },
+            console: format!("file:{}", console.display()),
+            control_socket: &control,
+        };
+        let config_path = state.path.join("vm.json");
+        let text = serde_json::to_vec_pretty(&config).map_err(|e| io("writing its configuration")(e.into()))?;
+        std::fs::write(&config_path, text).map_err(io("writing its configuration"))?;
+        let log = std::fs::File::create(state.path.join("vmm.log")).map_err(io("creating its log"))?;
+        let mut command = Command::new(&self.vmm);
+        command.arg("--config").arg(&config_path);
+        command.stdin(Stdio::null()).stdout(log.try_clone().map_err(io("opening its log"))?).stderr(log);
+        // Its own process group, so a terminal's Ctrl-C reaches only the host
+        // process, which then destroys the sandbox in order.
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        // SAFETY: prctl(2) is async-signal-safe and touches no memory of
+        // the parent; the closure runs in the child between fork and exec.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+                // Die with the process that started it: a SIGKILLed owner
+                // leaves no VM running.
+                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).map_err(std::io::Error::from)
+            });
+        }
+        let vmm = command.spawn().map_err(io(&format!("starting {}", self.vmm.display())))?;
+        state.record_monitor(vmm.id()).map_err(io("recording its VMM"))?;
+        let mut vm = Vm { id: id.into(), vmm, state: Some(state), vsock, control, processes: Arc::default() };
+        if let Err(e) = vm.wait_ready().await {
+            let _ = tokio::task::spawn_blocking(move || vm.stop()).await;
+            return Err(e);
+        }
+        Ok(vm)
+    }
+}
+
+impl Instance for Vm {
+    fn client(&self) -> AgentClient<UnixConnector> {
+        AgentClient::vsock(&self.vsock, AGENT_VSOCK_PORT)
+    }
+
+    fn can_suspend(&self) -> bool {
+        true
+    }
+
+    fn set_suspended(&self, suspended: bool) -> Result<(), CoreError> {
+        let op = if suspended { "pause" } else { "resume" };
+        self.control(op).map(drop).map_err(|source| CoreError::Io {
+            id: self.id.clone(),
+            what: format!("asking its VMM to {op}"),
+            source,
+        })
+    }
+
+    fn is_busy(&self, resident: usize) -> bool {
+        usize::try_from(self.processes.load(Ordering::Relaxed)).unwrap_or(usize::MAX) > resident
+    }
+
+    fn destroy(&mut self) {
+        self.stop();
+    }
+}
+
+impl Vm {
+    async fn wait_ready(&mut self) -> Result<(), CoreError> {
+        let started = Instant::now();
+        let client = self.client();
+        loop {
+            if self.vsock.exists()
+                && let Ok(Ok(info)) = tokio::time::timeout(Duration::from_secs(2), client.info()).await
+            {
+                self.processes.store(info.processes, Ordering::Relaxed);
+                return Ok(());
+            }
+            if let Ok(Some(status)) = self.vmm.try_wait() {
+                return Err(self.start_failed(&format!("moat-vmm exited ({status})")));
+            }
+            if started.elapsed() > BOOT_GUARD {
+                return Err(self.start_failed(&format!("the agent did not answer within {} s", BOOT_GUARD.as_secs())));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Keeps the guest's process count fresh for [`Instance::is_busy`]:
+    /// asks the agent every `every` while the VM runs (not while paused:
+    /// asking would need it resumed).
+    pub fn watch_processes(&self, every: Duration, paused: impl Fn() -> bool + Send + 'static) {
+        let client = self.client();
+        let processes = Arc::downgrade(&self.processes);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                let Some(processes) = processes.upgrade() else { break };
+                if paused() {
+                    continue;
+                }
+                if let Ok(Ok(info)) = tokio::time::timeout(every, client.info()).await {
+                    processes.store(info.processes, Ordering::Relaxed);
+                }
+            }
+        });
+    }
+
+    /// Where the boot got to and how the console ended, for a failed start.
+    fn start_failed(&self, what: &str) -> CoreError {
+        let read = |name: &str| {
+            self.state.as_ref().and_then(|s| std::fs::read_to_string(s.path.join(name)).ok()).unwrap_or_default()
+        };
+        let console = read("console.log");
+        let stage = console.lines().filter_map(|l| l.split("moat-agent: ").nth(1)).next_back().map_or_else(
+            || "the kernel did not reach the agent".to_owned(),
+            |s| format!("the agent's last stage: {s}"),
+        );
+        let tail = |text: &str, n: usize| {
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(n)..].join("\n")
+        };
+        CoreError::StartFailed {
+            id: self.id.clone(),
+            reason: format!(
+                "{what}; {stage}\nconsole:\n{}\nmoat-vmm:\n{}",
+                tail(&console, 20),
+                tail(&read("vmm.log"), 5)
+            ),
+        }
+    }
+
+    /// One request on the VMM's control socket; its JSON answer.
+    fn control(&self, op: &str) -> std::io::Result<serde_json::Value> {
+        let mut stream = UnixStream::connect(&self.control)?;
+        stream.set_read_timeout(Some(CONTROL_TIMEOUT))?;
+        stream.set_write_timeout(Some(CONTROL_TIMEOUT))?;
+        stream.write_all(format!("{{\"op\":\"{op}\"}}\n").as_bytes())?;
+        let mut line = String::new();
+        BufReader::new(&stream).read_line(&mut line)?;
+        let answer: serde_json::Value = serde_json::from_str(&line).map_err(std::io::Error::other)?;
+        if answer["ok"] == serde_json::Value::Bool(true) {
+            Ok(answer)
+        } else {
+            Err(std::io::Error::other(format!("moat-vmm refused {op}: {}", answer["error"])))
+        }
+    }
+
+    /// Asks the VMM to stop the guest now, waits for it, SIGKILL if it does
+    /// not go, then removes the state directory (sockets, console, log).
+    fn stop(&mut self) {
+        if let Ok(None) = self.vmm.try_wait() {
+            // A forced shutdown ends the VM at once, paused or not.
+            let forced = UnixStream::connect(&self.control).and_then(|mut s| {
+                s.set_write_timeout(Some(CONTROL_TIMEOUT))?;
+                s.write_all(b"{\"op\":\"shutdown\",\"force\":true}\n")
+            });
+            if forced.is_err() {
+                let pid = nix::unistd::Pid::from_raw(i32::try_from(self.vmm.id()).unwrap_or(i32::MAX));
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            }
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while matches!(self.vmm.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let _ = self.vmm.kill();
+        }
+        let _ = self.vmm.wait();
+        if let Some(state) = self.state.take() {
+            state.remove();
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_boots_the_agent_from_the_shared_disk() {
+        let line = cmdline("box", 2048);
+        for word in
+            ["moat.root=/dev/vda", "moat.ro", "moat.hostname=box", "moat.port=1024", "moat.boot_timer=0xc0000000"]
+        {
+            assert!(line.split_whitespace().any(|w| w == word), "{word} missing from {line}");
+        }
+    }
+
+    #[test]
+    fn the_configuration_is_what_moat_vmm_reads() {
+        let config = VmConfig {
+            kernel: Path::new("/i/vmlinux"),
+            initramfs: Path::new("/i/initramfs.cpio.gz"),
+            cmdline: "x".into(),
+            vcpus: 2,
+            memory_mib: 512,
+            disks: vec![DiskConfig { path: Path::new("/i/rootfs.ext4"), read_only: true }],
+            vsock: VsockConfig { cid: GUEST_CID, uds_path: Path::new("/s/vsock.sock") },
+            console: "file:/s/console.log".into(),
+            control_socket: Path::new("/s/control.sock"),
+        };
+        let json = serde_json::to_value(&config).expect("serializes");
+        assert_eq!(json["disks"][0]["read_only"], true);
+        assert_eq!(json["vsock"]["cid"], 3);
+        assert_eq!(json["memory_mib"], 512);
+    }
+}

@@ -1,0 +1,171 @@
+//! From a validated configuration to a VM ready to run: memory, KVM VM,
+//! kernel and initramfs, ACPI tables, boot parameters, devices on their
+//! buses with their interrupts, configured vCPUs, the control socket.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsFd, FromRawFd};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use crate::arch::x86_64::layout::{
+    ACPI_SLEEP_PORT, BOOT_TIMER_ADDR, BOOT_TIMER_SIZE, I8042_IRQ, I8042_PORT, I8042_PORT_LEN, SERIAL_IRQ, SERIAL_PORT,
+    SERIAL_PORT_LEN, VIRTIO_MMIO_SIZE, virtio_mmio_slot,
+};
+use crate::arch::x86_64::{boot, regs};
+use crate::config::{Console, VmConfig};
+use crate::control::{ControlError, ControlServer};
+use crate::devices::acpi::{AcpiTables, SleepControl, VirtioMmioDevice};
+use crate::devices::boot_timer::BootTimer;
+use crate::devices::bus::Bus;
+use crate::devices::legacy::{I8042, SerialConsole};
+use crate::devices::virtio::MmioTransport;
+use crate::devices::virtio::rng::Rng;
+use crate::devices::{EventTrigger, IrqLine};
+use crate::vmm::{CONTROL_TOKENS, Vmm};
+use crate::vstate::memory::{MemoryError, create_guest_memory};
+use crate::vstate::vcpu::{Vcpu, VcpuError};
+use crate::vstate::vm::{Vm, VmError};
+
+/// Why the VM could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    #[error("Cannot open {what} {path}")]
+    Open { what: &'static str, path: std::path::PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    Boot(#[from] boot::BootError),
+    #[error(transparent)]
+    BootTables(#[from] regs::BootTablesError),
+    #[error(transparent)]
+    Acpi(#[from] crate::devices::acpi::tables::AcpiError),
+    #[error("Cannot place a device on its bus (a bug in the memory map)")]
+    Bus(#[from] crate::devices::bus::BusError),
+    #[error("Cannot create an eventfd; the process may be out of file descriptors")]
+    EventFd(#[source] std::io::Error),
+    #[error("The console descriptor fd:{0} is not open; pass it to moat-vmm or choose another console")]
+    ConsoleFd(i32),
+    #[error("Cannot set up the console on the VMM's standard output")]
+    Stdout(#[source] std::io::Error),
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    #[error("No IOAPIC pin is left for a virtio device; attach fewer devices")]
+    NoIrq,
+}
+
+/// Builds the VM `config` describes. `started` is when the VMM started,
+/// the zero of the boot timer.
+pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildError> {
+    config.validate()?;
+    let vm = Vm::new(create_guest_memory(config.memory_bytes())?)?;
+    let mem = vm.memory().clone();
+    let open = |what, path: &std::path::Path| {
+        File::open(path).map_err(|source| BuildError::Open { what, path: path.into(), source })
+    };
+    let mut kernel_file = open("the kernel", &config.kernel)?;
+    let kernel = boot::load_kernel(&mem, &mut kernel_file)?;
+    let initramfs = match &config.initramfs {
+        Some(path) => Some(boot::load_initramfs(&mem, &mut open("the initramfs", path)?, kernel.end)?),
+        None => None,
+    };
+    // virtio-mmio devices: the entropy source now; disks and vsock in M6.
+    let (rng_base, rng_irq) = virtio_mmio_slot(0).ok_or(BuildError::NoIrq)?;
+    let virtio = [VirtioMmioDevice { base: rng_base, irq: rng_irq }];
+    let acpi = AcpiTables::new(config.vcpus, &virtio)?;
+    acpi.write(&mem)?;
+    let entry = boot::write_boot_params(&mem, &kernel, &config.cmdline, initramfs, acpi.rsdp)?;
+    regs::write_boot_tables(&mem)?;
+    tracing::info!(
+        "Kernel {} loaded: {entry}{}",
+        config.kernel.display(),
+        initramfs.map(|i| format!(", initramfs {} bytes at {:#x}", i.size, i.addr)).unwrap_or_default()
+    );
+
+    let eventfd = || EventFd::new(EFD_NONBLOCK).map_err(BuildError::EventFd);
+    let irq = |gsi| -> Result<IrqLine, BuildError> {
+        let evt = eventfd()?;
+        vm.register_irq(&evt, gsi)?;
+        Ok(IrqLine(evt))
+    };
+    let serial = Arc::new(Mutex::new(SerialConsole::new(irq(SERIAL_IRQ)?, console_writer(config)?)));
+    let reset_evt = eventfd()?;
+    let poweroff_evt = eventfd()?;
+    let i8042 = Arc::new(Mutex::new(I8042::new(
+        EventTrigger(reset_evt.try_clone().map_err(BuildError::EventFd)?),
+        irq(I8042_IRQ)?,
+    )));
+    let sleep = SleepControl::new(EventTrigger(poweroff_evt.try_clone().map_err(BuildError::EventFd)?));
+    let (timer, ready) = BootTimer::new(started);
+
+    let mut io = Bus::default();
+    io.insert(serial.clone(), u64::from(SERIAL_PORT), u64::from(SERIAL_PORT_LEN))?;
+    io.insert(i8042.clone(), u64::from(I8042_PORT), u64::from(I8042_PORT_LEN))?;
+    io.insert(Arc::new(Mutex::new(sleep)), u64::from(ACPI_SLEEP_PORT), 1)?;
+    let mut mmio = Bus::default();
+    mmio.insert(Arc::new(Mutex::new(timer)), BOOT_TIMER_ADDR, BOOT_TIMER_SIZE)?;
+    let rng = MmioTransport::new(Box::new(Rng::new()), mem.clone(), irq(rng_irq)?);
+    mmio.insert(Arc::new(Mutex::new(rng)), rng_base, VIRTIO_MMIO_SIZE)?;
+    let (io, mmio) = (Arc::new(io), Arc::new(mmio));
+
+    let vcpus = (0..config.vcpus)
+        .map(|index| {
+            let vcpu = Vcpu::new(&vm, index, io.clone(), mmio.clone())?;
+            vcpu.configure(&vm, config.vcpus, entry)?;
+            Ok(vcpu)
+        })
+        .collect::<Result<Vec<_>, BuildError>>()?;
+    let control = match &config.control_socket {
+        Some(path) => Some(ControlServer::bind(path, CONTROL_TOKENS)?),
+        None => None,
+    };
+    Ok(Vmm::new(crate::vmm::VmmParts {
+        vm,
+        vcpus,
+        serial,
+        i8042,
+        reset_evt,
+        poweroff_evt,
+        control,
+        console_input: config.console().ok() == Some(Console::Stdout),
+        ready,
+        started,
+        memory_mib: config.memory_mib,
+        shutdown_timeout: std::time::Duration::from_millis(config.shutdown_timeout_ms),
+    }))
+}
+
+fn console_writer(config: &VmConfig) -> Result<Box<dyn Write + Send>, BuildError> {
+    Ok(match config.console()? {
+        // A private duplicate of fd 1, unbuffered: the console is a byte
+        // stream and a partial line (a prompt) must show at once.
+        Console::Stdout => {
+            Box::new(File::from(std::io::stdout().as_fd().try_clone_to_owned().map_err(BuildError::Stdout)?))
+        }
+        Console::None => Box::new(std::io::sink()),
+        Console::File(path) => Box::new(
+            std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|source| BuildError::Open {
+                what: "the console file",
+                path,
+                source,
+            })?,
+        ),
+        Console::Fd(fd) => {
+            // SAFETY: F_GETFD only inspects the descriptor table.
+            if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+                return Err(BuildError::ConsoleFd(fd));
+            }
+            // SAFETY: the descriptor is open (checked above), was inherited
+            // for this purpose, and nothing else in this process owns it.
+            Box::new(unsafe { File::from_raw_fd(fd) })
+        }
+    })
+}

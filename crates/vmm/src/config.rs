@@ -1,0 +1,315 @@
+//! The VM's configuration: parsed from JSON (or assembled from flags by the
+//! binary), then validated field by field so that a mistake is reported as
+//! one line naming the field and what is wrong with it.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::arch::x86_64::layout::{CMDLINE_MAX_SIZE, MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB};
+
+/// The command line used when none is given: console on COM1, reboot
+/// through the i8042 (which ends the VM), no PCI probing, no PS/2 mouse.
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 pci=off i8042.noaux i8042.nomux";
+
+/// A microVM's configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    /// The guest kernel: an ELF `vmlinux` (PVH note used when present) or a bzImage.
+    pub kernel: PathBuf,
+    /// The initramfs, loaded at the top of low memory.
+    #[serde(default)]
+    pub initramfs: Option<PathBuf>,
+    /// The kernel command line.
+    #[serde(default = "default_cmdline")]
+    pub cmdline: String,
+    /// vCPUs, 1–8.
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u8,
+    /// Guest memory in MiB.
+    #[serde(default = "default_memory")]
+    pub memory_mib: u32,
+    /// Block devices, in the order the guest sees them (vda, vdb, …).
+    #[serde(default)]
+    pub disks: Vec<DiskConfig>,
+    /// The virtio-vsock device and the host Unix socket behind it.
+    #[serde(default)]
+    pub vsock: Option<VsockConfig>,
+    /// Where the serial console goes: `stdout`, `none`, `file:PATH`, `fd:N`.
+    #[serde(default = "default_console")]
+    pub console: String,
+    /// The control socket (JSON lines) to listen on.
+    #[serde(default)]
+    pub control_socket: Option<PathBuf>,
+    /// How long a graceful `shutdown` waits for the guest before stopping it.
+    #[serde(default = "default_shutdown_timeout")]
+    pub shutdown_timeout_ms: u64,
+}
+
+/// A disk.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskConfig {
+    /// The backing file.
+    pub path: PathBuf,
+    /// Whether the guest may only read it.
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// The vsock device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VsockConfig {
+    /// The guest's context id (3 and up; 0–2 are reserved).
+    pub cid: u32,
+    /// The host Unix socket that guest connections arrive on and host
+    /// connections are made through (`CONNECT <port>\n`).
+    pub uds_path: PathBuf,
+}
+
+fn default_cmdline() -> String {
+    DEFAULT_CMDLINE.to_owned()
+}
+fn default_vcpus() -> u8 {
+    1
+}
+fn default_memory() -> u32 {
+    256
+}
+fn default_console() -> String {
+    "stdout".to_owned()
+}
+fn default_shutdown_timeout() -> u64 {
+    5000
+}
+
+/// Where the console goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Console {
+    /// The VMM's standard output (and input from its standard input).
+    Stdout,
+    /// Nowhere.
+    None,
+    /// Appended to a file (created if needed).
+    File(PathBuf),
+    /// An inherited file descriptor (a pipe, a socket).
+    Fd(i32),
+}
+
+/// A configuration mistake: which field, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("Invalid configuration: {field}: {reason}")]
+pub struct ConfigError {
+    pub field: String,
+    pub reason: String,
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError { field: field.into(), reason: reason.into() }
+}
+
+impl VmConfig {
+    /// A configuration with defaults for everything but the kernel.
+    pub fn new(kernel: impl Into<PathBuf>) -> Self {
+        Self {
+            kernel: kernel.into(),
+            initramfs: None,
+            cmdline: default_cmdline(),
+            vcpus: default_vcpus(),
+            memory_mib: default_memory(),
+            disks: Vec::new(),
+            vsock: None,
+            console: default_console(),
+            control_socket: None,
+            shutdown_timeout_ms: default_shutdown_timeout(),
+        }
+    }
+
+    /// Parses a JSON configuration (not yet validated).
+    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+        serde_json::from_str(text).map_err(|e| {
+            // serde names the field in its message ("unknown field `x`",
+            // "missing field `kernel`", "invalid type … at line 3").
+            invalid("config", e.to_string())
+        })
+    }
+
+    /// Checks every field; the first problem found is returned.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        require_file("kernel", &self.kernel)?;
+        if let Some(initramfs) = &self.initramfs {
+            require_file("initramfs", initramfs)?;
+        }
+        if self.cmdline.len() >= CMDLINE_MAX_SIZE {
+            return Err(invalid(
+                "cmdline",
+                format!("{} bytes long; the kernel takes at most {}", self.cmdline.len(), CMDLINE_MAX_SIZE - 1),
+            ));
+        }
+        if self.cmdline.contains('\0') {
+            return Err(invalid("cmdline", "contains a NUL byte"));
+        }
+        if !(1..=MAX_VCPUS).contains(&self.vcpus) {
+            return Err(invalid("vcpus", format!("{} is out of range; use 1 to {MAX_VCPUS}", self.vcpus)));
+        }
+        if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&self.memory_mib) {
+            return Err(invalid(
+                "memory_mib",
+                format!("{} is out of range; use {MIN_MEM_MIB} to {MAX_MEM_MIB}", self.memory_mib),
+            ));
+        }
+        for (i, disk) in self.disks.iter().enumerate() {
+            require_file(&format!("disks[{i}].path"), &disk.path)?;
+            if self.disks[..i].iter().any(|d| d.path == disk.path) {
+                return Err(invalid(format!("disks[{i}].path"), "the same file is attached twice"));
+            }
+        }
+        let max_disks = 16;
+        if self.disks.len() > max_disks {
+            return Err(invalid("disks", format!("{} disks; at most {max_disks}", self.disks.len())));
+        }
+        if let Some(vsock) = &self.vsock {
+            if vsock.cid < 3 || vsock.cid == u32::MAX {
+                return Err(invalid("vsock.cid", format!("{} is reserved; use 3 or more", vsock.cid)));
+            }
+            require_socket_dir("vsock.uds_path", &vsock.uds_path)?;
+        }
+        self.console()?;
+        if let Some(path) = &self.control_socket {
+            require_socket_dir("control_socket", path)?;
+        }
+        if self.shutdown_timeout_ms == 0 || self.shutdown_timeout_ms > 3_600_000 {
+            return Err(invalid("shutdown_timeout_ms", "use 1 ms to 1 hour"));
+        }
+        Ok(())
+    }
+
+    /// The console destination.
+    pub fn console(&self) -> Result<Console, ConfigError> {
+        let c = self.console.as_str();
+        match c.split_once(':') {
+            None if c == "stdout" => Ok(Console::Stdout),
+            None if c == "none" => Ok(Console::None),
+            Some(("file", path)) if !path.is_empty() => {
+                let path = PathBuf::from(path);
+                match path.parent() {
+                    Some(dir) if dir.as_os_str().is_empty() || dir.is_dir() => Ok(Console::File(path)),
+                    _ => Err(invalid("console", format!("the directory of {} does not exist", path.display()))),
+                }
+            }
+            Some(("fd", n)) => match n.parse::<i32>() {
+                Ok(fd) if fd > 2 => Ok(Console::Fd(fd)),
+                _ => Err(invalid("console", format!("fd:{n} is not an inherited descriptor above 2"))),
+            },
+            _ => Err(invalid("console", format!("{c:?}; use stdout, none, file:PATH or fd:N"))),
+        }
+    }
+
+    /// Guest memory in bytes.
+    pub fn memory_bytes(&self) -> u64 {
+        u64::from(self.memory_mib) << 20
+    }
+}
+
+fn require_file(field: &str, path: &Path) -> Result<(), ConfigError> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => Ok(()),
+        Ok(_) => Err(invalid(field, format!("{} is not a regular file", path.display()))),
+        Err(e) => Err(invalid(field, format!("cannot read {}: {e}", path.display()))),
+    }
+}
+
+fn require_socket_dir(field: &str, path: &Path) -> Result<(), ConfigError> {
+    // sun_path holds 108 bytes, NUL included.
+    if path.as_os_str().len() > 107 {
+        return Err(invalid(field, format!("{} is longer than a Unix socket path may be (107 bytes)", path.display())));
+    }
+    match path.parent() {
+        Some(dir) if dir.as_os_str().is_empty() || dir.is_dir() => Ok(()),
+        _ => Err(invalid(field, format!("the directory of {} does not exist", path.display()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel() -> tempfile::NamedTempFile {
+        tempfile::NamedTempFile::new().expect("temp file")
+    }
+
+    #[test]
+    fn json_with_defaults_is_valid() {
+        let k = kernel();
+        let text = format!(r#"{{"kernel": {:?}}}"#, k.path());
+        let config = VmConfig::from_json(&text).expect("parses");
+        assert_eq!(config, VmConfig::new(k.path()));
+        config.validate().expect("valid");
+        assert_eq!(config.console(), Ok(Console::Stdout));
+        assert_eq!(config.memory_bytes(), 256 << 20);
+    }
+
+    #[test]
+    fn unknown_and_missing_fields_are_named() {
+        let e = VmConfig::from_json(r#"{"kernel": "/k", "vcpu": 2}"#).expect_err("unknown field");
+        assert!(e.to_string().contains("unknown field `vcpu`"), "{e}");
+        let e = VmConfig::from_json(r#"{"vcpus": 2}"#).expect_err("no kernel");
+        assert!(e.to_string().contains("missing field `kernel`"), "{e}");
+    }
+
+    #[test]
+    fn each_bad_field_is_reported_by_name() {
+        let k = kernel();
+        let dir = tempfile::tempdir().expect("temp dir");
+        type Change = Box<dyn Fn(&mut VmConfig)>;
+        let cases: Vec<(Change, &str)> = vec![
+            (Box::new(|c| c.kernel = "/nonexistent/vmlinux".into()), "kernel"),
+            (Box::new(|c| c.initramfs = Some("/".into())), "initramfs"),
+            (Box::new(|c| c.vcpus = 0), "vcpus"),
+            (Box::new(|c| c.vcpus = 9), "vcpus"),
+            (Box::new(|c| c.memory_mib = 1), "memory_mib"),
+            (Box::new(|c| c.cmdline = "x".repeat(4096)), "cmdline"),
+            (Box::new(|c| c.console = "tty".into()), "console"),
+            (Box::new(|c| c.console = "fd:1".into()), "console"),
+            (Box::new(|c| c.console = "file:/nonexistent/dir/log".into()), "console"),
+            (Box::new(|c| c.control_socket = Some("/nonexistent/dir/ctl".into())), "control_socket"),
+            (Box::new(|c| c.vsock = Some(VsockConfig { cid: 2, uds_path: "/tmp/v.sock".into() })), "vsock.cid"),
+            (
+                Box::new(|c| c.disks = vec![DiskConfig { path: "/nonexistent".into(), read_only: false }]),
+                "disks[0].path",
+            ),
+            (Box::new(|c| c.shutdown_timeout_ms = 0), "shutdown_timeout_ms"),
+        ];
+        for (change, field) in cases {
+            let mut config = VmConfig::new(k.path());
+            config.control_socket = Some(dir.path().join("ctl.sock"));
+            change(&mut config);
+            let e = config.validate().expect_err(field);
+            assert_eq!(e.field, field, "{e}");
+            assert!(e.to_string().starts_with(&format!("Invalid configuration: {field}: ")), "{e}");
+            assert!(!e.to_string().contains('\n'), "one line: {e}");
+        }
+    }
+
+    #[test]
+    fn a_disk_attached_twice_is_refused() {
+        let k = kernel();
+        let disk = DiskConfig { path: k.path().into(), read_only: true };
+        let mut config = VmConfig::new(k.path());
+        config.disks = vec![disk.clone(), disk];
+        assert_eq!(config.validate().expect_err("twice").field, "disks[1].path");
+    }
+
+    #[test]
+    fn console_destinations_parse() {
+        let mut config = VmConfig::new("/k");
+        for (text, want) in
+            [("none", Console::None), ("file:log.txt", Console::File("log.txt".into())), ("fd:5", Console::Fd(5))]
+        {
+            config.console = text.into();
+            assert_eq!(config.console(), Ok(want));
+        }
+    }
+}

@@ -1,0 +1,270 @@
+//! The virtio-mmio transport, version 2 (virtio 1.2, §4.2.2): the register
+//! file a driver uses to negotiate features, set up queues, notify the
+//! device and acknowledge interrupts. The guest finds each transport through
+//! the DSDT (`LNRO0005`, its window and its interrupt).
+
+use std::sync::Arc;
+
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemoryMmap;
+use vm_superio::Trigger;
+
+use super::{F_VERSION_1, VirtioDevice};
+use crate::devices::IrqLine;
+use crate::devices::bus::BusDevice;
+
+const MAGIC_VALUE: u32 = 0x7472_6976; // "virt"
+const VERSION: u32 = 2;
+/// "MOAT", as the vendor id.
+const VENDOR_ID: u32 = 0x5441_4f4d;
+
+const REG_MAGIC: u64 = 0x000;
+const REG_VERSION: u64 = 0x004;
+const REG_DEVICE_ID: u64 = 0x008;
+const REG_VENDOR_ID: u64 = 0x00c;
+const REG_DEVICE_FEATURES: u64 = 0x010;
+const REG_DEVICE_FEATURES_SEL: u64 = 0x014;
+const REG_DRIVER_FEATURES: u64 = 0x020;
+const REG_DRIVER_FEATURES_SEL: u64 = 0x024;
+const REG_QUEUE_SEL: u64 = 0x030;
+const REG_QUEUE_NUM_MAX: u64 = 0x034;
+const REG_QUEUE_NUM: u64 = 0x038;
+const REG_QUEUE_READY: u64 = 0x044;
+const REG_QUEUE_NOTIFY: u64 = 0x050;
+const REG_INTERRUPT_STATUS: u64 = 0x060;
+const REG_INTERRUPT_ACK: u64 = 0x064;
+const REG_STATUS: u64 = 0x070;
+const REG_QUEUE_DESC_LOW: u64 = 0x080;
+const REG_QUEUE_DESC_HIGH: u64 = 0x084;
+const REG_QUEUE_DRIVER_LOW: u64 = 0x090;
+const REG_QUEUE_DRIVER_HIGH: u64 = 0x094;
+const REG_QUEUE_DEVICE_LOW: u64 = 0x0a0;
+const REG_QUEUE_DEVICE_HIGH: u64 = 0x0a4;
+const REG_CONFIG_GENERATION: u64 = 0x0fc;
+const CONFIG_SPACE: u64 = 0x100;
+
+/// Device status bits (virtio 1.2, §2.1).
+pub const STATUS_ACKNOWLEDGE: u32 = 1;
+pub const STATUS_DRIVER: u32 = 2;
+pub const STATUS_DRIVER_OK: u32 = 4;
+pub const STATUS_FEATURES_OK: u32 = 8;
+pub const STATUS_DEVICE_NEEDS_RESET: u32 = 0x40;
+pub const STATUS_FAILED: u32 = 0x80;
+
+/// Interrupt status: the device used buffers.
+pub const INT_USED_BUFFER: u32 = 1;
+
+/// One virtio-mmio window with its device.
+pub struct MmioTransport {
+    device: Box<dyn VirtioDevice>,
+    mem: Arc<GuestMemoryMmap>,
+    irq: IrqLine,
+    queues: Vec<Queue>,
+    queue_select: u32,
+    device_features_select: u32,
+    driver_features_select: u32,
+    acked_features: u64,
+    status: u32,
+    interrupt_status: u32,
+}
+
+impl std::fmt::Debug for MmioTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MmioTransport")
+            .field("device_type", &self.device.device_type())
+            .field("status", &self.status)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MmioTransport {
+    /// A transport for `device` over guest memory `mem`, interrupting on `irq`.
+    pub fn new(device: Box<dyn VirtioDevice>, mem: Arc<GuestMemoryMmap>, irq: IrqLine) -> Self {
+        let queues = device
+            .queue_max_sizes()
+            .iter()
+            .map(|max| Queue::new(*max).unwrap_or_else(|_| panic!("queue size {max} is a power of two ≤ 32768")))
+            .collect();
+        Self {
+            device,
+            mem,
+            irq,
+            queues,
+            queue_select: 0,
+            device_features_select: 0,
+            driver_features_select: 0,
+            acked_features: 0,
+            status: 0,
+            interrupt_status: 0,
+        }
+    }
+
+    fn offered_features(&self) -> u64 {
+        self.device.features() | F_VERSION_1
+    }
+
+    fn selected_queue(&mut self) -> Option<&mut Queue> {
+        // Queue registers change only while the driver sets the device up.
+        if self.status & STATUS_FEATURES_OK == 0 || self.status & STATUS_DRIVER_OK != 0 {
+            return None;
+        }
+        self.queues.get_mut(usize::try_from(self.queue_select).ok()?)
+    }
+
+    fn reset(&mut self) {
+        self.device.reset();
+        self.queues.iter_mut().for_each(QueueT::reset);
+        self.queue_select = 0;
+        self.device_features_select = 0;
+        self.driver_features_select = 0;
+        self.acked_features = 0;
+        self.status = 0;
+        self.interrupt_status = 0;
+    }
+
+    fn set_status(&mut self, value: u32) {
+        if value == 0 {
+            self.reset();
+            return;
+        }
+        let newly = value & !self.status;
+        if newly & STATUS_FEATURES_OK != 0 {
+            let offered = self.offered_features();
+            if self.acked_features & !offered != 0 || self.acked_features & F_VERSION_1 == 0 {
+                tracing::warn!(
+                    "virtio device {}: driver features {:#x} are not a modern subset of {offered:#x}",
+                    self.device.device_type(),
+                    self.acked_features
+                );
+                // FEATURES_OK stays clear: the driver sees the refusal.
+                self.status = value & !STATUS_FEATURES_OK;
+                return;
+            }
+        }
+        if newly & STATUS_DRIVER_OK != 0 {
+            let mem = &*self.mem;
+            if self.status & STATUS_FEATURES_OK == 0 || self.queues.iter().any(|q| q.ready() && !q.is_valid(mem)) {
+                tracing::warn!(
+                    "virtio device {}: the driver's queue setup is invalid; the device needs a reset",
+                    self.device.device_type()
+                );
+                self.status = value | STATUS_DEVICE_NEEDS_RESET;
+                return;
+            }
+            self.device.activate(self.acked_features);
+        }
+        self.status = value;
+    }
+
+    fn notify(&mut self, index: u32) {
+        if self.status & (STATUS_DRIVER_OK | STATUS_DEVICE_NEEDS_RESET | STATUS_FAILED) != STATUS_DRIVER_OK {
+            return;
+        }
+        let Some(queue) = usize::try_from(index).ok().and_then(|i| self.queues.get_mut(i)) else { return };
+        if !queue.ready() {
+            return;
+        }
+        let index = usize::try_from(index).unwrap_or(usize::MAX);
+        if self.device.process_queue(index, queue, &self.mem) {
+            self.interrupt_status |= INT_USED_BUFFER;
+            if let Err(e) = self.irq.trigger() {
+                tracing::warn!("virtio device {}: cannot raise its interrupt: {e}", self.device.device_type());
+            }
+        }
+    }
+
+    fn read_register(&self, offset: u64) -> u32 {
+        let queue = usize::try_from(self.queue_select).ok().and_then(|i| self.queues.get(i));
+        match offset {
+            REG_MAGIC => MAGIC_VALUE,
+            REG_VERSION => VERSION,
+            REG_DEVICE_ID => self.device.device_type(),
+            REG_VENDOR_ID => VENDOR_ID,
+            REG_DEVICE_FEATURES => match self.device_features_select {
+                0 => u32::try_from(self.offered_features() & 0xffff_ffff).unwrap_or_default(),
+                1 => u32::try_from(self.offered_features() >> 32).unwrap_or_default(),
+                _ => 0,
+            },
+            REG_QUEUE_NUM_MAX => queue.map_or(0, |q| u32::from(q.max_size())),
+            REG_QUEUE_READY => queue.map_or(0, |q| u32::from(q.ready())),
+            REG_INTERRUPT_STATUS => self.interrupt_status,
+            REG_STATUS => self.status,
+            REG_CONFIG_GENERATION => 0,
+            _ => 0,
+        }
+    }
+
+    fn write_register(&mut self, offset: u64, value: u32) {
+        match offset {
+            REG_DEVICE_FEATURES_SEL => self.device_features_select = value,
+            REG_DRIVER_FEATURES_SEL => self.driver_features_select = value,
+            REG_DRIVER_FEATURES => {
+                if self.status & STATUS_DRIVER != 0 && self.status & STATUS_FEATURES_OK == 0 {
+                    let shift = match self.driver_features_select {
+                        0 => 0,
+                        1 => 32,
+                        _ => return,
+                    };
+                    self.acked_features = (self.acked_features & !(0xffff_ffff << shift)) | (u64::from(value) << shift);
+                }
+            }
+            REG_QUEUE_SEL => self.queue_select = value,
+            REG_QUEUE_NUM => {
+                if let Some(q) = self.selected_queue() {
+                    q.set_size(u16::try_from(value).unwrap_or(0));
+                }
+            }
+            REG_QUEUE_READY => {
+                if let Some(q) = self.selected_queue() {
+                    q.set_ready(value == 1);
+                }
+            }
+            REG_QUEUE_NOTIFY => self.notify(value),
+            REG_INTERRUPT_ACK => self.interrupt_status &= !value,
+            REG_STATUS => self.set_status(value),
+            REG_QUEUE_DESC_LOW => {
+                self.selected_queue().into_iter().for_each(|q| q.set_desc_table_address(Some(value), None))
+            }
+            REG_QUEUE_DESC_HIGH => {
+                self.selected_queue().into_iter().for_each(|q| q.set_desc_table_address(None, Some(value)))
+            }
+            REG_QUEUE_DRIVER_LOW => {
+                self.selected_queue().into_iter().for_each(|q| q.set_avail_ring_address(Some(value), None))
+            }
+            REG_QUEUE_DRIVER_HIGH => {
+                self.selected_queue().into_iter().for_each(|q| q.set_avail_ring_address(None, Some(value)))
+            }
+            REG_QUEUE_DEVICE_LOW => {
+                self.selected_queue().into_iter().for_each(|q| q.set_used_ring_address(Some(value), None))
+            }
+            REG_QUEUE_DEVICE_HIGH => {
+                self.selected_queue().into_iter().for_each(|q| q.set_used_ring_address(None, Some(value)))
+            }
+            _ => tracing::debug!("virtio-mmio: write of {value:#x} to read-only or unknown register {offset:#x}"),
+        }
+    }
+}
+
+impl BusDevice for MmioTransport {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if offset >= CONFIG_SPACE {
+            self.device.read_config(offset - CONFIG_SPACE, data);
+            return;
+        }
+        if data.len() != 4 {
+            data.fill(0);
+            return;
+        }
+        data.copy_from_slice(&self.read_register(offset).to_le_bytes());
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if offset >= CONFIG_SPACE {
+            self.device.write_config(offset - CONFIG_SPACE, data);
+            return;
+        }
+        // Registers are 32 bits wide and accessed as such (§4.2.2.2).
+        let Ok(bytes) = <[u8; 4]>::try_from(data) else { return };
+        self.write_register(offset, u32::from_le_bytes(bytes));
+    }
+}

@@ -1,0 +1,178 @@
+//! Seccomp filters, one per kind of thread, installed before the guest runs.
+//!
+//! Each thread may make only the system calls its job needs; anything else
+//! kills the whole VMM process (`SECCOMP_RET_KILL_PROCESS`), so a guest that
+//! subverts a device model gains no new powers on the host. The vCPU threads
+//! may issue only the KVM ioctls of the run loop (and of the fault report);
+//! the VMM thread (event loop, control socket, console input) may not issue
+//! KVM ioctls at all. Neither may open files, create sockets, or exec.
+
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch,
+};
+
+/// The kinds of threads a VMM runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThreadKind {
+    /// The event loop: control socket, console input, VM lifecycle.
+    Vmm,
+    /// A vCPU's run loop and the device emulation it calls into.
+    Vcpu,
+}
+
+/// Why a filter could not be built or installed.
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    #[error("Cannot build the {0:?} seccomp filter (a bug in its rules)")]
+    Build(ThreadKind, #[source] seccompiler::BackendError),
+    #[error("Cannot install a seccomp filter; does this kernel have CONFIG_SECCOMP_FILTER?")]
+    Install(#[source] seccompiler::Error),
+}
+
+const KVMIO: u64 = 0xae;
+const fn ioc(dir: u64, nr: u64, size: usize) -> u64 {
+    (dir << 30) | ((size as u64) << 16) | (KVMIO << 8) | nr
+}
+const IOC_READ: u64 = 2;
+const IOC_WRITE: u64 = 1;
+const KVM_RUN: u64 = ioc(0, 0x80, 0);
+const KVM_GET_REGS: u64 = ioc(IOC_READ, 0x81, size_of::<kvm_bindings::kvm_regs>());
+const KVM_GET_SREGS: u64 = ioc(IOC_READ, 0x83, size_of::<kvm_bindings::kvm_sregs>());
+const KVM_TRANSLATE: u64 = ioc(IOC_READ | IOC_WRITE, 0x85, size_of::<kvm_bindings::kvm_translation>());
+
+/// System calls every thread makes: memory, locks, signals, time, exit.
+const COMMON: &[i64] = &[
+    libc::SYS_read,
+    libc::SYS_write,
+    libc::SYS_writev,
+    libc::SYS_close,
+    // Rust's std checks descriptors with F_GETFD before closing them.
+    libc::SYS_fcntl,
+    libc::SYS_futex,
+    libc::SYS_mmap,
+    libc::SYS_munmap,
+    libc::SYS_mremap,
+    libc::SYS_madvise,
+    libc::SYS_brk,
+    libc::SYS_rt_sigreturn,
+    libc::SYS_rt_sigprocmask,
+    libc::SYS_sigaltstack,
+    libc::SYS_clock_gettime,
+    libc::SYS_clock_nanosleep,
+    libc::SYS_sched_yield,
+    libc::SYS_getpid,
+    libc::SYS_gettid,
+    libc::SYS_getrandom,
+    libc::SYS_exit,
+    libc::SYS_exit_group,
+    // A panic aborts with tgkill(SIGABRT); it must not turn into SIGSYS.
+    libc::SYS_tgkill,
+];
+
+/// What the VMM thread adds: epoll, the control socket, timers, and
+/// removing its socket files on the way out.
+const VMM: &[i64] = &[
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_pwait,
+    libc::SYS_epoll_ctl,
+    libc::SYS_accept4,
+    libc::SYS_recvfrom,
+    libc::SYS_sendto,
+    libc::SYS_sendmsg,
+    libc::SYS_shutdown,
+    libc::SYS_timerfd_settime,
+    libc::SYS_unlink,
+    libc::SYS_unlinkat,
+    libc::SYS_fstat,
+    libc::SYS_statx,
+    libc::SYS_poll,
+    libc::SYS_ppoll,
+];
+
+fn rule(ioctl: u64) -> Result<SeccompRule, seccompiler::BackendError> {
+    SeccompRule::new(vec![SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, ioctl)?])
+}
+
+/// The filter for `kind`.
+pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
+    let build = || -> Result<BpfProgram, seccompiler::BackendError> {
+        let mut rules: BTreeMap<i64, Vec<SeccompRule>> = COMMON.iter().map(|s| (*s, vec![])).collect();
+        match kind {
+            ThreadKind::Vmm => {
+                rules.extend(VMM.iter().map(|s| (*s, vec![])));
+                // Rust's std sets O_NONBLOCK and FD_CLOEXEC this way;
+                // TCGETS and TCSETS put a raw console terminal back as it
+                // was (glibc's tcsetattr reads the settings back too).
+                let ioctls = [libc::FIONBIO, libc::FIOCLEX, libc::TCGETS, libc::TCSETS];
+                rules.insert(libc::SYS_ioctl, ioctls.into_iter().map(rule).collect::<Result<_, _>>()?);
+            }
+            ThreadKind::Vcpu => {
+                let ioctls = [KVM_RUN, KVM_GET_REGS, KVM_GET_SREGS, KVM_TRANSLATE];
+                rules.insert(libc::SYS_ioctl, ioctls.into_iter().map(rule).collect::<Result<_, _>>()?);
+            }
+        }
+        let filter = SeccompFilter::new(rules, SeccompAction::KillProcess, SeccompAction::Allow, TargetArch::x86_64)?;
+        filter.try_into()
+    };
+    build().map_err(|e| SeccompError::Build(kind, e))
+}
+
+/// Installs `program` on the calling thread (threads it starts inherit it).
+pub fn install(program: &BpfProgram) -> Result<(), SeccompError> {
+    seccompiler::apply_filter(program).map_err(SeccompError::Install)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ioctl_numbers_match_the_kernel_headers() {
+        // From <linux/kvm.h> on x86_64.
+        assert_eq!(KVM_RUN, 0xae80);
+        assert_eq!(KVM_GET_REGS, 0x8090_ae81);
+        assert_eq!(KVM_GET_SREGS, 0x8138_ae83);
+        assert_eq!(KVM_TRANSLATE, 0xc018_ae85);
+    }
+
+    #[test]
+    fn both_filters_build() {
+        for kind in [ThreadKind::Vmm, ThreadKind::Vcpu] {
+            assert!(!filter(kind).expect("builds").is_empty());
+        }
+    }
+
+    /// A forbidden system call from a thread under the vCPU filter kills
+    /// the whole process with SIGSYS. Run in a child process (this test's
+    /// own binary, re-executed) so that the test harness survives.
+    #[test]
+    fn a_forbidden_syscall_on_a_vcpu_thread_kills_the_process() {
+        if std::env::var_os("MOAT_SECCOMP_CHILD").is_some() {
+            let program = filter(ThreadKind::Vcpu).expect("builds");
+            let thread = std::thread::spawn(move || {
+                install(&program).expect("installs");
+                // Allowed: a write. Then forbidden: socket(2).
+                let _ = std::io::Write::write_all(&mut std::io::stderr(), b"vcpu filter installed\n");
+                // SAFETY: socket(2) with constant arguments; the filter kills
+                // the process before it returns.
+                let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+                eprintln!("still alive after socket() = {fd}");
+            });
+            let _ = thread.join();
+            std::process::exit(0);
+        }
+        let exe = std::env::current_exe().expect("test binary path");
+        let out = std::process::Command::new(exe)
+            .args(["--exact", "seccomp::tests::a_forbidden_syscall_on_a_vcpu_thread_kills_the_process", "--nocapture"])
+            .env("MOAT_SECCOMP_CHILD", "1")
+            .output()
+            .expect("child runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("vcpu filter installed"), "{stderr}");
+        assert!(!stderr.contains("still alive"), "{stderr}");
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{:?}\n{stderr}", out.status);
+    }
+}

@@ -1,0 +1,5 @@
+//! KVM state: the VM, its guest memory, and its vCPUs.
+
+pub mod memory;
+pub mod vcpu;
+pub mod vm;
