@@ -9,6 +9,7 @@ mod build;
 mod demo;
 mod host;
 mod image;
+mod nested;
 mod test;
 
 use std::process::ExitCode;
@@ -41,6 +42,11 @@ enum Task {
         #[arg(long)]
         force: bool,
     },
+    /// The nested test host: level 1 under QEMU TCG, with KVM for level-2 microVMs.
+    Nested {
+        #[command(subcommand)]
+        command: nested::Command,
+    },
 }
 
 fn main() -> ExitCode {
@@ -57,6 +63,8 @@ fn main() -> ExitCode {
         Task::Bench => test::bench(),
         Task::Demo => demo::run_demo(),
         Task::Image { name, force } => image::build(&name, force).map(|_| ()),
+        // It exits with the status of the command run in level 1.
+        Task::Nested { command } => return nested::main(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

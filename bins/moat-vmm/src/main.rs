@@ -49,15 +49,18 @@ struct Args {
     /// Guest memory in MiB [default: 256].
     #[arg(long, value_name = "MIB")]
     memory_mib: Option<u32>,
-    /// A disk image; append ":ro" for read-only. Repeat for more disks.
-    /// (Accepted and validated; the virtio-blk device arrives in M6.)
-    #[arg(long = "disk", value_name = "PATH[:ro]")]
+    /// A disk image, repeated for more disks (vda, vdb, …). Options after
+    /// commas: `ro` (read-only), `overlay=FILE` (copy-on-write: PATH is a
+    /// read-only base, writes land in FILE), `overlay_limit_mib=N` (the most
+    /// the overlay holds). `PATH:ro` is read-only too.
+    #[arg(long = "disk", value_name = "PATH[,ro][,overlay=FILE][,overlay_limit_mib=N]")]
     disks: Vec<String>,
-    /// Guest vsock context id (3 or more); needs --vsock-uds. (Validated; the
-    /// virtio-vsock device arrives in M6.)
+    /// Guest vsock context id (3 or more); needs --vsock-uds.
     #[arg(long, value_name = "CID", requires = "vsock_uds")]
     vsock_cid: Option<u32>,
-    /// Host Unix socket behind the guest's vsock.
+    /// Host Unix socket behind the guest's vsock (Firecracker's protocol:
+    /// `CONNECT <port>` to reach the guest, `<path>_<port>` for the guest's
+    /// connections to the host).
     #[arg(long, value_name = "PATH", requires = "vsock_cid")]
     vsock_uds: Option<PathBuf>,
     /// Serial console destination: stdout, none, file:PATH or fd:N [default: stdout].
@@ -148,14 +151,7 @@ fn configure(args: &Args) -> Result<VmConfig, ConfigError> {
         config.memory_mib = memory;
     }
     if !args.disks.is_empty() {
-        config.disks = args
-            .disks
-            .iter()
-            .map(|d| match d.strip_suffix(":ro") {
-                Some(path) => DiskConfig { path: path.into(), read_only: true },
-                None => DiskConfig { path: d.into(), read_only: false },
-            })
-            .collect();
+        config.disks = (0..).zip(&args.disks).map(|(i, d)| parse_disk(i, d)).collect::<Result<_, _>>()?;
     }
     if let (Some(cid), Some(uds_path)) = (args.vsock_cid, &args.vsock_uds) {
         config.vsock = Some(VsockConfig { cid, uds_path: uds_path.clone() });
@@ -171,6 +167,37 @@ fn configure(args: &Args) -> Result<VmConfig, ConfigError> {
     }
     config.validate()?;
     Ok(config)
+}
+
+/// `PATH[,ro][,overlay=FILE][,overlay_limit_mib=N]` (or `PATH:ro`).
+fn parse_disk(index: usize, text: &str) -> Result<DiskConfig, ConfigError> {
+    let invalid = |field: &str, reason: String| ConfigError { field: format!("disks[{index}].{field}"), reason };
+    let mut parts = text.split(',');
+    let path = parts.next().unwrap_or_default();
+    let mut disk = match path.strip_suffix(":ro") {
+        Some(path) => DiskConfig::new(path, true),
+        None => DiskConfig::new(path, false),
+    };
+    if path.is_empty() {
+        return Err(invalid("path", "empty".into()));
+    }
+    for option in parts {
+        match option.split_once('=') {
+            None if option == "ro" => disk.read_only = true,
+            Some(("overlay", file)) if !file.is_empty() => disk.overlay = Some(file.into()),
+            Some(("overlay_limit_mib", n)) => {
+                disk.overlay_limit_mib =
+                    Some(n.parse().map_err(|_| invalid("overlay_limit_mib", format!("{n:?} is not a number of MiB")))?)
+            }
+            _ => {
+                return Err(invalid(
+                    "path",
+                    format!("unknown option {option:?}; use ro, overlay=FILE or overlay_limit_mib=N"),
+                ));
+            }
+        }
+    }
+    Ok(disk)
 }
 
 /// An error and its sources on one line.

@@ -183,6 +183,15 @@ fn invalid_configuration_exits_2_with_one_line_naming_the_field() {
         (vec!["--kernel", k, "--memory-mib", "4"], "memory_mib"),
         (vec!["--kernel", k, "--console", "serial"], "console"),
         (vec!["--kernel", k, "--disk", "/nonexistent.img:ro"], "disks[0].path"),
+        (vec!["--kernel", k, "--disk", &format!("{g},overlay=/nonexistent/dir/ov")], "disks[0].overlay"),
+        (vec!["--kernel", k, "--disk", &format!("{g},ro,overlay={g}.ov")], "disks[0].overlay"),
+        (
+            vec!["--kernel", k, "--disk", &format!("{g},overlay={g}.ov,overlay_limit_mib=lots")],
+            "disks[0].overlay_limit_mib",
+        ),
+        (vec!["--kernel", k, "--disk", &format!("{g},overlay_limit_mib=5")], "disks[0].overlay_limit_mib"),
+        (vec!["--kernel", k, "--disk", &format!("{g},cache=none")], "disks[0].path"),
+        (vec!["--kernel", k, "--disk", &format!("{g},overlay={k}")], "disks[0].overlay"),
         (vec!["--kernel", k, "--vsock-cid", "1", "--vsock-uds", "/tmp/v.sock"], "vsock.cid"),
         (vec!["--kernel", k, "--control-socket", "/nonexistent/dir/ctl"], "control_socket"),
         (vec!["--config", c], "config"),
@@ -427,6 +436,11 @@ fn guest_driver_reads_entropy_from_virtio_rng() {
     w(desc + 12, 2);
     w(avail, 1 << 16); // avail.idx = 1, ring[0] = 0
     w(MMIO + 0x50, 0); // QueueNotify
+    // The device runs on the VMM thread, not in this vCPU's exit: wait for
+    // the used ring to move, as a driver waits for its interrupt.
+    code.push(0xa1); // 1: mov eax, [used + 2]
+    code.extend_from_slice(&(used + 2).to_le_bytes());
+    code.extend_from_slice(&[0xa8, 0xff, 0x74, 0xf7]); // test al, 0xff; jz 1b
     code.extend_from_slice(&[0x66, 0xba, 0xf8, 0x03]); // mov dx, 0x3f8
     for addr in [used + 2, used + 8, MMIO + 0x60] {
         code.push(0xa1); // mov eax, [addr]: virtio-mmio registers are read 32 bits wide
@@ -437,4 +451,164 @@ fn guest_driver_reads_entropy_from_virtio_rng() {
     let (out, console) = Vm::start(&code, true, &[]).wait();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert_eq!(console.as_bytes(), [1, 32, 1], "used idx, used length, interrupt status");
+    assert!(!stderr(&out).contains("ioeventfd"), "KVM took the queue notification itself: {}", stderr(&out));
+}
+
+#[test]
+#[ignore = "needs /dev/kvm; cargo xtask test provides it"]
+fn guest_driver_reads_the_base_and_writes_into_the_overlay() {
+    const MMIO: u32 = 0xd000_1000; // the second window: the first disk (docs/vmm.md)
+    let (desc, avail, used) = (0x1_0000u32, 0x1_1000u32, 0x1_2000u32);
+    let (h1, data1, st1, h2, data2, st2) =
+        (0x1_3000u32, 0x1_4000u32, 0x1_3100u32, 0x1_3200u32, 0x1_5000u32, 0x1_3300u32);
+    let mut code = Vec::new();
+    let mut w = |addr: u32, value: u32| {
+        code.extend_from_slice(&[0xc7, 0x05]); // mov dword [addr], value
+        code.extend_from_slice(&addr.to_le_bytes());
+        code.extend_from_slice(&value.to_le_bytes());
+    };
+    w(MMIO + 0x70, 3);
+    w(MMIO + 0x24, 1);
+    w(MMIO + 0x20, 1); // VIRTIO_F_VERSION_1, nothing else
+    w(MMIO + 0x70, 11);
+    w(MMIO + 0x30, 0);
+    w(MMIO + 0x38, 8);
+    for (reg, addr) in [(0x80, desc), (0x90, avail), (0xa0, used)] {
+        w(MMIO + reg, addr);
+        w(MMIO + reg + 4, 0);
+    }
+    w(MMIO + 0x44, 1);
+    w(MMIO + 0x70, 15);
+    // Request 1: read sector 0 into data1. Request 2: write sector 1 from data2.
+    w(h1, 0);
+    w(h2, 1);
+    w(h2 + 8, 1);
+    for i in 0..128 {
+        w(data2 + 4 * i, 0x6161_6161); // "aaaa"
+    }
+    let mut d = |i: u32, addr: u32, len: u32, flags: u32, next: u32| {
+        w(desc + 16 * i, addr);
+        w(desc + 16 * i + 4, 0);
+        w(desc + 16 * i + 8, len);
+        w(desc + 16 * i + 12, flags | (next << 16));
+    };
+    d(0, h1, 16, 1, 1);
+    d(1, data1, 512, 3, 2);
+    d(2, st1, 1, 2, 0);
+    d(3, h2, 16, 1, 4);
+    d(4, data2, 512, 1, 5);
+    d(5, st2, 1, 2, 0);
+    w(st1, 0x7f);
+    w(st2, 0x7f);
+    w(avail + 4, 3 << 16); // ring = [0, 3]
+    w(avail, 2 << 16); // idx = 2
+    w(MMIO + 0x50, 0);
+    code.push(0xa1); // 1: mov eax, [used + 2]
+    code.extend_from_slice(&(used + 2).to_le_bytes());
+    code.extend_from_slice(&[0x3c, 0x02, 0x75, 0xf7]); // cmp al, 2; jne 1b
+    code.extend_from_slice(&[0x66, 0xba, 0xf8, 0x03]); // mov dx, 0x3f8
+    for addr in [data1, st1, st2] {
+        code.push(0xa1);
+        code.extend_from_slice(&addr.to_le_bytes());
+        code.push(0xee);
+    }
+    code.extend(poweroff());
+    let dir = tempfile::tempdir().expect("temp dir");
+    let base = dir.path().join("rootfs.ext4");
+    std::fs::write(&base, vec![b'B'; 1 << 20]).expect("base written");
+    let overlay = dir.path().join("overlay.img");
+    let disk = format!("{},overlay={},overlay_limit_mib=1", base.display(), overlay.display());
+    let (out, console) = Vm::start(&code, true, &["--disk", &disk]).wait();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(console.as_bytes(), [b'B', 0, 0], "base byte, read status, write status");
+    assert_eq!(std::fs::read(&base).expect("base"), vec![b'B'; 1 << 20], "the base is untouched");
+    use moat_vmm::devices::virtio::block::{CowDisk, DiskBackend};
+    let mut cow = CowDisk::open(&base, &overlay, 1 << 20).expect("the overlay reopens");
+    let mut sectors = vec![0u8; 1024];
+    cow.read_at(&mut sectors, 0).expect("reads");
+    assert_eq!((&sectors[..512], &sectors[512..]), (&[b'B'; 512][..], &[b'a'; 512][..]));
+}
+
+#[test]
+#[ignore = "needs /dev/kvm; cargo xtask test provides it"]
+fn guest_driver_connects_to_the_host_over_vsock() {
+    const MMIO: u32 = 0xd000_1000; // no disks: vsock takes the second window
+    // Clear of the boot structures (the command line is at 0x2_0000) and the code.
+    let rings = |q: u32| (0x30_0000 + 0x1_0000 * q, 0x30_1000 + 0x1_0000 * q, 0x30_2000 + 0x1_0000 * q);
+    let (rx1, rx2, req, rw, payload) = (0x40_0000u32, 0x40_2000u32, 0x41_0000u32, 0x41_0100u32, 0x41_0200u32);
+    let mut code = Vec::new();
+    let mut w = |addr: u32, value: u32| {
+        code.extend_from_slice(&[0xc7, 0x05]); // mov dword [addr], value
+        code.extend_from_slice(&addr.to_le_bytes());
+        code.extend_from_slice(&value.to_le_bytes());
+    };
+    w(MMIO + 0x70, 3);
+    w(MMIO + 0x24, 1);
+    w(MMIO + 0x20, 1);
+    w(MMIO + 0x70, 11);
+    for q in 0..3 {
+        let (desc, avail, used) = rings(q);
+        w(MMIO + 0x30, q);
+        w(MMIO + 0x38, 4);
+        for (reg, addr) in [(0x80, desc), (0x90, avail), (0xa0, used)] {
+            w(MMIO + reg, addr);
+            w(MMIO + reg + 4, 0);
+        }
+        w(MMIO + 0x44, 1);
+    }
+    w(MMIO + 0x70, 15);
+    // Packets from cid 3 port 1234 to the host's port 5000: REQUEST, then
+    // RW "hi" (header and payload in two descriptors, as Linux sends them).
+    for (h, op, len) in [(req, 1u32, 0u32), (rw, 5, 2)] {
+        for (off, v) in [(0, 3), (8, 2), (16, 1234), (20, 5000), (24, len), (28, 1 | (op << 16)), (36, 65536)] {
+            w(h + off, v);
+        }
+    }
+    w(payload, u32::from_le_bytes(*b"hi\0\0"));
+    let desc = |w: &mut dyn FnMut(u32, u32), table: u32, i: u32, addr: u32, len: u32, flags: u32, next: u32| {
+        w(table + 16 * i, addr);
+        w(table + 16 * i + 4, 0);
+        w(table + 16 * i + 8, len);
+        w(table + 16 * i + 12, flags | (next << 16));
+    };
+    let (rx_desc, rx_avail, rx_used) = rings(0);
+    let (tx_desc, tx_avail, _) = rings(1);
+    desc(&mut w, rx_desc, 0, rx1, 4096, 2, 0);
+    desc(&mut w, rx_desc, 1, rx2, 4096, 2, 0);
+    w(rx_avail + 4, 1 << 16); // ring = [0, 1]
+    w(rx_avail, 2 << 16); // idx = 2
+    w(MMIO + 0x50, 0);
+    desc(&mut w, tx_desc, 0, req, 44, 0, 0);
+    desc(&mut w, tx_desc, 1, rw, 44, 1, 2);
+    desc(&mut w, tx_desc, 2, payload, 2, 0, 0);
+    w(tx_avail + 4, 1 << 16); // ring = [0, 1]
+    w(tx_avail, 2 << 16);
+    w(MMIO + 0x50, 1);
+    // Wait for two packets: the RESPONSE and the host's answer.
+    code.push(0xa1); // 1: mov eax, [rx used + 2]
+    code.extend_from_slice(&(rx_used + 2).to_le_bytes());
+    code.extend_from_slice(&[0x3c, 0x02, 0x75, 0xf7]); // cmp al, 2; jne 1b
+    code.extend_from_slice(&[0x66, 0xba, 0xf8, 0x03]); // mov dx, 0x3f8
+    for addr in [rx1 + 30, rx2 + 44, rx2 + 45] {
+        code.push(0xa1);
+        code.extend_from_slice(&addr.to_le_bytes());
+        code.push(0xee);
+    }
+    code.extend(poweroff());
+    let dir = tempfile::tempdir().expect("temp dir");
+    let uds = dir.path().join("v.sock");
+    let listener = std::os::unix::net::UnixListener::bind(format!("{}_5000", uds.display())).expect("binds");
+    let host = std::thread::spawn(move || {
+        use std::io::Read;
+        let (mut s, _) = listener.accept().expect("the guest connects");
+        let mut hi = [0u8; 2];
+        s.read_exact(&mut hi).expect("reads");
+        s.write_all(b"yo").expect("answers");
+        hi
+    });
+    let (out, console) =
+        Vm::start(&code, true, &["--vsock-cid", "3", "--vsock-uds", uds.to_str().expect("utf-8")]).wait();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(&host.join().expect("host side"), b"hi");
+    assert_eq!(console.as_bytes(), [2, b'y', b'o'], "RESPONSE, then the host's bytes");
 }

@@ -2,9 +2,11 @@
 //! the image's kernel and initramfs with the image's `rootfs.ext4` as its
 //! root disk; the agent reached over the VM's vsock socket.
 //!
-//! The root disk is shared read-only by every VM of the image; the guest
-//! agent mounts it under a tmpfs overlay (`moat.ro`), so a sandbox's writes
-//! live in its own guest memory and vanish with it.
+//! The image's root disk is the read-only base shared by every VM of the
+//! image; each sandbox's writes land in its own copy-on-write overlay
+//! (`overlay.img` in its state directory, at most `disk_mib` of written
+//! blocks), kept by moat-vmm's block device and removed with the sandbox.
+//! The guest mounts `/dev/vda` read-write and never sees the difference.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -77,6 +79,8 @@ struct VmConfig<'a> {
 struct DiskConfig<'a> {
     path: &'a Path,
     read_only: bool,
+    overlay: &'a Path,
+    overlay_limit_mib: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -92,10 +96,10 @@ impl VmBackend {
 }
 
 /// The kernel command line of a sandbox's VM.
-fn cmdline(hostname: &str, disk_mib: u64) -> String {
+fn cmdline(hostname: &str) -> String {
     format!(
         "console=ttyS0 reboot=k panic=-1 pci=off i8042.noaux i8042.nomux quiet \
-         moat.root=/dev/vda moat.ro moat.overlay_mib={disk_mib} moat.hostname={hostname} \
+         moat.root=/dev/vda moat.hostname={hostname} \
          moat.port={AGENT_VSOCK_PORT} moat.boot_timer={BOOT_TIMER:#x}"
     )
 }
@@ -123,15 +127,21 @@ impl Backend for VmBackend {
         let vsock = state.path.join("vsock.sock");
         let control = state.path.join("control.sock");
         let console = state.path.join("console.log");
+        let overlay = state.path.join("overlay.img");
         let (kernel, initramfs, rootfs) =
             (image.path("vmlinux"), image.path("initramfs.cpio.gz"), image.path("rootfs.ext4"));
         let config = VmConfig {
             kernel: &kernel,
             initramfs: &initramfs,
-            cmdline: cmdline(hostname, spec.disk_mib),
+            cmdline: cmdline(hostname),
             vcpus: spec.cpus,
             memory_mib: spec.memory_mib,
-            disks: vec![DiskConfig { path: &rootfs, read_only: true }],
+            disks: vec![DiskConfig {
+                path: &rootfs,
+                read_only: false,
+                overlay: &overlay,
+                overlay_limit_mib: spec.disk_mib,
+            }],
             vsock: VsockConfig { cid: GUEST_CID, uds_path: &vsock },
             console: format!("file:{}", console.display()),
             control_socket: &control,
@@ -312,13 +322,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_command_line_boots_the_agent_from_the_shared_disk() {
-        let line = cmdline("box", 2048);
-        for word in
-            ["moat.root=/dev/vda", "moat.ro", "moat.hostname=box", "moat.port=1024", "moat.boot_timer=0xc0000000"]
-        {
+    fn the_command_line_boots_the_agent_from_its_overlay_disk() {
+        let line = cmdline("box");
+        for word in ["moat.root=/dev/vda", "moat.hostname=box", "moat.port=1024", "moat.boot_timer=0xc0000000"] {
             assert!(line.split_whitespace().any(|w| w == word), "{word} missing from {line}");
         }
+        // Writable through the block device's overlay: no tmpfs overlay in the guest.
+        assert!(!line.split_whitespace().any(|w| w == "moat.ro" || w.starts_with("moat.overlay_mib=")), "{line}");
     }
 
     #[test]
@@ -329,13 +339,20 @@ mod tests {
             cmdline: "x".into(),
             vcpus: 2,
             memory_mib: 512,
-            disks: vec![DiskConfig { path: Path::new("/i/rootfs.ext4"), read_only: true }],
+            disks: vec![DiskConfig {
+                path: Path::new("/i/rootfs.ext4"),
+                read_only: false,
+                overlay: Path::new("/s/overlay.img"),
+                overlay_limit_mib: 2048,
+            }],
             vsock: VsockConfig { cid: GUEST_CID, uds_path: Path::new("/s/vsock.sock") },
             console: "file:/s/console.log".into(),
             control_socket: Path::new("/s/control.sock"),
         };
         let json = serde_json::to_value(&config).expect("serializes");
-        assert_eq!(json["disks"][0]["read_only"], true);
+        assert_eq!(json["disks"][0]["read_only"], false);
+        assert_eq!(json["disks"][0]["overlay"], "/s/overlay.img");
+        assert_eq!(json["disks"][0]["overlay_limit_mib"], 2048);
         assert_eq!(json["vsock"]["cid"], 3);
         assert_eq!(json["memory_mib"], 512);
     }

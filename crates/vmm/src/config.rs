@@ -56,6 +56,21 @@ pub struct DiskConfig {
     /// Whether the guest may only read it.
     #[serde(default)]
     pub read_only: bool,
+    /// A copy-on-write overlay (created when absent): `path` becomes a
+    /// read-only base and the guest's writes land here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlay: Option<PathBuf>,
+    /// The most the overlay may hold, in MiB of written blocks; a write past
+    /// it fails in the guest with an I/O error. Default: the disk's size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlay_limit_mib: Option<u64>,
+}
+
+impl DiskConfig {
+    /// A plain disk.
+    pub fn new(path: impl Into<PathBuf>, read_only: bool) -> Self {
+        Self { path: path.into(), read_only, overlay: None, overlay_limit_mib: None }
+    }
 }
 
 /// The vsock device.
@@ -162,9 +177,11 @@ impl VmConfig {
         }
         for (i, disk) in self.disks.iter().enumerate() {
             require_file(&format!("disks[{i}].path"), &disk.path)?;
-            if self.disks[..i].iter().any(|d| d.path == disk.path) {
+            let shared_base = |d: &DiskConfig| d.overlay.is_some() && disk.overlay.is_some();
+            if self.disks[..i].iter().any(|d| d.path == disk.path && !shared_base(d)) {
                 return Err(invalid(format!("disks[{i}].path"), "the same file is attached twice"));
             }
+            validate_overlay(i, disk, &self.disks[..i])?;
         }
         let max_disks = 16;
         if self.disks.len() > max_disks {
@@ -210,6 +227,37 @@ impl VmConfig {
     /// Guest memory in bytes.
     pub fn memory_bytes(&self) -> u64 {
         u64::from(self.memory_mib) << 20
+    }
+}
+
+fn validate_overlay(i: usize, disk: &DiskConfig, earlier: &[DiskConfig]) -> Result<(), ConfigError> {
+    let field = format!("disks[{i}].overlay");
+    match (&disk.overlay, disk.overlay_limit_mib) {
+        (None, Some(_)) => {
+            return Err(invalid(format!("disks[{i}].overlay_limit_mib"), "needs an overlay"));
+        }
+        (Some(_), Some(0)) => {
+            return Err(invalid(format!("disks[{i}].overlay_limit_mib"), "0; use 1 or more"));
+        }
+        (Some(_), Some(mib)) if mib > 1 << 30 => {
+            return Err(invalid(format!("disks[{i}].overlay_limit_mib"), format!("{mib} is more than 1 PiB")));
+        }
+        _ => {}
+    }
+    let Some(overlay) = &disk.overlay else { return Ok(()) };
+    if disk.read_only {
+        return Err(invalid(field, "a read-only disk takes no overlay; drop one of them"));
+    }
+    if overlay == &disk.path || earlier.iter().any(|d| &d.path == overlay || d.overlay.as_ref() == Some(overlay)) {
+        return Err(invalid(field, format!("{} is already used by another disk", overlay.display())));
+    }
+    match std::fs::metadata(overlay) {
+        Ok(m) if !m.is_file() => Err(invalid(field, format!("{} is not a regular file", overlay.display()))),
+        Ok(_) => Ok(()),
+        Err(_) => match overlay.parent() {
+            Some(dir) if dir.as_os_str().is_empty() || dir.is_dir() => Ok(()),
+            _ => Err(invalid(field, format!("the directory of {} does not exist", overlay.display()))),
+        },
     }
 }
 
@@ -263,6 +311,7 @@ mod tests {
     fn each_bad_field_is_reported_by_name() {
         let k = kernel();
         let dir = tempfile::tempdir().expect("temp dir");
+        let (k2, k3, k4, k5) = (k.path().to_owned(), k.path().to_owned(), k.path().to_owned(), k.path().to_owned());
         type Change = Box<dyn Fn(&mut VmConfig)>;
         let cases: Vec<(Change, &str)> = vec![
             (Box::new(|c| c.kernel = "/nonexistent/vmlinux".into()), "kernel"),
@@ -276,9 +325,35 @@ mod tests {
             (Box::new(|c| c.console = "file:/nonexistent/dir/log".into()), "console"),
             (Box::new(|c| c.control_socket = Some("/nonexistent/dir/ctl".into())), "control_socket"),
             (Box::new(|c| c.vsock = Some(VsockConfig { cid: 2, uds_path: "/tmp/v.sock".into() })), "vsock.cid"),
+            (Box::new(|c| c.disks = vec![DiskConfig::new("/nonexistent", false)]), "disks[0].path"),
             (
-                Box::new(|c| c.disks = vec![DiskConfig { path: "/nonexistent".into(), read_only: false }]),
-                "disks[0].path",
+                Box::new(move |c| {
+                    c.disks =
+                        vec![DiskConfig { overlay: Some("/nonexistent/dir/ov".into()), ..DiskConfig::new(&k2, false) }]
+                }),
+                "disks[0].overlay",
+            ),
+            (
+                Box::new(move |c| {
+                    c.disks = vec![DiskConfig { overlay: Some("/tmp/ov".into()), ..DiskConfig::new(&k3, true) }]
+                }),
+                "disks[0].overlay",
+            ),
+            (
+                Box::new(move |c| {
+                    c.disks = vec![DiskConfig { overlay_limit_mib: Some(5), ..DiskConfig::new(&k4, false) }]
+                }),
+                "disks[0].overlay_limit_mib",
+            ),
+            (
+                Box::new(move |c| {
+                    c.disks = vec![DiskConfig {
+                        overlay: Some("/tmp/ov".into()),
+                        overlay_limit_mib: Some(0),
+                        ..DiskConfig::new(&k5, false)
+                    }]
+                }),
+                "disks[0].overlay_limit_mib",
             ),
             (Box::new(|c| c.shutdown_timeout_ms = 0), "shutdown_timeout_ms"),
         ];
@@ -296,10 +371,29 @@ mod tests {
     #[test]
     fn a_disk_attached_twice_is_refused() {
         let k = kernel();
-        let disk = DiskConfig { path: k.path().into(), read_only: true };
+        let disk = DiskConfig::new(k.path(), true);
         let mut config = VmConfig::new(k.path());
         config.disks = vec![disk.clone(), disk];
         assert_eq!(config.validate().expect_err("twice").field, "disks[1].path");
+    }
+
+    #[test]
+    fn overlays_parse_and_may_share_a_base() {
+        let k = kernel();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let text = format!(
+            r#"{{"kernel": {k:?}, "disks": [{{"path": {k:?}, "overlay": {a:?}, "overlay_limit_mib": 64}},
+                {{"path": {k:?}, "overlay": {b:?}}}]}}"#,
+            k = k.path(),
+            a = dir.path().join("a.img"),
+            b = dir.path().join("b.img"),
+        );
+        let config = VmConfig::from_json(&text).expect("parses");
+        assert_eq!(config.disks[0].overlay_limit_mib, Some(64));
+        config.validate().expect("one base under two overlays is fine");
+        let mut twice = config.clone();
+        twice.disks[1].overlay = twice.disks[0].overlay.clone();
+        assert_eq!(twice.validate().expect_err("one overlay twice").field, "disks[1].overlay");
     }
 
     #[test]

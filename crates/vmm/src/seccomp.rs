@@ -72,8 +72,15 @@ const COMMON: &[i64] = &[
 ];
 
 /// What the VMM thread adds: epoll, the control socket, timers, and
-/// removing its socket files on the way out.
+/// removing its socket files on the way out; the devices' work (disk
+/// reads, writes and flushes; vsock's Unix sockets, `socket(2)` allowed
+/// for `AF_UNIX` only, below).
 const VMM: &[i64] = &[
+    libc::SYS_pread64,
+    libc::SYS_pwrite64,
+    libc::SYS_fdatasync,
+    libc::SYS_fsync,
+    libc::SYS_connect,
     libc::SYS_epoll_wait,
     libc::SYS_epoll_pwait,
     libc::SYS_epoll_ctl,
@@ -107,8 +114,17 @@ pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
                 // was (glibc's tcsetattr reads the settings back too).
                 let ioctls = [libc::FIONBIO, libc::FIOCLEX, libc::TCGETS, libc::TCSETS];
                 rules.insert(libc::SYS_ioctl, ioctls.into_iter().map(rule).collect::<Result<_, _>>()?);
+                // vsock connects guest connections to Unix sockets only.
+                let unix = SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::AF_UNIX as u64)?;
+                rules.insert(libc::SYS_socket, vec![SeccompRule::new(vec![unix])?]);
             }
             ThreadKind::Vcpu => {
+                // A driver's status write resets or activates its device on
+                // the vCPU thread that made it: the device may take its
+                // descriptors out of (or into) the VMM thread's epoll sets
+                // and disarm timers. Nothing here creates a descriptor.
+                rules.insert(libc::SYS_epoll_ctl, vec![]);
+                rules.insert(libc::SYS_timerfd_settime, vec![]);
                 let ioctls = [KVM_RUN, KVM_GET_REGS, KVM_GET_SREGS, KVM_TRANSLATE];
                 rules.insert(libc::SYS_ioctl, ioctls.into_iter().map(rule).collect::<Result<_, _>>()?);
             }
@@ -171,6 +187,82 @@ mod tests {
             .expect("child runs");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains("vcpu filter installed"), "{stderr}");
+        assert!(!stderr.contains("still alive"), "{stderr}");
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{:?}\n{stderr}", out.status);
+    }
+
+    /// The devices' work on the VMM thread (disk I/O through a copy-on-write
+    /// overlay, vsock connections both ways) passes the VMM filter, while an
+    /// Internet socket from that thread still kills the process.
+    #[test]
+    fn device_work_passes_the_vmm_filter() {
+        use std::io::{Read, Write};
+
+        use crate::devices::virtio::block::{CowDisk, DiskBackend};
+        use crate::devices::virtio::testing::VsockGuest;
+        use crate::devices::virtio::vsock::packet::{HOST_CID, Header, OP_REQUEST, OP_RW, TYPE_STREAM};
+
+        if std::env::var_os("MOAT_SECCOMP_VMM_CHILD").is_some() {
+            let dir = tempfile::tempdir().expect("dir");
+            std::fs::write(dir.path().join("base"), vec![1u8; 1 << 20]).expect("base");
+            let mut disk = CowDisk::open(&dir.path().join("base"), &dir.path().join("ov"), 1 << 20).expect("cow");
+            let uds = dir.path().join("v.sock");
+            let mut guest = VsockGuest::new(3, &uds, 4096);
+            let listener = std::os::unix::net::UnixListener::bind(format!("{}_80", uds.display())).expect("binds");
+            let host = std::thread::spawn(move || {
+                let (mut s, _) = listener.accept().expect("guest connection");
+                let mut buf = [0u8; 2];
+                s.read_exact(&mut buf).expect("reads");
+                let mut c = std::os::unix::net::UnixStream::connect(&uds).expect("host connection");
+                c.write_all(b"CONNECT 1024\n").expect("writes");
+                buf
+            });
+            let program = filter(ThreadKind::Vmm).expect("builds");
+            let device = std::thread::spawn(move || {
+                install(&program).expect("installs");
+                let mut got = vec![0u8; 8192];
+                disk.write_at(&[2u8; 4096], 4096).expect("cow write");
+                disk.read_at(&mut got, 0).expect("cow read");
+                disk.flush().expect("flush");
+                assert_eq!((got[0], got[4096]), (1, 2));
+                let h = Header {
+                    src_cid: 3,
+                    dst_cid: HOST_CID,
+                    src_port: 9,
+                    dst_port: 80,
+                    kind: TYPE_STREAM,
+                    buf_alloc: 1 << 20,
+                    ..Header::default()
+                };
+                guest.send(Header { op: OP_REQUEST, ..h }, &[]);
+                guest.send(Header { op: OP_RW, ..h }, b"hi");
+                let mut requested = false;
+                for _ in 0..200 {
+                    guest.poll(10);
+                    requested |= guest.recv().iter().any(|(p, _)| p.op == OP_REQUEST && p.dst_port == 1024);
+                    if requested {
+                        break;
+                    }
+                }
+                assert!(requested, "the host connection reached the guest");
+                eprintln!("device work done");
+                // SAFETY: socket(2) with constant arguments; the filter kills the process.
+                let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+                eprintln!("still alive after socket() = {fd}");
+            });
+            assert_eq!(&host.join().expect("host thread"), b"hi");
+            let _ = device.join();
+            std::process::exit(0);
+        }
+        let exe = std::env::current_exe().expect("test binary path");
+        let out = std::process::Command::new(exe)
+            .args(["--exact", "seccomp::tests::device_work_passes_the_vmm_filter", "--nocapture"])
+            .env("MOAT_SECCOMP_VMM_CHILD", "1")
+            .output()
+            .expect("child runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("device work done"), "{stderr}");
         assert!(!stderr.contains("still alive"), "{stderr}");
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{:?}\n{stderr}", out.status);

@@ -18,6 +18,7 @@ use crate::control::{self, ControlServer, Incoming, Request, Status};
 use crate::devices::boot_timer::BootReady;
 use crate::devices::bus::lock;
 use crate::devices::legacy::{I8042, SerialConsole};
+use crate::devices::virtio::MmioTransport;
 use crate::seccomp::{self, ThreadKind};
 use crate::vstate::vcpu::{StartGate, Target, Vcpu, VcpuError, VcpuHandle, VcpuShared, VmExit};
 use crate::vstate::vm::Vm;
@@ -29,6 +30,10 @@ const SIGNAL: u64 = 4;
 const STDIN: u64 = 5;
 const SHUTDOWN_TIMER: u64 = 6;
 const LISTENER: u64 = 7;
+/// virtio devices: `VIRTIO_TOKENS + 32 × device + queue`, and `+ 31` for
+/// the device's host descriptor (19 devices at most: below the control tokens).
+const VIRTIO_TOKENS: u64 = 100;
+const VIRTIO_HOST: u64 = 31;
 /// Control connections get tokens from here up.
 pub const CONTROL_TOKENS: u64 = 1000;
 
@@ -52,6 +57,8 @@ pub struct VmmParts {
     pub vm: Vm,
     pub vcpus: Vec<Vcpu>,
     pub serial: Arc<Mutex<SerialConsole>>,
+    /// The virtio-mmio transports, whose queue and host events this loop serves.
+    pub virtio: Vec<Arc<Mutex<MmioTransport>>>,
     pub i8042: Arc<Mutex<I8042>>,
     pub reset_evt: EventFd,
     pub poweroff_evt: EventFd,
@@ -102,6 +109,15 @@ impl Vmm {
         add(timer.as_raw_fd(), SHUTDOWN_TIMER)?;
         if let Some(control) = &self.parts.control {
             add(control.listener_fd(), LISTENER)?;
+        }
+        for (device, transport) in (0u64..).zip(&self.parts.virtio) {
+            let transport = lock(transport);
+            for (queue, evt) in (0u64..).zip(transport.queue_events()) {
+                add(evt.as_raw_fd(), VIRTIO_TOKENS + 32 * device + queue)?;
+            }
+            if let Some(fd) = transport.host_fd() {
+                add(fd, VIRTIO_TOKENS + 32 * device + VIRTIO_HOST)?;
+            }
         }
         // Console input only from something pollable (a terminal, a pipe);
         // /dev/null and regular files are refused by epoll and skipped.
@@ -184,9 +200,22 @@ impl Vmm {
                         r.shared.end(VmExit::Stopped);
                     }
                     LISTENER => self.accept(r),
+                    token @ VIRTIO_TOKENS..CONTROL_TOKENS => self.virtio_event(token - VIRTIO_TOKENS),
                     token => self.control_request(r, token),
                 }
             }
+        }
+    }
+
+    /// A queue notification or a device's host descriptor: the device's
+    /// work runs here, on the VMM thread, never on a vCPU thread.
+    fn virtio_event(&mut self, token: u64) {
+        let Some(transport) = usize::try_from(token / 32).ok().and_then(|d| self.parts.virtio.get(d)) else { return };
+        let mut transport = lock(transport);
+        if token % 32 == VIRTIO_HOST {
+            transport.process_host();
+        } else {
+            transport.process_notifications();
         }
     }
 

@@ -194,7 +194,15 @@ fn clean_stale_builds(images: &Path, name: &str) {
     let Ok(entries) = std::fs::read_dir(images) else { return };
     for entry in entries.filter_map(Result::ok) {
         let file = entry.file_name().to_string_lossy().into_owned();
-        if file.starts_with(&format!(".{name}.build-")) || file.starts_with(&format!(".{name}.old-")) {
+        let owner = file
+            .strip_prefix(&format!(".{name}.build-"))
+            .or_else(|| file.strip_prefix(&format!(".{name}.old-")))
+            .and_then(|pid| pid.parse::<u32>().ok());
+        // Another build (another checkout's gate) may be using its own:
+        // only a dead builder's directory is a leftover.
+        if let Some(pid) = owner
+            && !Path::new(&format!("/proc/{pid}")).exists()
+        {
             eprintln!("removing a leftover build directory {}", entry.path().display());
             let _ = std::fs::remove_dir_all(entry.path());
         }

@@ -2,12 +2,17 @@
 //! file a driver uses to negotiate features, set up queues, notify the
 //! device and acknowledge interrupts. The guest finds each transport through
 //! the DSDT (`LNRO0005`, its window and its interrupt).
+//!
+//! A `QueueNotify` write signals that queue's eventfd (KVM does it itself
+//! when the eventfd is registered as an ioeventfd, so the write never
+//! reaches this code); the VMM thread then calls `process_notifications`.
 
 use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vm_superio::Trigger;
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::{F_VERSION_1, VirtioDevice};
 use crate::devices::IrqLine;
@@ -53,6 +58,8 @@ pub const STATUS_FAILED: u32 = 0x80;
 
 /// Interrupt status: the device used buffers.
 pub const INT_USED_BUFFER: u32 = 1;
+/// Offset of the `QueueNotify` register, where ioeventfds are registered.
+pub const QUEUE_NOTIFY_OFFSET: u64 = REG_QUEUE_NOTIFY;
 
 /// One virtio-mmio window with its device.
 pub struct MmioTransport {
@@ -60,6 +67,7 @@ pub struct MmioTransport {
     mem: Arc<GuestMemoryMmap>,
     irq: IrqLine,
     queues: Vec<Queue>,
+    queue_evts: Vec<EventFd>,
     queue_select: u32,
     device_features_select: u32,
     driver_features_select: u32,
@@ -78,24 +86,72 @@ impl std::fmt::Debug for MmioTransport {
 }
 
 impl MmioTransport {
-    /// A transport for `device` over guest memory `mem`, interrupting on `irq`.
-    pub fn new(device: Box<dyn VirtioDevice>, mem: Arc<GuestMemoryMmap>, irq: IrqLine) -> Self {
-        let queues = device
+    /// A transport for `device` over guest memory `mem`, interrupting on
+    /// `irq`; fails only when no eventfd can be created.
+    pub fn new(device: Box<dyn VirtioDevice>, mem: Arc<GuestMemoryMmap>, irq: IrqLine) -> std::io::Result<Self> {
+        let queues: Vec<Queue> = device
             .queue_max_sizes()
             .iter()
             .map(|max| Queue::new(*max).unwrap_or_else(|_| panic!("queue size {max} is a power of two ≤ 32768")))
             .collect();
-        Self {
+        let queue_evts = queues.iter().map(|_| EventFd::new(EFD_NONBLOCK)).collect::<std::io::Result<_>>()?;
+        Ok(Self {
             device,
             mem,
             irq,
             queues,
+            queue_evts,
             queue_select: 0,
             device_features_select: 0,
             driver_features_select: 0,
             acked_features: 0,
             status: 0,
             interrupt_status: 0,
+        })
+    }
+
+    /// One eventfd per queue, signalled by a `QueueNotify` write of its index.
+    pub fn queue_events(&self) -> &[EventFd] {
+        &self.queue_evts
+    }
+
+    /// The device's host-side descriptor, if it has one.
+    pub fn host_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.device.host_fd()
+    }
+
+    fn active(&self) -> bool {
+        self.status & (STATUS_DRIVER_OK | STATUS_DEVICE_NEEDS_RESET | STATUS_FAILED) == STATUS_DRIVER_OK
+    }
+
+    /// Serves every queue whose eventfd was signalled (run on the VMM thread).
+    pub fn process_notifications(&mut self) {
+        let mut used = false;
+        for index in 0..self.queue_evts.len() {
+            // Reading clears the eventfd; an unsignalled one has nothing.
+            if self.queue_evts[index].read().is_err() || !self.active() || !self.queues[index].ready() {
+                continue;
+            }
+            used |= self.device.process_queue(index, &mut self.queues, &self.mem);
+        }
+        if used {
+            self.interrupt();
+        }
+    }
+
+    /// Lets the device handle its host descriptor's readiness.
+    pub fn process_host(&mut self) {
+        let active = self.active();
+        let queues = active.then_some(&mut self.queues[..]);
+        if self.device.process_host(queues, &self.mem) && active {
+            self.interrupt();
+        }
+    }
+
+    fn interrupt(&mut self) {
+        self.interrupt_status |= INT_USED_BUFFER;
+        if let Err(e) = self.irq.trigger() {
+            tracing::warn!("virtio device {}: cannot raise its interrupt: {e}", self.device.device_type());
         }
     }
 
@@ -120,6 +176,10 @@ impl MmioTransport {
         self.acked_features = 0;
         self.status = 0;
         self.interrupt_status = 0;
+        // Notifications from before the reset are void.
+        for evt in &self.queue_evts {
+            let _ = evt.read();
+        }
     }
 
     fn set_status(&mut self, value: u32) {
@@ -156,20 +216,13 @@ impl MmioTransport {
         self.status = value;
     }
 
+    /// A `QueueNotify` write that KVM did not take as an ioeventfd (none
+    /// registered, or a notification of a queue the device lacks): the same
+    /// eventfd is signalled, so the work still happens on the VMM thread.
     fn notify(&mut self, index: u32) {
-        if self.status & (STATUS_DRIVER_OK | STATUS_DEVICE_NEEDS_RESET | STATUS_FAILED) != STATUS_DRIVER_OK {
-            return;
-        }
-        let Some(queue) = usize::try_from(index).ok().and_then(|i| self.queues.get_mut(i)) else { return };
-        if !queue.ready() {
-            return;
-        }
-        let index = usize::try_from(index).unwrap_or(usize::MAX);
-        if self.device.process_queue(index, queue, &self.mem) {
-            self.interrupt_status |= INT_USED_BUFFER;
-            if let Err(e) = self.irq.trigger() {
-                tracing::warn!("virtio device {}: cannot raise its interrupt: {e}", self.device.device_type());
-            }
+        let Some(evt) = usize::try_from(index).ok().and_then(|i| self.queue_evts.get(i)) else { return };
+        if let Err(e) = evt.write(1) {
+            tracing::warn!("virtio device {}: cannot signal queue {index}: {e}", self.device.device_type());
         }
     }
 

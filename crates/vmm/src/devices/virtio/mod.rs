@@ -1,14 +1,23 @@
 //! virtio over MMIO: the transport (`mmio`), the device model interface
-//! (`VirtioDevice`), and the devices (`rng`).
+//! (`VirtioDevice`), and the devices (`block`, `vsock`, `rng`).
 //!
 //! Queues are split virtqueues from rust-vmm's `virtio-queue`. A queue
-//! notification is a write to the transport's `QueueNotify` register, so a
-//! device processes its queue on the vCPU thread that notified it; devices
-//! that block or need host I/O in the background (block, vsock: M6) will
-//! hand the work to the VMM thread instead.
+//! notification is a write to the transport's `QueueNotify` register, which
+//! KVM turns into a write to that queue's eventfd (an ioeventfd with the
+//! queue index as its datamatch) without leaving the guest; the VMM thread
+//! waits on those eventfds and runs the device there, never on a vCPU
+//! thread. A device interrupts the guest through an irqfd. Devices with
+//! host-side work (vsock's sockets, rng's refill timer) expose one pollable
+//! descriptor that the VMM loop watches too.
 
+pub mod block;
 pub mod mmio;
 pub mod rng;
+#[doc(hidden)]
+pub mod testing;
+pub mod vsock;
+
+use std::os::fd::RawFd;
 
 use virtio_queue::Queue;
 use vm_memory::GuestMemoryMmap;
@@ -44,9 +53,31 @@ pub trait VirtioDevice: Send {
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
     /// The driver accepted `features` and set DRIVER_OK.
     fn activate(&mut self, _features: u64) {}
-    /// The driver reset the device.
+    /// The driver reset the device: everything in flight is dropped.
     fn reset(&mut self) {}
-    /// Handles buffers the driver made available on queue `index`; returns
-    /// whether any were used (and the driver should be interrupted).
-    fn process_queue(&mut self, index: usize, queue: &mut Queue, mem: &GuestMemoryMmap) -> bool;
+    /// Handles buffers the driver made available on queue `index` (of
+    /// `queues`, all of them ready); returns whether any were used (and the
+    /// driver should be interrupted).
+    fn process_queue(&mut self, index: usize, queues: &mut [Queue], mem: &GuestMemoryMmap) -> bool;
+    /// A descriptor the VMM loop polls for this device's host-side work.
+    fn host_fd(&self) -> Option<RawFd> {
+        None
+    }
+    /// The host descriptor is ready. `queues` is `None` while the driver has
+    /// not (or no longer) set the device up; the device must still consume
+    /// the event. Returns whether buffers were used.
+    fn process_host(&mut self, _queues: Option<&mut [Queue]>, _mem: &GuestMemoryMmap) -> bool {
+        false
+    }
+}
+
+/// Bytes of a virtio-mmio register: little-endian reads of a config field
+/// `value` at `offset` within a config space that places it at `field`.
+pub(crate) fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    data.fill(0);
+    let Ok(offset) = usize::try_from(offset) else { return };
+    if let Some(src) = config.get(offset..) {
+        let n = src.len().min(data.len());
+        data[..n].copy_from_slice(&src[..n]);
+    }
 }

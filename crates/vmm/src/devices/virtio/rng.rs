@@ -1,26 +1,126 @@
 //! virtio-rng: an entropy source for the guest, filled from the host's
 //! `getrandom(2)`. Linux's `virtio_rng` feeds it to the kernel's pool, so a
-//! fresh microVM does not wait for entropy at boot.
+//! fresh microVM does not wait for entropy at boot. A token bucket limits
+//! the rate; a throttled device leaves the guest's buffers queued and
+//! serves them when its timer (the device's host descriptor) fires.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
 
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestMemoryMmap};
+use vmm_sys_util::timerfd::TimerFd;
 
 use super::{TYPE_RNG, VirtioDevice};
 
 /// One request queue.
 const QUEUE_SIZES: &[u16] = &[256];
-/// At most this many bytes per request, so one notification cannot keep
-/// a vCPU thread busy for long.
+/// At most this many bytes per request, so one request cannot keep the
+/// VMM thread busy for long.
 const MAX_REQUEST_BYTES: u32 = 64 * 1024;
+/// Sustained entropy rate: far more than a guest's pool needs, far less
+/// than would let a guest turn the VMM into a getrandom(2) pump.
+pub const RATE_BYTES_PER_SEC: u64 = 1 << 20;
+/// What a guest may take at once (its boot-time fill) before the rate applies.
+pub const BURST_BYTES: u64 = 256 * 1024;
+/// How long a throttled device waits before serving again.
+const THROTTLE_WAIT: Duration = Duration::from_millis(20);
+
+/// A token bucket of bytes.
+#[derive(Debug)]
+pub struct TokenBucket {
+    rate: u64,
+    capacity: u64,
+    tokens: u64,
+    last: Instant,
+}
+
+impl TokenBucket {
+    /// A full bucket of `capacity` bytes refilled at `rate` bytes a second.
+    pub fn new(rate: u64, capacity: u64) -> Self {
+        Self { rate, capacity, tokens: capacity, last: Instant::now() }
+    }
+
+    /// Takes up to `want` bytes; returns how many were granted.
+    pub fn take(&mut self, want: u64) -> u64 {
+        let now = Instant::now();
+        let earned =
+            u64::try_from(now.duration_since(self.last).as_micros()).unwrap_or(u64::MAX).saturating_mul(self.rate)
+                / 1_000_000;
+        if earned > 0 {
+            self.tokens = self.tokens.saturating_add(earned).min(self.capacity);
+            self.last = now;
+        }
+        let granted = want.min(self.tokens);
+        self.tokens -= granted;
+        granted
+    }
+}
 
 /// The entropy device.
-#[derive(Debug, Default)]
-pub struct Rng;
+#[derive(Debug)]
+pub struct Rng {
+    bucket: TokenBucket,
+    timer: TimerFd,
+    throttled: bool,
+}
 
 impl Rng {
-    /// A new entropy device.
-    pub fn new() -> Self {
-        Self
+    /// A new entropy device limited to `RATE_BYTES_PER_SEC`.
+    pub fn new() -> std::io::Result<Self> {
+        Self::with_rate(RATE_BYTES_PER_SEC, BURST_BYTES)
+    }
+
+    /// A device serving `rate` bytes a second after a burst of `burst`.
+    pub fn with_rate(rate: u64, burst: u64) -> std::io::Result<Self> {
+        let timer = TimerFd::new()?;
+        // Non-blocking: reading a timer that has not fired must not stall
+        // the VMM thread.
+        // SAFETY: fcntl on a descriptor this timer owns; no memory is passed.
+        if unsafe { libc::fcntl(timer.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self { bucket: TokenBucket::new(rate, burst), timer, throttled: false })
+    }
+
+    fn serve(&mut self, queue: &mut Queue, mem: &GuestMemoryMmap) -> bool {
+        let mut used_any = false;
+        loop {
+            if self.throttled {
+                break;
+            }
+            let Some(chain) = queue.pop_descriptor_chain(mem) else { break };
+            let head = chain.head_index();
+            let mut written = 0u32;
+            for desc in chain.writable() {
+                let want = desc.len().min(MAX_REQUEST_BYTES - written);
+                let len = u32::try_from(self.bucket.take(u64::from(want))).unwrap_or(0);
+                let mut bytes = vec![0u8; usize::try_from(len).unwrap_or(0)];
+                if !fill_random(&mut bytes) || mem.write_slice(&bytes, desc.addr()).is_err() {
+                    break;
+                }
+                written += len;
+                if len < want {
+                    // Out of tokens: this request gets what there was, the
+                    // rest wait for the timer.
+                    self.throttled = true;
+                    if let Err(e) = self.timer.reset(THROTTLE_WAIT, None) {
+                        tracing::warn!("virtio-rng: cannot arm its refill timer: {e}");
+                        self.throttled = false;
+                    }
+                    break;
+                }
+                if written == MAX_REQUEST_BYTES {
+                    break;
+                }
+            }
+            if let Err(e) = queue.add_used(mem, head, written) {
+                tracing::warn!("virtio-rng: cannot return a buffer to the guest: {e}");
+                break;
+            }
+            used_any = true;
+        }
+        used_any
     }
 }
 
@@ -48,29 +148,34 @@ impl VirtioDevice for Rng {
         QUEUE_SIZES
     }
 
-    fn process_queue(&mut self, _index: usize, queue: &mut Queue, mem: &GuestMemoryMmap) -> bool {
-        let mut used_any = false;
-        while let Some(chain) = queue.pop_descriptor_chain(mem) {
-            let head = chain.head_index();
-            let mut written = 0u32;
-            for desc in chain.writable() {
-                let len = desc.len().min(MAX_REQUEST_BYTES - written);
-                let mut bytes = vec![0u8; usize::try_from(len).unwrap_or(0)];
-                if !fill_random(&mut bytes) || mem.write_slice(&bytes, desc.addr()).is_err() {
-                    break;
-                }
-                written += len;
-                if written == MAX_REQUEST_BYTES {
-                    break;
-                }
-            }
-            if let Err(e) = queue.add_used(mem, head, written) {
-                tracing::warn!("virtio-rng: cannot return a buffer to the guest: {e}");
-                break;
-            }
-            used_any = true;
+    fn reset(&mut self) {
+        // Not disarming the timer: a reset comes from a register write on a
+        // vCPU thread, whose seccomp filter has no timerfd_settime. A timer
+        // still armed just fires once more on the VMM thread, finding
+        // nothing to serve.
+        self.throttled = false;
+    }
+
+    fn process_queue(&mut self, _index: usize, queues: &mut [Queue], mem: &GuestMemoryMmap) -> bool {
+        match queues.first_mut() {
+            Some(queue) => self.serve(queue, mem),
+            None => false,
         }
-        used_any
+    }
+
+    fn host_fd(&self) -> Option<RawFd> {
+        Some(self.timer.as_raw_fd())
+    }
+
+    fn process_host(&mut self, queues: Option<&mut [Queue]>, mem: &GuestMemoryMmap) -> bool {
+        // Reading clears the expiry; an error means it has not fired yet.
+        if self.timer.wait().is_ok() {
+            self.throttled = false;
+        }
+        match queues.and_then(|q| q.first_mut()) {
+            Some(queue) => self.serve(queue, mem),
+            None => false,
+        }
     }
 }
 
@@ -105,7 +210,8 @@ mod tests {
             let mem = Arc::new(GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("memory"));
             let irq = EventFd::new(EFD_NONBLOCK).expect("eventfd");
             let line = IrqLine(irq.try_clone().expect("clone"));
-            Self { dev: MmioTransport::new(Box::new(Rng::new()), mem.clone(), line), mem, irq }
+            let rng = Rng::new().expect("timerfd");
+            Self { dev: MmioTransport::new(Box::new(rng), mem.clone(), line).expect("transport"), mem, irq }
         }
         fn read(&mut self, offset: u64) -> u32 {
             let mut b = [0u8; 4];
@@ -114,6 +220,8 @@ mod tests {
         }
         fn write(&mut self, offset: u64, value: u32) {
             self.dev.write(offset, &value.to_le_bytes());
+            // What the VMM thread does when the queue's eventfd fires.
+            self.dev.process_notifications();
         }
         fn status(&mut self, bits: u32) {
             let status = self.read(0x70) | bits;
@@ -273,5 +381,29 @@ mod tests {
         d.offer(16);
         d.write(0x50, 0);
         assert!(d.irq.read().is_err(), "a failed device serves nothing");
+    }
+
+    #[test]
+    fn the_rate_is_limited_and_throttled_requests_are_served_later() {
+        let mem = crate::devices::virtio::testing::guest_memory(1 << 20);
+        let mut drv = crate::devices::virtio::testing::QueueDriver::new(0x1000, 16);
+        let mut queues = vec![drv.queue()];
+        let mut rng = Rng::with_rate(1000, 4096).expect("timerfd");
+        use crate::devices::virtio::testing::Buf;
+        drv.add_chain(&mem, &[Buf::write(0x4_0000, 3000)]);
+        drv.add_chain(&mem, &[Buf::write(0x5_0000, 3000)]);
+        drv.add_chain(&mem, &[Buf::write(0x6_0000, 3000)]);
+        assert!(rng.process_queue(0, &mut queues, &mem));
+        let used = drv.take_used(&mem);
+        assert_eq!(used.iter().map(|u| u.1).collect::<Vec<_>>(), vec![3000, 1096], "the burst, then throttled");
+        // The third waits for the timer, which the VMM loop polls.
+        assert!(!rng.process_queue(0, &mut queues, &mem));
+        let mut fds = [libc::pollfd { fd: rng.host_fd().expect("timer"), events: libc::POLLIN, revents: 0 }];
+        // SAFETY: one valid pollfd.
+        assert_eq!(unsafe { libc::poll(fds.as_mut_ptr(), 1, 2000) }, 1, "the refill timer fires");
+        assert!(rng.process_host(Some(&mut queues), &mem));
+        let used = drv.take_used(&mem);
+        assert_eq!(used.len(), 1);
+        assert!(used[0].1 > 0 && used[0].1 < 1000, "{used:?}: about 20 ms worth at 1000 B/s");
     }
 }

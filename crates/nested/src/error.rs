@@ -1,0 +1,92 @@
+//! Why a nested run failed.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::Stage;
+
+/// The end of both of level 1's outputs, for a failure report.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tails {
+    /// Level 1's serial console: kernel messages and `/init`'s log.
+    pub console: String,
+    /// The result channel: control messages, then the ends of the payload's
+    /// stdout and stderr.
+    pub channel: String,
+}
+
+impl fmt::Display for Tails {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "--- level-1 serial console (tail) ---")?;
+        writeln!(f, "{}", self.console.trim_end())?;
+        writeln!(f, "--- result channel (tail) ---")?;
+        write!(f, "{}", self.channel.trim_end())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Cannot find {what}; {hint}")]
+    Missing { what: String, hint: String },
+    #[error("Cannot read {}, an input of the level-1 bundle", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Image(#[from] moat_core::image::ImageError),
+    #[error("Cannot build the level-1 bundle ({what}); remove {} and retry", dir.display())]
+    Bundle {
+        what: String,
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{tool} failed building the level-1 bundle: {message}")]
+    Tool { tool: String, message: String },
+    #[error("Invalid payload: {0}")]
+    Payload(String),
+    #[error("Cannot start qemu-system-x86_64; install it with `apt-get install qemu-system-x86`")]
+    Launch(#[source] std::io::Error),
+    #[error("I/O error watching level 1 ({what})")]
+    Watch {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("No '{}' from level 1 within {waited:?} (stage reached: {stage}); raise the timeout if the host is busy, or read the consoles\n{tails}", next_stage(*stage))]
+    Timeout { stage: Stage, waited: Duration, tails: Tails },
+    #[error("Level 1 failed after stage '{stage}': {reason}\n{tails}")]
+    Failed { stage: Stage, reason: String, tails: Tails },
+}
+
+impl Error {
+    /// The last stage level 1 reached, when it got as far as starting.
+    pub fn stage(&self) -> Option<Stage> {
+        match self {
+            Self::Timeout { stage, .. } | Self::Failed { stage, .. } => Some(*stage),
+            _ => None,
+        }
+    }
+
+    /// Both consoles' tails, when level 1 ran.
+    pub fn tails(&self) -> Option<&Tails> {
+        match self {
+            Self::Timeout { tails, .. } | Self::Failed { tails, .. } => Some(tails),
+            _ => None,
+        }
+    }
+}
+
+fn next_stage(stage: Stage) -> Stage {
+    match stage {
+        Stage::Launched => Stage::Booted,
+        Stage::Booted => Stage::Kvm,
+        Stage::Kvm => Stage::PayloadStarted,
+        Stage::PayloadStarted | Stage::PayloadFinished => Stage::PayloadFinished,
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

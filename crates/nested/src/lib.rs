@@ -1,0 +1,53 @@
+//! The nested test host: real microVM tests on machines without hardware
+//! virtualization.
+//!
+//! QEMU with TCG and `-cpu max` emulates AMD SVM, so a level-1 Linux inside
+//! it can load `kvm-amd` and run microVMs (level 2) with KVM. [`run`] boots
+//! level 1 from the image's own kernel, checks that KVM works there, runs a
+//! [`Payload`] and returns its exit status and output; [`shell`] opens an
+//! interactive level-1 shell. [`level2`] boots the image under QEMU microvm
+//! inside level 1: the baseline moat-vmm is measured against.
+//!
+//! ```no_run
+//! let out = moat_nested::run(moat_nested::Payload::new(["moat", "--version"]))?;
+//! assert!(out.success());
+//! # Ok::<(), moat_nested::Error>(())
+//! ```
+//!
+//! Figures measured here are for ratios taken side by side in one level 1,
+//! never for absolute claims: everything runs under TCG emulation.
+
+pub mod bundle;
+pub mod cpio;
+mod error;
+pub mod level2;
+mod machine;
+mod payload;
+
+pub use bundle::{Bundle, Sources};
+pub use error::{Error, Result, Tails};
+pub use payload::{Machine, Output, Payload, Stage, Timeouts};
+
+/// Runs `payload` in a fresh level 1, with the bundle built from
+/// [`Sources::from_env`] (and cached).
+pub fn run(payload: Payload) -> Result<Output> {
+    let bundle = bundle::prepare(&Sources::from_env()?)?;
+    run_in(&bundle, &payload)
+}
+
+/// Runs `payload` in a fresh level 1 booted from `bundle`.
+pub fn run_in(bundle: &Bundle, payload: &Payload) -> Result<Output> {
+    machine::run(bundle, payload)
+}
+
+/// An interactive shell in a fresh level 1 on this terminal (the serial
+/// console; Ctrl-A X ends QEMU); returns the shell's exit status.
+pub fn shell(machine: Machine) -> Result<i32> {
+    let bundle = bundle::prepare(&Sources::from_env()?)?;
+    shell_in(&bundle, machine)
+}
+
+/// [`shell`] in a level 1 booted from `bundle`.
+pub fn shell_in(bundle: &Bundle, machine: Machine) -> Result<i32> {
+    machine::shell(bundle, machine)
+}
