@@ -62,6 +62,9 @@ pub struct Sources {
     pub qemu: PathBuf,
     /// Where bundles are cached (`<target>/nested`).
     pub cache_dir: PathBuf,
+    /// More programs for level 1's `/usr/bin`, with their shared libraries:
+    /// a test binary that runs itself there, say.
+    pub extra: Vec<PathBuf>,
 }
 
 impl Sources {
@@ -114,6 +117,7 @@ impl Sources {
             busybox: PathBuf::from("/bin/busybox"),
             qemu,
             cache_dir,
+            extra: Vec::new(),
         })
     }
 }
@@ -342,6 +346,14 @@ fn plan(sources: &Sources, image: &Image) -> Result<Plan> {
         dynamic.push(path);
     }
     disk.insert("usr/bin/moat-agent".to_owned(), sources.agent.clone());
+    for path in &sources.extra {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| Error::Missing {
+            what: format!("a program named {}", path.display()),
+            hint: "pass the path of a file".into(),
+        })?;
+        disk.insert(format!("usr/bin/{name}"), path.clone());
+        dynamic.push(path.clone());
+    }
     for binary in &dynamic {
         for library in shared_libraries(binary)? {
             disk.insert(library_destination(&library)?, library);
