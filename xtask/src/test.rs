@@ -8,9 +8,20 @@ use crate::{build, image, nested};
 /// What the tests use beyond the base packages: QEMU boots the image in the
 /// microVM boot test; cpio(1) checks the initramfs writer; npm installs the
 /// MCP conformance suite; iasl(1) disassembles moat-vmm's ACPI tables to
-/// prove they parse.
-const TEST_PACKAGES: &[(&str, &str)] =
-    &[("qemu-system-x86", "qemu-system-x86_64"), ("cpio", "cpio"), ("npm", "npm"), ("acpica-tools", "iasl")];
+/// prove they parse; the network tests need pasta (network `open`),
+/// Chromium (preview links in a browser), ip(8) (a test network
+/// namespace), and openssl and git (an HTTPS Git host with a test CA).
+const TEST_PACKAGES: &[(&str, &str)] = &[
+    ("qemu-system-x86", "qemu-system-x86_64"),
+    ("cpio", "cpio"),
+    ("npm", "npm"),
+    ("acpica-tools", "iasl"),
+    ("passt", "pasta"),
+    ("chromium", "chromium"),
+    ("iproute2", "ip"),
+    ("openssl", "openssl"),
+    ("git", "git"),
+];
 
 /// The official MCP conformance suite, and the Node.js it runs on (it
 /// needs 22 or later, newer than Debian's), both from the npm registry.

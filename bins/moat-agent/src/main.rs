@@ -65,6 +65,9 @@ struct JailArgs {
     /// Also read cgroup.procs paths from stdin, one a line, until an empty line.
     #[arg(long)]
     cgroups_on_stdin: bool,
+    /// Network policy open: attach this pasta binary to the sandbox's network.
+    #[arg(long)]
+    pasta: Option<std::path::PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -124,6 +127,7 @@ fn run_jail(args: &JailArgs) -> ExitCode {
         disk_mib: args.disk_mib,
         cgroups: args.cgroup.clone(),
         cgroups_on_stdin: args.cgroups_on_stdin,
+        pasta: args.pasta.clone(),
     };
     match moat_agent::jail::run(&spec) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),

@@ -61,12 +61,13 @@ fn main() -> ExitCode {
         }
     };
     // stdout belongs to the MCP transport: logs go to stderr only.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("MOAT_LOG_LEVEL").unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    tracing_subscriber::fmt().with_env_filter(log_filter()).with_writer(std::io::stderr).init();
+    if !config.test_egress_nets.is_empty() || !config.test_resolve.is_empty() {
+        tracing::warn!(
+            "MOAT_TEST_EGRESS_NETS or MOAT_TEST_RESOLVE is set: filtered sandboxes may reach the addresses they name; \
+             these are for tests only"
+        );
+    }
     let http = if cli.http {
         let host = match parse_host(&cli.host) {
             Ok(host) => host,
@@ -95,6 +96,18 @@ fn main() -> ExitCode {
     runtime.block_on(serve(config, http))
 }
 
+/// `MOAT_LOG_LEVEL` (default warn), with rmcp held at info: its debug
+/// records carry every request's arguments, secrets such as git_clone's
+/// token included.
+fn log_filter() -> tracing_subscriber::EnvFilter {
+    let level = std::env::var("MOAT_LOG_LEVEL").ok().filter(|l| !l.is_empty()).unwrap_or_else(|| "warn".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(&level).unwrap_or_else(|_| "warn".into());
+    match "rmcp=info".parse() {
+        Ok(directive) if level == "debug" || level == "trace" => filter.add_directive(directive),
+        _ => filter,
+    }
+}
+
 async fn serve(config: ServerConfig, http: Option<HttpConfig>) -> ExitCode {
     let moat = match MoatConfig::from_env() {
         Ok(moat_config) => {
@@ -103,6 +116,7 @@ async fn serve(config: ServerConfig, http: Option<HttpConfig>) -> ExitCode {
                 max_sandboxes: config.max_sandboxes,
                 pool_size: config.pool_size,
                 pool_spec: config.defaults.clone(),
+                egress: config.egress(),
                 ..moat_config
             };
             Moat::new(moat_config).await

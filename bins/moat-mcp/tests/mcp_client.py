@@ -217,7 +217,14 @@ async def every_tool(session, contract, project):
     message = await call(session, "run_command", {"cmd": "true", "sandbox_id": "sbx-nope"}, expect_error=True)
     assert box["sandbox_id"] in message, message
     message = await call(session, "git_clone", {"url": "https://github.com/x/y"}, expect_error=True)
-    assert "network" in message, message
+    assert "network" in message and "filtered" in message, message
+    message = await call(session, "git_clone", {"url": "https://git.example/x/y"}, expect_error=True)
+    assert "MOAT_GIT_HOSTS" in message, message
+    message = await call(session, "preview_link", {"port": 0}, expect_error=True)
+    assert "from 1 to 65535" in message, message
+    link = await call(session, "preview_link", {"port": 8000})
+    assert link["url"].startswith("http://127.0.0.1:") and link["token"] in link["url"], link
+    assert link == await call(session, "preview_link", {"port": 8000}), "one link per port"
 
     # Copies between host (inside MOAT_ROOTS) and sandbox.
     copied = await call(session, "copy_to_sandbox", {"host_path": project, "sandbox_path": "copied"})

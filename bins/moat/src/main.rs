@@ -369,6 +369,10 @@ fn doctor(image_name: &str) -> ExitCode {
         Ok(agent) => println!("agent:                   {}", agent.display()),
         Err(e) => println!("agent:                   {e}"),
     }
+    match moat_core::jail::find_pasta() {
+        Some(pasta) => println!("network open:            pasta at {}", pasta.display()),
+        None => println!("network open:            unavailable: no pasta (apt-get install passt)"),
+    }
     let vmm = moat_core::machine::find_vmm();
     match &vmm {
         Some(vmm) => println!("moat-vmm:                {}", vmm.display()),

@@ -28,9 +28,11 @@ fn run_streams_output_and_passes_the_exit_code_through() {
 #[test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 fn bad_options_get_clear_errors() {
-    let out = moat(&["run", "--network", "open", "--", "true"]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("use network none"), "{out:?}");
+    let out = moat(&["run", "--network", "wifi", "--", "true"]);
+    assert_eq!(out.status.code(), Some(2), "clap's usage error");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("allowed are none, filtered, open"), "{out:?}");
+    let out = moat(&["run", "--network", "filtered", "--", "sh", "-c", "echo $HTTPS_PROXY"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "http://127.0.0.1:3128\n", "{out:?}");
     let out = moat(&["run", "--cpus", "99", "--", "true"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("cpus must be between 1 and 16"), "{out:?}");
     let out = moat(&["run", "--backend", "docker", "--", "true"]);

@@ -53,7 +53,45 @@ pub struct JailSpec {
     /// cgroups meanwhile. (Paths, never secrets, travel this way or on the
     /// command line, which every host user can read.)
     pub cgroups_on_stdin: bool,
+    /// Network policy `open`: the `pasta` binary to attach to the sandbox's
+    /// network namespace (see [`PASTA_ARGS`]).
+    pub pasta: Option<PathBuf>,
 }
+
+/// How `pasta` serves an `open` sandbox: outbound NAT only. No port is
+/// forwarded into the sandbox (`-t none -u none`), none of the host's
+/// loopback ports are reachable from it (`-T none -U none`), and the
+/// gateway address is not mapped to the host (`--no-map-gw`). DNS queries
+/// to [`OPEN_DNS`] go to the host's resolver.
+pub const PASTA_ARGS: &[&str] = &[
+    "--foreground",
+    "--quiet",
+    "--config-net",
+    "--tcp-ports",
+    "none",
+    "--udp-ports",
+    "none",
+    "--tcp-ns",
+    "none",
+    "--udp-ns",
+    "none",
+    "--no-map-gw",
+    "--dns-forward",
+    OPEN_DNS,
+];
+
+/// The resolver address an `open` sandbox's `/etc/resolv.conf` names;
+/// pasta forwards what is sent there to the host's resolver.
+pub const OPEN_DNS: &str = "10.0.2.3";
+
+/// The descriptor pasta inherits the sandbox's network namespace as.
+const PASTA_NETNS_FD: i32 = 100;
+/// The descriptor pasta inherits the sandbox's user namespace as: pasta
+/// joins it to gain the rights over the network namespace it owns.
+const PASTA_USERNS_FD: i32 = 101;
+
+/// How long pasta may take to configure the sandbox's interface.
+const PASTA_GUARD: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Why a jail could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -146,12 +184,37 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
         };
         code as isize
     });
+    // With pasta, the sandbox's user namespace is owned by the host uid its
+    // root maps to (the owner is the creator's effective uid): pasta, run
+    // as that uid, then holds rights over the sandbox's namespaces and none
+    // over the host's.
+    if spec.pasta.is_some() {
+        step("switching the effective uid", nix::unistd::seteuid(Uid::from_raw(spec.id_base)))?;
+    }
     // SAFETY: the process is single-threaded (the caller's contract), so the
     // child, a copy of it on `stack`, holds no lock another thread owned; it
     // only runs `sandbox_init`, which ends in exec or exit.
-    let pid = step("clone", unsafe { nix::sched::clone(child, &mut stack, flags, Some(libc::SIGCHLD)) })?;
+    let cloned = unsafe { nix::sched::clone(child, &mut stack, flags, Some(libc::SIGCHLD)) };
+    if spec.pasta.is_some() {
+        step("switching the effective uid back", nix::unistd::seteuid(Uid::from_raw(0)))?;
+        // A change of credentials clears the parent-death signal: set it again.
+        step("PR_SET_PDEATHSIG", nix::sys::prctl::set_pdeathsig(Signal::SIGKILL))?;
+        if nix::unistd::getppid() != parent {
+            if let Ok(pid) = &cloned {
+                let _ = nix::sys::signal::kill(*pid, Signal::SIGKILL);
+            }
+            return Ok(1);
+        }
+    }
+    let pid = step("clone", cloned)?;
     CHILD.store(pid.as_raw(), std::sync::atomic::Ordering::SeqCst);
     map_ids(pid, spec)?;
+    // pasta dies with this monitor (PR_SET_PDEATHSIG; the monitor is
+    // single-threaded, so no thread's exit sets it off early).
+    let _pasta = match &spec.pasta {
+        Some(pasta) => Some(start_pasta(pasta, pid, spec.id_base)?),
+        None => None,
+    };
     let mut ready = File::from(ready_tx);
     step("releasing the sandbox's init", ready.write_all(b"1"))?;
     drop(ready);
@@ -174,6 +237,69 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(JailError { step: "waiting for the sandbox".into(), source: e.into() }),
         }
+    }
+}
+
+/// Attaches pasta to the network namespace of `pid` and waits until the
+/// namespace has a default route.
+fn start_pasta(pasta: &Path, pid: Pid, owner: u32) -> Result<std::process::Child, JailError> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    // pasta runs as the namespaces' owner uid, which may not open the
+    // monitor's child's /proc/PID/ns: it gets them as inherited
+    // descriptors instead, opened here as root.
+    let netns = step("opening the sandbox's network namespace", File::open(format!("/proc/{pid}/ns/net")))?;
+    let userns = step("opening the sandbox's user namespace", File::open(format!("/proc/{pid}/ns/user")))?;
+    let (netns_fd, userns_fd) = (netns.as_raw_fd(), userns.as_raw_fd());
+    let mut command = std::process::Command::new(pasta);
+    command
+        .args(PASTA_ARGS)
+        .arg("--userns")
+        .arg(format!("/proc/self/fd/{PASTA_USERNS_FD}"))
+        .arg("--netns")
+        .arg(format!("/proc/self/fd/{PASTA_NETNS_FD}"))
+        .stdin(std::process::Stdio::null());
+    // pasta starts as the owner uid rather than dropping to it itself
+    // (`--runas`): a change of credentials would clear the parent-death
+    // signal, which is set last, so pasta dies with this monitor.
+    // SAFETY: the closure runs in the forked child before exec and only
+    // makes async-signal-safe system calls (dup2, setgroups, setresgid,
+    // setresuid, prctl); dup2 targets descriptor numbers nothing in the
+    // child uses.
+    unsafe {
+        command.pre_exec(move || {
+            let id = owner;
+            if libc::dup2(netns_fd, PASTA_NETNS_FD) < 0
+                || libc::dup2(userns_fd, PASTA_USERNS_FD) < 0
+                || libc::setgroups(0, std::ptr::null()) < 0
+                || libc::setresgid(id, id, id) < 0
+                || libc::setresuid(id, id, id) < 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+            Ok(())
+        });
+    }
+    let mut child = step(&format!("starting {}", pasta.display()), command.spawn())?;
+    drop((netns, userns));
+    let started = std::time::Instant::now();
+    loop {
+        let routes = std::fs::read_to_string(format!("/proc/{pid}/net/route")).unwrap_or_default();
+        // A default route: destination 00000000 in the second column.
+        if routes.lines().skip(1).any(|l| l.split_whitespace().nth(1) == Some("00000000")) {
+            return Ok(child);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let e = std::io::Error::other(format!("pasta exited ({status}) before configuring the network"));
+            return Err(JailError { step: "attaching pasta".into(), source: e });
+        }
+        if started.elapsed() > PASTA_GUARD {
+            let _ = child.kill();
+            let e = std::io::Error::other("pasta did not configure the network within 10 s");
+            return Err(JailError { step: "attaching pasta".into(), source: e });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
 
@@ -277,6 +403,11 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
         ),
     )?;
     step("chown /.moat", nix::unistd::chown(&moat, base.0, base.1))?;
+    if spec.pasta.is_some() {
+        let resolv = root.join("etc/resolv.conf");
+        let _ = std::fs::remove_file(&resolv);
+        step("writing /etc/resolv.conf", std::fs::write(&resolv, format!("nameserver {OPEN_DNS}\n")))?;
+    }
     Ok(root)
 }
 

@@ -4,13 +4,15 @@
 //! on a Unix socket (jail) or a vsock port (microVM): processes with
 //! streamed stdio, signals, PTYs and timeouts ([`exec`]); file operations
 //! ([`files`]); tar streams of trees ([`tarball`]); port forwards
-//! ([`forward`]). As PID 1 it also sets up the machine and reaps every
+//! ([`forward`]); the egress proxy of `filtered` sandboxes ([`egress`]).
+//! As PID 1 it also sets up the machine and reaps every
 //! orphan ([`init`], [`reaper`]).
 //!
 //! The binary is `bins/moat-agent`; it is linked statically so that it runs
 //! in any image, including a bare initramfs.
 
 pub mod boot;
+pub mod egress;
 pub mod error;
 pub mod exec;
 pub mod files;

@@ -12,8 +12,9 @@ use moat_proto::{
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::Semaphore;
 
+use crate::egress::EgressHub;
 use crate::reaper::Reaper;
-use crate::{exec, files, forward, info, tarball};
+use crate::{egress, exec, files, forward, info, tarball};
 
 /// The vsock port the agent listens on by default (and the VMM connects to).
 pub const DEFAULT_VSOCK_PORT: u32 = 1024;
@@ -124,6 +125,7 @@ pub struct Agent {
     started: Instant,
     init: bool,
     slots: Arc<Semaphore>,
+    egress: Arc<EgressHub>,
 }
 
 impl Agent {
@@ -134,6 +136,7 @@ impl Agent {
             started: Instant::now(),
             init,
             slots: Arc::new(Semaphore::new(MAX_CONNECTIONS)),
+            egress: Arc::default(),
         }))
     }
 
@@ -197,6 +200,8 @@ impl Agent {
         match request {
             Request::Exec(req) => exec::serve(self.reaper.clone(), req, conn).await,
             Request::PortForward { port } => forward::serve(port, conn).await,
+            Request::EgressListen { port } => egress::serve_listen(self.egress.clone(), port, conn).await,
+            Request::EgressAttach { id } => egress::serve_attach(&self.egress, id, conn).await,
             Request::ReadFile(req) => {
                 let result = files::read(req, &mut conn).await;
                 streamed(&mut conn, result).await;

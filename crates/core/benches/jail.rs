@@ -45,6 +45,7 @@ async fn bench() {
         roots: vec![],
         pool_size: 0,
         pool_spec: spec(),
+        egress: moat_core::EgressConfig::default(),
     };
     let moat = Moat::new(config.clone()).await.expect("moat starts");
 

@@ -55,6 +55,15 @@ fn moat_agent_socket() -> &'static str {
     "sock/agent.sock"
 }
 
+/// The `pasta` binary (Debian package `passt`), if installed.
+pub fn find_pasta() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/bin".into(), "/usr/sbin".into()])
+        .map(|dir| dir.join("pasta"))
+        .find(|p| p.is_file())
+}
+
 impl Backend for JailBackend {
     type Instance = Jail;
 
@@ -75,6 +84,17 @@ impl Backend for JailBackend {
             let (id, what) = (id.to_owned(), what.to_owned());
             move |source| CoreError::Io { id, what, source }
         };
+        let pasta = match spec.network {
+            crate::sandbox::NetworkPolicy::Open => Some(find_pasta().ok_or_else(|| {
+                CoreError::StartFailed {
+                    id: id.into(),
+                    reason: "network open needs pasta, from Debian's passt package (apt-get install passt); \
+                         or use network filtered"
+                        .into(),
+                }
+            })?),
+            _ => None,
+        };
         let state = StateDir::create(data_dir, id).map_err(io("creating its state directory"))?;
         // Disk writes live in a tmpfs charged to the sandbox's memory: the
         // memory limit covers both.
@@ -91,6 +111,9 @@ impl Backend for JailBackend {
             .arg(&self.agent)
             .args(["--hostname", hostname, "--id-base", &JAIL_ID_BASE.to_string()])
             .args(["--id-count", &JAIL_ID_COUNT.to_string(), "--disk-mib", &spec.disk_mib.to_string()]);
+        if let Some(pasta) = &pasta {
+            command.arg("--pasta").arg(pasta);
+        }
         // The cgroups to join come on stdin, made while the monitor builds the
         // root file system: the two overlap instead of adding up.
         command.arg("--cgroups-on-stdin");

@@ -9,21 +9,25 @@
 
 pub mod backend;
 pub mod cgroup;
+pub mod egress;
 pub mod error;
 pub mod image;
 pub mod interpreter;
 pub mod jail;
 pub mod machine;
 pub mod moat;
+pub mod preview;
 pub mod sandbox;
 pub mod state;
 pub mod task;
 pub mod vm;
 
 pub use backend::{Backend, BackendChoice, BackendKind, HostVirtualization, Instance};
+pub use egress::{EgressConfig, EgressDecision, IpNet};
 pub use error::CoreError;
 pub use image::{Image, ImageError, Manifest};
 pub use interpreter::{CodeError, CodeOutput, Language, StreamName};
 pub use moat::{Moat, MoatConfig};
+pub use preview::PreviewLink;
 pub use sandbox::{NetworkPolicy, Sandbox, SandboxSpec, SandboxState};
 pub use task::{DiffSummary, Runtime, Task, TaskRecord};

@@ -8,12 +8,14 @@ use std::time::Duration;
 use moat_proto::{AgentClient, ExecHandle, ExecRequest, Output, UnixConnector};
 
 use crate::backend::BackendKind;
+use crate::egress::{EgressConfig, EgressDecision, EgressProxy, SandboxEgress};
 use crate::error::CoreError;
 use crate::image::{self, Image};
 use crate::interpreter::{CodeOutput, Language, PythonSession, StreamName, snippet_request};
 use crate::jail::JailBackend;
 use crate::machine::{Machine, Runner, find_vmm};
-use crate::sandbox::{Sandbox, SandboxSpec, SandboxState, now};
+use crate::preview::{Preview, PreviewLink};
+use crate::sandbox::{NetworkPolicy, Sandbox, SandboxSpec, SandboxState, now};
 use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
 use crate::vm::VmBackend;
 
@@ -35,6 +37,9 @@ pub struct MoatConfig {
     /// equals `pool_spec`: those return at once. 0 turns the pool off.
     pub pool_size: usize,
     pub pool_spec: SandboxSpec,
+    /// What `filtered` sandboxes may reach beyond their runtime's registries
+    /// (and a task's repository host).
+    pub egress: EgressConfig,
 }
 
 impl MoatConfig {
@@ -49,6 +54,7 @@ impl MoatConfig {
             roots: task::allowed_roots(),
             pool_size: 0,
             pool_spec: SandboxSpec::default(),
+            egress: EgressConfig::from_env(),
         })
     }
 }
@@ -97,6 +103,10 @@ pub fn find_agent() -> Result<PathBuf, CoreError> {
 
 struct Entry {
     info: Sandbox,
+    /// Network parts, dropped before the sandbox: the egress proxy
+    /// (filtered) and the preview links.
+    egress: Option<(Arc<SandboxEgress>, EgressProxy)>,
+    previews: BTreeMap<u16, Preview>,
     jail: Machine,
     /// The sandbox's Python session for `run_code`, started on first use;
     /// the async lock queues calls on one sandbox.
@@ -105,6 +115,7 @@ struct Entry {
 
 struct Inner {
     config: MoatConfig,
+    egress: Arc<EgressConfig>,
     backend: Runner,
     sandboxes: Mutex<BTreeMap<String, Entry>>,
     expired: Mutex<Vec<String>>,
@@ -154,6 +165,7 @@ impl Moat {
         }
         let inner = Arc::new(Inner {
             backend,
+            egress: Arc::new(config.egress.clone()),
             config,
             sandboxes: Mutex::new(BTreeMap::new()),
             expired: Mutex::new(Vec::new()),
@@ -180,9 +192,21 @@ impl Moat {
         &self.inner.config.data_dir
     }
 
+    /// What `filtered` sandboxes may reach beyond their runtime's registries.
+    pub fn egress_config(&self) -> &EgressConfig {
+        &self.inner.egress
+    }
+
     /// Creates a sandbox and waits until its agent answers.
     pub async fn create(&self, spec: SandboxSpec) -> Result<Sandbox, CoreError> {
         spec.validate()?;
+        if spec.network == NetworkPolicy::Open && self.inner.backend.kind() == BackendKind::Vm {
+            return Err(CoreError::InvalidSpec(
+                "network open is not available on the vm backend yet (it needs passt and a virtio-net device in \
+                 moat-vmm); use network filtered, or the jail backend"
+                    .into(),
+            ));
+        }
         let max = self.inner.config.max_sandboxes;
         if self.inner.lock().len() >= max {
             return Err(CoreError::LimitReached { max });
@@ -197,6 +221,20 @@ impl Moat {
                 let jail = self.inner.backend.start(&id, &name, &spec, &image, &self.inner.config.data_dir).await?;
                 (id, name, jail)
             }
+        };
+        let egress = match spec.network {
+            NetworkPolicy::Filtered => {
+                let log = Some(crate::state::sandboxes_dir(&self.inner.config.data_dir).join(&id).join("egress.log"));
+                let policy = Arc::new(SandboxEgress::new(self.inner.egress.clone(), spec.allow_hosts.clone(), log));
+                match EgressProxy::start(jail.client(), policy.clone()).await {
+                    Ok(proxy) => Some((policy, proxy)),
+                    Err(source) => {
+                        let _ = tokio::task::spawn_blocking(move || drop(jail)).await;
+                        return Err(CoreError::Agent { id, source });
+                    }
+                }
+            }
+            NetworkPolicy::None | NetworkPolicy::Open => None,
         };
         let created = now();
         let info = Sandbox {
@@ -225,7 +263,9 @@ impl Moat {
                         })
                     });
                 }
-                sandboxes.insert(id, Entry { info: info.clone(), jail, python: Arc::default() });
+                let entry =
+                    Entry { info: info.clone(), egress, previews: BTreeMap::new(), jail, python: Arc::default() };
+                sandboxes.insert(id, entry);
                 None
             }
         };
@@ -283,11 +323,60 @@ impl Moat {
         Ok(entry.jail.client())
     }
 
+    /// The newest egress decisions of a `filtered` sandbox (empty for others).
+    pub fn egress_log(&self, id: &str) -> Result<Vec<EgressDecision>, CoreError> {
+        let sandboxes = self.inner.lock();
+        let entry = sandboxes.get(id).ok_or_else(|| self.inner.unknown(id, &sandboxes))?;
+        Ok(entry.egress.as_ref().map(|(policy, _)| policy.log()).unwrap_or_default())
+    }
+
+    /// The host names a `filtered` sandbox may reach (empty for others).
+    pub fn allowed_hosts(&self, id: &str) -> Result<Vec<String>, CoreError> {
+        let sandboxes = self.inner.lock();
+        let entry = sandboxes.get(id).ok_or_else(|| self.inner.unknown(id, &sandboxes))?;
+        Ok(entry.egress.as_ref().map(|(policy, _)| policy.allowed_hosts().into_iter().collect()).unwrap_or_default())
+    }
+
+    /// A link on the host's loopback to `port` in sandbox `id`, valid until
+    /// the sandbox ends; asking again for the same port returns the same link.
+    pub async fn preview_link(&self, id: &str, port: u16) -> Result<PreviewLink, CoreError> {
+        if port == 0 {
+            return Err(CoreError::InvalidSpec("port must be from 1 to 65535".into()));
+        }
+        let (expires_at, existing) = {
+            let sandboxes = self.inner.lock();
+            let entry = sandboxes.get(id).ok_or_else(|| self.inner.unknown(id, &sandboxes))?;
+            (entry.info.expires_at, entry.previews.get(&port).map(Preview::link))
+        };
+        if let Some(link) = existing {
+            return Ok(link);
+        }
+        let weak = Arc::downgrade(&self.inner);
+        let sandbox = id.to_owned();
+        let connect = move || -> Result<AgentClient<UnixConnector>, CoreError> {
+            let inner = weak.upgrade().ok_or_else(|| CoreError::Expired(sandbox.clone()))?;
+            Moat { inner }.client(&sandbox)
+        };
+        let preview = Preview::start(port, expires_at, Arc::new(connect)).await.map_err(|source| CoreError::Io {
+            id: id.into(),
+            what: "listening for the preview link".into(),
+            source,
+        })?;
+        let mut sandboxes = self.inner.lock();
+        let entry = sandboxes.get_mut(id).ok_or_else(|| CoreError::Expired(id.into()))?;
+        Ok(entry.previews.entry(port).or_insert(preview).link())
+    }
+
     /// Starts a process as `user` in `/home/user` unless the request says otherwise.
-    /// The sandbox's `env` comes first; the request's own variables override it.
+    /// A `filtered` sandbox's proxy variables come first, then the sandbox's
+    /// `env`; the request's own variables override both.
     pub async fn exec(&self, id: &str, mut request: ExecRequest) -> Result<ExecHandle, CoreError> {
         request.user.get_or_insert_with(|| "user".into());
-        let spec_env = self.get(id)?.spec.env;
+        let spec = self.get(id)?.spec;
+        let mut spec_env = spec.env;
+        if spec.network == NetworkPolicy::Filtered {
+            spec_env = crate::egress::proxy_env().into_iter().chain(spec_env).collect();
+        }
         if !spec_env.is_empty() {
             request.env = spec_env.into_iter().chain(std::mem::take(&mut request.env)).collect();
         }
@@ -404,8 +493,8 @@ impl Moat {
     pub async fn task_start(&self, path: &Path, spec: SandboxSpec) -> Result<Task, CoreError> {
         if let Some(url) = path.to_str().filter(|p| task::is_git_url(p)) {
             return Err(CoreError::ImportRefused(format!(
-                "{url} is a Git URL: cloning needs network access from the sandbox, and sandboxes have no network \
-                 yet (policy none); import a local checkout instead"
+                "{url} is a Git URL: a task imports a local checkout, and cloning needs network access from the \
+                 sandbox; import a local checkout, or create a sandbox with network filtered and use git_clone"
             )));
         }
         let root = task::check_import_path(path, &self.inner.config.roots)?;
@@ -438,11 +527,18 @@ impl Moat {
             let _ = self.destroy(&id).await;
             return Err(e);
         }
+        let runtime = task::Runtime::detect(&top);
+        if let Some((policy, _)) = self.inner.lock().get(&id).and_then(|e| e.egress.as_ref()) {
+            policy.set_runtime(runtime);
+            if let Some(host) = crate::egress::repository_host(&root) {
+                policy.set_repository_host(host);
+            }
+        }
         let task = Task {
             id: new_id().replacen("sbx-", "task-", 1),
             sandbox_id: id,
             source: root.display().to_string(),
-            runtime: task::Runtime::detect(&top),
+            runtime,
             files,
             started_at: now(),
         };

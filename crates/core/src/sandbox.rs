@@ -14,9 +14,9 @@ pub enum NetworkPolicy {
     /// Loopback only.
     #[default]
     None,
-    /// Through the agent's proxy to allowed hosts (not available yet).
+    /// Through the agent's proxy to allowed hosts only (see [`crate::egress`]).
     Filtered,
-    /// Full outbound NAT (not available yet).
+    /// Full outbound NAT through pasta (see [`crate::network`]).
     Open,
 }
 
@@ -41,6 +41,9 @@ pub struct SandboxSpec {
     pub memory_mib: u64,
     pub disk_mib: u64,
     pub network: NetworkPolicy,
+    /// Host names this sandbox may reach beyond the server's list (`filtered` only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow_hosts: Vec<String>,
     /// Added to every process's environment.
     pub env: Vec<(String, String)>,
     /// Hard expiry after creation.
@@ -58,6 +61,7 @@ impl Default for SandboxSpec {
             memory_mib: 1024,
             disk_mib: 2048,
             network: NetworkPolicy::None,
+            allow_hosts: Vec::new(),
             env: Vec::new(),
             timeout_seconds: 3600,
             idle_seconds: 300,
@@ -92,10 +96,14 @@ impl SandboxSpec {
         if self.idle_seconds != 0 && !(60..self.timeout_seconds).contains(&self.idle_seconds) {
             return bad("idle_seconds", "0 (never suspend) or at least 60 and less than timeout_seconds");
         }
-        if self.network != NetworkPolicy::None {
-            return Err(CoreError::InvalidSpec(
-                "network policies other than none are not available yet; use network none".into(),
-            ));
+        if !self.allow_hosts.is_empty() && self.network != NetworkPolicy::Filtered {
+            return bad(
+                "allow_hosts",
+                "empty unless network is filtered (none reaches nothing, open reaches everything)",
+            );
+        }
+        if self.allow_hosts.len() > 64 || !self.allow_hosts.iter().all(|h| crate::egress::valid_host_name(h)) {
+            return bad("allow_hosts", "at most 64 host names such as pypi.org (letters, digits, '-' and '.')");
         }
         for (key, value) in &self.env {
             if key.is_empty() || key.contains('=') || key.contains('\0') || value.contains('\0') {
@@ -159,6 +167,15 @@ mod tests {
             (SandboxSpec { idle_seconds: 3600, ..SandboxSpec::default() }, "idle_seconds"),
             (SandboxSpec { name: Some("bad name".into()), ..SandboxSpec::default() }, "name"),
             (SandboxSpec { env: vec![("A=B".into(), "c".into())], ..SandboxSpec::default() }, "env"),
+            (SandboxSpec { allow_hosts: vec!["example.com".into()], ..SandboxSpec::default() }, "allow_hosts"),
+            (
+                SandboxSpec {
+                    network: NetworkPolicy::Filtered,
+                    allow_hosts: vec!["http://x".into()],
+                    ..SandboxSpec::default()
+                },
+                "allow_hosts",
+            ),
         ];
         for (spec, field) in cases {
             let err = spec.validate().expect_err(field).to_string();

@@ -34,6 +34,7 @@ async fn moat(max_sandboxes: usize) -> Moat {
         roots: vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))],
         pool_size: 0,
         pool_spec: SandboxSpec::default(),
+        egress: moat_core::EgressConfig::default(),
     };
     Moat::new(config).await.expect("moat starts (image built, agent built, running as root)")
 }
@@ -405,6 +406,7 @@ async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {
         roots: vec![],
         pool_size: 2,
         pool_spec: small(),
+        egress: moat_core::EgressConfig::default(),
     };
     let moat = Moat::new(config).await.expect("moat starts");
     // A guard against a hang: microVMs under nested emulation take seconds each.

@@ -2,7 +2,7 @@
 //! a bad value stops the server with one line naming the variable and what
 //! is allowed (exit status 2).
 
-use moat_core::{BackendKind, NetworkPolicy, SandboxSpec};
+use moat_core::{BackendKind, EgressConfig, IpNet, NetworkPolicy, SandboxSpec};
 
 /// A variable with a value the server cannot use.
 #[derive(Debug, thiserror::Error)]
@@ -27,10 +27,16 @@ pub struct ServerConfig {
     pub allow_hosts: Vec<String>,
     /// `MOAT_GIT_HOSTS`: hosts `git_clone` may clone from.
     pub git_hosts: Vec<String>,
+    /// TEST ONLY `MOAT_TEST_EGRESS_NETS`: address ranges filtered sandboxes
+    /// may reach although they are private or loopback.
+    pub test_egress_nets: Vec<IpNet>,
+    /// TEST ONLY `MOAT_TEST_RESOLVE`: `name=address` pairs the egress
+    /// policy uses instead of DNS.
+    pub test_resolve: Vec<(String, std::net::IpAddr)>,
 }
 
 /// The hosts `git_clone` may use unless `MOAT_GIT_HOSTS` says otherwise.
-pub const DEFAULT_GIT_HOSTS: &[&str] = &["github.com", "gitlab.com", "bitbucket.org"];
+pub const DEFAULT_GIT_HOSTS: &[&str] = moat_core::egress::DEFAULT_GIT_HOSTS;
 
 /// A comma-separated list of host names; the error is the first bad one.
 fn host_list(value: &str) -> Result<Vec<String>, String> {
@@ -77,13 +83,7 @@ impl ServerConfig {
         };
         let network = match get("MOAT_NETWORK") {
             None => NetworkPolicy::None,
-            Some(v) => match v.parse::<NetworkPolicy>() {
-                Ok(NetworkPolicy::None) => NetworkPolicy::None,
-                Ok(_) => {
-                    return Err(bad("MOAT_NETWORK", &v, "none (filtered and open are not available in this build)"));
-                }
-                Err(_) => return Err(bad("MOAT_NETWORK", &v, "none, filtered or open")),
-            },
+            Some(v) => v.parse::<NetworkPolicy>().map_err(|_| bad("MOAT_NETWORK", &v, "none, filtered or open"))?,
         };
         let timeout = number("MOAT_TIMEOUT_SECONDS", 3600, 60, 28_800)?;
         let idle = number("MOAT_IDLE_SECONDS", 300, 0, 28_800)?;
@@ -125,6 +125,27 @@ impl ServerConfig {
         };
         let allow_hosts = hosts("MOAT_ALLOW_HOSTS", &[])?;
         let git_hosts = hosts("MOAT_GIT_HOSTS", DEFAULT_GIT_HOSTS)?;
+        let mut test_egress_nets = Vec::new();
+        if let Some(v) = get("MOAT_TEST_EGRESS_NETS") {
+            for net in v.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+                test_egress_nets.push(net.parse::<IpNet>().map_err(|why| {
+                    bad("MOAT_TEST_EGRESS_NETS", &v, &format!("comma-separated address ranges (test only); {why}"))
+                })?);
+            }
+        }
+        let mut test_resolve = Vec::new();
+        if let Some(v) = get("MOAT_TEST_RESOLVE") {
+            for pair in v.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+                let parsed = pair.split_once('=').and_then(|(name, addr)| {
+                    Some((name.trim().to_ascii_lowercase(), addr.trim().parse::<std::net::IpAddr>().ok()?))
+                });
+                test_resolve.push(
+                    parsed.ok_or_else(|| {
+                        bad("MOAT_TEST_RESOLVE", &v, "comma-separated name=address pairs (test only)")
+                    })?,
+                );
+            }
+        }
         let defaults =
             SandboxSpec { image, network, timeout_seconds: timeout, idle_seconds: idle, ..SandboxSpec::default() };
         Ok(Self {
@@ -135,7 +156,19 @@ impl ServerConfig {
             http_token,
             allow_hosts,
             git_hosts,
+            test_egress_nets,
+            test_resolve,
         })
+    }
+
+    /// What `moat-core`'s egress policy needs of this configuration.
+    pub fn egress(&self) -> EgressConfig {
+        EgressConfig {
+            allow_hosts: self.allow_hosts.clone(),
+            git_hosts: self.git_hosts.clone(),
+            test_nets: self.test_egress_nets.clone(),
+            test_resolve: self.test_resolve.clone(),
+        }
     }
 }
 
@@ -170,6 +203,8 @@ mod tests {
             (("MOAT_HTTP_TOKEN", "short"), "at least 16"),
             (("MOAT_ALLOW_HOSTS", "pypi.org,bad host"), "\"bad host\" is not one"),
             (("MOAT_GIT_HOSTS", "https://github.com"), "host names"),
+            (("MOAT_TEST_EGRESS_NETS", "10.0.0.0/40"), "address ranges"),
+            (("MOAT_TEST_RESOLVE", "a.test"), "name=address"),
         ];
         for ((var, value), allowed) in cases {
             let err = with(&[(var, value)]).expect_err(var).to_string();
@@ -184,5 +219,19 @@ mod tests {
         assert_eq!(config.allow_hosts, ["example.com", "files.pythonhosted.org"]);
         assert_eq!(config.git_hosts, DEFAULT_GIT_HOSTS);
         assert_eq!(config.http_token, None);
+    }
+
+    #[test]
+    fn every_network_policy_is_accepted() {
+        for (value, policy) in
+            [("none", NetworkPolicy::None), ("filtered", NetworkPolicy::Filtered), ("open", NetworkPolicy::Open)]
+        {
+            assert_eq!(with(&[("MOAT_NETWORK", value)]).expect(value).defaults.network, policy);
+        }
+        let config = with(&[("MOAT_TEST_EGRESS_NETS", "127.0.0.1/32"), ("MOAT_TEST_RESOLVE", "Reg.test=127.0.0.1")])
+            .expect("test knobs");
+        let egress = config.egress();
+        assert_eq!(egress.test_nets.len(), 1);
+        assert_eq!(egress.test_resolve, [("reg.test".to_owned(), std::net::IpAddr::from([127, 0, 0, 1]))]);
     }
 }

@@ -6,10 +6,12 @@
 //! exactly what `testdata/tools.json` says. Each stdio connection or HTTP
 //! session owns its sandboxes ([`scope`]); tools without a `sandbox_id` use
 //! the session's current one, created with the defaults on first need.
-//! `git_clone` and `preview_link` answer that they need network policies,
-//! which are not in this build.
+//! `git_clone` ([`git`]) clones through the sandbox's network policy with
+//! credentials kept out of every command line and output; `preview_link`
+//! hands out token-guarded loopback links to sandbox ports.
 
 pub mod config;
+mod git;
 pub mod hosts;
 pub mod http;
 pub mod scope;

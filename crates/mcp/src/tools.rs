@@ -15,7 +15,7 @@ use crate::scope::Scope;
 pub const MAX_TEXT: usize = 100_000;
 
 /// A tool's failure, shown to the model.
-struct ToolError(String);
+pub(crate) struct ToolError(pub(crate) String);
 
 impl From<CoreError> for ToolError {
     fn from(e: CoreError) -> Self {
@@ -35,14 +35,14 @@ impl From<moat_proto::ProtoError> for ToolError {
     }
 }
 
-type Outcome = Result<Value, ToolError>;
+pub(crate) type Outcome = Result<Value, ToolError>;
 
 /// A result with content beyond its JSON (run_code's images).
 type RichOutcome = Result<(Value, Vec<ContentBlock>), ToolError>;
 
 /// What a tool acts with: the server's `Moat`, the default spec, and the
 /// scope (stdio connection or HTTP session) that owns its sandboxes.
-pub struct Session<'a> {
+pub(crate) struct Session<'a> {
     pub moat: &'a moat_core::Moat,
     pub defaults: &'a SandboxSpec,
     pub scope: std::sync::Arc<Scope>,
@@ -93,15 +93,13 @@ async fn plain_call(server: &Session<'_>, name: &str, args: &Value, context: &Ca
         "remove_task" => remove_task(server, &args),
         "copy_to_sandbox" => copy_to_sandbox(server, &args).await,
         "copy_from_sandbox" => copy_from_sandbox(server, &args).await,
-        "git_clone" | "preview_link" => Err(ToolError(format!(
-            "{name} needs network access from the sandbox, and sandboxes have no network yet (policy none); \
-             this tool becomes available with network policies"
-        ))),
+        "git_clone" => crate::git::git_clone(server, &args).await,
+        "preview_link" => preview_link(server, &args).await,
         other => Err(ToolError(format!("{other} is not available in this build of moat-mcp yet"))),
     }
 }
 
-fn str_arg<'a>(args: &'a Value, key: &str) -> Result<Option<&'a str>, ToolError> {
+pub(crate) fn str_arg<'a>(args: &'a Value, key: &str) -> Result<Option<&'a str>, ToolError> {
     match args.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
@@ -109,11 +107,11 @@ fn str_arg<'a>(args: &'a Value, key: &str) -> Result<Option<&'a str>, ToolError>
     }
 }
 
-fn required<'a>(args: &'a Value, key: &str) -> Result<&'a str, ToolError> {
+pub(crate) fn required<'a>(args: &'a Value, key: &str) -> Result<&'a str, ToolError> {
     str_arg(args, key)?.ok_or_else(|| ToolError(format!("{key} is required")))
 }
 
-fn int_arg(args: &Value, key: &str, min: u64, max: u64) -> Result<Option<u64>, ToolError> {
+pub(crate) fn int_arg(args: &Value, key: &str, min: u64, max: u64) -> Result<Option<u64>, ToolError> {
     match args.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => match v.as_u64() {
@@ -136,13 +134,13 @@ fn sandbox_path(path: &str) -> String {
     if path.starts_with('/') { path.to_owned() } else { format!("/home/user/{path}") }
 }
 
-fn rfc3339(secs: u64) -> String {
+pub(crate) fn rfc3339(secs: u64) -> String {
     humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs)).to_string()
 }
 
 /// The sandbox a call acts on: its `sandbox_id`, or the session's current
 /// one, created with the defaults when there is none.
-async fn target(server: &Session<'_>, args: &Value) -> Result<String, ToolError> {
+pub(crate) async fn target(server: &Session<'_>, args: &Value) -> Result<String, ToolError> {
     if let Some(id) = str_arg(args, "sandbox_id")? {
         owned(server, id)?;
         return Ok(id.to_owned());
@@ -214,6 +212,22 @@ async fn create_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     if let Some(network) = str_arg(args, "network")? {
         spec.network = network.parse::<NetworkPolicy>().map_err(ToolError)?;
     }
+    if let Some(hosts) = args.get("allow_hosts").filter(|v| !v.is_null()) {
+        let Some(list) = hosts.as_array() else {
+            return Err(ToolError("allow_hosts must be an array of host names".into()));
+        };
+        for host in list {
+            let Some(host) = host.as_str() else {
+                return Err(ToolError(format!("allow_hosts must hold host names (strings), got {host}")));
+            };
+            spec.allow_hosts.push(host.trim().to_ascii_lowercase());
+        }
+        if spec.network != NetworkPolicy::Filtered {
+            return Err(ToolError(
+                "allow_hosts applies to network 'filtered' only; pass network: \"filtered\" with it".into(),
+            ));
+        }
+    }
     if let Some(env) = args.get("env").filter(|v| !v.is_null()) {
         let Some(map) = env.as_object() else { return Err(ToolError("env must be an object of strings".into())) };
         for (key, value) in map {
@@ -234,9 +248,34 @@ async fn destroy_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     Ok(json!({ "ok": true, "message": format!("sandbox {id} destroyed") }))
 }
 
+/// Egress decisions list_sandboxes shows per sandbox (the newest).
+const EGRESS_SHOWN: usize = 50;
+
 fn list_sandboxes(server: &Session<'_>) -> Value {
-    let sandboxes: Vec<Value> =
-        server.moat.list().iter().filter(|s| server.scope.owns(&s.id)).map(|s| sandbox_json(server, s)).collect();
+    let sandboxes: Vec<Value> = server
+        .moat
+        .list()
+        .iter()
+        .filter(|s| server.scope.owns(&s.id))
+        .map(|s| {
+            let mut value = sandbox_json(server, s);
+            if s.spec.network == NetworkPolicy::Filtered {
+                let log = server.moat.egress_log(&s.id).unwrap_or_default();
+                let shown: Vec<Value> = log[log.len().saturating_sub(EGRESS_SHOWN)..]
+                    .iter()
+                    .map(|d| {
+                        json!({
+                            "at": rfc3339(d.at), "host": d.host, "port": d.port, "allowed": d.allowed,
+                            "address": d.address, "reason": d.reason,
+                        })
+                    })
+                    .collect();
+                value["egress"] = json!(shown);
+                value["allowed_hosts"] = json!(server.moat.allowed_hosts(&s.id).unwrap_or_default());
+            }
+            value
+        })
+        .collect();
     let tasks: Vec<Value> = server
         .moat
         .task_records()
@@ -545,11 +584,18 @@ async fn run_code(server: &Session<'_>, args: &Value, context: &CallContext) -> 
     Ok((value, extra))
 }
 
+async fn preview_link(server: &Session<'_>, args: &Value) -> Outcome {
+    let port = int_arg(args, "port", 1, 65_535)?.ok_or_else(|| ToolError("port is required".into()))?;
+    let id = target(server, args).await?;
+    let link = server.moat.preview_link(&id, u16::try_from(port).unwrap_or(1)).await?;
+    Ok(json!({ "url": link.url, "port": link.port, "token": link.token, "expires_at": rfc3339(link.expires_at) }))
+}
+
 fn rand_u32() -> u32 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos())
 }
 
-fn shell_quote(s: &str) -> String {
+pub(crate) fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 

@@ -15,9 +15,9 @@ fn render() -> String {
          sandbox is used, created with the defaults on first need. Mistakes the model\n\
          can fix come back as results with `isError: true` and a message saying what\n\
          to do. Text outputs are cut at 100,000 characters.\n\n\
-         Not available in this build yet (they answer with an error that says so):\n\
-         `run_code`, and, until sandboxes have network policies, `git_clone` and\n\
-         `preview_link`.\n",
+         `git_clone` needs a sandbox with network `filtered` or `open`; network\n\
+         policies, the egress log and preview links are described in\n\
+         [network.md](network.md).\n",
     );
     for tool in contract["tools"].as_array().expect("tools") {
         let name = tool["name"].as_str().unwrap_or_default();

@@ -278,11 +278,75 @@ impl<C: Connector> AgentClient<C> {
         }
     }
 
+    /// Starts the egress proxy on 127.0.0.1:`port` inside the sandbox; it
+    /// runs while the returned control connection stays open.
+    pub async fn egress_listen(&self, port: u16) -> Result<EgressControl<C::Stream>, ProtoError> {
+        let mut conn = self.open(Request::EgressListen { port }).await?;
+        match expect_reply(&mut conn).await? {
+            Reply::Listening { .. } => Ok(EgressControl { conn }),
+            other => Err(unexpected_reply("listening", &other)),
+        }
+    }
+
+    /// Takes on the tunnel of proxy client `id`: the returned stream is
+    /// spliced to that client (after the agent told it the tunnel is up).
+    pub async fn egress_attach(&self, id: u64) -> Result<Prefixed<C::Stream>, ProtoError> {
+        let mut conn = self.open(Request::EgressAttach { id }).await?;
+        match expect_reply(&mut conn).await? {
+            Reply::Connected => Ok(conn.into_raw()),
+            other => Err(unexpected_reply("connected", &other)),
+        }
+    }
+
     pub async fn info(&self) -> Result<AgentInfo, ProtoError> {
         match self.call(Request::Info).await? {
             Reply::Info { info } => Ok(info),
             other => Err(unexpected_reply("info", &other)),
         }
+    }
+}
+
+/// One proxy client's wish, from the agent's egress proxy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressRequest {
+    /// Names the client in `deny` and `egress_attach`.
+    pub id: u64,
+    /// The host name (or address literal) the client asked for.
+    pub host: String,
+    pub port: u16,
+}
+
+/// The control connection of a running egress proxy; dropping it stops
+/// the proxy.
+#[derive(Debug)]
+pub struct EgressControl<S> {
+    conn: Connection<S>,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> EgressControl<S> {
+    /// The next request, or `None` when the agent closed the connection.
+    /// Cancel-safe: usable in `select!`.
+    pub async fn next_request(&mut self) -> Option<Result<EgressRequest, ProtoError>> {
+        let frame = match self.conn.recv().await? {
+            Ok(frame) => frame,
+            Err(e) => return Some(Err(e.into())),
+        };
+        Some(match frame {
+            Frame::Message(body) => match decode(&body) {
+                Ok(AgentMsg::EgressRequest { id, host, port }) => Ok(EgressRequest { id, host, port }),
+                Ok(AgentMsg::Error { error }) => Err(ProtoError::Agent(error)),
+                Ok(other) => Err(unexpected("egress_request", &other)),
+                Err(e) => Err(e),
+            },
+            Frame::Data(stream, _) => {
+                Err(ProtoError::Unexpected { expected: "egress_request", got: format!("data on stream {stream:?}") })
+            }
+        })
+    }
+
+    /// Refuses client `id`; the agent answers it HTTP 403 with `reason`.
+    pub async fn deny(&mut self, id: u64, reason: String) -> Result<(), ProtoError> {
+        self.conn.send(&ClientMsg::EgressDeny { id, reason }).await.map_err(Into::into)
     }
 }
 

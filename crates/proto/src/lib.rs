@@ -15,7 +15,7 @@ pub mod error;
 pub mod frame;
 pub mod message;
 
-pub use client::{AgentClient, Connector, ExecHandle, ExecStdin, Output, UnixConnector};
+pub use client::{AgentClient, Connector, EgressControl, EgressRequest, ExecHandle, ExecStdin, Output, UnixConnector};
 pub use conn::{Connection, Prefixed};
 pub use error::{ErrorKind, ProtoError, WireError};
 pub use frame::{DATA_CHUNK, Frame, FrameCodec, FrameError, MAX_FRAME_LEN, StreamId};

@@ -12,6 +12,19 @@
 //!                  ◀─────────────────────── Exited | Reply | Error
 //! ```
 //!
+//! The egress proxy (protocol 1.1) adds a long-lived control connection:
+//!
+//! ```text
+//! host                                     agent (proxy on 127.0.0.1:port)
+//!   Request{egress_listen{port}} ─────────▶
+//!                  ◀─────────────────────── Reply{listening}
+//!                  ◀─────────────────────── EgressRequest{id, host, port}  (one per client)
+//!   EgressDeny{id, reason} ───────────────▶   (the client gets HTTP 403)
+//!   …or, on a new connection:
+//!   Request{egress_attach{id}} ───────────▶
+//!                  ◀─────────────────────── Reply{connected}, then raw bytes both ways
+//! ```
+//!
 //! Messages are JSON so that a person can read a capture and so that unknown
 //! fields from a newer minor version are ignored rather than fatal.
 
@@ -34,7 +47,7 @@ impl std::fmt::Display for Version {
 }
 
 /// The version this build speaks.
-pub const PROTOCOL_VERSION: Version = Version { major: 1, minor: 0 };
+pub const PROTOCOL_VERSION: Version = Version { major: 1, minor: 1 };
 
 /// Messages from the host (client) to the agent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -50,6 +63,9 @@ pub enum ClientMsg {
     Signal { signal: i32 },
     /// Resize the PTY of a running exec.
     Resize { size: WinSize },
+    /// On an `egress_listen` connection: refuse the proxy client `id`; the
+    /// agent answers it HTTP 403 with `reason` as the body.
+    EgressDeny { id: u64, reason: String },
 }
 
 /// Messages from the agent to the host.
@@ -68,6 +84,9 @@ pub enum AgentMsg {
     Error { error: WireError },
     /// End of the output stream of a download.
     End,
+    /// On an `egress_listen` connection: a proxy client asks to reach
+    /// `host`:`port`; the host answers with `EgressDeny` or `egress_attach`.
+    EgressRequest { id: u64, host: String, port: u16 },
 }
 
 /// One operation.
@@ -118,6 +137,16 @@ pub enum Request {
     },
     /// Agent version, uptime, kernel and load.
     Info,
+    /// Run the egress proxy on 127.0.0.1:`port` inside the sandbox for as
+    /// long as this connection stays open (protocol 1.1).
+    EgressListen {
+        port: u16,
+    },
+    /// Carry the tunnel of proxy client `id`: after the `Connected` reply the
+    /// connection carries raw bytes both ways (protocol 1.1).
+    EgressAttach {
+        id: u64,
+    },
     /// An operation this agent does not know (from a newer client).
     #[serde(other)]
     Unknown,
@@ -139,6 +168,8 @@ impl Request {
             Self::TarIn { .. } => "tar_in",
             Self::PortForward { .. } => "port_forward",
             Self::Info => "info",
+            Self::EgressListen { .. } => "egress_listen",
+            Self::EgressAttach { .. } => "egress_attach",
             Self::Unknown => "unknown",
         }
     }
@@ -158,6 +189,8 @@ pub const OPERATIONS: &[&str] = &[
     "tar_in",
     "port_forward",
     "info",
+    "egress_listen",
+    "egress_attach",
 ];
 
 /// What to run.
@@ -349,6 +382,10 @@ pub enum Reply {
     Info {
         info: AgentInfo,
     },
+    /// The egress proxy listens; requests follow as `EgressRequest`.
+    Listening {
+        port: u16,
+    },
 }
 
 #[cfg(test)]
@@ -377,6 +414,8 @@ mod tests {
             Request::TarIn { path: "/".into(), owner: None },
             Request::PortForward { port: 1 },
             Request::Info,
+            Request::EgressListen { port: 3128 },
+            Request::EgressAttach { id: 7 },
         ];
         let ops: Vec<_> = requests.iter().map(Request::op).collect();
         assert_eq!(ops, OPERATIONS);

@@ -1,0 +1,245 @@
+"""Network tools through moat-mcp, driven by the official Python MCP SDK.
+
+Usage: python network_client.py MOAT_MCP_BINARY WORK_DIR
+
+Starts a Git "host" on this machine's loopback (HTTPS with a test CA, the
+dumb HTTP protocol, Basic auth with a token), tells moat-mcp through its
+test-only variables that git.test is that address, and checks: git_clone
+with a token (the token in no output, log, config or environment), branch
+and commit, refusals with reasons, the egress log in list_sandboxes, and
+preview links (cookie after the token, refused without it or for another
+port). Nothing leaves this machine. Exits non-zero with the reason when a
+check fails.
+"""
+
+import asyncio
+import base64
+import http.cookiejar
+import http.server
+import os
+import ssl
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+TOKEN = "ghp_moatTestToken0123456789abcdefXYZ"
+USER = "moat-bot"
+SEEN = []  # every tool result's text, to check that the token is in none
+
+
+def run(*args, cwd=None):
+    return subprocess.run(args, cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def make_ca_and_cert(work):
+    ca_key, ca = os.path.join(work, "ca.key"), os.path.join(work, "ca.pem")
+    key, csr, cert = (os.path.join(work, n) for n in ("git.key", "git.csr", "git.pem"))
+    ext = os.path.join(work, "san.ext")
+    with open(ext, "w") as f:
+        f.write("subjectAltName=DNS:git.test\nbasicConstraints=CA:FALSE\n")
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2",
+        "-subj", "/CN=moat test CA")
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=git.test")
+    run("openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+        "-days", "2", "-extfile", ext)
+    return ca, cert, key
+
+
+def make_repository(work):
+    """A bare repository served by the dumb HTTP protocol: main with two
+    commits, branch feature with one more. Returns (first, main, feature)."""
+    src = os.path.join(work, "src")
+    os.makedirs(src)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
+    run(*git, "init", "-q", cwd=src)
+    with open(os.path.join(src, "README"), "w") as f:
+        f.write("hello from git\n")
+    run(*git, "add", "README", cwd=src)
+    run(*git, "commit", "-q", "-m", "first", cwd=src)
+    first = run("git", "rev-parse", "HEAD", cwd=src)
+    with open(os.path.join(src, "README"), "a") as f:
+        f.write("second line\n")
+    run(*git, "commit", "-q", "-am", "second", cwd=src)
+    main = run("git", "rev-parse", "HEAD", cwd=src)
+    run(*git, "checkout", "-q", "-b", "feature", cwd=src)
+    with open(os.path.join(src, "FEATURE"), "w") as f:
+        f.write("feature\n")
+    run(*git, "add", "FEATURE", cwd=src)
+    run(*git, "commit", "-q", "-m", "feature", cwd=src)
+    feature = run("git", "rev-parse", "HEAD", cwd=src)
+    run(*git, "checkout", "-q", "main", cwd=src)
+    served = os.path.join(work, "served")
+    os.makedirs(served)
+    run("git", "clone", "-q", "--bare", src, os.path.join(served, "repo.git"))
+    run("git", "update-server-info", cwd=os.path.join(served, "repo.git"))
+    return served, first, main, feature
+
+
+class GitHost(http.server.SimpleHTTPRequestHandler):
+    """Static files behind Basic auth: what a private repository needs."""
+
+    expected = "Basic " + base64.b64encode(f"{USER}:{TOKEN}".encode()).decode()
+    authorized = 0
+
+    def do_GET(self):
+        if self.headers.get("Authorization") != self.expected:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="git.test"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        GitHost.authorized += 1
+        super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+def serve_git(served, cert, key):
+    handler = lambda *a, **kw: GitHost(*a, directory=served, **kw)  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def is_error(result):
+    value = getattr(result, "isError", None)
+    return bool(getattr(result, "is_error", None) if value is None else value)
+
+
+def structured(result):
+    value = getattr(result, "structuredContent", None)
+    return getattr(result, "structured_content", None) if value is None else value
+
+
+async def call(session, name, args, expect_error=False):
+    result = await session.call_tool(name, args)
+    text = "".join(getattr(block, "text", "") for block in result.content)
+    SEEN.append(text)
+    if is_error(result) != expect_error:
+        raise AssertionError(f"{name} {args.get('url', '')}: isError={is_error(result)}: {text}")
+    return text if expect_error else structured(result)
+
+
+def fetch(url, opener=None, cookie=None):
+    """GET url; returns (status, body)."""
+    request = urllib.request.Request(url, headers={"Cookie": cookie} if cookie else {})
+    try:
+        with (opener or urllib.request.build_opener()).open(request, timeout=30) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+async def checks(session, port, first, main, feature, ca_pem):
+    box = await call(session, "create_sandbox", {
+        "name": "net-test", "network": "filtered", "allow_hosts": ["extra.test"],
+        "env": {"GIT_SSL_CAINFO": "/home/user/test-ca.pem"},
+    })
+    assert box["network"] == "filtered", box
+    await call(session, "write_file", {"path": "test-ca.pem", "content": ca_pem})
+    url = f"https://git.test:{port}/repo.git"
+
+    cloned = await call(session, "git_clone", {"url": url, "username": USER, "token": TOKEN})
+    assert cloned == {"path": "/workspace/repo", "commit": main}, cloned
+    assert GitHost.authorized > 0, "the clone never sent the token"
+    out = await call(session, "run_command", {"cmd": "cat /workspace/repo/README; git -C /workspace/repo config --list"})
+    assert out["stdout"].startswith("hello from git\nsecond line\n"), out
+    assert "credential" not in out["stdout"] and f"remote.origin.url={url}" in out["stdout"], out
+    out = await call(session, "run_command", {"cmd": f"grep -rl '{TOKEN[:12]}' /workspace /home/user /tmp; env | grep -c MOAT_GIT"})
+    assert out["stdout"].strip() == "0", f"the token or its variables stayed behind: {out}"
+
+    pinned = await call(session, "git_clone", {
+        "url": url, "path": "pinned", "branch": "feature", "commit": first, "username": USER, "token": TOKEN})
+    assert pinned == {"path": "/home/user/pinned", "commit": first}, pinned
+    branch = await call(session, "git_clone", {"url": url, "path": "/workspace/feat", "branch": "feature",
+                                               "username": USER, "token": TOKEN})
+    assert branch["commit"] == feature, branch
+
+    wrong = "ghp_wrongToken_9876543210"
+    message = await call(session, "git_clone", {"url": url, "path": "w", "username": USER, "token": wrong},
+                         expect_error=True)
+    assert "git clone of" in message and wrong not in message, message
+    message = await call(session, "git_clone", {"url": "https://evil.test/x/y.git"}, expect_error=True)
+    assert "not a Git host" in message and "MOAT_GIT_HOSTS" in message, message
+    message = await call(session, "git_clone", {"url": f"https://{USER}:{TOKEN}@git.test/repo.git"}, expect_error=True)
+    assert "username and token" in message, message
+
+    # Filtered egress from a shell: a host that is not allowed, explained.
+    out = await call(session, "run_command", {"cmd": f"curl -sS http://evil.test:{port}/"})
+    assert "evil.test is not an allowed host" in out["stdout"] and "allow_hosts" in out["stdout"], out
+    listed = await call(session, "list_sandboxes", {})
+    mine = next(s for s in listed["sandboxes"] if s["sandbox_id"] == box["sandbox_id"])
+    assert {"git.test", "extra.test", "pypi.org", "registry.npmjs.org"} <= set(mine["allowed_hosts"]), mine
+    decisions = {(d["host"], d["allowed"]) for d in mine["egress"]}
+    assert ("git.test", True) in decisions and ("evil.test", False) in decisions, mine["egress"]
+
+    # A sandbox without network cannot clone, and says how to get one that can.
+    await call(session, "create_sandbox", {"name": "offline"})
+    message = await call(session, "git_clone", {"url": url}, expect_error=True)
+    assert "network" in message and "filtered" in message, message
+
+    # Preview links: the token in the URL becomes a cookie; without it, or
+    # with another port's, the link refuses.
+    await call(session, "run_command", {
+        "cmd": "mkdir -p site && echo '<h1>preview works</h1>' > site/index.html && "
+               "python3 -m http.server 8000 --bind 127.0.0.1 --directory site",
+        "background": True})
+    link = await call(session, "preview_link", {"port": 8000})
+    assert link["port"] == 8000 and link["token"] in link["url"] and link["url"].startswith("http://127.0.0.1:"), link
+    base = link["url"].split("?")[0]
+    jar = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+    for _ in range(100):
+        status, body = fetch(link["url"], jar)
+        if status == 200:
+            break
+        await asyncio.sleep(0.1)
+    assert status == 200 and "preview works" in body, (status, body)
+    status, body = fetch(base + "index.html", jar)
+    assert status == 200 and "preview works" in body, "the cookie alone opens the link"
+    status, body = fetch(base)
+    assert status == 403 and "no token" in body, (status, body)
+    other = await call(session, "preview_link", {"port": 8001})
+    status, _ = fetch(other["url"].split("?")[0] + "?moat_token=" + link["token"])
+    assert status == 403, "a token opens only its own port's link"
+    message = await call(session, "preview_link", {"port": 0}, expect_error=True)
+    assert "from 1 to 65535" in message, message
+
+
+async def main(binary, work):
+    ca, cert, key = make_ca_and_cert(work)
+    served, first, main_commit, feature = make_repository(work)
+    server = serve_git(served, cert, key)
+    port = server.server_address[1]
+    env = dict(
+        os.environ,
+        MOAT_GIT_HOSTS="git.test",
+        MOAT_TEST_RESOLVE="git.test=127.0.0.1,evil.test=127.0.0.1",
+        MOAT_TEST_EGRESS_NETS="127.0.0.1/32",
+        MOAT_LOG_LEVEL="debug",
+    )
+    log_path = os.path.join(work, "moat-mcp.log")
+    with open(log_path, "w") as log:
+        async with stdio_client(StdioServerParameters(command=binary, args=[], env=env), errlog=log) as streams:
+            async with ClientSession(streams[0], streams[1]) as session:
+                await session.initialize()
+                await checks(session, port, first, main_commit, feature, open(ca).read())
+    server.shutdown()
+    for text in SEEN:
+        assert TOKEN not in text, f"the token leaked into a tool result: {text[:300]}"
+    logged = open(log_path).read()
+    leaks = [line.replace(TOKEN, "<TOKEN>")[:400] for line in logged.splitlines() if TOKEN in line]
+    assert not leaks, f"the token leaked into moat-mcp's log: {leaks[:3]}"
+    print("network client: all checks passed")
+
+
+if __name__ == "__main__":
+    asyncio.run(main(*sys.argv[1:3]))

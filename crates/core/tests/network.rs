@@ -1,0 +1,465 @@
+//! Network policies end to end on the jail backend: `filtered` egress
+//! through the agent's proxy and the host's policy, `open` through pasta,
+//! and preview links loaded in headless Chromium.
+//!
+//! Nothing here reaches outside this machine: "registries" are servers on
+//! the host's loopback (reachable only because the test configuration
+//! names 127.0.0.1 explicitly) or in a network namespace the test makes.
+//! Ignored by plain `cargo test` (they need root, the image, the static
+//! agent, pasta and Chromium); `cargo xtask test` provides them.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use moat_core::{EgressConfig, Moat, MoatConfig, NetworkPolicy, SandboxSpec};
+use moat_proto::ExecRequest;
+
+fn agent() -> PathBuf {
+    std::env::var_os("MOAT_AGENT").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/x86_64-unknown-linux-gnu/release/moat-agent"),
+        PathBuf::from,
+    )
+}
+
+async fn moat(egress: EgressConfig) -> Moat {
+    let config = MoatConfig {
+        data_dir: moat_core::image::data_dir(),
+        backend: moat_core::BackendKind::Jail,
+        agent: agent(),
+        max_sandboxes: 8,
+        roots: vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))],
+        pool_size: 0,
+        pool_spec: SandboxSpec::default(),
+        egress,
+    };
+    Moat::new(config).await.expect("moat starts (image built, agent built, running as root)")
+}
+
+fn spec(network: NetworkPolicy) -> SandboxSpec {
+    SandboxSpec { memory_mib: 256, disk_mib: 256, network, ..SandboxSpec::default() }
+}
+
+async fn sh(moat: &Moat, id: &str, script: &str) -> (String, Option<i32>) {
+    let out = moat.run(id, ExecRequest::shell(script)).await.expect("runs");
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    (text, out.status.code)
+}
+
+/// A `python3 -m http.server` on the host, killed when dropped.
+struct HostServer {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl HostServer {
+    /// Serves `hello.txt` ("hello from <label>") on `bind`, optionally
+    /// inside network namespace `netns`.
+    fn start(label: &str, bind: &str, netns: Option<&str>) -> Self {
+        let dir = tempfile::Builder::new().prefix("net-srv-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("dir");
+        std::fs::write(dir.path().join("hello.txt"), format!("hello from {label}\n")).expect("write");
+        let port = free_port();
+        let mut command = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, "python3"]);
+                c
+            }
+            None => Command::new("python3"),
+        };
+        command
+            .args(["-m", "http.server", "--bind", bind, &port.to_string(), "--directory"])
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let child = command.spawn().expect("python3 starts");
+        let server = Self { child, port, _dir: dir };
+        server.wait_listening(bind, netns);
+        server
+    }
+
+    fn wait_listening(&self, bind: &str, netns: Option<&str>) {
+        for _ in 0..500 {
+            let probe =
+                format!("import socket; socket.create_connection(('{bind}', {}), timeout=1).close()", self.port);
+            let mut command = match netns {
+                Some(ns) => {
+                    let mut c = Command::new("ip");
+                    c.args(["netns", "exec", ns, "python3"]);
+                    c
+                }
+                None => Command::new("python3"),
+            };
+            if command.args(["-c", &probe]).stderr(Stdio::null()).status().is_ok_and(|s| s.success()) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("the test server on {bind}:{} did not start", self.port);
+    }
+}
+
+impl Drop for HostServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("an address")
+}
+
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn filtered_egress_allows_listed_hosts_and_explains_refusals() {
+    let server = HostServer::start("the registry", "127.0.0.1", None);
+    let config = EgressConfig {
+        allow_hosts: vec!["registry.test".into(), "rebind.test".into(), "metadata.test".into()],
+        // The test's "DNS": the registry on this machine's loopback, which
+        // only the explicit test network makes reachable; the others
+        // rebind allowed names to internal addresses.
+        test_resolve: vec![
+            ("registry.test".into(), ip("127.0.0.1")),
+            ("evil.test".into(), ip("127.0.0.1")),
+            ("rebind.test".into(), ip("10.0.0.7")),
+            ("metadata.test".into(), ip("169.254.169.254")),
+        ],
+        test_nets: vec!["127.0.0.1/32".parse().expect("net")],
+        ..EgressConfig::default()
+    };
+    let moat = moat(config).await;
+    let sandbox = moat.create(spec(NetworkPolicy::Filtered)).await.expect("created");
+    let id = &sandbox.id;
+    let port = server.port;
+
+    let (out, _) = sh(&moat, id, "echo $HTTPS_PROXY $NO_PROXY").await;
+    assert_eq!(out.trim(), "http://127.0.0.1:3128 localhost,127.0.0.1,::1");
+    // Plain HTTP (absolute-form through the proxy) and a CONNECT tunnel.
+    let (out, code) = sh(&moat, id, &format!("curl -sS http://registry.test:{port}/hello.txt")).await;
+    assert_eq!((out.as_str(), code), ("hello from the registry\n", Some(0)));
+    let (out, code) = sh(&moat, id, &format!("curl -sS --proxytunnel http://registry.test:{port}/hello.txt")).await;
+    assert_eq!((out.as_str(), code), ("hello from the registry\n", Some(0)));
+    // Python's own HTTP client honours the variables too.
+    let script = format!(
+        "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://registry.test:{port}/hello.txt').read().decode().strip())\""
+    );
+    let (out, code) = sh(&moat, id, &script).await;
+    assert_eq!((out.trim(), code), ("hello from the registry", Some(0)));
+
+    // A host that is not allowed: 403 with the reason and how to allow it.
+    let (out, _) = sh(&moat, id, &format!("curl -sS -w '%{{http_code}}' http://evil.test:{port}/hello.txt")).await;
+    assert!(out.contains("evil.test is not an allowed host") && out.contains("MOAT_ALLOW_HOSTS"), "{out}");
+    assert!(out.ends_with("403"), "{out}");
+    let (out, code) = sh(&moat, id, &format!("curl -sS --proxytunnel https://evil.test:{port}/")).await;
+    assert_ne!(code, Some(0));
+    assert!(out.contains("403"), "a refused CONNECT says 403: {out}");
+    // Allowed names that resolve to internal addresses: refused.
+    let (out, _) = sh(&moat, id, &format!("curl -sS http://rebind.test:{port}/")).await;
+    assert!(out.contains("resolves to 10.0.0.7, a private address"), "{out}");
+    let (out, _) = sh(&moat, id, "curl -sS http://metadata.test/latest/meta-data/").await;
+    assert!(out.contains("the cloud metadata address"), "{out}");
+    // Address literals are names too: not allowed.
+    let (out, _) = sh(&moat, id, "curl -sS http://8.8.8.8/").await;
+    assert!(out.contains("8.8.8.8 is not an allowed host"), "{out}");
+    // Bypassing the proxy: no route out at all.
+    for target in ["1.1.1.1:80", "10.0.0.7:80", &format!("192.0.2.2:{port}")] {
+        let (out, code) = sh(&moat, id, &format!("curl -sS --noproxy '*' --connect-timeout 5 http://{target}/")).await;
+        assert_ne!(code, Some(0), "{target} reachable without the proxy: {out}");
+        assert!(out.contains("unreachable") || out.contains("Couldn't connect"), "{target}: {out}");
+    }
+
+    let log = moat.egress_log(id).expect("log");
+    let allowed: Vec<_> = log.iter().filter(|d| d.allowed).map(|d| d.host.as_str()).collect();
+    assert_eq!(allowed, ["registry.test"; 3], "{log:?}");
+    let refused: Vec<_> = log.iter().filter(|d| !d.allowed).map(|d| d.host.as_str()).collect();
+    assert_eq!(refused, ["evil.test", "evil.test", "rebind.test", "metadata.test", "8.8.8.8"], "{log:?}");
+    let file = moat.data_dir().join("sandboxes").join(id).join("egress.log");
+    let lines = std::fs::read_to_string(&file).expect("the egress log file");
+    assert_eq!(lines.lines().count(), log.len(), "{lines}");
+    moat.destroy(id).await.expect("destroyed");
+    assert!(!file.exists(), "the log goes with the sandbox");
+}
+
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_sandbox_without_network_reaches_nothing() {
+    let moat = moat(EgressConfig::default()).await;
+    let sandbox = moat.create(spec(NetworkPolicy::None)).await.expect("created");
+    let (out, code) =
+        sh(&moat, &sandbox.id, "echo ${HTTPS_PROXY:-unset}; curl -sS --connect-timeout 5 http://1.1.1.1/").await;
+    assert_ne!(code, Some(0));
+    assert!(out.starts_with("unset\n") && out.contains("curl: (7)"), "{out}");
+    moat.destroy_all().await;
+}
+
+/// A network namespace with a veth pair to the host, removed when dropped.
+struct TestNetns {
+    name: String,
+}
+
+impl TestNetns {
+    fn create(name: &str, host_addr: &str, ns_addr: &str) -> Self {
+        let _ = Command::new("ip").args(["netns", "del", name]).status();
+        let host_if = format!("{name}-h");
+        let ns_if = format!("{name}-n");
+        let steps: Vec<Vec<&str>> = vec![
+            vec!["netns", "add", name],
+            vec!["link", "add", &host_if, "type", "veth", "peer", "name", &ns_if],
+            vec!["link", "set", &ns_if, "netns", name],
+            vec!["addr", "add", host_addr, "dev", &host_if],
+            vec!["link", "set", &host_if, "up"],
+            vec!["-n", name, "addr", "add", ns_addr, "dev", &ns_if],
+            vec!["-n", name, "link", "set", &ns_if, "up"],
+            vec!["-n", name, "link", "set", "lo", "up"],
+        ];
+        let netns = Self { name: name.to_owned() };
+        for args in steps {
+            let status = Command::new("ip").args(&args).status().expect("ip runs");
+            assert!(status.success(), "ip {}", args.join(" "));
+        }
+        netns
+    }
+}
+
+impl Drop for TestNetns {
+    fn drop(&mut self) {
+        // Deleting the namespace deletes its end of the pair, and with it the host's.
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+    }
+}
+
+fn pasta_processes() -> Vec<i32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        // "PID (comm) STATE …"; a zombie is dead, only not reaped yet.
+        let alive = stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'));
+        if alive
+            && std::fs::read_to_string(entry.path().join("comm"))
+                .is_ok_and(|c| c.trim().starts_with("pasta") || c.trim().starts_with("passt"))
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+#[tokio::test]
+#[ignore = "needs root, the default image, the static agent and pasta; run by `cargo xtask test`"]
+async fn open_network_reaches_a_server_through_pasta() {
+    let netns = TestNetns::create("moatnet0", "10.213.7.1/30", "10.213.7.2/30");
+    let server = HostServer::start("the outside", "10.213.7.2", Some(&netns.name));
+    let before = pasta_processes();
+    let moat = moat(EgressConfig::default()).await;
+    let sandbox = moat.create(spec(NetworkPolicy::Open)).await.expect("created");
+    let started: Vec<i32> = pasta_processes().into_iter().filter(|p| !before.contains(p)).collect();
+    assert!(!started.is_empty(), "pasta serves an open sandbox");
+    let (out, code) = sh(
+        &moat,
+        &sandbox.id,
+        &format!(
+            "echo ${{HTTPS_PROXY:-direct}}; curl -sS --connect-timeout 10 http://10.213.7.2:{}/hello.txt",
+            server.port
+        ),
+    )
+    .await;
+    assert_eq!((out.as_str(), code), ("direct\nhello from the outside\n", Some(0)));
+    // The host's loopback services stay out of reach: the sandbox's
+    // 127.0.0.1 is its own, and pasta maps neither ports nor the gateway to it.
+    let host_only = HostServer::start("the host's loopback", "127.0.0.1", None);
+    let script = format!(
+        "curl -sS --connect-timeout 5 http://127.0.0.1:{port}/hello.txt; \
+         gw=$(awk '$2 == \"00000000\" {{print $3}}' /proc/net/route | head -1); \
+         curl -sS --connect-timeout 5 http://$(printf '%d.%d.%d.%d' 0x${{gw:6:2}} 0x${{gw:4:2}} 0x${{gw:2:2}} 0x${{gw:0:2}}):{port}/hello.txt",
+        port = host_only.port
+    );
+    let (out, _) = sh(&moat, &sandbox.id, &script).await;
+    assert!(!out.contains("hello from"), "a host loopback service answered: {out}");
+    moat.destroy(&sandbox.id).await.expect("destroyed");
+    // pasta gets SIGKILL when the jail's monitor exits; give the kernel a moment to deliver it.
+    for attempt in 0.. {
+        if pasta_processes().iter().all(|p| before.contains(p)) {
+            break;
+        }
+        assert!(attempt < 500, "pasta outlived its sandbox");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(server);
+    drop(netns);
+}
+
+/// Headless Chromium, as root, with a fresh profile; returns the DOM it
+/// rendered for `url`.
+fn chromium_dom(url: &str) -> String {
+    let profile = tempfile::Builder::new().prefix("chromium-").tempdir().expect("profile dir");
+    let out = Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-dev-shm-usage",
+        ])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .args(["--dump-dom", url])
+        .stdin(Stdio::null())
+        .output()
+        .expect("chromium runs (Debian package chromium)");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// One plain HTTP/1.1 GET; returns the status line and the rest.
+async fn http_get(port: u16, target: &str, cookie: Option<&str>) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connects");
+    let cookie = cookie.map(|c| format!("Cookie: {c}\r\n")).unwrap_or_default();
+    let request = format!("GET {target} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{cookie}Connection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("sends");
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.expect("reads");
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+#[tokio::test]
+#[ignore = "needs root, the default image, the static agent and Chromium; run by `cargo xtask test`"]
+async fn preview_links_work_in_a_browser_and_only_with_their_token() {
+    let moat = moat(EgressConfig::default()).await;
+    let sandbox = moat.create(spec(NetworkPolicy::None)).await.expect("created");
+    let id = &sandbox.id;
+    let page = "<html><body><h1 id=greeting>served from the sandbox</h1></body></html>";
+    let script = format!(
+        "mkdir -p /home/user/site && printf '%s' '{page}' > /home/user/site/index.html && \
+         setsid nohup python3 -m http.server 8000 --bind 127.0.0.1 --directory /home/user/site > /tmp/srv.log 2>&1 < /dev/null &"
+    );
+    let (out, code) = sh(&moat, id, &script).await;
+    assert_eq!(code, Some(0), "{out}");
+    let link = moat.preview_link(id, 8000).await.expect("a link");
+    assert_eq!(moat.preview_link(id, 8000).await.expect("again"), link, "one link per port");
+    // Wait until the server inside answers through the agent.
+    let client = moat.client(id).expect("client");
+    for attempt in 0.. {
+        if client.port_forward(8000).await.is_ok() {
+            break;
+        }
+        assert!(attempt < 500, "the server in the sandbox did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let url = link.url.clone();
+    let dom = tokio::task::spawn_blocking(move || chromium_dom(&url)).await.expect("joins");
+    assert!(dom.contains("served from the sandbox"), "Chromium rendered: {dom}");
+
+    // Without the token, with a wrong one, or with another link's token: refused.
+    let response = http_get(link.host_port, "/", None).await;
+    assert!(response.starts_with("HTTP/1.1 403"), "{response}");
+    assert!(response.contains("no token"), "{response}");
+    let other = moat.preview_link(id, 8001).await.expect("another port's link");
+    assert_ne!(other.token, link.token);
+    let response = http_get(other.host_port, &format!("/?moat_token={}", link.token), None).await;
+    assert!(response.starts_with("HTTP/1.1 403"), "another port's token: {response}");
+    let cookie = format!("moat_preview_{}={}", other.host_port, link.token);
+    let response = http_get(other.host_port, "/", Some(&cookie)).await;
+    assert!(response.starts_with("HTTP/1.1 403"), "another port's token as a cookie: {response}");
+    // The right token: a redirect that sets the cookie, then the page.
+    let response = http_get(link.host_port, &format!("/?moat_token={}", link.token), None).await;
+    assert!(response.starts_with("HTTP/1.1 303"), "{response}");
+    let cookie = format!("moat_preview_{}={}", link.host_port, link.token);
+    assert!(response.contains(&format!("Set-Cookie: {cookie}")), "{response}");
+    let response = http_get(link.host_port, "/index.html", Some(&cookie)).await;
+    assert!(response.starts_with("HTTP/1.0 200") && response.contains("served from the sandbox"), "{response}");
+
+    // After the first request head the link splices raw bytes: an upgraded
+    // (WebSocket-style) connection talks both ways.
+    let upgrade = r#"import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('127.0.0.1', 8002)); s.listen(1)
+c, _ = s.accept(); head = b''
+while b'\r\n\r\n' not in head: head += c.recv(1024)
+c.sendall(b'HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n')
+while True:
+    data = c.recv(1024)
+    if not data: break
+    c.sendall(data.upper())
+"#;
+    let client_req = moat_proto::WriteFileRequest {
+        path: "/home/user/upgrade.py".into(),
+        mode: None,
+        create_parents: false,
+        owner: Some("user".into()),
+    };
+    client.write_file(client_req, &mut upgrade.as_bytes()).await.expect("writes the server");
+    let (out, code) =
+        sh(&moat, id, "setsid nohup python3 /home/user/upgrade.py > /tmp/up.log 2>&1 < /dev/null &").await;
+    assert_eq!(code, Some(0), "{out}");
+    for attempt in 0.. {
+        if sh(&moat, id, "grep -q ':1F42 ' /proc/net/tcp").await.1 == Some(0) {
+            break;
+        }
+        assert!(attempt < 500, "the upgrade server did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ws = moat.preview_link(id, 8002).await.expect("a link for the upgrade server");
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", ws.host_port)).await.expect("connects");
+        let request = format!(
+            "GET /socket HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nCookie: moat_preview_{}={}\r\n\r\n",
+            ws.host_port, ws.token
+        );
+        stream.write_all(request.as_bytes()).await.expect("sends");
+        let mut head =
+            vec![0u8; b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n".len()];
+        stream.read_exact(&mut head).await.expect("101");
+        assert!(head.starts_with(b"HTTP/1.1 101"), "{}", String::from_utf8_lossy(&head));
+        for word in ["hello", "both ways"] {
+            stream.write_all(word.as_bytes()).await.expect("sends");
+            let mut back = vec![0u8; word.len()];
+            stream.read_exact(&mut back).await.expect("echo");
+            assert_eq!(back, word.to_uppercase().as_bytes());
+        }
+    }
+
+    // The link ends with the sandbox.
+    moat.destroy(id).await.expect("destroyed");
+    // The listener's task is aborted with the sandbox and closes as the runtime drops it.
+    for attempt in 0.. {
+        if tokio::net::TcpStream::connect(("127.0.0.1", link.host_port)).await.is_err() {
+            break;
+        }
+        assert!(attempt < 500, "the preview listener outlived the sandbox");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_filtered_task_reaches_its_runtimes_registries_and_its_repository_host() {
+    let project = tempfile::Builder::new().prefix("net-task-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("dir");
+    std::fs::write(project.path().join("package.json"), "{}\n").expect("write");
+    std::fs::create_dir(project.path().join(".git")).expect("mkdir");
+    std::fs::write(
+        project.path().join(".git/config"),
+        "[remote \"origin\"]\n\turl = https://code.example.org/me/p.git\n",
+    )
+    .expect("write");
+    let moat = moat(EgressConfig::default()).await;
+    let task = moat.task_start(project.path(), spec(NetworkPolicy::Filtered)).await.expect("task starts");
+    let allowed = moat.allowed_hosts(&task.sandbox_id).expect("hosts");
+    assert!(allowed.iter().any(|h| h == "code.example.org"), "{allowed:?}");
+    assert!(allowed.iter().any(|h| h == "registry.npmjs.org"), "{allowed:?}");
+    assert!(!allowed.iter().any(|h| h == "pypi.org"), "a node task gets node's registry only: {allowed:?}");
+    moat.destroy_all().await;
+}
