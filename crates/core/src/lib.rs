@@ -3,9 +3,10 @@
 //! [`Moat`] is the entry point: it creates sandboxes from a [`SandboxSpec`],
 //! runs processes and moves files through each sandbox's agent, suspends
 //! idle sandboxes, destroys expired ones, and — when a previous owner was
-//! killed — sweeps what it left behind. Sandboxes run in the jail backend
-//! ([`jail`]); the microVM backend comes later. Images are found and checked
-//! by [`image`], the backend for a host is chosen by [`backend`].
+//! killed — sweeps what it left behind. Sandboxes run as microVMs under
+//! moat-vmm ([`vm`]) or in namespace jails ([`jail`]), one type over both in
+//! [`machine`]. Images are found and checked by [`image`], the backend for
+//! a host is chosen by [`backend`].
 
 pub mod backend;
 pub mod cgroup;
