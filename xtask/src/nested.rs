@@ -109,10 +109,8 @@ fn run_command(command: Vec<String>, timeout: u64) -> Result<i32> {
 #[allow(clippy::print_stdout)]
 fn bench(runs: u32, machine: &str, cmdline: &str) -> Result<()> {
     let bundle = prepare()?;
-    let boots = [level2::Boot::qemu_microvm(machine, cmdline), level2::Boot::moat_vmm(cmdline)];
-    let out = moat_nested::run_in(&bundle, &level2::boots(runs, &boots))?;
+    let out = moat_nested::run_in(&bundle, &level2::boots(runs, &[level2::Boot::qemu_microvm(machine, cmdline)]))?;
     let times = level2::boot_times(&out, "qemu")?;
-    let ours = level2::boot_times(&out, "moat-vmm")?;
     let at = |stage| out.reached(stage).map_or_else(|| "-".into(), |d: Duration| format!("{:.2} s", d.as_secs_f64()));
     println!(
         "level 1 (QEMU TCG -cpu max, microvm, {} MiB, {} vCPUs):",
@@ -126,21 +124,9 @@ fn bench(runs: u32, machine: &str, cmdline: &str) -> Result<()> {
     for (i, t) in times.iter().enumerate() {
         println!("  run {}                       {:.2} s", i + 1, t.as_secs_f64());
     }
-    let median = |times: &[Duration]| {
-        let mut sorted = times.to_vec();
-        sorted.sort_unstable();
-        sorted.get(sorted.len() / 2).copied().context("no level-2 boot")
-    };
-    let (theirs, mine) = (median(&times)?, median(&ours)?);
-    println!("  median                      {:.2} s", theirs.as_secs_f64());
-    println!("level 2 under moat-vmm (the same kernel, initramfs, disk and command line), interleaved:");
-    for (i, t) in ours.iter().enumerate() {
-        println!("  run {}                       {:.2} s", i + 1, t.as_secs_f64());
-    }
-    println!("  median                      {:.2} s", mine.as_secs_f64());
-    println!(
-        "moat-vmm / QEMU microvm, boot to the agent: {:.2} (target <= 0.8; side by side in one level 1, not an absolute figure)",
-        mine.as_secs_f64() / theirs.as_secs_f64()
-    );
+    let mut sorted = times.clone();
+    sorted.sort_unstable();
+    let median = sorted.get(sorted.len() / 2).context("no level-2 boot")?;
+    println!("  median                      {:.2} s", median.as_secs_f64());
     Ok(())
 }

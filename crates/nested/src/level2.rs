@@ -55,14 +55,14 @@ impl Boot {
 
     /// `moat-vmm` booting the same kernel, initramfs and root disk with the
     /// same devices (512 MiB, one vCPU, the root disk copy-on-write into a
-    /// fresh overlay, a vsock device) and `cmdline`.
+    /// fresh overlay, a vsock device) and `cmdline`. (The command is `exec`ed
+    /// by [`boots`]: one program, its paths fresh through the shell's pid.)
     pub fn moat_vmm(cmdline: &str) -> Self {
         let command = format!(
-            "rm -f /tmp/level2-overlay.img /tmp/level2-vsock.sock; \
-             exec moat-vmm --vcpus 1 --memory-mib 512 --console stdout \
+            "moat-vmm --vcpus 1 --memory-mib 512 --console stdout \
              --kernel \"$img/vmlinux\" --initramfs \"$img/initramfs.cpio.gz\" --cmdline {} \
-             --disk \"$img/rootfs.ext4,overlay=/tmp/level2-overlay.img\" \
-             --vsock-cid 3 --vsock-uds /tmp/level2-vsock.sock",
+             --disk \"$img/rootfs.ext4,overlay=/tmp/level2-overlay-$$.img\" \
+             --vsock-cid 3 --vsock-uds /tmp/level2-vsock-$$.sock",
             quote(cmdline)
         );
         Self { name: "moat-vmm".into(), command }
