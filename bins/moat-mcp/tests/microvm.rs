@@ -73,11 +73,7 @@ fn mcp_tools_work_in_microvms() {
         runtime.block_on(session());
         return;
     }
-    let exe = std::env::current_exe().expect("the test binary");
-    let name = exe.file_name().expect("a file name").to_string_lossy().into_owned();
-    let mut sources = moat_nested::bundle::Sources::from_env().expect("the nested host's inputs");
-    sources.extra.push(exe.clone());
-    let bundle = moat_nested::bundle::prepare(&sources).expect("the level-1 bundle");
+    let (bundle, name) = moat_nested::bundle_with_this_program().expect("the level-1 bundle");
     let mut payload =
         moat_nested::Payload::new([name.as_str(), "--include-ignored", "--exact", "mcp_tools_work_in_microvms"]);
     payload.env.push(("MOAT_TEST_IN_LEVEL1".into(), "1".into()));

@@ -455,11 +455,7 @@ fn microvm_sandboxes_pass_the_same_contract_in_the_nested_host() {
         // Inside level 1 (or a backend chosen by hand): not again.
         return;
     }
-    let exe = std::env::current_exe().expect("the test binary");
-    let name = exe.file_name().expect("a file name").to_string_lossy().into_owned();
-    let mut sources = moat_nested::bundle::Sources::from_env().expect("the nested host's inputs");
-    sources.extra.push(exe.clone());
-    let bundle = moat_nested::bundle::prepare(&sources).expect("the level-1 bundle");
+    let (bundle, name) = moat_nested::bundle_with_this_program().expect("the level-1 bundle");
     // Task tests import projects from the target's temporary directory.
     let tmp = env!("CARGO_TARGET_TMPDIR");
     let mut payload = moat_nested::Payload::script(&format!(

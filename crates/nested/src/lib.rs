@@ -40,6 +40,19 @@ pub fn run_in(bundle: &Bundle, payload: &Payload) -> Result<Output> {
     machine::run(bundle, payload)
 }
 
+/// A bundle that also carries the running program (a test binary that
+/// runs itself in level 1), and that program's name on level 1's `PATH`.
+pub fn bundle_with_this_program() -> Result<(Bundle, String)> {
+    let exe = std::env::current_exe().map_err(|e| Error::Missing {
+        what: "the running program".into(),
+        hint: format!("it cannot be found ({e})"),
+    })?;
+    let name = exe.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut sources = Sources::from_env()?;
+    sources.extra.push(exe);
+    Ok((bundle::prepare(&sources)?, name))
+}
+
 /// An interactive shell in a fresh level 1 on this terminal (the serial
 /// console; Ctrl-A X ends QEMU); returns the shell's exit status.
 pub fn shell(machine: Machine) -> Result<i32> {
