@@ -28,14 +28,19 @@ pub fn static_agent() -> Result<PathBuf> {
     Ok(agent)
 }
 
-pub fn build_all() -> Result<()> {
-    let agent = static_agent()?;
+/// Builds the host binaries (release).
+pub fn host_binaries_release() -> Result<()> {
     let mut command = cargo();
     command.args(["build", "--release"]);
     for bin in HOST_BINARIES {
         command.args(["--bin", bin]);
     }
-    run(&mut command)?;
+    run(&mut command)
+}
+
+pub fn build_all() -> Result<()> {
+    let agent = static_agent()?;
+    host_binaries_release()?;
     let host: Vec<PathBuf> = HOST_BINARIES.iter().map(|b| root().join("target/release").join(b)).collect();
     println!("built:");
     println!("  {:<12} {} (static)", "moat-agent", agent.display());

@@ -112,6 +112,15 @@ pub fn bench() -> Result<()> {
     let agent = build::static_agent()?;
     image::build("default", false)?;
     run(cargo().args(["bench", "--package", "moat-core", "--bench", "jail"]).env("MOAT_AGENT", &agent))?;
+    // microVMs in the nested test host, with release host binaries (the
+    // VMM's own memory is measured).
+    ensure_packages(nested::NESTED_PACKAGES)?;
+    build::host_binaries_release()?;
+    run(cargo()
+        .args(["bench", "--package", "moat-core", "--bench", "microvm"])
+        .env("MOAT_AGENT", &agent)
+        .env("MOAT_BIN_DIR", crate::host::root().join("target/release"))
+        .env("MOAT_NESTED_CACHE", crate::host::root().join("target/nested")))?;
     // The MCP server, release build, driven by the Python SDK.
     run(cargo().args(["build", "--release", "--bin", "moat-mcp"]))?;
     let pythons = mcp_sdks()?;

@@ -95,8 +95,9 @@ impl VmBackend {
     }
 }
 
-/// The kernel command line of a sandbox's VM.
-fn cmdline(hostname: &str) -> String {
+/// The kernel command line of a sandbox's VM (public for the benchmark
+/// that boots the same guest under QEMU).
+pub fn kernel_cmdline(hostname: &str) -> String {
     format!(
         "console=ttyS0 reboot=k panic=-1 pci=off i8042.noaux i8042.nomux quiet \
          moat.root=/dev/vda moat.hostname={hostname} \
@@ -133,7 +134,7 @@ impl Backend for VmBackend {
         let config = VmConfig {
             kernel: &kernel,
             initramfs: &initramfs,
-            cmdline: cmdline(hostname),
+            cmdline: kernel_cmdline(hostname),
             vcpus: spec.cpus,
             memory_mib: spec.memory_mib,
             disks: vec![DiskConfig {
@@ -323,7 +324,7 @@ mod tests {
 
     #[test]
     fn the_command_line_boots_the_agent_from_its_overlay_disk() {
-        let line = cmdline("box");
+        let line = kernel_cmdline("box");
         for word in ["moat.root=/dev/vda", "moat.hostname=box", "moat.port=1024", "moat.boot_timer=0xc0000000"] {
             assert!(line.split_whitespace().any(|w| w == word), "{word} missing from {line}");
         }

@@ -445,6 +445,10 @@ async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {
     }
 }
 
+/// How long the microVM contract may take in level 1 before its watchdog
+/// reports what hangs (it takes 8-10 minutes on a 2-core host).
+const WATCHDOG_SECS: u64 = 1500;
+
 /// The same contract for microVMs: this test binary runs itself inside the
 /// nested test host (a level-1 Linux under QEMU whose KVM can boot guests),
 /// every test above with `MOAT_TEST_BACKEND=vm`, one at a time.
@@ -458,8 +462,28 @@ fn microvm_sandboxes_pass_the_same_contract_in_the_nested_host() {
     let (bundle, name) = moat_nested::bundle_with_this_program().expect("the level-1 bundle");
     // Task tests import projects from the target's temporary directory.
     let tmp = env!("CARGO_TARGET_TMPDIR");
+    // A watchdog inside level 1 (short of the host's own limit) that, when
+    // the tests hang, shows what level 1 was doing: its processes and each
+    // microVM's console and moat-vmm log.
     let mut payload = moat_nested::Payload::script(&format!(
-        "mkdir -p {tmp} && {name} --include-ignored --test-threads=1 --skip microvm_sandboxes"
+        r#"mkdir -p {tmp}
+{name} --include-ignored --test-threads=1 --skip microvm_sandboxes &
+tests=$!
+(
+    sleep {WATCHDOG_SECS}
+    echo "the microVM contract ran past {WATCHDOG_SECS} s; level 1's processes and microVMs:"
+    ps
+    for dir in "$HOME"/.local/share/moat/sandboxes/*/; do
+        echo "== $dir"; ls -ls "$dir"
+        for log in console.log vmm.log; do echo "-- $log"; tail -n 40 "$dir$log"; done
+    done
+    kill $tests
+) >&2 &
+watchdog=$!
+wait $tests
+code=$?
+kill $watchdog
+exit $code"#
     ));
     payload.env.push(("MOAT_TEST_BACKEND".into(), "vm".into()));
     // Several microVMs at once (a warm pool), their disks' overlays in

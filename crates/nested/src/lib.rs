@@ -36,7 +36,14 @@ pub fn run(payload: Payload) -> Result<Output> {
 }
 
 /// Runs `payload` in a fresh level 1 booted from `bundle`.
+///
+/// Level 1s on one machine run one at a time (a payload waits for the one
+/// before it to finish, and its stage timeouts start after the wait): each
+/// is a QEMU TCG guest that keeps every host core busy, so two at once on a
+/// small host slow each other past their timeouts. `MOAT_NESTED_PARALLEL=1`
+/// lifts this on a host with cores to spare.
 pub fn run_in(bundle: &Bundle, payload: &Payload) -> Result<Output> {
+    let _turn = machine::one_at_a_time()?;
     machine::run(bundle, payload)
 }
 

@@ -175,6 +175,21 @@ pub(crate) fn quote(s: &str) -> String {
 }
 
 /// Runs `payload` in level 1 booted from `bundle`.
+/// Waits for this machine's level-1 turn (see [`crate::run_in`]); the turn
+/// lasts as long as the returned lock (released by the kernel if the
+/// process dies).
+pub fn one_at_a_time() -> Result<Option<nix::fcntl::Flock<File>>> {
+    if std::env::var_os("MOAT_NESTED_PARALLEL").is_some_and(|v| v == "1") {
+        return Ok(None);
+    }
+    let path = std::env::temp_dir().join("moat-nested-level1.lock");
+    let watch = |source| Error::Watch { what: format!("taking the level-1 turn at {}", path.display()), source };
+    let file = File::options().create(true).truncate(false).write(true).open(&path).map_err(watch)?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+        .map(Some)
+        .map_err(|(_, errno)| watch(errno.into()))
+}
+
 pub fn run(bundle: &Bundle, payload: &Payload) -> Result<Output> {
     let script = payload_script(payload)?;
     let mut level1 = launch(bundle, payload.machine, &[("run", script)], &Console::File)?;

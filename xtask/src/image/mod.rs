@@ -32,7 +32,7 @@ const HOST_PACKAGES: &[(&str, &str)] = &[
 ];
 
 /// Bumped when the way images are put together changes.
-const RECIPE_VERSION: &str = "1";
+const RECIPE_VERSION: &str = "2";
 
 pub fn build(name: &str, force: bool) -> Result<PathBuf> {
     validate_name(name)?;

@@ -20,7 +20,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use super::disk::{DiskBackend, read_or_zero};
+use super::disk::{DiskBackend, read_or_zero, write_zeros_through};
 
 /// The overlay's granularity: the guest's filesystem block size.
 pub const BLOCK_SIZE: u64 = 4096;
@@ -277,6 +277,63 @@ impl DiskBackend for CowDisk {
         }
         Ok(())
     }
+
+    /// Zeros that cost nothing where they can: whole blocks whose base is
+    /// zero read as zero from the base, so they are dropped from the
+    /// overlay instead of filled. Without this, a guest that zeroes free
+    /// space (ext4's lazy inode-table init on first mount, `blkdiscard
+    /// -z`) would fill its overlay, and its disk limit, with zeros.
+    fn write_zeroes(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        let end = offset + len;
+        let (first, last) = (offset.div_ceil(BLOCK_SIZE), end / BLOCK_SIZE);
+        if first >= last {
+            return write_zeros_through(|buf, at| self.write_at(buf, at), offset, len);
+        }
+        // The parts of blocks at either end, then the whole blocks between.
+        write_zeros_through(|buf, at| self.write_at(buf, at), offset, first * BLOCK_SIZE - offset)?;
+        write_zeros_through(|buf, at| self.write_at(buf, at), last * BLOCK_SIZE, end - last * BLOCK_SIZE)?;
+        self.zero_blocks(first, last)
+    }
+}
+
+impl CowDisk {
+    /// Zeroes the whole blocks `first..end`: a block whose base is zero
+    /// leaves the overlay (or never enters it), the others are written as
+    /// zeros. Consecutive blocks of one kind are handled as one range.
+    fn zero_blocks(&mut self, first: u64, end: u64) -> io::Result<()> {
+        const SCAN_BLOCKS: u64 = 256;
+        let mut scan = vec![0u8; BLOCK_BYTES * 256];
+        // The pending range: (first block, blocks, base is zero there).
+        let mut run: Option<(u64, u64, bool)> = None;
+        let mut at = first;
+        while at < end {
+            let count = (end - at).min(SCAN_BLOCKS);
+            let bytes = &mut scan[..usize::try_from(count * BLOCK_SIZE).unwrap_or(0)];
+            read_or_zero(&self.base, bytes, at * BLOCK_SIZE)?;
+            for (i, block) in bytes.chunks_exact(BLOCK_BYTES).enumerate() {
+                let zero = block.iter().all(|b| *b == 0);
+                let number = at + i as u64;
+                run = match run {
+                    Some((start, n, kind)) if kind == zero => Some((start, n + 1, kind)),
+                    Some(done) => {
+                        self.zero_run(done)?;
+                        Some((number, 1, zero))
+                    }
+                    None => Some((number, 1, zero)),
+                };
+            }
+            at += count;
+        }
+        run.map_or(Ok(()), |done| self.zero_run(done))
+    }
+
+    fn zero_run(&mut self, (start, blocks, base_is_zero): (u64, u64, bool)) -> io::Result<()> {
+        if base_is_zero {
+            self.discard(start * BLOCK_SIZE, blocks * BLOCK_SIZE)
+        } else {
+            write_zeros_through(|buf, at| self.write_at(buf, at), start * BLOCK_SIZE, blocks * BLOCK_SIZE)
+        }
+    }
 }
 
 /// Gives a range of a file's space back (best effort: the map already says
@@ -388,6 +445,35 @@ mod tests {
         drop(disk);
         let disk = CowDisk::open(b.path(), &dir.path().join("ov"), 4 * BLOCK_SIZE).expect("reopens");
         assert_eq!(disk.used_bytes(), 3 * BLOCK_SIZE, "the map on disk agrees");
+    }
+
+    #[test]
+    fn zeroing_blocks_whose_base_is_zero_costs_no_overlay_space() {
+        // Blocks 0-3 hold data in the base, 4-15 are zero.
+        let f = tempfile::NamedTempFile::new().expect("temp file");
+        let mut bytes = vec![0u8; 16 * 4096];
+        bytes[..4 * 4096].fill(5);
+        std::fs::write(f.path(), &bytes).expect("base written");
+        let dir = tempfile::tempdir().expect("dir");
+        let mut disk = CowDisk::open(f.path(), &dir.path().join("ov"), 6 * BLOCK_SIZE).expect("opens");
+        disk.write_at(&[8u8; 4096], 10 * 4096).expect("a block of data where the base is zero");
+        assert_eq!(disk.used_bytes(), BLOCK_SIZE);
+        // Everything from byte 2 of block 1 to byte 100 of block 15: the
+        // partial blocks at either end and blocks 2-3 (base data) take room;
+        // blocks 4-14 (base zero) take none, and block 10 leaves the overlay.
+        disk.write_zeroes(4096 + 2, 14 * 4096 - 2 + 100).expect("zeroes");
+        assert_eq!(disk.used_bytes(), 4 * BLOCK_SIZE, "blocks 1, 2, 3 and 15");
+        let mut got = vec![1u8; 16 * 4096];
+        disk.read_at(&mut got, 0).expect("reads");
+        let mut want = vec![0u8; 16 * 4096];
+        want[..4096 + 2].fill(5);
+        assert_eq!(got, want);
+        // All of it, whole blocks only: 0-3 hold zeros over the base's
+        // data, 15 (zero in the base) leaves the overlay.
+        disk.write_zeroes(0, 16 * 4096).expect("zeroes");
+        assert_eq!(disk.used_bytes(), 4 * BLOCK_SIZE, "blocks 0-3");
+        disk.read_at(&mut got, 0).expect("reads");
+        assert_eq!(got, vec![0u8; 16 * 4096]);
     }
 
     #[test]

@@ -25,16 +25,25 @@ pub trait DiskBackend: Send {
     }
     /// Writes `len` zero bytes at `offset`.
     fn write_zeroes(&mut self, offset: u64, len: u64) -> io::Result<()> {
-        const CHUNK: u64 = 1 << 20;
-        let zeros = vec![0u8; usize::try_from(len.min(CHUNK)).unwrap_or(0)];
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(CHUNK);
-            self.write_at(&zeros[..usize::try_from(n).unwrap_or(0)], offset + done)?;
-            done += n;
-        }
-        Ok(())
+        write_zeros_through(|buf, at| self.write_at(buf, at), offset, len)
     }
+}
+
+/// Writes `len` zero bytes at `offset` through `write`, a megabyte at a time.
+pub(crate) fn write_zeros_through(
+    mut write: impl FnMut(&[u8], u64) -> io::Result<()>,
+    offset: u64,
+    len: u64,
+) -> io::Result<()> {
+    const CHUNK: u64 = 1 << 20;
+    let zeros = vec![0u8; usize::try_from(len.min(CHUNK)).unwrap_or(0)];
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(CHUNK);
+        write(&zeros[..usize::try_from(n).unwrap_or(0)], offset + done)?;
+        done += n;
+    }
+    Ok(())
 }
 
 /// Reads `buf.len()` bytes at `offset`, zeros past the end of the file.

@@ -1,0 +1,300 @@
+//! microVM benchmarks, each beside a baseline measured in the same run, in
+//! the nested test host (a level 1 under QEMU TCG whose KVM boots level-2
+//! guests; on a host whose own KVM boots Linux, `MOAT_BENCH_HERE=1` runs
+//! them here instead):
+//!
+//! - create → first command finished: a sandbox of the vm backend
+//!   (moat-vmm) vs. QEMU microvm booting the same kernel, initramfs, root
+//!   disk (copy-on-write) and command line to the same agent, reached over
+//!   vhost-vsock; runs interleaved (A, B, A, B…) so level 1's drift is
+//!   shared out. Target: ratio ≤ 0.8.
+//! - moat-vmm's resident memory beyond the guest memory it touched
+//!   (target ≤ 5 MiB), and an idle microVM's host memory (guest memory is
+//!   mapped `MAP_NORESERVE`: only touched pages count), beside QEMU's.
+//! - The agent's exec round trip and a 64 MiB file round trip over the
+//!   microVM's vsock, beside the same operations on the same agent binary
+//!   over a Unix socket.
+//!
+//! Figures from the nested host are for the ratios only: every level-2 exit
+//! is emulated by level 1's TCG (docs/testing.md). Needs the default image,
+//! the moat binaries, QEMU and busybox-static (`cargo xtask bench` provides
+//! them). Prints figures; never fails on a wall-clock one.
+
+#![allow(clippy::print_stdout, clippy::print_stderr, clippy::cast_precision_loss)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use moat_core::{Moat, MoatConfig, SandboxSpec};
+use moat_proto::{AgentClient, Connector, ExecRequest, ReadFileRequest, WriteFileRequest};
+
+/// Set in level 1: run the benchmarks rather than level 1.
+const HERE: &str = "MOAT_BENCH_HERE";
+const GUEST_MIB: u64 = 512;
+/// The vhost-vsock context id of QEMU's guest.
+const QEMU_CID: u32 = 3;
+
+fn main() {
+    if std::env::var_os(HERE).is_some_and(|v| v == "1") {
+        let runtime =
+            tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        runtime.block_on(bench(runs()));
+        return;
+    }
+    let (bundle, name) = moat_nested::bundle_with_this_program().expect("the level-1 bundle");
+    let mut payload = moat_nested::Payload::new([name.as_str(), "--bench"]).echo(true);
+    payload.env.push((HERE.into(), "1".into()));
+    payload.env.push(("MOAT_BENCH_RUNS".into(), runs().to_string()));
+    payload.machine.memory_mib = 4096;
+    let out = moat_nested::run_in(&bundle, &payload).expect("level 1 runs the benchmarks");
+    if out.code != 0 {
+        eprintln!("{}", out.stderr_text());
+        std::process::exit(out.code);
+    }
+}
+
+/// Boots of each kind (`MOAT_BENCH_RUNS`, default 3: a boot takes seconds
+/// under nested emulation).
+fn runs() -> usize {
+    std::env::var("MOAT_BENCH_RUNS").ok().and_then(|n| n.parse().ok()).filter(|n| *n > 0).unwrap_or(3)
+}
+
+fn median(mut times: Vec<Duration>) -> Duration {
+    times.sort();
+    times[times.len() / 2]
+}
+
+fn spec() -> SandboxSpec {
+    SandboxSpec { cpus: 1, memory_mib: GUEST_MIB, idle_seconds: 0, ..SandboxSpec::default() }
+}
+
+async fn bench(runs: usize) {
+    let data_dir = moat_core::image::data_dir();
+    let config = MoatConfig {
+        data_dir: data_dir.clone(),
+        backend: moat_core::BackendKind::Vm,
+        agent: PathBuf::from("/usr/bin/moat-agent"),
+        max_sandboxes: 4,
+        roots: vec![],
+        pool_size: 0,
+        pool_spec: spec(),
+        egress: moat_core::EgressConfig::default(),
+    };
+    let moat = Moat::new(config).await.expect("moat starts with the vm backend");
+    let image = moat_core::Image::open(&data_dir, "default").expect("the default image");
+
+    println!("microVM benchmarks in the nested test host ({runs} runs each, interleaved; ratios only)");
+    let mut ours = Vec::new();
+    let mut qemu = Vec::new();
+    let mut memory = None;
+    for _ in 0..runs {
+        let started = Instant::now();
+        let sandbox = moat.create(spec()).await.expect("a microVM sandbox");
+        let out = moat.run(&sandbox.id, ExecRequest::argv(["true"])).await.expect("true runs");
+        ours.push(started.elapsed());
+        assert!(out.status.success());
+        if memory.is_none() {
+            memory = Some(vmm_memory(&data_dir, &sandbox.id));
+        }
+        moat.destroy(&sandbox.id).await.expect("destroyed");
+
+        let (elapsed, rss) = qemu_first_command(&image);
+        qemu.push(elapsed);
+        memory = memory.map(|m: Memory| Memory { qemu_rss_kib: m.qemu_rss_kib.max(rss), ..m });
+    }
+    let (ours_m, qemu_m) = (median(ours.clone()), median(qemu.clone()));
+    println!("  create -> first command finished ({GUEST_MIB} MiB, 1 vCPU, to the same agent):");
+    println!("    moat vm (moat-vmm)      median {:>6.2} s   runs {}", ours_m.as_secs_f64(), list(&ours));
+    println!("    baseline: QEMU microvm  median {:>6.2} s   runs {}", qemu_m.as_secs_f64(), list(&qemu));
+    println!("    ratio {:.2}   (target <= 0.80)", ours_m.as_secs_f64() / qemu_m.as_secs_f64());
+    if let Some(m) = memory {
+        println!("  host memory of a microVM that booted and ran a command ({GUEST_MIB} MiB guest):");
+        println!(
+            "    moat-vmm resident {:.1} MiB = guest memory touched {:.1} MiB + the VMM's own {:.1} MiB   (target <= 5 MiB)",
+            kib(m.total_kib),
+            kib(m.guest_kib),
+            kib(m.total_kib.saturating_sub(m.guest_kib))
+        );
+        println!(
+            "    {:.0}% of the guest's {GUEST_MIB} MiB is resident (MAP_NORESERVE: untouched memory costs nothing)",
+            kib(m.guest_kib) / GUEST_MIB as f64 * 100.0
+        );
+        println!("    baseline: QEMU microvm resident {:.1} MiB, same guest", kib(m.qemu_rss_kib));
+    }
+    channel(&moat).await;
+    moat.destroy_all().await;
+}
+
+fn kib(k: u64) -> f64 {
+    k as f64 / 1024.0
+}
+
+fn list(times: &[Duration]) -> String {
+    times.iter().map(|t| format!("{:.2}", t.as_secs_f64())).collect::<Vec<_>>().join(" ")
+}
+
+struct Memory {
+    total_kib: u64,
+    guest_kib: u64,
+    qemu_rss_kib: u64,
+}
+
+/// moat-vmm's resident memory, all of it and that of the guest memory
+/// mapping (the one mapping of the guest's size).
+fn vmm_memory(data_dir: &Path, id: &str) -> Memory {
+    let pid = std::fs::read_to_string(data_dir.join("sandboxes").join(id).join("monitor"))
+        .ok()
+        .and_then(|p| p.trim().parse::<u32>().ok())
+        .expect("the sandbox records its VMM's pid");
+    let (total_kib, mappings) = smaps(pid);
+    let guest_kib = mappings.iter().find(|(size, _)| *size == GUEST_MIB * 1024).map_or(0, |(_, rss)| *rss);
+    Memory { total_kib, guest_kib, qemu_rss_kib: 0 }
+}
+
+/// A process's resident KiB, and (size, resident) KiB of each mapping.
+fn smaps(pid: u32) -> (u64, Vec<(u64, u64)>) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let value = |line: &str| line.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let mut mappings = Vec::new();
+    let mut size = 0;
+    for line in text.lines() {
+        if line.starts_with("Size:") {
+            size = value(line);
+        } else if line.starts_with("Rss:") {
+            mappings.push((size, value(line)));
+        }
+    }
+    (mappings.iter().map(|(_, rss)| rss).sum(), mappings)
+}
+
+/// QEMU microvm booting the image as the vm backend does (same kernel,
+/// initramfs, command line, root disk copy-on-write, one vCPU), the agent
+/// reached over vhost-vsock: the time from spawning QEMU to a first
+/// command finished, and QEMU's resident KiB then.
+fn qemu_first_command(image: &moat_core::Image) -> (Duration, u64) {
+    let cmdline = moat_core::vm::kernel_cmdline("level2");
+    let started = Instant::now();
+    let mut qemu = Command::new("qemu-system-x86_64")
+        .args(["-M", "microvm,acpi=on,rtc=on", "-accel", "kvm", "-cpu", "host", "-smp", "1"])
+        .args(["-m", &GUEST_MIB.to_string(), "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
+        .args(["-serial", "null"])
+        .arg("-kernel")
+        .arg(image.path("vmlinux"))
+        .arg("-initrd")
+        .arg(image.path("initramfs.cpio.gz"))
+        .args(["-append", &cmdline, "-drive"])
+        .arg(format!("id=root,file={},format=raw,if=none,snapshot=on", image.path("rootfs.ext4").display()))
+        .args(["-device", "virtio-blk-device,drive=root"])
+        .args(["-device", &format!("vhost-vsock-device,guest-cid={QEMU_CID}")])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("qemu-system-x86_64 starts");
+    let client = AgentClient::new(Vsock { cid: QEMU_CID, port: moat_core::vm::AGENT_VSOCK_PORT });
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let elapsed = runtime.block_on(async {
+        // Polled as the vm backend polls its VM's socket: the agent's
+        // handshake, every 20 ms, then the command.
+        loop {
+            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(2), client.info()).await {
+                break;
+            }
+            if let Ok(Some(status)) = qemu.try_wait() {
+                panic!("QEMU exited before its guest's agent answered ({status})");
+            }
+            assert!(started.elapsed() < Duration::from_secs(300), "QEMU's guest never answered");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let out = client.run(ExecRequest::argv(["true"])).await.expect("true runs under QEMU");
+        assert!(out.status.success());
+        started.elapsed()
+    });
+    let (rss, _) = smaps(qemu.id());
+    stop(&mut qemu);
+    (elapsed, rss)
+}
+
+fn stop(child: &mut Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// An agent over AF_VSOCK (QEMU's vhost-vsock).
+struct Vsock {
+    cid: u32,
+    port: u32,
+}
+
+impl Connector for Vsock {
+    type Stream = tokio_vsock::VsockStream;
+    fn connect(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send {
+        tokio_vsock::VsockStream::connect(tokio_vsock::VsockAddr::new(self.cid, self.port))
+    }
+}
+
+/// The agent's exec round trip and a 64 MiB file round trip, over a
+/// microVM's vsock and over a Unix socket to the same agent binary.
+async fn channel(moat: &Moat) {
+    const EXECS: usize = 50;
+    let sandbox = moat.create(spec()).await.expect("a microVM sandbox");
+    let vsock = moat.client(&sandbox.id).expect("its client");
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let socket = dir.path().join("agent.sock");
+    let mut agent = Command::new("moat-agent")
+        .arg("--listen")
+        .arg(format!("unix:{}", socket.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("moat-agent starts in level 1");
+    let unix = AgentClient::unix(&socket);
+    while unix.info().await.is_err() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let data: Vec<u8> = (0..=255u8).cycle().take(64 << 20).collect();
+    println!("  the agent's channel: vsock (moat-vmm's muxer) beside a Unix socket to the same agent binary:");
+    let mut rows = Vec::new();
+    for (name, file) in [("vsock", "/workspace/bench.bin"), ("unix socket", "")] {
+        let file = if file.is_empty() { dir.path().join("bench.bin").display().to_string() } else { file.into() };
+        let (execs, transfer) = if name == "vsock" {
+            measure(&vsock, EXECS, &data, &file).await
+        } else {
+            measure(&unix, EXECS, &data, &file).await
+        };
+        rows.push((name, execs, transfer));
+    }
+    for (name, execs, transfer) in &rows {
+        println!(
+            "    {name:<12} exec `true` round trip median {:>6.2} ms   64 MiB write + read back {:>6.0} ms ({:.0} MB/s each way)",
+            execs.as_secs_f64() * 1000.0,
+            transfer.as_secs_f64() * 1000.0,
+            2.0 * 64.0 * 1.048_576 / transfer.as_secs_f64()
+        );
+    }
+    if let [(_, ve, vt), (_, ue, ut)] = rows.as_slice() {
+        println!(
+            "    ratios vsock / unix socket: exec {:.2}, transfer {:.2}",
+            ve.as_secs_f64() / ue.as_secs_f64(),
+            vt.as_secs_f64() / ut.as_secs_f64()
+        );
+    }
+    stop(&mut agent);
+    moat.destroy(&sandbox.id).await.expect("destroyed");
+}
+
+async fn measure<C: Connector>(client: &AgentClient<C>, execs: usize, data: &[u8], path: &str) -> (Duration, Duration) {
+    let mut times = Vec::new();
+    for _ in 0..execs {
+        let t = Instant::now();
+        let out = client.run(ExecRequest::argv(["true"])).await.expect("true runs");
+        times.push(t.elapsed());
+        assert!(out.status.success());
+    }
+    let t = Instant::now();
+    let req = WriteFileRequest { path: path.into(), mode: None, create_parents: true, owner: None };
+    client.write_file(req, &mut &data[..]).await.expect("writes 64 MiB");
+    let back = client.read_file(ReadFileRequest { path: path.into(), offset: 0, length: None }).await.expect("reads");
+    let transfer = t.elapsed();
+    assert!(back == data, "the 64 MiB came back changed");
+    (median(times), transfer)
+}
