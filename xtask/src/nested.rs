@@ -83,7 +83,9 @@ pub fn prepare() -> Result<Bundle> {
     }
     let mut sources = Sources::from_env()?;
     sources.agent = agent;
-    sources.bin_dir = root().join("target/debug");
+    // The debug host binaries, unless MOAT_BIN_DIR names others (a
+    // release build's, to measure).
+    sources.bin_dir = std::env::var_os("MOAT_BIN_DIR").map_or_else(|| root().join("target/debug"), Into::into);
     sources.cache_dir = root().join("target/nested");
     eprintln!("preparing the level-1 bundle under {}", sources.cache_dir.display());
     Ok(moat_nested::bundle::prepare(&sources)?)

@@ -67,6 +67,12 @@ async fn a_sandbox_runs_debian_as_user_and_moves_files() {
     assert_eq!(out.lines().collect::<Vec<_>>(), ["user", "/home/user", "box-one", "debian", "numpy"]);
     let (out, _) = sh(&moat, &sandbox.id, "echo $GREETING").await;
     assert_eq!(out, "hi\n", "the sandbox's env reaches its commands");
+    // The wall clock is the host's (a microVM has no RTC: its kernel reads
+    // the time from kvmclock), or TLS certificates would not be valid yet.
+    let (out, _) = sh(&moat, &sandbox.id, "date +%s").await;
+    let host = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_secs();
+    let guest: u64 = out.trim().parse().expect("date +%s prints seconds");
+    assert!(guest.abs_diff(host) < 600, "the sandbox's clock says {guest}, the host's {host}");
 
     let client = moat.client(&sandbox.id).expect("client");
     // 64 MiB: past every frame, chunk and credit window on the way.

@@ -60,13 +60,22 @@ pub enum Error {
     Timeout { stage: Stage, waited: Duration, tails: Tails },
     #[error("Level 1 failed after stage '{stage}': {reason}\n{tails}")]
     Failed { stage: Stage, reason: String, tails: Tails },
+    /// Level 1 itself broke: its kernel crashed (an oops or a panic on its
+    /// console), it stopped answering, or QEMU ended before the payload
+    /// finished. The test host, not the payload: [`crate::run_in`] tries
+    /// once more.
+    #[error(
+        "Level 1 broke after stage '{stage}': {reason} (the nested test host itself: emulated SVM under TCG \
+         is not flawless; rerun, and report it if it recurs)\n{tails}"
+    )]
+    Crashed { stage: Stage, reason: String, tails: Tails },
 }
 
 impl Error {
     /// The last stage level 1 reached, when it got as far as starting.
     pub fn stage(&self) -> Option<Stage> {
         match self {
-            Self::Timeout { stage, .. } | Self::Failed { stage, .. } => Some(*stage),
+            Self::Timeout { stage, .. } | Self::Failed { stage, .. } | Self::Crashed { stage, .. } => Some(*stage),
             _ => None,
         }
     }
@@ -74,7 +83,7 @@ impl Error {
     /// Both consoles' tails, when level 1 ran.
     pub fn tails(&self) -> Option<&Tails> {
         match self {
-            Self::Timeout { tails, .. } | Self::Failed { tails, .. } => Some(tails),
+            Self::Timeout { tails, .. } | Self::Failed { tails, .. } | Self::Crashed { tails, .. } => Some(tails),
             _ => None,
         }
     }

@@ -120,8 +120,13 @@ if [ -e /payload/shell ]; then
 fi
 
 report "stage started"
+# A heartbeat, so that the host tells a level 1 that stopped (a hung
+# kernel) from a payload that takes long.
+( while sleep 5; do report alive; done ) &
+heartbeat=$!
 sh /payload/run < /dev/null > "$STDOUT" 2> "$STDERR"
 code=$?
+kill $heartbeat
 report "stage finished $code"
 say "payload exited with $code"
 halt

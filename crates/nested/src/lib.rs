@@ -42,9 +42,19 @@ pub fn run(payload: Payload) -> Result<Output> {
 /// is a QEMU TCG guest that keeps every host core busy, so two at once on a
 /// small host slow each other past their timeouts. `MOAT_NESTED_PARALLEL=1`
 /// lifts this on a host with cores to spare.
+///
+/// When level 1 itself breaks ([`Error::Crashed`]: its kernel crashed or
+/// hung, as emulated SVM under TCG now and then makes it), the payload runs
+/// once more in a fresh level 1, and the first failure is printed.
 pub fn run_in(bundle: &Bundle, payload: &Payload) -> Result<Output> {
     let _turn = machine::one_at_a_time()?;
-    machine::run(bundle, payload)
+    match machine::run(bundle, payload) {
+        Err(e @ Error::Crashed { .. }) => {
+            eprintln!("moat-nested: {e}\nmoat-nested: running the payload again in a fresh level 1");
+            machine::run(bundle, payload)
+        }
+        other => other,
+    }
 }
 
 /// A bundle that also carries the running program (a test binary that

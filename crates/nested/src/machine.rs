@@ -38,6 +38,21 @@ const POLL: Duration = Duration::from_millis(20);
 /// How long level 1 may take to power off once the payload has finished.
 const POWER_OFF_GUARD: Duration = Duration::from_secs(60);
 
+/// How long a running payload's level 1 may go without its heartbeat
+/// (sent every 5 s) before it counts as hung.
+const LIVENESS: Duration = Duration::from_secs(120);
+
+/// Level 1 console lines that mean its kernel broke. (Warnings such as
+/// soft-lockup reports are not among them: under TCG they come and go.)
+const CRASH_MARKERS: &[&str] = &[
+    "Kernel panic - not syncing",
+    "Oops:",
+    "BUG: unable to handle",
+    "general protection fault",
+    "kernel BUG at",
+    "double fault",
+];
+
 /// Lines of the serial console in a failure report.
 const CONSOLE_TAIL_LINES: usize = 40;
 
@@ -197,10 +212,19 @@ pub fn run(bundle: &Bundle, payload: &Payload) -> Result<Output> {
     let mut watch = Watch::new(&level1, payload.echo, started)?;
     let mut stages = vec![(Stage::Launched, Duration::ZERO)];
     let mut since = started;
+    let mut alive = started;
     let code = loop {
         for event in watch.poll()? {
             match event {
+                Event::Alive => alive = Instant::now(),
+                Event::Crashed(line) => {
+                    let _ = level1.child.kill();
+                    let _ = level1.child.wait();
+                    let reason = format!("its kernel crashed: {line}");
+                    return Err(Error::Crashed { stage: last(&stages), reason, tails: watch.tails() });
+                }
                 Event::Stage(stage, detail) => {
+                    alive = Instant::now();
                     stages.push((stage, started.elapsed()));
                     since = Instant::now();
                     if stage == Stage::PayloadFinished {
@@ -227,6 +251,12 @@ pub fn run(bundle: &Bundle, payload: &Payload) -> Result<Output> {
             break status;
         }
         let stage = last(&stages);
+        if stage == Stage::PayloadStarted && alive.elapsed() > LIVENESS {
+            let _ = level1.child.kill();
+            let _ = level1.child.wait();
+            let reason = format!("it stopped answering (no heartbeat for {} s)", LIVENESS.as_secs());
+            return Err(Error::Crashed { stage, reason, tails: watch.tails() });
+        }
         let limit = payload.timeouts.after(stage);
         if since.elapsed() > limit {
             let _ = level1.child.kill();
@@ -240,7 +270,9 @@ pub fn run(bundle: &Bundle, payload: &Payload) -> Result<Output> {
     if let Some(reason) = events.iter().find_map(|e| if let Event::Failed(r) = e { Some(r.clone()) } else { None }) {
         return Err(Error::Failed { stage: last(&stages), reason, tails: watch.tails() });
     }
-    Err(Error::Failed { stage: last(&stages), reason: qemu_exited(&level1, code), tails: watch.tails() })
+    // Level 1 powers off only after the payload's status: this was a crash
+    // (with `panic=-1` a panicking kernel resets, and `-no-reboot` ends QEMU).
+    Err(Error::Crashed { stage: last(&stages), reason: qemu_exited(&level1, code), tails: watch.tails() })
 }
 
 /// An interactive level-1 shell on this terminal; returns the shell's exit status.
@@ -296,6 +328,9 @@ fn finish(level1: &Level1, watch: Watch, code: i32, stages: Vec<(Stage, Duration
 enum Event {
     Stage(Stage, String),
     Failed(String),
+    Alive,
+    /// A console line that says level 1's kernel broke.
+    Crashed(String),
 }
 
 /// A file QEMU appends lines to, read as it grows.
@@ -324,6 +359,8 @@ struct Watch {
     dir: PathBuf,
     started: Instant,
     control: Lines,
+    /// The serial console, watched for crash reports.
+    console: Lines,
     marks_file: Lines,
     marks: Vec<(Duration, String)>,
     echo: Option<[(File, bool); 2]>,
@@ -339,6 +376,7 @@ impl Watch {
             dir: level1.dir.path().to_path_buf(),
             started,
             control: Lines { file: open("control")?, pending: String::new() },
+            console: Lines { file: open("console")?, pending: String::new() },
             marks_file: Lines { file: open("marks")?, pending: String::new() },
             marks: Vec::new(),
             echo,
@@ -354,8 +392,15 @@ impl Watch {
         let lines =
             self.control.read().map_err(|source| Error::Watch { what: "reading the control port".into(), source })?;
         let mut events = Vec::new();
+        let console =
+            self.console.read().map_err(|source| Error::Watch { what: "reading the console".into(), source })?;
+        if let Some(line) = console.iter().find(|l| CRASH_MARKERS.iter().any(|m| l.contains(m))) {
+            events.push(Event::Crashed(line.clone()));
+        }
         for line in &lines {
-            if let Some(reason) = line.strip_prefix("fail ") {
+            if line == "alive" {
+                events.push(Event::Alive);
+            } else if let Some(reason) = line.strip_prefix("fail ") {
                 events.push(Event::Failed(reason.to_owned()));
             } else if let Some(rest) = line.strip_prefix("stage ") {
                 let (name, detail) = rest.split_once(' ').unwrap_or((rest, ""));
@@ -395,7 +440,8 @@ impl Watch {
         let console = String::from_utf8_lossy(&console);
         let lines: Vec<&str> = console.lines().collect();
         let console = lines[lines.len().saturating_sub(CONSOLE_TAIL_LINES)..].join("\n");
-        let mut channel = std::fs::read_to_string(self.dir.join("control")).unwrap_or_default();
+        let control = std::fs::read_to_string(self.dir.join("control")).unwrap_or_default();
+        let mut channel: String = control.lines().filter(|l| *l != "alive").map(|l| format!("{l}\n")).collect();
         for name in ["stdout", "stderr"] {
             let tail = tail_bytes(&self.dir.join(name), STREAM_TAIL_BYTES);
             channel.push_str(&format!(

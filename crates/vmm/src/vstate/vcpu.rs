@@ -29,6 +29,10 @@ use crate::arch::x86_64::regs::{self, EntryPoint};
 use crate::arch::x86_64::{cpuid, msr};
 use crate::devices::bus::{Bus, lock};
 
+/// A vCPU thread's stack: exit handling and device emulation need far less;
+/// under 2 MiB so that a host with transparent huge pages always on cannot
+/// back it with a 2 MiB page (Rust's default stack is 2 MiB).
+const VCPU_STACK: usize = 512 << 10;
 /// Why a vCPU could not be configured or started.
 #[derive(Debug, thiserror::Error)]
 pub enum VcpuError {
@@ -374,6 +378,7 @@ impl Vcpu {
         let index = self.index;
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
+            .stack_size(VCPU_STACK)
             .spawn(move || {
                 let run = std::ptr::from_mut::<kvm_run>(self.fd.get_kvm_run());
                 KVM_RUN.with(|p| p.set(run));

@@ -24,8 +24,11 @@ use crate::arch::x86_64::layout::{
 const OEM_ID: [u8; 6] = *b"MOAT  ";
 const OEM_REVISION: u32 = 1;
 /// FADT IA-PC boot architecture flags: an 8042 is present (bit 1), no VGA
-/// (bit 2), no MSI (bit 3: there is no PCI), no ASPM control (bit 4).
-const IAPC_BOOT_ARCH: u16 = (1 << 1) | (1 << 2) | (1 << 3) | (1 << 4);
+/// (bit 2), no MSI (bit 3: there is no PCI), no ASPM control (bit 4), no
+/// CMOS RTC (bit 5: otherwise Linux's rtc_cmos probes ports 0x70/0x71, an
+/// exit each, for seconds under nested virtualization; the guest reads the
+/// wall clock from kvmclock instead).
+const IAPC_BOOT_ARCH: u16 = (1 << 1) | (1 << 2) | (1 << 3) | (1 << 4) | (1 << 5);
 /// "MOATVMM" as the FADT's hypervisor vendor identity.
 const HYPERVISOR_VENDOR: u64 = u64::from_le_bytes(*b"MOATVMM\0");
 
