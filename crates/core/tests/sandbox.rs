@@ -157,16 +157,28 @@ async fn sandboxes_never_outlive_a_killed_owner() {
         .args(["--exact", "sandboxes_never_outlive_a_killed_owner", "--include-ignored", "--nocapture"])
         .env("MOAT_TEST_OWNER", "1")
         .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("owner starts");
     let mut reader = std::io::BufReader::new(owner.stdout.take().expect("stdout"));
-    let mut id = String::new();
-    while !id.starts_with("SANDBOX ") {
-        id.clear();
-        let n = std::io::BufRead::read_line(&mut reader, &mut id).expect("reads");
-        assert!(n > 0, "the owner exited before creating its sandbox");
-    }
-    let id = id.trim().trim_start_matches("SANDBOX ").to_owned();
+    // The line may follow libtest's own "test … ... " (it prints the name
+    // first when it runs one test at a time, as on a one-CPU machine).
+    let mut line = String::new();
+    let mut said = String::new();
+    let id = loop {
+        line.clear();
+        let n = std::io::BufRead::read_line(&mut reader, &mut line).expect("reads");
+        if n == 0 {
+            let mut stderr = String::new();
+            let _ = std::io::Read::read_to_string(&mut owner.stderr.take().expect("stderr"), &mut stderr);
+            let status = owner.wait().expect("reaped");
+            panic!("the owner exited ({status}) before creating its sandbox:\n{said}\n{stderr}");
+        }
+        if let Some((_, id)) = line.split_once("SANDBOX ") {
+            break id.trim().to_owned();
+        }
+        said.push_str(&line);
+    };
     let state = moat_core::image::data_dir().join("sandboxes").join(&id);
     let monitor: i32 =
         std::fs::read_to_string(state.join("monitor")).expect("monitor pid").trim().parse().expect("pid");
@@ -471,9 +483,15 @@ fn microvm_sandboxes_pass_the_same_contract_in_the_nested_host() {
     // A watchdog inside level 1 (short of the host's own limit) that, when
     // the tests hang, shows what level 1 was doing: its processes and each
     // microVM's console and moat-vmm log.
+    // `MOAT_CONTRACT_FILTER=NAME` runs only the tests matching NAME.
+    let filter = std::env::var("MOAT_CONTRACT_FILTER")
+        .unwrap_or_default()
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect::<String>();
     let mut payload = moat_nested::Payload::script(&format!(
         r#"mkdir -p {tmp}
-{name} --include-ignored --test-threads=1 --skip microvm_sandboxes &
+{name} --include-ignored --test-threads=1 --skip microvm_sandboxes {filter} &
 tests=$!
 (
     sleep {WATCHDOG_SECS}
@@ -497,5 +515,13 @@ exit $code"#
     payload.machine.memory_mib = 4096;
     let out = moat_nested::run_in(&bundle, &payload).expect("level 1 runs the tests");
     eprintln!("{}", out.stdout_text());
-    assert_eq!(out.code, 0, "the contract failed for microVMs:\n{}\n{}", out.stdout_text(), out.stderr_text());
+    let console: Vec<&str> = out.console.lines().collect();
+    assert_eq!(
+        out.code,
+        0,
+        "the contract failed for microVMs:\n{}\n{}\nlevel 1's console (tail):\n{}",
+        out.stdout_text(),
+        out.stderr_text(),
+        console[console.len().saturating_sub(40)..].join("\n")
+    );
 }
