@@ -72,6 +72,16 @@ impl QueueDriver {
         q
     }
 
+    /// The descriptor the next chain starts at.
+    pub fn next_desc(&self) -> u16 {
+        self.next_desc % self.size
+    }
+
+    /// The guest addresses of the descriptor table, available ring and used ring.
+    pub fn addresses(&self) -> (u64, u64, u64) {
+        (self.desc, self.avail, self.used)
+    }
+
     /// Writes descriptor `index` as given (a raw, possibly hostile, entry).
     pub fn write_desc(&self, mem: &GuestMemoryMmap, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
         let at = self.desc + 16 * u64::from(index % self.size);
