@@ -21,8 +21,8 @@ use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT, Reader};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 use super::{TYPE_NET, VirtioDevice, read_config_bytes};
-pub use passt::PasstLink;
 use passt::MAX_FRAME;
+pub use passt::PasstLink;
 
 const QUEUE_SIZES: &[u16] = &[256, 256];
 const RX: usize = 0;

@@ -34,7 +34,6 @@ const PREFIX: usize = 4;
 pub const BUFFER_BYTES: usize = 256 * 1024;
 
 /// The socket to passt and its buffers.
-#[derive(Debug)]
 pub struct PasstLink {
     stream: Option<UnixStream>,
     epoll: Epoll,
@@ -48,6 +47,16 @@ pub struct PasstLink {
     /// Bytes for passt: `tx[tx_start..]` are still to be written.
     tx: Vec<u8>,
     tx_start: usize,
+}
+
+impl std::fmt::Debug for PasstLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PasstLink")
+            .field("up", &self.is_up())
+            .field("received", &(self.rx_end - self.rx_start))
+            .field("to_send", &self.tx_pending())
+            .finish_non_exhaustive()
+    }
 }
 
 impl PasstLink {

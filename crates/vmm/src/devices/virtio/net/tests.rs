@@ -48,7 +48,7 @@ fn rig() -> Rig {
 
 /// An Ethernet frame of `len` bytes, its bytes numbered from `seed`.
 fn frame(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| seed.wrapping_add(i as u8)).collect()
+    (0..len).map(|i| seed.wrapping_add(i.to_le_bytes()[0])).collect()
 }
 
 fn framed(frame: &[u8]) -> Vec<u8> {
@@ -242,7 +242,11 @@ fn a_stalled_passt_holds_the_guests_tx_buffers_until_it_reads() {
         }
     });
     while returned < count {
-        assert!(r.host_ready(5000), "the device waits for passt to take its bytes: {returned} returned, {} pending", r.dev.link().tx_pending());
+        assert!(
+            r.host_ready(5000),
+            "the device waits for passt to take its bytes: {returned} returned, {} pending",
+            r.dev.link().tx_pending()
+        );
         r.host();
         returned += r.tx.take_used(&r.mem).len();
     }
