@@ -451,3 +451,57 @@ fn notifications_before_setup_and_after_reset_serve_nothing() {
     assert!(rx.take_used(&d.mem).is_empty());
     assert!(d.irq.read().is_err());
 }
+
+/// Against the real passt (`passt --fd`, the way moat-core starts it): the
+/// guest asks for its gateway's address and passt answers, so the framing
+/// on the stream is passt's own.
+#[test]
+#[ignore = "needs passt (Debian package passt); cargo xtask test provides it"]
+fn real_passt_answers_the_guests_arp_request_for_its_gateway() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+
+    const PASST_MAC: [u8; 6] = [0x02, 0x6d, 0x6f, 0x61, 0x74, 0xfe];
+    let (vmm_end, passt_end) = UnixStream::pair().expect("socketpair");
+    let fd = passt_end.as_raw_fd();
+    let mut command = std::process::Command::new("passt");
+    command
+        .args(["--foreground", "--quiet", "--ipv4-only", "--fd", "3", "--address", "10.0.2.15"])
+        .args(["--netmask", "24", "--gateway", "10.0.2.2", "--mac-addr", "02:6d:6f:61:74:fe"])
+        .args(["--tcp-ports", "none", "--udp-ports", "none", "--no-map-gw"])
+        .stdin(std::process::Stdio::null());
+    // SAFETY: dup2 is async-signal-safe; descriptor 3 is free in the child
+    // once dup2 replaces it.
+    unsafe {
+        command.pre_exec(move || if libc::dup2(fd, 3) < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) });
+    }
+    let mut child = command.spawn().expect("passt starts");
+    drop(passt_end);
+    let dev = Net::new(MAC, vmm_end).expect("device");
+    let rx = QueueDriver::new(RX_RINGS, 256);
+    let tx = QueueDriver::new(TX_RINGS, 256);
+    let queues = vec![rx.queue(), tx.queue()];
+    let (passt, _) = UnixStream::pair().expect("unused");
+    let mut r = Rig { dev, mem: guest_memory(0x100_0000), rx, tx, queues, passt, tx_slot: 0 };
+    r.post_rx(16, LINUX_RX);
+    let mut arp = vec![0xff; 6];
+    arp.extend_from_slice(&MAC);
+    arp.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0, 6, 4, 0, 1]);
+    arp.extend_from_slice(&MAC);
+    arp.extend_from_slice(&[10, 0, 2, 15, 0, 0, 0, 0, 0, 0, 10, 0, 2, 2]);
+    let mut reply = None;
+    for _ in 0..20 {
+        r.offer_tx(&arp);
+        r.notify(TX);
+        reply = r.receive(1).into_iter().map(|(_, f)| f).find(|f| f.get(12..14) == Some(&[0x08, 0x06]));
+        if reply.is_some() {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let reply = reply.expect("passt answers ARP");
+    assert_eq!(&reply[..6], &MAC, "to the guest");
+    assert_eq!(&reply[20..22], &[0, 2], "an ARP reply");
+    assert_eq!((&reply[22..28], &reply[28..32]), (&PASST_MAC[..], &[10, 0, 2, 2][..]), "the gateway is passt");
+}
