@@ -113,7 +113,9 @@ pub enum BootError {
     MountRoot { device: PathBuf, fstype: String, source: nix::Error },
     #[error("Cannot switch to the new root at {0}")]
     SwitchRoot(PathBuf, #[source] nix::Error),
-    #[error("moat.net={0} is not ADDR/PREFIX,GATEWAY,DNS (IPv4); the host's vm backend writes it, so this is a bug there")]
+    #[error(
+        "moat.net={0} is not ADDR/PREFIX,GATEWAY,DNS (IPv4); the host's vm backend writes it, so this is a bug there"
+    )]
     BadNet(String),
     #[error(transparent)]
     Network(#[from] crate::netconf::NetError),
