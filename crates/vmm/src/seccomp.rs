@@ -287,7 +287,11 @@ mod tests {
         let mem = guest_memory(1 << 20);
         let (mut rx, mut tx) = (QueueDriver::new(0x1000, 16), QueueDriver::new(0x2000, 16));
         let mut queues = vec![rx.queue(), tx.queue()];
-        mem.write_slice(&[7u8; 72], GuestAddress(0x8000)).expect("frame");
+        // A header, then an ARP frame (ethertype 0x0806).
+        let mut frame = [7u8; 72];
+        frame[..12].fill(0);
+        frame[24..26].copy_from_slice(&[0x08, 0x06]);
+        mem.write_slice(&frame, GuestAddress(0x8000)).expect("frame");
         tx.add_chain(&mem, &[Buf::read(0x8000, 72)]);
         net.process_queue(1, &mut queues, &mem);
         let mut got = [0u8; 64];

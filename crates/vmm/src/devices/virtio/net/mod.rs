@@ -11,6 +11,13 @@
 //! header when it has no offloads, matching its MTU of 1500) is dropped,
 //! as a NIC drops what exceeds its receive buffers. passt sizes its TCP
 //! segments from the guest's MSS, so that does not happen to TCP.
+//!
+//! Only ARP and IPv4 frames go to passt, and no IPv4 packet addressed to
+//! 0.0.0.0/8 or 127.0.0.0/8: the guest's own stack never puts those on the
+//! wire, but its root can craft them, and passt (Debian bookworm's, at
+//! least) would connect them to the host's loopback services, which a
+//! sandbox must never reach. The guest is configured for IPv4 only and
+//! passt runs `--ipv4-only`, so nothing else is lost.
 
 pub mod passt;
 
@@ -49,8 +56,23 @@ pub struct Net {
     frame: Vec<u8>,
     /// Frames from passt dropped because no posted buffer could hold them.
     dropped_rx: u64,
-    /// Frames from the guest dropped as malformed.
+    /// Frames from the guest dropped as malformed or refused.
     dropped_tx: u64,
+}
+
+/// Ethernet types passed to passt.
+const ETH_ARP: [u8; 2] = [0x08, 0x06];
+const ETH_IPV4: [u8; 2] = [0x08, 0x00];
+
+/// Whether a frame from the guest may go to passt: ARP, and IPv4 to any
+/// destination but "this host" (0/8) and loopback (127/8).
+pub fn allowed_to_passt(frame: &[u8]) -> bool {
+    match frame.get(12..14) {
+        Some(t) if t == ETH_ARP => true,
+        // The destination address is at offset 16 of the IPv4 header, whatever its options.
+        Some(t) if t == ETH_IPV4 => frame.get(30).is_some_and(|first| *first != 0 && *first != 127),
+        _ => false,
+    }
 }
 
 impl Net {
@@ -81,11 +103,14 @@ impl Net {
                     break;
                 };
                 let head = chain.head_index();
-                if self.read_frame(mem, chain) {
-                    self.link.send(&self.frame[HDR_LEN..]);
-                } else {
+                if !self.read_frame(mem, chain) {
                     self.dropped_tx += 1;
                     tracing::debug!("virtio-net: dropped a malformed TX chain");
+                } else if !allowed_to_passt(&self.frame[HDR_LEN..]) {
+                    self.dropped_tx += 1;
+                    tracing::debug!("virtio-net: dropped a frame that is not ARP or IPv4 to an outside address");
+                } else {
+                    self.link.send(&self.frame[HDR_LEN..]);
                 }
                 if let Err(e) = queue.add_used(mem, head, 0) {
                     tracing::warn!("virtio-net: cannot return a TX buffer to the guest: {e}");
