@@ -141,7 +141,8 @@ fn run_jail(args: &JailArgs) -> ExitCode {
     }
 }
 
-/// Modules, root device, switch root: each stage reported on the console.
+/// Modules, root device, switch root, the network (when the command line
+/// gives one): each stage reported on the console.
 fn boot_vm(config: &BootConfig) -> Result<(), boot::BootError> {
     boot::stage("starting");
     let count = boot::load_modules()?;
@@ -150,6 +151,11 @@ fn boot_vm(config: &BootConfig) -> Result<(), boot::BootError> {
     boot::wait_for_device(&device, Duration::from_secs(10))?;
     boot::switch_root(config)?;
     boot::stage(&format!("root mounted ({})", device.display()));
+    if let Some(net) = &config.net {
+        let net = moat_agent::netconf::NetConfig::parse(net).ok_or_else(|| boot::BootError::BadNet(net.clone()))?;
+        moat_agent::netconf::configure(&net)?;
+        boot::stage(&format!("network up ({} {}/{})", moat_agent::netconf::INTERFACE, net.address, net.prefix));
+    }
     Ok(())
 }
 

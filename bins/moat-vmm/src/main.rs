@@ -7,7 +7,7 @@ use std::time::Instant;
 use clap::Parser;
 use moat_vmm::arch::x86_64::boot::BootError;
 use moat_vmm::builder::{BuildError, build_microvm};
-use moat_vmm::config::{ConfigError, DiskConfig, VmConfig, VsockConfig};
+use moat_vmm::config::{ConfigError, DiskConfig, NetConfig, VmConfig, VsockConfig};
 
 /// Exit status for an invalid configuration (clap's usage errors use it too).
 const EXIT_CONFIG: u8 = 2;
@@ -63,6 +63,17 @@ struct Args {
     /// connections to the host).
     #[arg(long, value_name = "PATH", requires = "vsock_cid")]
     vsock_uds: Option<PathBuf>,
+    /// A network device served by passt listening on this Unix socket
+    /// (`passt --socket PATH`).
+    #[arg(long, value_name = "PATH", conflicts_with = "net_passt_fd")]
+    net_passt_socket: Option<PathBuf>,
+    /// A network device served by passt on this inherited descriptor, one
+    /// end of a socketpair whose other end passt has (`passt --fd`).
+    #[arg(long, value_name = "FD")]
+    net_passt_fd: Option<i32>,
+    /// The network device's MAC address [default: 02:6d:6f:61:74:01].
+    #[arg(long, value_name = "MAC")]
+    net_mac: Option<String>,
     /// Serial console destination: stdout, none, file:PATH or fd:N [default: stdout].
     #[arg(long, value_name = "DEST")]
     console: Option<String>,
@@ -155,6 +166,17 @@ fn configure(args: &Args) -> Result<VmConfig, ConfigError> {
     }
     if let (Some(cid), Some(uds_path)) = (args.vsock_cid, &args.vsock_uds) {
         config.vsock = Some(VsockConfig { cid, uds_path: uds_path.clone() });
+    }
+    if args.net_passt_socket.is_some() || args.net_passt_fd.is_some() {
+        let net = config.net.get_or_insert_with(|| NetConfig::socket(""));
+        net.passt_socket = args.net_passt_socket.clone();
+        net.passt_fd = args.net_passt_fd;
+    }
+    if let Some(mac) = &args.net_mac {
+        match &mut config.net {
+            Some(net) => net.mac = mac.clone(),
+            None => return Err(invalid("net.mac", "needs --net-passt-socket or --net-passt-fd".into())),
+        }
     }
     if let Some(console) = &args.console {
         config.console = console.clone();

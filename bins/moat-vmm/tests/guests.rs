@@ -196,6 +196,12 @@ fn invalid_configuration_exits_2_with_one_line_naming_the_field() {
         (vec!["--kernel", k, "--control-socket", "/nonexistent/dir/ctl"], "control_socket"),
         (vec!["--config", c], "config"),
         (vec!["--kernel", g], "kernel"),
+        (vec!["--kernel", k, "--net-passt-socket", "/nonexistent/passt.sock"], "net.passt_socket"),
+        (vec!["--kernel", k, "--net-passt-socket", g], "net.passt_socket"),
+        (vec!["--kernel", k, "--net-passt-fd", "1"], "net.passt_fd"),
+        (vec!["--kernel", k, "--net-passt-fd", "5", "--net-mac", "03:00:00:00:00:01"], "net.mac"),
+        (vec!["--kernel", k, "--net-passt-fd", "5", "--net-mac", "02:00:00:00:01"], "net.mac"),
+        (vec!["--kernel", k, "--net-mac", "02:00:00:00:00:01"], "net.mac"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_moat-vmm")).args(&args).output().expect("runs");
         let err = stderr(&out);
@@ -203,6 +209,37 @@ fn invalid_configuration_exits_2_with_one_line_naming_the_field() {
         assert_eq!(err.lines().count(), 1, "{args:?}: one line: {err}");
         assert!(err.starts_with(&format!("moat-vmm: Invalid configuration: {field}: ")), "{args:?}: {err}");
     }
+}
+
+/// A passt that is not there is reported before the guest starts: a stale
+/// socket file nobody listens on, or a descriptor that is not a socket.
+#[test]
+fn a_missing_passt_fails_the_build_with_what_to_do() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let kernel = dir.path().join("vmlinux");
+    std::fs::write(&kernel, elf(&[0xf4], true)).expect("written");
+    let stale = dir.path().join("passt.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).expect("binds"));
+    let out = Command::new(env!("CARGO_BIN_EXE_moat-vmm"))
+        .arg("--kernel")
+        .arg(&kernel)
+        .arg("--net-passt-socket")
+        .arg(&stale)
+        .args(["--console", "none"])
+        .output()
+        .expect("runs");
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("Cannot connect to passt at") && err.contains("--socket"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_moat-vmm"))
+        .arg("--kernel")
+        .arg(&kernel)
+        .args(["--net-passt-fd", "57", "--console", "none"])
+        .output()
+        .expect("runs");
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("fd:57 is not an open socket"), "{err}");
 }
 
 #[test]

@@ -370,8 +370,12 @@ fn doctor(image_name: &str) -> ExitCode {
         Err(e) => println!("agent:                   {e}"),
     }
     match moat_core::jail::find_pasta() {
-        Some(pasta) => println!("network open:            pasta at {}", pasta.display()),
-        None => println!("network open:            unavailable: no pasta (apt-get install passt)"),
+        Some(pasta) => println!("network open (jail):     pasta at {}", pasta.display()),
+        None => println!("network open (jail):     unavailable: no pasta (apt-get install passt)"),
+    }
+    match moat_core::passt::find_passt() {
+        Some(passt) => println!("network open (vm):       passt at {}", passt.display()),
+        None => println!("network open (vm):       unavailable: no passt (apt-get install passt)"),
     }
     let vmm = moat_core::machine::find_vmm();
     match &vmm {

@@ -35,6 +35,9 @@ pub struct BootConfig {
     /// `moat.boot_timer=ADDR` (hex): the physical address of moat-vmm's
     /// boot-timer page, written once the agent is ready.
     pub boot_timer: Option<u64>,
+    /// `moat.net=ADDR/PREFIX,GATEWAY,DNS`: configure `eth0` (see
+    /// [`crate::netconf`]); kept as written until the boot parses it.
+    pub net: Option<String>,
 }
 
 impl BootConfig {
@@ -48,6 +51,7 @@ impl BootConfig {
                 Some(("moat.hostname", name)) => config.hostname = Some(name.into()),
                 Some(("moat.port", port)) => config.port = port.parse().ok(),
                 Some(("moat.overlay_mib", mib)) => config.overlay_mib = mib.parse().ok(),
+                Some(("moat.net", net)) => config.net = Some(net.into()),
                 Some(("moat.boot_timer", addr)) => {
                     config.boot_timer = u64::from_str_radix(addr.trim_start_matches("0x"), 16).ok();
                 }
@@ -109,6 +113,12 @@ pub enum BootError {
     MountRoot { device: PathBuf, fstype: String, source: nix::Error },
     #[error("Cannot switch to the new root at {0}")]
     SwitchRoot(PathBuf, #[source] nix::Error),
+    #[error(
+        "moat.net={0} is not ADDR/PREFIX,GATEWAY,DNS (IPv4); the host's vm backend writes it, so this is a bug there"
+    )]
+    BadNet(String),
+    #[error(transparent)]
+    Network(#[from] crate::netconf::NetError),
 }
 
 /// The dependency graph of `modules.dep`: module path → the paths it needs.

@@ -6,7 +6,9 @@
 //! ([`files`]); tar streams of trees ([`tarball`]); port forwards
 //! ([`forward`]); the egress proxy of `filtered` sandboxes ([`egress`]).
 //! As PID 1 it also sets up the machine and reaps every
-//! orphan ([`init`], [`reaper`]).
+//! orphan ([`init`], [`reaper`]); in a microVM it boots from the initramfs
+//! ([`boot`]) and configures the network device of an `open` sandbox
+//! ([`netconf`]).
 //!
 //! The binary is `bins/moat-agent`; it is linked statically so that it runs
 //! in any image, including a bare initramfs.
@@ -20,6 +22,7 @@ pub mod forward;
 pub mod info;
 pub mod init;
 pub mod jail;
+pub mod netconf;
 pub mod reaper;
 pub mod seccomp;
 pub mod server;

@@ -17,6 +17,7 @@ pub mod interpreter;
 pub mod jail;
 pub mod machine;
 pub mod moat;
+pub mod passt;
 pub mod preview;
 pub mod sandbox;
 pub mod state;

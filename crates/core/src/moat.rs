@@ -200,13 +200,6 @@ impl Moat {
     /// Creates a sandbox and waits until its agent answers.
     pub async fn create(&self, spec: SandboxSpec) -> Result<Sandbox, CoreError> {
         spec.validate()?;
-        if spec.network == NetworkPolicy::Open && self.inner.backend.kind() == BackendKind::Vm {
-            return Err(CoreError::InvalidSpec(
-                "network open is not available on the vm backend yet (it needs passt and a virtio-net device in \
-                 moat-vmm); use network filtered, or the jail backend"
-                    .into(),
-            ));
-        }
         let max = self.inner.config.max_sandboxes;
         if self.inner.lock().len() >= max {
             return Err(CoreError::LimitReached { max });

@@ -7,6 +7,11 @@
 //! (`overlay.img` in its state directory, at most `disk_mib` of written
 //! blocks), kept by moat-vmm's block device and removed with the sandbox.
 //! The guest mounts `/dev/vda` read-write and never sees the difference.
+//!
+//! Network `none` and `filtered` VMs have no network device at all
+//! (`filtered` reaches the host through the agent's vsock connection). An
+//! `open` VM gets moat-vmm's virtio-net device, whose other end is its own
+//! passt process ([`crate::passt`]), and `moat.net=` on its command line.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -22,7 +27,8 @@ use serde::Serialize;
 use crate::backend::{Backend, BackendKind, Instance};
 use crate::error::CoreError;
 use crate::image::Image;
-use crate::sandbox::SandboxSpec;
+use crate::passt::Passt;
+use crate::sandbox::{NetworkPolicy, SandboxSpec};
 use crate::state::StateDir;
 
 /// The vsock port the agent serves in a microVM (its default).
@@ -57,6 +63,8 @@ pub struct Vm {
     state: Option<StateDir>,
     vsock: PathBuf,
     control: PathBuf,
+    /// The other end of the network device of an `open` VM.
+    passt: Option<Passt>,
     /// Processes in the guest besides the agent, as last reported by it.
     processes: Arc<AtomicU32>,
 }
@@ -71,8 +79,17 @@ struct VmConfig<'a> {
     memory_mib: u64,
     disks: Vec<DiskConfig<'a>>,
     vsock: VsockConfig<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    net: Option<NetConfig>,
     console: String,
     control_socket: &'a Path,
+}
+
+/// moat-vmm's network device: passt on an inherited descriptor.
+#[derive(Debug, Serialize)]
+struct NetConfig {
+    passt_fd: i32,
+    mac: &'static str,
 }
 
 #[derive(Debug, Serialize)]
@@ -105,6 +122,15 @@ pub fn kernel_cmdline(hostname: &str) -> String {
     )
 }
 
+/// The command line of a VM with network `policy`: an `open` one is told
+/// its addresses.
+fn cmdline_for(hostname: &str, policy: NetworkPolicy) -> String {
+    match policy {
+        NetworkPolicy::Open => format!("{} {}", kernel_cmdline(hostname), crate::passt::guest_cmdline()),
+        NetworkPolicy::None | NetworkPolicy::Filtered => kernel_cmdline(hostname),
+    }
+}
+
 impl Backend for VmBackend {
     type Instance = Vm;
 
@@ -124,7 +150,27 @@ impl Backend for VmBackend {
             let (id, what) = (id.to_owned(), what.to_owned());
             move |source| CoreError::Io { id, what, source }
         };
+        let passt_binary = match spec.network {
+            NetworkPolicy::Open => Some(crate::passt::find_passt().ok_or_else(|| {
+                CoreError::StartFailed {
+                    id: id.into(),
+                    reason: "network open needs passt, from Debian's passt package (apt-get install passt); \
+                         or use network filtered"
+                        .into(),
+                }
+            })?),
+            NetworkPolicy::None | NetworkPolicy::Filtered => None,
+        };
         let state = StateDir::create(data_dir, id).map_err(io("creating its state directory"))?;
+        // passt first: moat-vmm inherits its end of passt's socketpair.
+        let (passt, vmm_net_end) = match &passt_binary {
+            Some(binary) => {
+                let log = std::fs::File::create(state.path.join("passt.log")).map_err(io("creating passt's log"))?;
+                let (passt, end) = Passt::start(binary, log).map_err(io(&format!("starting {}", binary.display())))?;
+                (Some(passt), Some(end))
+            }
+            None => (None, None),
+        };
         let vsock = state.path.join("vsock.sock");
         let control = state.path.join("control.sock");
         let console = state.path.join("console.log");
@@ -134,7 +180,7 @@ impl Backend for VmBackend {
         let config = VmConfig {
             kernel: &kernel,
             initramfs: &initramfs,
-            cmdline: kernel_cmdline(hostname),
+            cmdline: cmdline_for(hostname, spec.network),
             vcpus: spec.cpus,
             memory_mib: spec.memory_mib,
             disks: vec![DiskConfig {
@@ -144,6 +190,9 @@ impl Backend for VmBackend {
                 overlay_limit_mib: spec.disk_mib,
             }],
             vsock: VsockConfig { cid: GUEST_CID, uds_path: &vsock },
+            net: vmm_net_end
+                .as_ref()
+                .map(|_| NetConfig { passt_fd: crate::passt::CHILD_FD, mac: crate::passt::GUEST_MAC }),
             console: format!("file:{}", console.display()),
             control_socket: &control,
         };
@@ -157,19 +206,30 @@ impl Backend for VmBackend {
         // Its own process group, so a terminal's Ctrl-C reaches only the host
         // process, which then destroys the sandbox in order.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        let net_fd = vmm_net_end.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
         // SAFETY: prctl(2) is async-signal-safe and touches no memory of
         // the parent; the closure runs in the child between fork and exec.
+        // dup2 and fcntl (passing passt's socket) are async-signal-safe too.
         unsafe {
-            std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+            std::os::unix::process::CommandExt::pre_exec(&mut command, move || {
+                if let Some(fd) = net_fd {
+                    crate::passt::inherit(fd, crate::passt::CHILD_FD)?;
+                }
                 // Die with the process that started it: a SIGKILLed owner
                 // leaves no VM running.
                 nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).map_err(std::io::Error::from)
             });
         }
         let vmm = command.spawn().map_err(io(&format!("starting {}", self.vmm.display())))?;
+        // The children hold their ends now.
+        drop(vmm_net_end);
         state.record_monitor(vmm.id()).map_err(io("recording its VMM"))?;
-        let mut vm = Vm { id: id.into(), vmm, state: Some(state), vsock, control, processes: Arc::default() };
-        if let Err(e) = vm.wait_ready().await {
+        let mut vm = Vm { id: id.into(), vmm, state: Some(state), vsock, control, passt, processes: Arc::default() };
+        let ready = match vm.wait_ready().await {
+            Ok(()) => vm.check_passt(),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = ready {
             let _ = tokio::task::spawn_blocking(move || vm.stop()).await;
             return Err(e);
         }
@@ -223,6 +283,19 @@ impl Vm {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// An `open` VM whose passt has ended would have a network device
+    /// leading nowhere: that is a failed start, with passt's last words.
+    fn check_passt(&mut self) -> Result<(), CoreError> {
+        let Some(status) = self.passt.as_mut().and_then(Passt::exited) else { return Ok(()) };
+        let log = self
+            .state
+            .as_ref()
+            .and_then(|s| std::fs::read_to_string(s.path.join("passt.log")).ok())
+            .unwrap_or_default();
+        let last = log.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("(no message)");
+        Err(CoreError::StartFailed { id: self.id.clone(), reason: format!("passt exited ({status}): {last}") })
     }
 
     /// Keeps the guest's process count fresh for [`Instance::is_busy`]:
@@ -306,6 +379,8 @@ impl Vm {
             let _ = self.vmm.kill();
         }
         let _ = self.vmm.wait();
+        // The VM is gone: its network's other end goes too.
+        drop(self.passt.take());
         if let Some(state) = self.state.take() {
             state.remove();
         }
@@ -347,14 +422,27 @@ mod tests {
                 overlay_limit_mib: 2048,
             }],
             vsock: VsockConfig { cid: GUEST_CID, uds_path: Path::new("/s/vsock.sock") },
+            net: None,
             console: "file:/s/console.log".into(),
             control_socket: Path::new("/s/control.sock"),
         };
         let json = serde_json::to_value(&config).expect("serializes");
+        assert!(json.get("net").is_none(), "no network device unless open: {json}");
         assert_eq!(json["disks"][0]["read_only"], false);
         assert_eq!(json["disks"][0]["overlay"], "/s/overlay.img");
         assert_eq!(json["disks"][0]["overlay_limit_mib"], 2048);
         assert_eq!(json["vsock"]["cid"], 3);
         assert_eq!(json["memory_mib"], 512);
+        let open = VmConfig { net: Some(NetConfig { passt_fd: 100, mac: crate::passt::GUEST_MAC }), ..config };
+        let json = serde_json::to_value(&open).expect("serializes");
+        assert_eq!((&json["net"]["passt_fd"], &json["net"]["mac"]), (&100.into(), &"02:6d:6f:61:74:01".into()));
+    }
+
+    #[test]
+    fn only_open_vms_are_told_their_network() {
+        assert!(cmdline_for("box", NetworkPolicy::Open).ends_with(" moat.net=10.0.2.15/24,10.0.2.2,10.0.2.3"));
+        for policy in [NetworkPolicy::None, NetworkPolicy::Filtered] {
+            assert!(!cmdline_for("box", policy).contains("moat.net"), "{policy:?}");
+        }
     }
 }

@@ -354,6 +354,12 @@ fn plan(sources: &Sources, image: &Image) -> Result<Plan> {
         disk.insert(format!("usr/bin/{name}"), path.clone());
         dynamic.push(path.clone());
     }
+    // passt, the other end of `open` microVMs' network device (optional:
+    // without it, creating one says to install it).
+    if let Some(passt) = find_program("passt") {
+        disk.insert("usr/bin/passt".to_owned(), passt.clone());
+        dynamic.push(passt);
+    }
     for binary in &dynamic {
         for library in shared_libraries(binary)? {
             disk.insert(library_destination(&library)?, library);

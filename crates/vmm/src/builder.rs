@@ -5,6 +5,7 @@
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsFd, FromRawFd};
+use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -16,8 +17,8 @@ use crate::arch::x86_64::layout::{
     SERIAL_PORT_LEN, VIRTIO_MMIO_SIZE, virtio_mmio_slot,
 };
 use crate::arch::x86_64::{boot, regs};
-use crate::config::DiskConfig;
 use crate::config::{Console, VmConfig};
+use crate::config::{DiskConfig, NetConfig};
 use crate::control::{ControlError, ControlServer};
 use crate::devices::acpi::{AcpiTables, SleepControl, VirtioMmioDevice};
 use crate::devices::boot_timer::BootTimer;
@@ -26,6 +27,7 @@ use crate::devices::legacy::{I8042, SerialConsole};
 use crate::devices::virtio::block::cow::CowError;
 use crate::devices::virtio::block::{Block, CowDisk, DiskBackend, RawDisk};
 use crate::devices::virtio::mmio::QUEUE_NOTIFY_OFFSET;
+use crate::devices::virtio::net::Net;
 use crate::devices::virtio::rng::Rng;
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{MmioTransport, VirtioDevice};
@@ -68,6 +70,12 @@ pub enum BuildError {
     Disk(crate::devices::virtio::block::cow::CowError),
     #[error("No IOAPIC pin is left for a virtio device; attach fewer devices")]
     NoIrq,
+    #[error("Cannot connect to passt at {path}; is passt running with --socket there?")]
+    PasstConnect { path: std::path::PathBuf, source: std::io::Error },
+    #[error("The passt descriptor fd:{0} is not an open socket; pass a socket connected to passt")]
+    PasstFd(i32),
+    #[error("Cannot set up the network device")]
+    Net(#[source] std::io::Error),
 }
 
 /// Builds the VM `config` describes. `started` is when the VMM started,
@@ -76,7 +84,8 @@ pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildEr
     config.validate()?;
     // virtio-mmio devices first, in window order, so that a bad disk is
     // reported before anything else is set up: the entropy source, the disks
-    // (vda, vdb, … in config order), the vsock device.
+    // (vda, vdb, … in config order), the vsock device, the network device
+    // (last, so that adding it moves no other device's window).
     let mut devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new().map_err(BuildError::EventFd)?)];
     for (i, disk) in config.disks.iter().enumerate() {
         devices.push(Box::new(open_disk(i, disk)?));
@@ -89,6 +98,9 @@ pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildEr
                 source,
             })?,
         ));
+    }
+    if let Some(net) = &config.net {
+        devices.push(Box::new(open_net(net)?));
     }
     let vm = Vm::new(create_guest_memory(config.memory_bytes())?)?;
     let mem = vm.memory().clone();
@@ -206,6 +218,35 @@ fn open_disk(index: usize, disk: &DiskConfig) -> Result<Block, BuildError> {
         })?),
     };
     Ok(Block::new(backend, disk.read_only, &format!("moat-disk-{index}")))
+}
+
+/// The network device on its passt stream, connected now so that a passt
+/// that is not there is reported before the guest starts.
+fn open_net(net: &NetConfig) -> Result<Net, BuildError> {
+    let mac = net.mac_bytes()?;
+    let stream = match (&net.passt_socket, net.passt_fd) {
+        (Some(path), _) => {
+            UnixStream::connect(path).map_err(|source| BuildError::PasstConnect { path: path.clone(), source })?
+        }
+        (None, Some(fd)) => {
+            // SAFETY: fstat only fills `stat`, which we own.
+            let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: as above; an invalid descriptor makes fstat fail.
+            if unsafe { libc::fstat(fd, &mut stat) } != 0 || stat.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+                return Err(BuildError::PasstFd(fd));
+            }
+            // SAFETY: the descriptor is an open socket (checked above),
+            // inherited for this purpose, and nothing else here owns it.
+            unsafe { UnixStream::from_raw_fd(fd) }
+        }
+        (None, None) => {
+            return Err(BuildError::Config(crate::config::ConfigError {
+                field: "net".into(),
+                reason: "give passt_socket or passt_fd".into(),
+            }));
+        }
+    };
+    Net::new(mac, stream).map_err(BuildError::Net)
 }
 
 fn console_writer(config: &VmConfig) -> Result<Box<dyn Write + Send>, BuildError> {

@@ -36,6 +36,9 @@ pub struct VmConfig {
     /// The virtio-vsock device and the host Unix socket behind it.
     #[serde(default)]
     pub vsock: Option<VsockConfig>,
+    /// The virtio-net device and the passt behind it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net: Option<NetConfig>,
     /// Where the serial console goes: `stdout`, `none`, `file:PATH`, `fd:N`.
     #[serde(default = "default_console")]
     pub console: String,
@@ -82,6 +85,84 @@ pub struct VsockConfig {
     /// The host Unix socket that guest connections arrive on and host
     /// connections are made through (`CONNECT <port>\n`).
     pub uds_path: PathBuf,
+}
+
+/// The network device: frames go to and come from passt, in its default
+/// ("qemu") mode, over a stream socket: either its listening socket
+/// (`passt --socket PATH`) or a descriptor already connected to it (one
+/// end of a socketpair whose other end passt got with `--fd`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetConfig {
+    /// passt's Unix socket, connected when the VM is built.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub passt_socket: Option<PathBuf>,
+    /// An inherited descriptor (above 2) connected to passt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub passt_fd: Option<i32>,
+    /// The guest's MAC address, `xx:xx:xx:xx:xx:xx` (unicast).
+    #[serde(default = "default_mac")]
+    pub mac: String,
+}
+
+/// A locally administered unicast address ("moat" in its middle bytes).
+pub const DEFAULT_MAC: &str = "02:6d:6f:61:74:01";
+
+fn default_mac() -> String {
+    DEFAULT_MAC.to_owned()
+}
+
+impl NetConfig {
+    /// A device connected to passt's socket at `path`, with the default MAC.
+    pub fn socket(path: impl Into<PathBuf>) -> Self {
+        Self { passt_socket: Some(path.into()), passt_fd: None, mac: default_mac() }
+    }
+
+    /// The MAC address as bytes.
+    pub fn mac_bytes(&self) -> Result<[u8; 6], ConfigError> {
+        let bad = || {
+            invalid("net.mac", format!("{:?} is not a MAC address; write six hex bytes, 02:00:00:00:00:01", self.mac))
+        };
+        let mut mac = [0u8; 6];
+        let mut parts = self.mac.split(':');
+        for byte in &mut mac {
+            let part = parts.next().filter(|p| p.len() == 2).ok_or_else(bad)?;
+            *byte = u8::from_str_radix(part, 16).map_err(|_| bad())?;
+        }
+        if parts.next().is_some() {
+            return Err(bad());
+        }
+        if mac[0] & 1 != 0 || mac == [0; 6] {
+            return Err(invalid(
+                "net.mac",
+                format!("{} is not a unicast address; the first byte must be even", self.mac),
+            ));
+        }
+        Ok(mac)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.mac_bytes()?;
+        match (&self.passt_socket, self.passt_fd) {
+            (Some(_), Some(_)) | (None, None) => Err(invalid(
+                "net",
+                "give passt_socket (passt's socket path) or passt_fd (a connected descriptor), one of them",
+            )),
+            (Some(path), None) => {
+                use std::os::unix::fs::FileTypeExt;
+                match std::fs::metadata(path) {
+                    Ok(m) if m.file_type().is_socket() => Ok(()),
+                    Ok(_) => Err(invalid("net.passt_socket", format!("{} is not a socket", path.display()))),
+                    Err(e) => Err(invalid(
+                        "net.passt_socket",
+                        format!("cannot reach {}: {e}; start passt with --socket there first", path.display()),
+                    )),
+                }
+            }
+            (None, Some(fd)) if fd > 2 => Ok(()),
+            (None, Some(fd)) => Err(invalid("net.passt_fd", format!("{fd} is not an inherited descriptor above 2"))),
+        }
+    }
 }
 
 fn default_cmdline() -> String {
@@ -136,6 +217,7 @@ impl VmConfig {
             memory_mib: default_memory(),
             disks: Vec::new(),
             vsock: None,
+            net: None,
             console: default_console(),
             control_socket: None,
             shutdown_timeout_ms: default_shutdown_timeout(),
@@ -192,6 +274,9 @@ impl VmConfig {
                 return Err(invalid("vsock.cid", format!("{} is reserved; use 3 or more", vsock.cid)));
             }
             require_socket_dir("vsock.uds_path", &vsock.uds_path)?;
+        }
+        if let Some(net) = &self.net {
+            net.validate()?;
         }
         self.console()?;
         if let Some(path) = &self.control_socket {
@@ -356,6 +441,26 @@ mod tests {
                 "disks[0].overlay_limit_mib",
             ),
             (Box::new(|c| c.shutdown_timeout_ms = 0), "shutdown_timeout_ms"),
+            (Box::new(|c| c.net = Some(NetConfig { passt_fd: Some(5), ..NetConfig::socket("/tmp") })), "net"),
+            (Box::new(|c| c.net = Some(NetConfig { passt_socket: None, ..NetConfig::socket("/") })), "net"),
+            (Box::new(|c| c.net = Some(NetConfig::socket("/nonexistent/passt.sock"))), "net.passt_socket"),
+            (Box::new(|c| c.net = Some(NetConfig::socket("/"))), "net.passt_socket"),
+            (
+                Box::new(|c| c.net = Some(NetConfig { passt_socket: None, passt_fd: Some(1), mac: default_mac() })),
+                "net.passt_fd",
+            ),
+            (
+                Box::new(|c| c.net = Some(NetConfig { mac: "01:00:00:00:00:01".into(), ..NetConfig::socket("/") })),
+                "net.mac",
+            ),
+            (
+                Box::new(|c| c.net = Some(NetConfig { mac: "02:00:00:00:00".into(), ..NetConfig::socket("/") })),
+                "net.mac",
+            ),
+            (
+                Box::new(|c| c.net = Some(NetConfig { mac: "02:00:00:00:00:0g".into(), ..NetConfig::socket("/") })),
+                "net.mac",
+            ),
         ];
         for (change, field) in cases {
             let mut config = VmConfig::new(k.path());
@@ -394,6 +499,21 @@ mod tests {
         let mut twice = config.clone();
         twice.disks[1].overlay = twice.disks[0].overlay.clone();
         assert_eq!(twice.validate().expect_err("one overlay twice").field, "disks[1].overlay");
+    }
+
+    #[test]
+    fn a_net_section_parses_with_a_default_mac() {
+        let k = kernel();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let sock = dir.path().join("passt.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&sock).expect("binds");
+        let text = format!(r#"{{"kernel": {:?}, "net": {{"passt_socket": {sock:?}}}}}"#, k.path());
+        let config = VmConfig::from_json(&text).expect("parses");
+        config.validate().expect("valid");
+        let net = config.net.expect("net");
+        assert_eq!(net.mac_bytes(), Ok([0x02, 0x6d, 0x6f, 0x61, 0x74, 0x01]));
+        let e = VmConfig::from_json(r#"{"kernel": "/k", "net": {"passt": "/x"}}"#).expect_err("unknown field");
+        assert!(e.to_string().contains("unknown field `passt`"), "{e}");
     }
 
     #[test]

@@ -194,7 +194,8 @@ mod tests {
     }
 
     /// The devices' work on the VMM thread (disk I/O through a copy-on-write
-    /// overlay, vsock connections both ways) passes the VMM filter, while an
+    /// overlay, vsock connections both ways, network frames both ways and
+    /// passt hanging up) passes the VMM filter, while an
     /// Internet socket from that thread still kills the process.
     #[test]
     fn device_work_passes_the_vmm_filter() {
@@ -219,9 +220,12 @@ mod tests {
                 c.write_all(b"CONNECT 1024\n").expect("writes");
                 buf
             });
+            let (vmm_end, mut passt) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+            let mut net = crate::devices::virtio::net::Net::new([2, 0, 0, 0, 0, 1], vmm_end).expect("net");
             let program = filter(ThreadKind::Vmm).expect("builds");
             let device = std::thread::spawn(move || {
                 install(&program).expect("installs");
+                net_work(&mut net, &mut passt);
                 let mut got = vec![0u8; 8192];
                 disk.write_at(&[2u8; 4096], 4096).expect("cow write");
                 disk.read_at(&mut got, 0).expect("cow read");
@@ -270,6 +274,48 @@ mod tests {
         assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{:?}\n{stderr}", out.status);
     }
 
+    /// The network device's work under a filter: a frame each way through
+    /// passt's stream, then passt hanging up.
+    fn net_work(net: &mut crate::devices::virtio::net::Net, passt: &mut std::os::unix::net::UnixStream) {
+        use std::io::{Read, Write};
+
+        use vm_memory::{Bytes, GuestAddress};
+
+        use crate::devices::virtio::VirtioDevice;
+        use crate::devices::virtio::testing::{Buf, QueueDriver, guest_memory};
+
+        let mem = guest_memory(1 << 20);
+        let (mut rx, mut tx) = (QueueDriver::new(0x1000, 16), QueueDriver::new(0x2000, 16));
+        let mut queues = vec![rx.queue(), tx.queue()];
+        // A header, then an ARP frame (ethertype 0x0806).
+        let mut frame = [7u8; 72];
+        frame[..12].fill(0);
+        frame[24..26].copy_from_slice(&[0x08, 0x06]);
+        mem.write_slice(&frame, GuestAddress(0x8000)).expect("frame");
+        tx.add_chain(&mem, &[Buf::read(0x8000, 72)]);
+        net.process_queue(1, &mut queues, &mem);
+        let mut got = [0u8; 64];
+        passt.read_exact(&mut got).expect("frame to passt");
+        passt.write_all(&[0, 0, 0, 60]).and_then(|()| passt.write_all(&[9u8; 60])).expect("frame from passt");
+        rx.add_chain(&mem, &[Buf::write(0x9000, 2048)]);
+        for _ in 0..100 {
+            net.process_host(Some(&mut queues), &mem);
+            if !rx.take_used(&mem).is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let _ = passt.shutdown(std::net::Shutdown::Both);
+        for _ in 0..100 {
+            net.process_host(Some(&mut queues), &mem);
+            if !net.link().is_up() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(!net.link().is_up(), "the hang-up was seen");
+    }
+
     /// A driver's reset is a status write on a vCPU thread: resetting a
     /// vsock device with live connections (closing them, leaving the VMM's
     /// epoll) and an rng device must pass the vCPU filter (the seccomp kill
@@ -291,11 +337,18 @@ mod tests {
             guest.poll(1000);
             assert_eq!(guest.dev.muxer().connections(), 1);
             let mut rng = Rng::new().expect("rng");
+            // A network device holding frames from passt, which a reset drops.
+            let (vmm_end, mut passt) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+            let mut net = crate::devices::virtio::net::Net::new([2, 0, 0, 0, 0, 1], vmm_end).expect("net");
+            passt.write_all(&[0, 0, 0, 4, 1, 2, 3, 4]).expect("a frame");
+            let mem = crate::devices::virtio::testing::guest_memory(1 << 16);
+            net.process_host(None, &mem);
             let program = filter(ThreadKind::Vcpu).expect("builds");
             let vcpu = std::thread::spawn(move || {
                 install(&program).expect("installs");
                 guest.dev.reset();
                 rng.reset();
+                net.reset();
                 eprintln!("reset done: {} connections", guest.dev.muxer().connections());
             });
             let _ = vcpu.join();

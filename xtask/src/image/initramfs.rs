@@ -11,8 +11,10 @@ use moat_agent::boot::{ModuleDeps, module_name};
 use moat_nested::cpio::Cpio;
 
 /// The modules a microVM needs before its root disk: the virtio-mmio
-/// transport, the disk, vsock for the agent, overlay, entropy. Their
-/// dependencies come from the kernel's `modules.dep`.
+/// transport, the disk, vsock for the agent, overlay, entropy; and the
+/// network device of `open` sandboxes (loaded in every VM: without the
+/// device it binds to nothing). Their dependencies come from the kernel's
+/// `modules.dep`.
 pub const MODULES: &[&str] = &[
     "virtio",
     "virtio_ring",
@@ -23,6 +25,7 @@ pub const MODULES: &[&str] = &[
     "vmw_vsock_virtio_transport",
     "overlay",
     "virtio-rng",
+    "virtio_net",
 ];
 
 /// Writes `initramfs.cpio.gz` to `dest`; returns the module names in load order.

@@ -184,6 +184,8 @@ fn inputs(agent: &Path, kernel_package: &str, kernel_version: &str) -> Result<BT
     Ok(BTreeMap::from([
         ("agent".into(), agent_hash),
         ("kernel".into(), format!("{kernel_package} {kernel_version}")),
+        // The initramfs's module list: adding one (virtio_net) rebuilds it.
+        ("modules".into(), initramfs::MODULES.join(",")),
         ("recipe".into(), RECIPE_VERSION.into()),
         ("rootfs".into(), rootfs_key),
     ]))

@@ -1,5 +1,5 @@
 //! virtio over MMIO: the transport (`mmio`), the device model interface
-//! (`VirtioDevice`), and the devices (`block`, `vsock`, `rng`).
+//! (`VirtioDevice`), and the devices (`block`, `net`, `vsock`, `rng`).
 //!
 //! Queues are split virtqueues from rust-vmm's `virtio-queue`. A queue
 //! notification is a write to the transport's `QueueNotify` register, which
@@ -7,11 +7,12 @@
 //! queue index as its datamatch) without leaving the guest; the VMM thread
 //! waits on those eventfds and runs the device there, never on a vCPU
 //! thread. A device interrupts the guest through an irqfd. Devices with
-//! host-side work (vsock's sockets, rng's refill timer) expose one pollable
+//! host-side work (vsock's sockets, net's passt socket, rng's refill timer) expose one pollable
 //! descriptor that the VMM loop watches too.
 
 pub mod block;
 pub mod mmio;
+pub mod net;
 pub mod rng;
 #[doc(hidden)]
 pub mod testing;
@@ -25,6 +26,8 @@ use vm_memory::GuestMemoryMmap;
 pub use mmio::MmioTransport;
 
 /// Device ids (virtio 1.2, §5).
+pub const TYPE_NET: u32 = 1;
+/// Block device.
 pub const TYPE_BLOCK: u32 = 2;
 /// Entropy source.
 pub const TYPE_RNG: u32 = 4;

@@ -72,6 +72,16 @@ impl QueueDriver {
         q
     }
 
+    /// The descriptor the next chain starts at.
+    pub fn next_desc(&self) -> u16 {
+        self.next_desc % self.size
+    }
+
+    /// The guest addresses of the descriptor table, available ring and used ring.
+    pub fn addresses(&self) -> (u64, u64, u64) {
+        (self.desc, self.avail, self.used)
+    }
+
     /// Writes descriptor `index` as given (a raw, possibly hostile, entry).
     pub fn write_desc(&self, mem: &GuestMemoryMmap, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
         let at = self.desc + 16 * u64::from(index % self.size);
@@ -306,10 +316,12 @@ mod tests {
         std::fs::write(dir.path().join("base"), vec![0x42u8; 1 << 20]).expect("base");
         let disk = super::super::block::CowDisk::open(&dir.path().join("base"), &dir.path().join("ov"), 256 << 10)
             .expect("overlay");
+        let (passt_end, passt) = std::os::unix::net::UnixStream::pair().expect("socketpair");
         let mut devices: Vec<Box<dyn VirtioDevice>> = vec![
             Box::new(super::super::block::Block::new(Box::new(disk), false, "t")),
             Box::new(super::super::vsock::Vsock::new(3, &dir.path().join("v.sock")).expect("vsock")),
             Box::new(super::super::rng::Rng::new().expect("rng")),
+            Box::new(super::super::net::Net::new([2, 0, 0, 0, 0, 1], passt_end).expect("net")),
         ];
         let mut x = 0x2545_f491_4f6c_dd1du64;
         let mut next = move || {
@@ -318,6 +330,7 @@ mod tests {
             x ^= x << 17;
             x
         };
+        let mut passt_holder = Some(passt);
         let mem = guest_memory(64 * 1024);
         let mut page = vec![0u8; 64 * 1024];
         for round in 0..3000u64 {
@@ -329,7 +342,11 @@ mod tests {
                 chunk.copy_from_slice(&v.to_le_bytes()[..chunk.len()]);
             }
             mem.write_slice(&page, GuestAddress(0)).expect("inside");
-            let device = &mut devices[usize::try_from(round % 3).expect("small")];
+            if round == 1500 {
+                // passt goes away halfway.
+                drop(passt_holder.take());
+            }
+            let device = &mut devices[usize::try_from(round % 4).expect("small")];
             let count = device.queue_max_sizes().len();
             let mut queues: Vec<_> = (0..count).map(|i| QueueDriver::new(0x1000 * i as u64, 16).queue()).collect();
             let index = usize::try_from(next() % count as u64).expect("small");
