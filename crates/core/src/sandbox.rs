@@ -16,7 +16,7 @@ pub enum NetworkPolicy {
     None,
     /// Through the agent's proxy to allowed hosts only (see [`crate::egress`]).
     Filtered,
-    /// Full outbound NAT through pasta (see [`crate::network`]).
+    /// Full outbound NAT through pasta (jails) or passt (microVMs; see docs/network.md).
     Open,
 }
 
