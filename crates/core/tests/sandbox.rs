@@ -243,6 +243,16 @@ async fn escapes_fail() {
             .await
             .expect("runs");
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "-1 1", "x32 mount must fail with EPERM");
+
+        // Threat: crafting frames for pasta's tap (network open) that it
+        // would connect to the host's loopback: no packet sockets, even
+        // for the sandbox's root.
+        let out = moat
+            .run(id, as_root("python3 -c 'import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW)' 2>&1"))
+            .await
+            .expect("runs");
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(said.contains("PermissionError") && said.contains("Operation not permitted"), "{said}");
     }
 
     // Threat: seeing or signalling host processes. (A microVM's /proc also
