@@ -57,11 +57,7 @@ fn moat_agent_socket() -> &'static str {
 
 /// The `pasta` binary (Debian package `passt`), if installed.
 pub fn find_pasta() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/bin".into(), "/usr/sbin".into()])
-        .map(|dir| dir.join("pasta"))
-        .find(|p| p.is_file())
+    crate::machine::find_program("pasta")
 }
 
 impl Backend for JailBackend {

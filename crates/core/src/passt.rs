@@ -45,11 +45,7 @@ pub fn guest_cmdline() -> String {
 
 /// The `passt` binary, if installed.
 pub fn find_passt() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/bin".into(), "/usr/sbin".into()])
-        .map(|dir| dir.join("passt"))
-        .find(|p| p.is_file())
+    crate::machine::find_program("passt")
 }
 
 /// passt's arguments: outbound only. No port of the host is forwarded into

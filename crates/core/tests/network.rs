@@ -9,43 +9,20 @@
 //! agent, pasta and Chromium); `cargo xtask test` provides them.
 
 use std::net::IpAddr;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use moat_core::{EgressConfig, Moat, MoatConfig, NetworkPolicy, SandboxSpec};
-use moat_proto::ExecRequest;
+use moat_core::{EgressConfig, Moat, NetworkPolicy, SandboxSpec};
 
-fn agent() -> PathBuf {
-    std::env::var_os("MOAT_AGENT").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/x86_64-unknown-linux-gnu/release/moat-agent"),
-        PathBuf::from,
-    )
-}
+mod common;
+use common::sh;
 
 async fn moat(egress: EgressConfig) -> Moat {
-    let config = MoatConfig {
-        data_dir: moat_core::image::data_dir(),
-        backend: moat_core::BackendKind::Jail,
-        agent: agent(),
-        max_sandboxes: 8,
-        roots: vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))],
-        pool_size: 0,
-        pool_spec: SandboxSpec::default(),
-        egress,
-    };
-    Moat::new(config).await.expect("moat starts (image built, agent built, running as root)")
+    common::moat(moat_core::BackendKind::Jail, 8, egress).await
 }
 
 fn spec(network: NetworkPolicy) -> SandboxSpec {
     SandboxSpec { memory_mib: 256, disk_mib: 256, network, ..SandboxSpec::default() }
-}
-
-async fn sh(moat: &Moat, id: &str, script: &str) -> (String, Option<i32>) {
-    let out = moat.run(id, ExecRequest::shell(script)).await.expect("runs");
-    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
-    text.push_str(&String::from_utf8_lossy(&out.stderr));
-    (text, out.status.code)
 }
 
 /// A `python3 -m http.server` on the host, killed when dropped.

@@ -6,18 +6,13 @@
 //! Ignored by plain `cargo test` (they need root, the built image and the
 //! static agent); `cargo xtask test` provides all three and runs them.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use moat_core::{CoreError, Moat, MoatConfig, SandboxSpec, SandboxState};
 use moat_proto::{ExecRequest, ReadFileRequest, WriteFileRequest};
 
-fn agent() -> PathBuf {
-    std::env::var_os("MOAT_AGENT").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/x86_64-unknown-linux-gnu/release/moat-agent"),
-        PathBuf::from,
-    )
-}
+mod common;
+use common::{agent, sh};
 
 /// The backend under test.
 fn backend() -> moat_core::BackendKind {
@@ -26,28 +21,11 @@ fn backend() -> moat_core::BackendKind {
 }
 
 async fn moat(max_sandboxes: usize) -> Moat {
-    let config = MoatConfig {
-        data_dir: moat_core::image::data_dir(),
-        backend: backend(),
-        agent: agent(),
-        max_sandboxes,
-        roots: vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))],
-        pool_size: 0,
-        pool_spec: SandboxSpec::default(),
-        egress: moat_core::EgressConfig::default(),
-    };
-    Moat::new(config).await.expect("moat starts (image built, agent built, running as root)")
+    common::moat(backend(), max_sandboxes, moat_core::EgressConfig::default()).await
 }
 
 fn small() -> SandboxSpec {
     SandboxSpec { memory_mib: 256, disk_mib: 128, ..SandboxSpec::default() }
-}
-
-async fn sh(moat: &Moat, id: &str, script: &str) -> (String, Option<i32>) {
-    let out = moat.run(id, ExecRequest::shell(script)).await.expect("runs");
-    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
-    text.push_str(&String::from_utf8_lossy(&out.stderr));
-    (text, out.status.code)
 }
 
 #[tokio::test]

@@ -16,50 +16,27 @@
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use moat_core::{EgressConfig, Moat, MoatConfig, NetworkPolicy, SandboxSpec};
-use moat_proto::ExecRequest;
+use moat_core::{EgressConfig, Moat, NetworkPolicy, SandboxSpec};
+
+mod common;
+use common::sh;
 
 /// Level 1's stand-in for an outside server's address.
 const OUTSIDE: &str = "10.77.0.1";
-
-fn agent() -> PathBuf {
-    std::env::var_os("MOAT_AGENT").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/x86_64-unknown-linux-gnu/release/moat-agent"),
-        PathBuf::from,
-    )
-}
 
 fn in_level1() -> bool {
     std::env::var("MOAT_TEST_BACKEND").as_deref() == Ok("vm")
 }
 
 async fn moat(egress: EgressConfig) -> Moat {
-    let config = MoatConfig {
-        data_dir: moat_core::image::data_dir(),
-        backend: moat_core::BackendKind::Vm,
-        agent: agent(),
-        max_sandboxes: 4,
-        roots: vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))],
-        pool_size: 0,
-        pool_spec: SandboxSpec::default(),
-        egress,
-    };
-    Moat::new(config).await.expect("moat starts (image built, agent built, running as root)")
+    common::moat(moat_core::BackendKind::Vm, 4, egress).await
 }
 
 fn spec(network: NetworkPolicy) -> SandboxSpec {
     SandboxSpec { memory_mib: 256, disk_mib: 128, network, ..SandboxSpec::default() }
-}
-
-async fn sh(moat: &Moat, id: &str, script: &str) -> (String, Option<i32>) {
-    let out = moat.run(id, ExecRequest::shell(script)).await.expect("runs");
-    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
-    text.push_str(&String::from_utf8_lossy(&out.stderr));
-    (text, out.status.code)
 }
 
 /// An HTTP server on `addr` answering every request with `hello from

@@ -1,0 +1,40 @@
+//! What core's integration tests share: the static agent, a `Moat` for a
+//! backend, and running a shell script in a sandbox.
+
+use std::path::PathBuf;
+
+use moat_core::{BackendKind, EgressConfig, Moat, MoatConfig, SandboxSpec};
+use moat_proto::ExecRequest;
+
+/// The static agent: `$MOAT_AGENT`, else where `cargo xtask build` puts it.
+pub fn agent() -> PathBuf {
+    std::env::var_os("MOAT_AGENT").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/x86_64-unknown-linux-gnu/release/moat-agent"),
+        PathBuf::from,
+    )
+}
+
+/// A `Moat` on `backend` with the default data directory, tasks importing
+/// from the target's temporary directory, and no pool.
+pub async fn moat(backend: BackendKind, max_sandboxes: usize, egress: EgressConfig) -> Moat {
+    let config = MoatConfig {
+        data_dir: moat_core::image::data_dir(),
+        backend,
+        agent: agent(),
+        max_sandboxes,
+        roots: vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))],
+        pool_size: 0,
+        pool_spec: SandboxSpec::default(),
+        egress,
+    };
+    Moat::new(config).await.expect("moat starts (image built, agent built, running as root)")
+}
+
+/// Runs `script` with `bash -c` in sandbox `id`: stdout then stderr, and
+/// the exit code.
+pub async fn sh(moat: &Moat, id: &str, script: &str) -> (String, Option<i32>) {
+    let out = moat.run(id, ExecRequest::shell(script)).await.expect("runs");
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    (text, out.status.code)
+}
