@@ -189,7 +189,6 @@ pub(crate) fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
-/// Runs `payload` in level 1 booted from `bundle`.
 /// Waits for this machine's level-1 turn (see [`crate::run_in`]); the turn
 /// lasts as long as the returned lock (released by the kernel if the
 /// process dies).
@@ -205,6 +204,13 @@ pub fn one_at_a_time() -> Result<Option<nix::fcntl::Flock<File>>> {
         .map_err(|(_, errno)| watch(errno.into()))
 }
 
+/// Kills level 1's QEMU and reaps it.
+fn stop(level1: &mut Level1) {
+    let _ = level1.child.kill();
+    let _ = level1.child.wait();
+}
+
+/// Runs `payload` in level 1 booted from `bundle`.
 pub fn run(bundle: &Bundle, payload: &Payload) -> Result<Output> {
     let script = payload_script(payload)?;
     let mut level1 = launch(bundle, payload.machine, &[("run", script)], &Console::File)?;
@@ -218,8 +224,7 @@ pub fn run(bundle: &Bundle, payload: &Payload) -> Result<Output> {
             match event {
                 Event::Alive => alive = Instant::now(),
                 Event::Crashed(line) => {
-                    let _ = level1.child.kill();
-                    let _ = level1.child.wait();
+                    stop(&mut level1);
                     let reason = format!("its kernel crashed: {line}");
                     return Err(Error::Crashed { stage: last(&stages), reason, tails: watch.tails() });
                 }
@@ -252,15 +257,13 @@ pub fn run(bundle: &Bundle, payload: &Payload) -> Result<Output> {
         }
         let stage = last(&stages);
         if stage == Stage::PayloadStarted && alive.elapsed() > LIVENESS {
-            let _ = level1.child.kill();
-            let _ = level1.child.wait();
+            stop(&mut level1);
             let reason = format!("it stopped answering (no heartbeat for {} s)", LIVENESS.as_secs());
             return Err(Error::Crashed { stage, reason, tails: watch.tails() });
         }
         let limit = payload.timeouts.after(stage);
         if since.elapsed() > limit {
-            let _ = level1.child.kill();
-            let _ = level1.child.wait();
+            stop(&mut level1);
             return Err(Error::Timeout { stage, waited: limit, tails: watch.tails() });
         }
         std::thread::sleep(POLL);
