@@ -28,6 +28,11 @@ pub struct BootConfig {
     /// `moat.overlay_mib=`: the size of that overlay (default: the tmpfs
     /// default, half of the guest's memory).
     pub overlay_mib: Option<u64>,
+    /// `moat.disk_mib=`: what the sandbox may write to its root disk; the
+    /// root file system's free space beyond it is held by
+    /// [`DISK_RESERVE`], so that writes past it fail with "No space left on
+    /// device" rather than reach the end of the copy-on-write overlay.
+    pub disk_mib: Option<u64>,
     /// `moat.hostname=`.
     pub hostname: Option<String>,
     /// `moat.port=`: the vsock port to serve (default 1024).
@@ -51,6 +56,7 @@ impl BootConfig {
                 Some(("moat.hostname", name)) => config.hostname = Some(name.into()),
                 Some(("moat.port", port)) => config.port = port.parse().ok(),
                 Some(("moat.overlay_mib", mib)) => config.overlay_mib = mib.parse().ok(),
+                Some(("moat.disk_mib", mib)) => config.disk_mib = mib.parse().ok(),
                 Some(("moat.net", net)) => config.net = Some(net.into()),
                 Some(("moat.boot_timer", addr)) => {
                     config.boot_timer = u64::from_str_radix(addr.trim_start_matches("0x"), 16).ok();
@@ -117,8 +123,44 @@ pub enum BootError {
         "moat.net={0} is not ADDR/PREFIX,GATEWAY,DNS (IPv4); the host's vm backend writes it, so this is a bug there"
     )]
     BadNet(String),
+    #[error(
+        "Cannot hold the root file system's free space beyond moat.disk_mib in /{DISK_RESERVE}; is the image's rootfs.ext4 intact? (`cargo xtask image --force` rebuilds it)"
+    )]
+    ReserveDisk(#[source] std::io::Error),
     #[error(transparent)]
     Network(#[from] crate::netconf::NetError),
+}
+
+/// The file, at the root of a microVM's root file system, that holds the
+/// free space beyond the sandbox's disk limit (unwritten extents: it costs
+/// the overlay a few metadata blocks, not its size).
+pub const DISK_RESERVE: &str = ".moat-disk-reserve";
+
+/// Leaves `allowed_mib` MiB free on the file system mounted at `root`
+/// (fewer when it has less) by allocating the rest to [`DISK_RESERVE`].
+/// Returns the bytes held.
+///
+/// The copy-on-write overlay under the root disk holds at most the disk
+/// limit (plus room for metadata); without this, the guest's file system
+/// would see the whole image's free space and learn of the limit as I/O
+/// errors, on which ext4 aborts its journal and the sandbox's root becomes
+/// unusable. With it, a full disk is the ordinary "No space left on device".
+pub fn reserve_beyond(root: &Path, allowed_mib: u64) -> std::io::Result<u64> {
+    use std::os::unix::fs::OpenOptionsExt;
+
+    use nix::fcntl::{FallocateFlags, fallocate};
+    let path = root.join(DISK_RESERVE);
+    match std::fs::remove_file(&path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let stat = nix::sys::statvfs::statvfs(root)?;
+    let free = u64::from(stat.blocks_available()).saturating_mul(u64::from(stat.fragment_size()));
+    let Some(excess) = free.checked_sub(allowed_mib.saturating_mul(1 << 20)).filter(|n| *n > 0) else { return Ok(0) };
+    let file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o400).open(&path)?;
+    let len = i64::try_from(excess).map_err(|_| std::io::Error::other("free space beyond i64"))?;
+    fallocate(&file, FallocateFlags::empty(), 0, len)?;
+    Ok(excess)
 }
 
 /// The dependency graph of `modules.dep`: module path → the paths it needs.
@@ -227,8 +269,11 @@ pub fn switch_root(config: &BootConfig) -> Result<(), BootError> {
     let Some(device) = &config.root else { return Ok(()) };
     let new_root = Path::new("/newroot");
     let _ = std::fs::create_dir_all(new_root);
+    // Online discard on a writable ext4 root: a deleted file's blocks
+    // leave the overlay, so writing and deleting does not fill it.
+    let options = (config.fstype == "ext4" && !config.read_only).then_some("discard");
     let mount_root = |target: &Path, flags: MsFlags| {
-        mount(Some(device.as_path()), target, Some(config.fstype.as_str()), flags, None::<&str>)
+        mount(Some(device.as_path()), target, Some(config.fstype.as_str()), flags, options)
             .map_err(|source| BootError::MountRoot { device: device.clone(), fstype: config.fstype.clone(), source })
     };
     if config.read_only {
@@ -249,6 +294,10 @@ pub fn switch_root(config: &BootConfig) -> Result<(), BootError> {
             .map_err(|e| BootError::SwitchRoot(new_root.to_path_buf(), e))?;
     } else {
         mount_root(new_root, MsFlags::empty())?;
+        if let Some(mib) = config.disk_mib {
+            let held = reserve_beyond(new_root, mib).map_err(BootError::ReserveDisk)?;
+            stage(&format!("disk limited to {mib} MiB ({} MiB of free space held)", held >> 20));
+        }
     }
     for fs in ["/dev", "/proc", "/sys"] {
         let target = new_root.join(fs.trim_start_matches('/'));
@@ -314,5 +363,41 @@ kernel/drivers/char/hw_random/virtio-rng.ko: kernel/drivers/virtio/virtio.ko ker
         assert_eq!(BootConfig::from_cmdline("moat.boot_timer=0xc0000000").boot_timer, Some(0xc000_0000));
         assert_eq!(config.boot_timer, None);
         assert_eq!(BootConfig::from_cmdline("moat.ro moat.overlay_mib=512").overlay_mib, Some(512));
+        assert_eq!(BootConfig::from_cmdline("moat.root=/dev/vda moat.disk_mib=2048").disk_mib, Some(2048));
+        assert_eq!(config.disk_mib, None);
+    }
+
+    #[test]
+    fn the_reserve_leaves_the_disk_limit_free_and_writes_past_it_say_no_space() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // More allowed than there is free: nothing held, no file.
+        assert_eq!(reserve_beyond(dir.path(), u64::MAX).expect("reserves"), 0);
+        assert!(!dir.path().join(DISK_RESERVE).exists());
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipping the tmpfs half: mounting one needs root");
+            return;
+        }
+        let fs = dir.path().join("fs");
+        std::fs::create_dir(&fs).expect("mount point");
+        mount(Some("tmpfs"), &fs, Some("tmpfs"), MsFlags::empty(), Some("size=64m")).expect("a tmpfs");
+        let checks = || {
+            let avail = |path: &Path| {
+                let stat = nix::sys::statvfs::statvfs(path).expect("statvfs");
+                u64::from(stat.blocks_available()) * u64::from(stat.fragment_size())
+            };
+            let held = reserve_beyond(&fs, 16).expect("reserves");
+            assert!(held > 40 << 20, "held {held}");
+            assert!(avail(&fs).abs_diff(16 << 20) <= 64 << 10, "{} bytes left free", avail(&fs));
+            // Again (a reboot of the same disk): the old reserve is replaced.
+            assert_eq!(reserve_beyond(&fs, 16).expect("reserves again"), held);
+            let err = std::fs::write(fs.join("big"), vec![1u8; 20 << 20]).expect_err("past the limit");
+            assert_eq!(err.kind(), std::io::ErrorKind::StorageFull, "{err}");
+            std::fs::write(fs.join("big"), vec![1u8; 8 << 20]).expect("under the limit");
+        };
+        let result = std::panic::catch_unwind(checks);
+        nix::mount::umount(&fs).expect("unmounts the tmpfs");
+        if let Err(panic) = result {
+            std::panic::resume_unwind(panic);
+        }
     }
 }

@@ -194,7 +194,7 @@ fn smaps(pid: u32) -> (u64, Vec<(u64, u64, String)>) {
 /// reached over vhost-vsock: the time from spawning QEMU to a first
 /// command finished, and QEMU's resident KiB then.
 async fn qemu_first_command(image: &moat_core::Image) -> (Duration, u64) {
-    let cmdline = moat_core::vm::kernel_cmdline("level2");
+    let cmdline = moat_core::vm::kernel_cmdline("level2", spec().disk_mib);
     let started = Instant::now();
     let mut qemu = Command::new("qemu-system-x86_64")
         .args(["-M", "microvm,acpi=on,rtc=on", "-accel", "kvm", "-cpu", "host", "-smp", "1"])

@@ -19,6 +19,7 @@ pub mod machine;
 pub mod moat;
 pub mod passt;
 pub mod preview;
+pub mod rootdisk;
 pub mod sandbox;
 pub mod state;
 pub mod task;

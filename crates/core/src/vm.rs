@@ -28,6 +28,7 @@ use crate::backend::{Backend, BackendKind, Instance};
 use crate::error::CoreError;
 use crate::image::Image;
 use crate::passt::Passt;
+use crate::rootdisk::RootDisk;
 use crate::sandbox::{NetworkPolicy, SandboxSpec};
 use crate::state::StateDir;
 
@@ -114,21 +115,41 @@ impl VmBackend {
 
 /// The kernel command line of a sandbox's VM (public for the benchmark
 /// that boots the same guest under QEMU).
-pub fn kernel_cmdline(hostname: &str) -> String {
+pub fn kernel_cmdline(hostname: &str, disk_mib: u64) -> String {
     format!(
         "console=ttyS0 reboot=k panic=-1 pci=off i8042.noaux i8042.nomux quiet \
-         moat.root=/dev/vda moat.hostname={hostname} \
+         moat.root=/dev/vda moat.disk_mib={disk_mib} moat.hostname={hostname} \
          moat.port={AGENT_VSOCK_PORT} moat.boot_timer={BOOT_TIMER:#x}"
     )
 }
 
-/// The command line of a VM with network `policy`: an `open` one is told
-/// its addresses.
-fn cmdline_for(hostname: &str, policy: NetworkPolicy) -> String {
-    match policy {
-        NetworkPolicy::Open => format!("{} {}", kernel_cmdline(hostname), crate::passt::guest_cmdline()),
-        NetworkPolicy::None | NetworkPolicy::Filtered => kernel_cmdline(hostname),
+/// The command line of the VM of `spec`: an `open` one is told its
+/// addresses.
+fn cmdline_for(hostname: &str, spec: &SandboxSpec) -> String {
+    let line = kernel_cmdline(hostname, spec.disk_mib);
+    match spec.network {
+        NetworkPolicy::Open => format!("{line} {}", crate::passt::guest_cmdline()),
+        NetworkPolicy::None | NetworkPolicy::Filtered => line,
     }
+}
+
+/// The overlay limit of a VM whose guest may write `disk_mib`, after
+/// checking that its image's root file system has that much room.
+fn overlay_limit_mib(image: &Image, disk_mib: u64) -> Result<u64, CoreError> {
+    let disk = RootDisk::read(&image.path("rootfs.ext4")).map_err(|e| {
+        CoreError::Image(crate::image::ImageError::Corrupt {
+            name: image.manifest.name.clone(),
+            what: format!("its rootfs.ext4 has no readable ext4 superblock ({e})"),
+        })
+    })?;
+    let room = disk.available >> 20;
+    if disk_mib > room {
+        return Err(CoreError::InvalidSpec(format!(
+            "disk_mib {disk_mib} is more than a microVM's root disk holds: its image's file system has {room} MiB \
+             free; ask for at most {room}, or use the jail backend"
+        )));
+    }
+    Ok(disk.overlay_limit_mib(disk_mib))
 }
 
 impl Backend for VmBackend {
@@ -161,6 +182,7 @@ impl Backend for VmBackend {
             })?),
             NetworkPolicy::None | NetworkPolicy::Filtered => None,
         };
+        let overlay_limit_mib = overlay_limit_mib(image, spec.disk_mib)?;
         let state = StateDir::create(data_dir, id).map_err(io("creating its state directory"))?;
         // passt first: moat-vmm inherits its end of passt's socketpair.
         let (passt, vmm_net_end) = match &passt_binary {
@@ -180,15 +202,10 @@ impl Backend for VmBackend {
         let config = VmConfig {
             kernel: &kernel,
             initramfs: &initramfs,
-            cmdline: cmdline_for(hostname, spec.network),
+            cmdline: cmdline_for(hostname, spec),
             vcpus: spec.cpus,
             memory_mib: spec.memory_mib,
-            disks: vec![DiskConfig {
-                path: &rootfs,
-                read_only: false,
-                overlay: &overlay,
-                overlay_limit_mib: spec.disk_mib,
-            }],
+            disks: vec![DiskConfig { path: &rootfs, read_only: false, overlay: &overlay, overlay_limit_mib }],
             vsock: VsockConfig { cid: GUEST_CID, uds_path: &vsock },
             net: vmm_net_end
                 .as_ref()
@@ -399,8 +416,14 @@ mod tests {
 
     #[test]
     fn the_command_line_boots_the_agent_from_its_overlay_disk() {
-        let line = kernel_cmdline("box");
-        for word in ["moat.root=/dev/vda", "moat.hostname=box", "moat.port=1024", "moat.boot_timer=0xc0000000"] {
+        let line = kernel_cmdline("box", 512);
+        for word in [
+            "moat.root=/dev/vda",
+            "moat.disk_mib=512",
+            "moat.hostname=box",
+            "moat.port=1024",
+            "moat.boot_timer=0xc0000000",
+        ] {
             assert!(line.split_whitespace().any(|w| w == word), "{word} missing from {line}");
         }
         // Writable through the block device's overlay: no tmpfs overlay in the guest.
@@ -440,9 +463,10 @@ mod tests {
 
     #[test]
     fn only_open_vms_are_told_their_network() {
-        assert!(cmdline_for("box", NetworkPolicy::Open).ends_with(" moat.net=10.0.2.15/24,10.0.2.2,10.0.2.3"));
+        let spec = |network| SandboxSpec { network, ..SandboxSpec::default() };
+        assert!(cmdline_for("box", &spec(NetworkPolicy::Open)).ends_with(" moat.net=10.0.2.15/24,10.0.2.2,10.0.2.3"));
         for policy in [NetworkPolicy::None, NetworkPolicy::Filtered] {
-            assert!(!cmdline_for("box", policy).contains("moat.net"), "{policy:?}");
+            assert!(!cmdline_for("box", &spec(policy)).contains("moat.net"), "{policy:?}");
         }
     }
 }

@@ -28,6 +28,29 @@ pub const MODULES: &[&str] = &[
     "virtio_net",
 ];
 
+/// Bumped when the way the initramfs is put together changes (2: the agent
+/// without debug information).
+pub const RECIPE: &str = "2";
+
+/// The agent's bytes without its debug information (`strip --strip-debug`):
+/// the initramfs stays in every guest's memory, and its size is inflated
+/// by every boot (26 MiB with line tables, 4.5 MiB without). Jails run the
+/// binary as built, so their backtraces keep their lines.
+fn without_debug_info(agent: &Path, dest: &Path) -> Result<Vec<u8>> {
+    let stripped = dest.with_extension("init");
+    let status = std::process::Command::new("strip")
+        .arg("--strip-debug")
+        .arg("-o")
+        .arg(&stripped)
+        .arg(agent)
+        .status()
+        .context("cannot run strip (Debian's binutils)")?;
+    anyhow::ensure!(status.success(), "strip --strip-debug {} failed ({status})", agent.display());
+    let bytes = std::fs::read(&stripped).with_context(|| format!("reading {}", stripped.display()));
+    let _ = std::fs::remove_file(&stripped);
+    bytes
+}
+
 /// Writes `initramfs.cpio.gz` to `dest`; returns the module names in load order.
 pub fn build(dest: &Path, agent: &Path, modules_dir: &Path, release: &str) -> Result<Vec<String>> {
     let dep_text = std::fs::read_to_string(modules_dir.join("modules.dep"))
@@ -53,7 +76,7 @@ pub fn build(dest: &Path, agent: &Path, modules_dir: &Path, release: &str) -> Re
     for dir in ["dev", "proc", "sys", "newroot", "tmp", "run"].into_iter().map(str::to_owned).chain(dirs) {
         cpio.dir(&dir)?;
     }
-    cpio.file("init", 0o755, &std::fs::read(agent).with_context(|| format!("reading {}", agent.display()))?)?;
+    cpio.file("init", 0o755, &without_debug_info(agent, dest)?)?;
     for module in &order {
         let data = std::fs::read(modules_dir.join(module)).with_context(|| format!("reading module {module}"))?;
         cpio.file(&format!("{module_root}/{module}"), 0o644, &data)?;

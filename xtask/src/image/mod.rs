@@ -28,11 +28,12 @@ const HOST_PACKAGES: &[(&str, &str)] = &[
     ("e2fsprogs", "mkfs.ext4"),
     ("kmod", "depmod"),
     ("dpkg", "dpkg-deb"),
+    ("binutils", "strip"),
     ("apt", "apt-get"),
 ];
 
 /// Bumped when the way images are put together changes.
-const RECIPE_VERSION: &str = "2";
+const RECIPE_VERSION: &str = "3";
 
 pub fn build(name: &str, force: bool) -> Result<PathBuf> {
     validate_name(name)?;
@@ -184,8 +185,9 @@ fn inputs(agent: &Path, kernel_package: &str, kernel_version: &str) -> Result<BT
     Ok(BTreeMap::from([
         ("agent".into(), agent_hash),
         ("kernel".into(), format!("{kernel_package} {kernel_version}")),
-        // The initramfs's module list: adding one (virtio_net) rebuilds it.
-        ("modules".into(), initramfs::MODULES.join(",")),
+        // How the initramfs is made and its module list: changing either
+        // (adding virtio_net, stripping the agent) rebuilds it.
+        ("initramfs".into(), format!("recipe {}; modules {}", initramfs::RECIPE, initramfs::MODULES.join(","))),
         ("recipe".into(), RECIPE_VERSION.into()),
         ("rootfs".into(), rootfs_key),
     ]))

@@ -97,9 +97,10 @@ pub fn package_versions(root: &Path) -> Result<BTreeMap<String, String>> {
         .collect())
 }
 
-/// The size of the ext4 disk: the guest's file system, whose free space is
-/// what a VM sandbox can write (into its copy-on-write overlay).
-pub const EXT4_SIZE_MIB: u64 = 4096;
+/// The size of the ext4 disk: the guest's file system, whose free space
+/// bounds the `disk_mib` a VM sandbox can have (its writes go to its
+/// copy-on-write overlay; unused blocks cost the sparse base nothing).
+pub const EXT4_SIZE_MIB: u64 = 8192;
 
 /// Makes `dest` an ext4 image holding `root`, with ids as they are (0 and 1000).
 pub fn make_ext4(root: &Path, dest: &Path) -> Result<()> {
@@ -107,7 +108,12 @@ pub fn make_ext4(root: &Path, dest: &Path) -> Result<()> {
         // Inode tables and journal zeroed now, in the shared base, not by
         // ext4's lazy init in every VM on first mount (64 MiB of zeros per
         // sandbox, and I/O while it runs).
-        .args(["-q", "-F", "-L", "moat-root", "-E", "root_owner=0:0,lazy_itable_init=0,lazy_journal_init=0", "-d"])
+        .args(["-q", "-F", "-L", "moat-root", "-E", "root_owner=0:0,lazy_itable_init=0,lazy_journal_init=0"])
+        // No blocks reserved for root (a sandbox's root may write what its
+        // user may: the agent leaves `disk_mib` free for both); an inode per
+        // 32 KiB and a 64 MiB journal, the metadata each VM's overlay
+        // leaves room for (see moat-core's `rootdisk`).
+        .args(["-m", "0", "-i", "32768", "-J", "size=64", "-d"])
         .arg(root)
         .arg(dest)
         .arg(format!("{EXT4_SIZE_MIB}M"))
