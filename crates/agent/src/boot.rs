@@ -155,7 +155,7 @@ pub fn reserve_beyond(root: &Path, allowed_mib: u64) -> std::io::Result<u64> {
         _ => {}
     }
     let stat = nix::sys::statvfs::statvfs(root)?;
-    let free = u64::from(stat.blocks_available()).saturating_mul(u64::from(stat.fragment_size()));
+    let free = stat.blocks_available().saturating_mul(stat.fragment_size());
     let Some(excess) = free.checked_sub(allowed_mib.saturating_mul(1 << 20)).filter(|n| *n > 0) else { return Ok(0) };
     let file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o400).open(&path)?;
     let len = i64::try_from(excess).map_err(|_| std::io::Error::other("free space beyond i64"))?;
@@ -383,7 +383,7 @@ kernel/drivers/char/hw_random/virtio-rng.ko: kernel/drivers/virtio/virtio.ko ker
         let checks = || {
             let avail = |path: &Path| {
                 let stat = nix::sys::statvfs::statvfs(path).expect("statvfs");
-                u64::from(stat.blocks_available()) * u64::from(stat.fragment_size())
+                stat.blocks_available() * stat.fragment_size()
             };
             let held = reserve_beyond(&fs, 16).expect("reserves");
             assert!(held > 40 << 20, "held {held}");

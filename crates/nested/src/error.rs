@@ -63,7 +63,7 @@ pub enum Error {
     /// Level 1 itself broke: its kernel crashed (an oops or a panic on its
     /// console), it stopped answering, or QEMU ended before the payload
     /// finished. The test host, not the payload: [`crate::run_in`] tries
-    /// once more.
+    /// again (up to [`crate::ATTEMPTS`] level 1s).
     #[error(
         "Level 1 broke after stage '{stage}': {reason} (the nested test host itself: emulated SVM under TCG \
          is not flawless; rerun, and report it if it recurs)\n{tails}"

@@ -44,18 +44,26 @@ pub fn run(payload: Payload) -> Result<Output> {
 /// lifts this on a host with cores to spare.
 ///
 /// When level 1 itself breaks ([`Error::Crashed`]: its kernel crashed or
-/// hung, as emulated SVM under TCG now and then makes it), the payload runs
-/// once more in a fresh level 1, and the first failure is printed.
+/// hung, as emulated SVM under TCG now and then makes it, about one level 1
+/// in ten that boots dozens of microVMs), the payload runs again in a fresh
+/// level 1, up to [`ATTEMPTS`] in all, and each failure is printed.
 pub fn run_in(bundle: &Bundle, payload: &Payload) -> Result<Output> {
     let _turn = machine::one_at_a_time()?;
-    match machine::run(bundle, payload) {
-        Err(e @ Error::Crashed { .. }) => {
-            eprintln!("moat-nested: {e}\nmoat-nested: running the payload again in a fresh level 1");
-            machine::run(bundle, payload)
+    let mut attempt = 1;
+    loop {
+        match machine::run(bundle, payload) {
+            Err(e @ Error::Crashed { .. }) if attempt < ATTEMPTS => {
+                eprintln!("moat-nested: {e}\nmoat-nested: running the payload again in a fresh level 1");
+                attempt += 1;
+            }
+            other => return other,
         }
-        other => other,
     }
 }
+
+/// Level 1s a payload gets when they break under it (a payload's own
+/// failures are never retried).
+pub const ATTEMPTS: u32 = 3;
 
 /// A bundle that also carries the running program (a test binary that
 /// runs itself in level 1), and that program's name on level 1's `PATH`.
