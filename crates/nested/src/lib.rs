@@ -44,8 +44,8 @@ pub fn run(payload: Payload) -> Result<Output> {
 /// lifts this on a host with cores to spare.
 ///
 /// When level 1 itself breaks ([`Error::Crashed`]: its kernel crashed or
-/// hung, as emulated SVM under TCG now and then makes it, about one level 1
-/// in ten that boots dozens of microVMs), the payload runs again in a fresh
+/// hung, as emulated SVM under TCG now and then makes it: two level 1s in
+/// ten that boot microVMs one after another), the payload runs again in a fresh
 /// level 1, up to [`ATTEMPTS`] in all, and each failure is printed.
 pub fn run_in(bundle: &Bundle, payload: &Payload) -> Result<Output> {
     let _turn = machine::one_at_a_time()?;
