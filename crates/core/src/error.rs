@@ -34,6 +34,12 @@ pub enum CoreError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "Sandbox {id} did not answer for {waited_s} s, {} s past its command's timeout: its agent or kernel is \
+         stuck. Destroy it (destroy_sandbox) and create another",
+        crate::moat::ANSWER_GRACE.as_secs()
+    )]
+    Unresponsive { id: String, waited_s: u64 },
     #[error("Sandbox {id}: the agent failed")]
     Agent {
         id: String,

@@ -23,6 +23,27 @@ use crate::vm::VmBackend;
 /// sandbox prints beyond is dropped (stream with [`Moat::exec`] for more).
 pub const RUN_OUTPUT_LIMIT: usize = 64 << 20;
 
+/// How long past a command's own timeout the host waits for the agent to
+/// report it ended. The agent kills a command at its timeout and answers
+/// at once; silence this long after means the agent or the guest's kernel
+/// is stuck, and the caller gets [`CoreError::Unresponsive`] instead of
+/// waiting forever.
+pub const ANSWER_GRACE: Duration = Duration::from_secs(30);
+
+/// `work`, given up as [`CoreError::Unresponsive`] when it has not finished
+/// [`ANSWER_GRACE`] after `timeout` (never without a timeout).
+pub async fn answered_within<T>(
+    id: &str,
+    timeout: Option<Duration>,
+    work: impl Future<Output = Result<T, CoreError>>,
+) -> Result<T, CoreError> {
+    let Some(timeout) = timeout else { return work.await };
+    let waited = timeout.saturating_add(ANSWER_GRACE);
+    tokio::time::timeout(waited, work)
+        .await
+        .map_err(|_| CoreError::Unresponsive { id: id.into(), waited_s: waited.as_secs() })?
+}
+
 /// How a [`Moat`] runs.
 #[derive(Debug, Clone)]
 pub struct MoatConfig {
@@ -379,15 +400,20 @@ impl Moat {
 
     /// Runs a process to completion and collects its output. In a task's
     /// sandbox, the command goes into the task's execution log.
+    /// With a `timeout_ms`, an agent that has not answered
+    /// [`ANSWER_GRACE`] past it is [`CoreError::Unresponsive`].
     pub async fn run(&self, id: &str, request: ExecRequest) -> Result<Output, CoreError> {
         let command = command_line(&request);
         let started_at = now();
-        let output = self
-            .exec(id, request)
-            .await?
-            .output_limited(RUN_OUTPUT_LIMIT)
-            .await
-            .map_err(|source| CoreError::Agent { id: id.into(), source })?;
+        let timeout = request.timeout_ms.map(Duration::from_millis);
+        let work = async {
+            self.exec(id, request)
+                .await?
+                .output_limited(RUN_OUTPUT_LIMIT)
+                .await
+                .map_err(|source| CoreError::Agent { id: id.into(), source })
+        };
+        let output = answered_within(id, timeout, work).await?;
         self.log_command(id, &command, started_at, &output);
         Ok(output)
     }

@@ -99,6 +99,41 @@ async fn idle_sandboxes_suspend_and_resume_transparently() {
     moat.destroy_all().await;
 }
 
+/// A sandbox whose agent stops answering mid-command (here: frozen by
+/// suspend behind the command's back; in life, a wedged guest kernel) is
+/// reported once the command's timeout and the grace after it pass, not
+/// waited on forever.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_stuck_sandbox_is_reported_not_waited_on() {
+    let moat = moat(16).await;
+    let sandbox = moat.create(small()).await.expect("created");
+    let id = sandbox.id.as_str();
+    let mut request = ExecRequest::shell("touch /tmp/started; sleep 600");
+    // Long enough for the freeze below to come first.
+    request.timeout_ms = Some(5000);
+    let run = moat.run(id, request);
+    let freeze = async {
+        // Frozen once the command runs (a suspended sandbox's next request
+        // would resume it).
+        while sh(&moat, id, "test -e /tmp/started && echo yes").await.0.trim() != "yes" {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        moat.suspend(id)
+    };
+    let (result, suspended) = tokio::join!(run, freeze);
+    suspended.expect("suspends");
+    if moat.get(id).expect("listed").state == SandboxState::Paused {
+        let err = result.expect_err("a frozen agent cannot answer");
+        assert!(matches!(err, CoreError::Unresponsive { waited_s: 35, .. }), "{err}");
+        assert!(err.to_string().contains("destroy_sandbox"), "{err}");
+    } else {
+        eprintln!("this host cannot freeze cgroups; nothing to check");
+    }
+    moat.client(id).expect("resumes");
+    moat.destroy_all().await;
+}
+
 #[tokio::test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn expired_sandboxes_are_destroyed_and_limits_hold() {

@@ -2,6 +2,8 @@
 //! the contract says. Mistakes the model can fix are tool results with
 //! `isError: true` and a message saying what to do.
 
+use std::time::Duration;
+
 use base64::Engine;
 use moat_core::{CoreError, Language, NetworkPolicy, SandboxSpec};
 use moat_proto::{ExecRequest, FileKind, ReadFileRequest, WriteFileRequest};
@@ -361,7 +363,12 @@ async fn run_command(server: &Session<'_>, args: &Value, context: &CallContext) 
     let feed = |_, bytes: &[u8]| tail.feed(bytes);
     let streamed =
         moat_core::moat::stream_output(handle, moat_core::moat::RUN_OUTPUT_LIMIT, context.cancelled.cancelled(), &feed);
-    let Some(out) = with_progress(streamed, context, &tail).await? else {
+    // A sandbox whose agent stops answering (a wedged guest kernel) must
+    // not hold the call forever: the agent ends the command at `timeout`.
+    let answered = moat_core::moat::answered_within(&id, Some(Duration::from_secs(timeout)), async {
+        Ok(with_progress(streamed, context, &tail).await)
+    });
+    let Some(out) = answered.await?? else {
         return Err(ToolError("cancelled: the command and everything it started were killed".into()));
     };
     // Streamed, so logged here for a task's execution log.
