@@ -464,10 +464,15 @@ impl Moat {
             snippet => {
                 let mut request = snippet_request(snippet, code);
                 request.timeout_ms = Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
-                let handle = self.exec(id, request).await?;
-                let streamed = stream_output(handle, RUN_OUTPUT_LIMIT, cancelled, on_stream)
-                    .await
-                    .map_err(|source| CoreError::Agent { id: id.into(), source })?;
+                // (Python's session bounds its own wait: interrupted at the
+                // timeout, dropped when that is not answered.)
+                let streamed = answered_within(id, Some(timeout), async {
+                    let handle = self.exec(id, request).await?;
+                    stream_output(handle, RUN_OUTPUT_LIMIT, cancelled, on_stream)
+                        .await
+                        .map_err(|source| CoreError::Agent { id: id.into(), source })
+                })
+                .await?;
                 CodeOutput::from_process(streamed, timeout)
             }
         };

@@ -113,20 +113,27 @@ async fn a_stuck_sandbox_is_reported_not_waited_on() {
     // Long enough for the freeze below to come first.
     request.timeout_ms = Some(5000);
     let run = moat.run(id, request);
+    // A bash cell too: run_code's wait is bounded the same way.
+    let cell = "touch /tmp/cell-started; sleep 600";
+    let code =
+        moat.run_code(id, moat_core::Language::Bash, cell, Duration::from_secs(5), std::future::pending(), &|_, _| {});
     let freeze = async {
-        // Frozen once the command runs (a suspended sandbox's next request
-        // would resume it).
-        while sh(&moat, id, "test -e /tmp/started && echo yes").await.0.trim() != "yes" {
+        // Frozen once both run (a suspended sandbox's next request would
+        // resume it).
+        let both = "test -e /tmp/started && test -e /tmp/cell-started && echo yes";
+        while sh(&moat, id, both).await.0.trim() != "yes" {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         moat.suspend(id)
     };
-    let (result, suspended) = tokio::join!(run, freeze);
+    let (result, code_result, suspended) = tokio::join!(run, code, freeze);
     suspended.expect("suspends");
     if moat.get(id).expect("listed").state == SandboxState::Paused {
         let err = result.expect_err("a frozen agent cannot answer");
         assert!(matches!(err, CoreError::Unresponsive { waited_s: 35, .. }), "{err}");
         assert!(err.to_string().contains("destroy_sandbox"), "{err}");
+        let err = code_result.expect_err("nor run a cell");
+        assert!(matches!(err, CoreError::Unresponsive { waited_s: 35, .. }), "{err}");
     } else {
         eprintln!("this host cannot freeze cgroups; nothing to check");
     }
