@@ -14,6 +14,10 @@ pub struct Tails {
     /// The result channel: control messages, then the ends of the payload's
     /// stdout and stderr.
     pub channel: String,
+    /// Level 1's vCPU registers as QEMU's monitor showed them, twice a
+    /// second apart, when level 1 hung (empty otherwise): whether it was
+    /// halted, looping, or stuck in a level-2 guest.
+    pub cpu: String,
 }
 
 impl fmt::Display for Tails {
@@ -21,7 +25,11 @@ impl fmt::Display for Tails {
         writeln!(f, "--- level-1 serial console (tail) ---")?;
         writeln!(f, "{}", self.console.trim_end())?;
         writeln!(f, "--- result channel (tail) ---")?;
-        write!(f, "{}", self.channel.trim_end())
+        write!(f, "{}", self.channel.trim_end())?;
+        if !self.cpu.is_empty() {
+            write!(f, "\n--- level 1's vCPU (QEMU monitor, `info registers` 1 s apart) ---\n{}", self.cpu.trim_end())?;
+        }
+        Ok(())
     }
 }
 

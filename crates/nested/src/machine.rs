@@ -120,6 +120,12 @@ fn launch(bundle: &Bundle, machine: Machine, run_files: &[(&str, String)], conso
             .arg(format!("id={id},file={},format=raw,if=none,readonly=on", file.display()))
             .args(["-device", &format!("virtio-blk-device,drive={id},serial=moat-{id}")]);
     }
+    // QEMU's monitor on a socket, for a look at level 1's vCPU when it
+    // hangs (`cpu_state`); not where the path is too long for a socket.
+    let monitor = dir.path().join(MONITOR);
+    if matches!(console, Console::File) && monitor.as_os_str().len() < 100 {
+        qemu.args(["-monitor", &format!("unix:{},server=on,wait=off", monitor.display())]);
+    }
     match console {
         Console::File => {
             let log = File::create(at("qemu.log"))
@@ -204,6 +210,43 @@ pub fn one_at_a_time() -> Result<Option<nix::fcntl::Flock<File>>> {
         .map_err(|(_, errno)| watch(errno.into()))
 }
 
+/// QEMU's monitor socket in a level 1's directory.
+const MONITOR: &str = "monitor.sock";
+
+/// Level 1's vCPU registers from QEMU's monitor (`info registers`), twice
+/// a second apart; empty when there is no monitor. A hung level 1 prints
+/// nothing: where its vCPU is, and whether it moves, is the clue.
+fn cpu_state(dir: &Path) -> String {
+    use std::os::unix::net::UnixStream;
+    let sample = || -> std::io::Result<String> {
+        let mut monitor = UnixStream::connect(dir.join(MONITOR))?;
+        monitor.set_read_timeout(Some(Duration::from_millis(300)))?;
+        monitor.write_all(b"info registers\n")?;
+        let (mut out, mut buf) = (Vec::new(), [0u8; 4096]);
+        let deadline = Instant::now() + Duration::from_secs(3);
+        // Until the monitor has been quiet for a moment (it never closes).
+        while Instant::now() < deadline {
+            match monitor.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+        let text = String::from_utf8_lossy(&out);
+        // The general, segment and control register lines: no banner,
+        // prompts, echo escapes, or floating-point and vector registers.
+        let noise = ["FPR", "YMM", "XMM", "ZMM", "DR", "FCW", "Opmask"];
+        Ok(text
+            .lines()
+            .filter(|l| l.contains('=') && !l.contains("(qemu)") && !noise.iter().any(|n| l.starts_with(n)))
+            .map(|l| l.chars().filter(|c| !c.is_control()).collect::<String>() + "\n")
+            .collect())
+    };
+    let first = sample().unwrap_or_else(|e| format!("(no monitor: {e})\n"));
+    std::thread::sleep(Duration::from_secs(1));
+    let second = sample().unwrap_or_else(|e| format!("(no monitor: {e})\n"));
+    format!("{first}-- 1 s later --\n{second}")
+}
+
 /// Kills level 1's QEMU and reaps it.
 fn stop(level1: &mut Level1) {
     let _ = level1.child.kill();
@@ -257,14 +300,16 @@ pub fn run(bundle: &Bundle, payload: &Payload) -> Result<Output> {
         }
         let stage = last(&stages);
         if stage == Stage::PayloadStarted && alive.elapsed() > LIVENESS {
+            let tails = Tails { cpu: cpu_state(level1.dir.path()), ..watch.tails() };
             stop(&mut level1);
             let reason = format!("it stopped answering (no heartbeat for {} s)", LIVENESS.as_secs());
-            return Err(Error::Crashed { stage, reason, tails: watch.tails() });
+            return Err(Error::Crashed { stage, reason, tails });
         }
         let limit = payload.timeouts.after(stage);
         if since.elapsed() > limit {
+            let tails = Tails { cpu: cpu_state(level1.dir.path()), ..watch.tails() };
             stop(&mut level1);
-            return Err(Error::Timeout { stage, waited: limit, tails: watch.tails() });
+            return Err(Error::Timeout { stage, waited: limit, tails });
         }
         std::thread::sleep(POLL);
     };
@@ -287,7 +332,7 @@ pub fn shell(bundle: &Bundle, machine: Machine) -> Result<i32> {
     code.ok_or_else(|| Error::Failed {
         stage: Stage::Launched,
         reason: format!("QEMU ended ({status}) without the shell's exit status"),
-        tails: Tails { console: String::new(), channel: control },
+        tails: Tails { console: String::new(), channel: control, cpu: String::new() },
     })
 }
 
@@ -453,7 +498,7 @@ impl Watch {
                 String::from_utf8_lossy(&tail)
             ));
         }
-        Tails { console, channel }
+        Tails { console, channel, cpu: String::new() }
     }
 }
 

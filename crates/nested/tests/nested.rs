@@ -87,6 +87,8 @@ fn a_hanging_payload_is_reported_with_its_stage_and_consoles() {
     let tails = err.tails().expect("both consoles");
     assert!(tails.console.contains("moat-nested: kvm works"), "{err}");
     assert!(tails.channel.contains("about to hang"), "{err}");
+    // And where level 1's vCPU was, from QEMU's monitor.
+    assert!(tails.cpu.contains("RIP=") && tails.cpu.contains("1 s later"), "{err}");
     let message = err.to_string();
     assert!(message.contains("payload finished") && message.contains("stage reached: payload started"), "{message}");
 }
