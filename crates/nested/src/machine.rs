@@ -89,10 +89,13 @@ enum Console {
 }
 
 fn launch(bundle: &Bundle, machine: Machine, run_files: &[(&str, String)], console: &Console) -> Result<Level1> {
+    sweep_orphans(&std::env::temp_dir());
     let dir = tempfile::Builder::new()
-        .prefix("moat-nested-")
+        .prefix(LEVEL_DIR_PREFIX)
         .tempdir()
         .map_err(|source| Error::Watch { what: "creating a temporary directory".into(), source })?;
+    std::fs::write(dir.path().join(OWNER), std::process::id().to_string())
+        .map_err(|source| Error::Watch { what: "recording the level's owner".into(), source })?;
     let initramfs = dir.path().join("initramfs.cpio.gz");
     write_initramfs(&bundle.initramfs, run_files, &initramfs)
         .map_err(|source| Error::Watch { what: format!("writing {}", initramfs.display()), source })?;
@@ -208,6 +211,31 @@ pub fn one_at_a_time() -> Result<Option<nix::fcntl::Flock<File>>> {
     nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
         .map(Some)
         .map_err(|(_, errno)| watch(errno.into()))
+}
+
+/// Each level 1's temporary directory: its consoles, result channel and
+/// initramfs; removed when its run ends.
+const LEVEL_DIR_PREFIX: &str = "moat-nested-";
+/// The file in it that holds the owning process's pid.
+const OWNER: &str = "owner";
+
+/// Removes the level directories under `tmp` whose owner died without
+/// removing its own (a test process killed by a timeout; its QEMU dies
+/// with it). Directories without an owner file are left: one may be
+/// being made at this moment.
+fn sweep_orphans(tmp: &Path) {
+    let Ok(entries) = std::fs::read_dir(tmp) else { return };
+    for entry in entries.filter_map(std::result::Result::ok) {
+        if !entry.file_name().to_string_lossy().starts_with(LEVEL_DIR_PREFIX) {
+            continue;
+        }
+        let owner = std::fs::read_to_string(entry.path().join(OWNER)).ok().and_then(|p| p.trim().parse::<i32>().ok());
+        let Some(pid) = owner.filter(|pid| *pid > 0) else { continue };
+        let dead = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) == Err(nix::errno::Errno::ESRCH);
+        if dead {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// QEMU's monitor socket in a level 1's directory.
@@ -524,6 +552,29 @@ mod tests {
         let out =
             Command::new("sh").arg("-c").arg(script.replace("exec 'printf'", "exec printf")).output().expect("sh");
         assert_eq!(String::from_utf8_lossy(&out.stdout), "it's\n$HOME\n");
+    }
+
+    #[test]
+    fn directories_of_dead_owners_are_swept_and_no_others() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let mut gone = Command::new("true").spawn().expect("true");
+        gone.wait().expect("reaped");
+        let level = |name: &str, owner: Option<u32>| {
+            let dir = tmp.path().join(name);
+            std::fs::create_dir(&dir).expect("dir");
+            std::fs::write(dir.join("console"), "x").expect("console");
+            if let Some(pid) = owner {
+                std::fs::write(dir.join(OWNER), pid.to_string()).expect("owner");
+            }
+            dir
+        };
+        let orphan = level("moat-nested-dead", Some(gone.id()));
+        let live = level("moat-nested-live", Some(std::process::id()));
+        let unowned = level("moat-nested-new", None);
+        let other = level("not-ours", Some(gone.id()));
+        sweep_orphans(tmp.path());
+        assert!(!orphan.exists(), "a dead owner's directory stays");
+        assert!(live.exists() && unowned.exists() && other.exists());
     }
 
     #[test]
