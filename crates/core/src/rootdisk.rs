@@ -28,7 +28,8 @@ const SUPERBLOCK_LEN: usize = 1024;
 const MAGIC: u16 = 0xEF53;
 /// `INCOMPAT_64BIT`: block counts have high halves.
 const INCOMPAT_64BIT: u32 = 0x80;
-/// Per-group bitmaps and descriptors, and slack: 8 MiB plus 1/1024 of the disk.
+/// Room beyond the inode tables, journal and reserved blocks (bitmaps and
+/// descriptors take another 1/1024 of the disk, added in `parse`).
 const SLACK: u64 = 8 << 20;
 
 impl RootDisk {

@@ -22,6 +22,7 @@ use flate2::Compression;
 use flate2::write::GzEncoder;
 use moat_agent::boot::{ModuleDeps, module_name};
 use moat_core::image::{Image, data_dir};
+use moat_core::machine::find_program;
 use sha2::{Digest, Sha256};
 
 use crate::cpio::Cpio;
@@ -126,15 +127,6 @@ fn env_path(name: &str) -> Option<PathBuf> {
     std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from)
 }
 
-/// `program` on `PATH`, or in the sbin directories a non-login shell may lack.
-pub(crate) fn find_program(program: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
-        .map(|dir| dir.join(program))
-        .find(|p| p.is_file())
-}
-
 /// A built level-1 bundle.
 #[derive(Debug, Clone)]
 pub struct Bundle {
@@ -234,7 +226,7 @@ fn cached(cache: &Path, prefix: &str, key: &str, build: impl FnOnce(&Path) -> Re
 /// as a regular file, for level 1 to mount read-only. moat-vmm (like most
 /// programs) takes a disk image as a regular file, which a block device
 /// attached as it is would not be; `mkfs.ext4 -d` copies only the allocated
-/// part of the sparse image (1.7 of 4 GiB), once per root file system.
+/// part of the sparse image (1.75 of 8 GiB), once per root file system.
 fn build_rootfs_disk(rootfs: &Path, work: &Path) -> Result<()> {
     let io = |what: String| {
         let dir = work.to_path_buf();
