@@ -8,6 +8,10 @@
 //!   disk (copy-on-write) and command line to the same agent, reached over
 //!   vhost-vsock; runs interleaved (A, B, B, A…) so level 1's drift and
 //!   its fast first boot are shared out. Target: ratio ≤ 0.8.
+//!   Beside it, where each boot's time went: the guest kernel's log and
+//!   its uptime at the first command (on the guest's clock, scaled to the
+//!   host's) split it into the VMM's start, the kernel, the agent's boot
+//!   and the answer.
 //! - moat-vmm's resident memory beyond the guest memory it touched
 //!   (target ≤ 5 MiB), and an idle microVM's host memory (guest memory is
 //!   mapped `MAP_NORESERVE`: only touched pages count), beside QEMU's.
@@ -89,22 +93,30 @@ async fn bench(runs: usize) {
     let mut qemu = Vec::new();
     let mut memory: Option<Memory> = None;
     let mut qemu_rss_kib = 0;
+    let (mut our_phases, mut qemu_phases) = (Vec::new(), Vec::new());
     // A, B, B, A, A, B…: the first level-2 boot in a level 1 is the
     // fastest (docs/testing.md), and each side gets its share of firsts.
     for run in 0..runs * 2 {
         if matches!(run % 4, 0 | 3) {
             let started = Instant::now();
+            let wall = std::time::SystemTime::now();
             let sandbox = moat.create(spec()).await.expect("a microVM sandbox");
-            let out = moat.run(&sandbox.id, ExecRequest::argv(["true"])).await.expect("true runs");
-            ours.push(started.elapsed());
-            assert!(out.status.success());
+            let out = moat.run(&sandbox.id, ExecRequest::argv(FIRST_COMMAND)).await.expect("the command runs");
+            let elapsed = started.elapsed();
+            ours.push(elapsed);
             if memory.is_none() {
                 memory = Some(vmm_memory(&data_dir, &sandbox.id));
             }
+            let client = moat.client(&sandbox.id).expect("its client");
+            let mut phases = Phases::of(&client, elapsed, &out).await;
+            let log = std::fs::read_to_string(data_dir.join("sandboxes").join(&sandbox.id).join("vmm.log"));
+            phases.raw.push_str(&vmm_log_times(wall, &log.unwrap_or_default()));
+            our_phases.push(phases);
             moat.destroy(&sandbox.id).await.expect("destroyed");
         } else {
-            let (elapsed, rss) = qemu_first_command(&image).await;
+            let (elapsed, rss, phases) = qemu_first_command(&image).await;
             qemu.push(elapsed);
+            qemu_phases.push(phases);
             qemu_rss_kib = qemu_rss_kib.max(rss);
         }
     }
@@ -114,6 +126,7 @@ async fn bench(runs: usize) {
     println!("    moat vm (moat-vmm)      median {:>6.2} s   runs {}", ours_m.as_secs_f64(), list(&ours));
     println!("    baseline: QEMU microvm  median {:>6.2} s   runs {}", qemu_m.as_secs_f64(), list(&qemu));
     println!("    ratio {:.2}   (target <= 0.80)", ours_m.as_secs_f64() / qemu_m.as_secs_f64());
+    Phases::print(&our_phases, &qemu_phases);
     if let Some(m) = memory {
         println!("  host memory of a microVM that booted and ran a command ({GUEST_MIB} MiB guest):");
         println!(
@@ -193,7 +206,7 @@ fn smaps(pid: u32) -> (u64, Vec<(u64, u64, String)>) {
 /// initramfs, command line, root disk copy-on-write, one vCPU), the agent
 /// reached over vhost-vsock: the time from spawning QEMU to a first
 /// command finished, and QEMU's resident KiB then.
-async fn qemu_first_command(image: &moat_core::Image) -> (Duration, u64) {
+async fn qemu_first_command(image: &moat_core::Image) -> (Duration, u64, Phases) {
     let cmdline = moat_core::vm::kernel_cmdline("level2", spec().disk_mib);
     let started = Instant::now();
     let mut qemu = Command::new("qemu-system-x86_64")
@@ -224,12 +237,116 @@ async fn qemu_first_command(image: &moat_core::Image) -> (Duration, u64) {
         assert!(started.elapsed() < Duration::from_secs(300), "QEMU's guest never answered");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let out = client.run(ExecRequest::argv(["true"])).await.expect("true runs under QEMU");
-    assert!(out.status.success());
+    let out = client.run(ExecRequest::argv(FIRST_COMMAND)).await.expect("the command runs under QEMU");
     let elapsed = started.elapsed();
     let (rss, _) = smaps(qemu.id());
+    let phases = Phases::of(&client, elapsed, &out).await;
     stop(&mut qemu);
-    (elapsed, rss)
+    (elapsed, rss, phases)
+}
+
+/// When moat-vmm logged its milestones, in seconds after `wall` (its log's
+/// timestamps are UTC times of day).
+fn vmm_log_times(wall: std::time::SystemTime, log: &str) -> String {
+    let since_midnight = |d: Duration| d.as_secs_f64() % 86_400.0;
+    let zero = since_midnight(wall.duration_since(std::time::UNIX_EPOCH).unwrap_or_default());
+    let mut out = String::new();
+    for (what, needle) in [("VMM built", "loaded:"), ("guest started", "Starting the guest"), ("agent ready", "Guest ready")] {
+        let at = log.lines().find(|l| l.contains(needle)).and_then(|l| {
+            let time = l.split_once('T')?.1.split_once('Z')?.0;
+            let mut parts = time.split(':').map(|p| p.parse::<f64>().ok());
+            Some(parts.next()?? * 3600.0 + parts.next()?? * 60.0 + parts.next()??)
+        });
+        if let Some(at) = at {
+            out.push_str(&format!("; {what} at {:.2}", at - zero));
+        }
+    }
+    out
+}
+
+/// The first command of a boot: it prints the guest's uptime.
+const FIRST_COMMAND: [&str; 2] = ["cat", "/proc/uptime"];
+
+/// The guest kernel's log lines that end a boot's phases after the VMM's
+/// start: (phase, the line's start after its timestamp).
+const MILESTONES: &[(&str, &str)] = &[
+    ("kernel: clock started -> /init runs", "Run /init as init process"),
+    ("agent: /init -> root mounted", "EXT4-fs (vda): mounted"),
+];
+
+/// Where one boot's time went, in host seconds: before the guest kernel's
+/// clock started (the VMM's start, loading the kernel and initramfs, the
+/// kernel's first steps), then each of [`MILESTONES`], then from the last
+/// to the first command (the agent's last steps, the host noticing it is
+/// up, the command's round trip).
+struct Phases {
+    seconds: Vec<f64>,
+    /// The figures they came from, for the run's line.
+    raw: String,
+}
+
+impl Phases {
+    const NAMES: [&str; 4] = [
+        "VMM start -> guest kernel's clock starts",
+        MILESTONES[0].0,
+        MILESTONES[1].0,
+        "agent ready + first command answered",
+    ];
+
+    /// Reads the guest's log and clock rate through `client`, given the
+    /// host's time to `first` (the output of [`FIRST_COMMAND`]).
+    async fn of<C: Connector>(client: &AgentClient<C>, total: Duration, first: &moat_proto::Output) -> Self {
+        assert!(first.status.success(), "the first command failed: {first:?}");
+        let uptime = |out: &moat_proto::Output| -> f64 {
+            let text = String::from_utf8_lossy(&out.stdout);
+            text.split_whitespace().next().and_then(|u| u.parse().ok()).expect("/proc/uptime's first field")
+        };
+        let at_first = uptime(first);
+        let mut root = ExecRequest::argv(["dmesg"]);
+        root.user = Some("root".into());
+        let log = client.run(root).await.expect("dmesg runs");
+        let log = String::from_utf8_lossy(&log.stdout).into_owned();
+        // The guest's clock runs at the rate its kernel was told (level 1's
+        // TSC under TCG need not agree): two readings 2 s apart on the host.
+        let (a, t) = (client.run(ExecRequest::argv(FIRST_COMMAND)).await.expect("uptime"), Instant::now());
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (b, elapsed) = (client.run(ExecRequest::argv(FIRST_COMMAND)).await.expect("uptime"), t.elapsed());
+        let rate = (uptime(&b) - uptime(&a)) / elapsed.as_secs_f64();
+        let mut marks = vec![0.0];
+        for (_, line) in MILESTONES {
+            let at = log
+                .lines()
+                .find_map(|l| {
+                    let (stamp, text) = l.strip_prefix('[')?.split_once(']')?;
+                    text.trim_start().starts_with(line).then(|| stamp.trim().parse::<f64>().ok()).flatten()
+                })
+                .unwrap_or_else(|| panic!("the guest's log has no line starting {line:?}:\n{log}"));
+            marks.push(at);
+        }
+        marks.push(at_first);
+        let guest: Vec<f64> = marks.windows(2).map(|w| (w[1] - w[0]) / rate).collect();
+        let before = total.as_secs_f64() - at_first / rate;
+        let raw = format!("{:.2} s in all, guest uptime {at_first:.2} at the first command, clock rate {rate:.3}", total.as_secs_f64());
+        Self { seconds: std::iter::once(before).chain(guest).collect(), raw }
+    }
+
+    fn print(ours: &[Self], qemu: &[Self]) {
+        let median = |all: &[Self], i: usize| {
+            let mut v: Vec<f64> = all.iter().map(|p| p.seconds[i]).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        for (name, all) in [("moat-vmm", ours), ("QEMU", qemu)] {
+            for p in all {
+                println!("    {name:<9} {}", p.raw);
+            }
+        }
+        println!("    where the time went (medians, s; the guest's clock scaled to the host's):");
+        println!("      {:<44} {:>9} {:>9}", "", "moat-vmm", "QEMU");
+        for (i, name) in Self::NAMES.iter().enumerate() {
+            println!("      {name:<44} {:>9.2} {:>9.2}", median(ours, i), median(qemu, i));
+        }
+    }
 }
 
 fn stop(child: &mut Child) {
