@@ -251,7 +251,9 @@ fn vmm_log_times(wall: std::time::SystemTime, log: &str) -> String {
     let since_midnight = |d: Duration| d.as_secs_f64() % 86_400.0;
     let zero = since_midnight(wall.duration_since(std::time::UNIX_EPOCH).unwrap_or_default());
     let mut out = String::new();
-    for (what, needle) in [("VMM built", "loaded:"), ("guest started", "Starting the guest"), ("agent ready", "Guest ready")] {
+    for (what, needle) in
+        [("VMM built", "VM built"), ("guest started", "Starting the guest"), ("agent ready", "Guest ready")]
+    {
         let at = log.lines().find(|l| l.contains(needle)).and_then(|l| {
             let time = l.split_once('T')?.1.split_once('Z')?.0;
             let mut parts = time.split(':').map(|p| p.parse::<f64>().ok());
@@ -260,6 +262,12 @@ fn vmm_log_times(wall: std::time::SystemTime, log: &str) -> String {
         if let Some(at) = at {
             out.push_str(&format!("; {what} at {:.2}", at - zero));
         }
+    }
+    // The build's steps: "(process start 3 ms, devices 20 ms, …)".
+    if let Some(steps) =
+        log.lines().find(|l| l.contains("VM built")).and_then(|l| l.split_once(" ms after the process started "))
+    {
+        out.push_str(&format!(" {}", steps.1));
     }
     out
 }
@@ -326,7 +334,10 @@ impl Phases {
         marks.push(at_first);
         let guest: Vec<f64> = marks.windows(2).map(|w| (w[1] - w[0]) / rate).collect();
         let before = total.as_secs_f64() - at_first / rate;
-        let raw = format!("{:.2} s in all, guest uptime {at_first:.2} at the first command, clock rate {rate:.3}", total.as_secs_f64());
+        let raw = format!(
+            "{:.2} s in all, guest uptime {at_first:.2} at the first command, clock rate {rate:.3}",
+            total.as_secs_f64()
+        );
         Self { seconds: std::iter::once(before).chain(guest).collect(), raw }
     }
 

@@ -110,10 +110,11 @@ pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildEr
     let open = |what, path: &std::path::Path| {
         File::open(path).map_err(|source| BuildError::Open { what, path: path.into(), source })
     };
-    let kernel = boot::load_kernel(&mem, &open("the kernel", &config.kernel)?)?;
+    let mut kernel_file = open("the kernel", &config.kernel)?;
+    let kernel = boot::load_kernel(&mem, &mut kernel_file)?;
     steps.done("kernel");
     let initramfs = match &config.initramfs {
-        Some(path) => Some(boot::load_initramfs(&mem, &open("the initramfs", path)?, kernel.end)?),
+        Some(path) => Some(boot::load_initramfs(&mem, &mut open("the initramfs", path)?, kernel.end)?),
         None => None,
     };
     steps.done("initramfs");
@@ -125,9 +126,8 @@ pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildEr
     acpi.write(&mem)?;
     let entry = boot::write_boot_params(&mem, &kernel, &config.cmdline, initramfs, acpi.rsdp)?;
     regs::write_boot_tables(&mem)?;
-    let mapped_mib = (kernel.mapped + initramfs.map_or(0, |i| i.mapped)) as f64 / f64::from(1 << 20);
     tracing::info!(
-        "Kernel {} loaded: {entry}{}; {mapped_mib:.1} MiB mapped copy-on-write from the files",
+        "Kernel {} loaded: {entry}{}",
         config.kernel.display(),
         initramfs.map(|i| format!(", initramfs {} bytes at {:#x}", i.size, i.addr)).unwrap_or_default()
     );
@@ -227,7 +227,11 @@ impl Steps {
     /// "in 120 ms after the process started (process start 3 ms, devices 20 ms, …)".
     fn summary(&self) -> String {
         let steps: Vec<String> = self.done.iter().map(|(step, d)| format!("{step} {} ms", d.as_millis())).collect();
-        format!("{} ms after the process started ({})", self.last.duration_since(self.started).as_millis(), steps.join(", "))
+        format!(
+            "{} ms after the process started ({})",
+            self.last.duration_since(self.started).as_millis(),
+            steps.join(", ")
+        )
     }
 }
 

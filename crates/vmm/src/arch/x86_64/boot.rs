@@ -16,7 +16,6 @@ use super::layout::{
     PVH_INFO_ADDR, PVH_MEMMAP_ADDR, ZERO_PAGE_ADDR, ram_ranges,
 };
 use super::regs::EntryPoint;
-use crate::vstate::memory::BootImageFile;
 
 /// e820 type of usable RAM.
 pub const E820_RAM: u32 = 1;
@@ -74,8 +73,6 @@ pub struct LoadedKernel {
     pub setup_header: Option<setup_header>,
     /// First byte after the loaded kernel.
     pub end: u64,
-    /// Bytes of it mapped copy-on-write from the file rather than copied.
-    pub mapped: u64,
 }
 
 /// Where the initramfs landed.
@@ -83,16 +80,12 @@ pub struct LoadedKernel {
 pub struct Initramfs {
     pub addr: u64,
     pub size: u64,
-    /// Bytes of it mapped copy-on-write from the file rather than copied.
-    pub mapped: u64,
 }
 
-/// Loads `kernel` as an ELF, or as a bzImage when it is not one: its
-/// segments mapped from the file where page-aligned ([`BootImageFile`]).
-pub fn load_kernel(mem: &GuestMemoryMmap, kernel: &File) -> Result<LoadedKernel, BootError> {
+/// Loads `kernel` as an ELF, or as a bzImage when it is not one.
+pub fn load_kernel(mem: &GuestMemoryMmap, kernel: &mut File) -> Result<LoadedKernel, BootError> {
     let himem = Some(GuestAddress(HIMEM_START));
-    let mut kernel = BootImageFile::new(kernel, mem).map_err(BootError::ReadKernel)?;
-    let elf = match Elf::load(mem, None, &mut kernel, himem) {
+    let elf = match Elf::load(mem, None, kernel, himem) {
         Ok(result) => {
             let pvh_entry = match result.pvh_boot_cap {
                 PvhBootCapability::PvhEntryPresent(addr) => Some(addr.raw_value()),
@@ -103,39 +96,42 @@ pub fn load_kernel(mem: &GuestMemoryMmap, kernel: &File) -> Result<LoadedKernel,
                 pvh_entry,
                 setup_header: None,
                 end: result.kernel_end,
-                mapped: kernel.mapped(),
             });
         }
         Err(e) => e,
     };
     kernel.seek(SeekFrom::Start(0)).map_err(BootError::ReadKernel)?;
-    match BzImage::load(mem, None, &mut kernel, himem) {
+    match BzImage::load(mem, None, kernel, himem) {
         Ok(result) => Ok(LoadedKernel {
             entry: result.kernel_load.raw_value() + BZIMAGE_STARTUP_64_OFFSET,
             pvh_entry: None,
             setup_header: result.setup_header,
             end: result.kernel_end,
-            mapped: kernel.mapped(),
         }),
         Err(bzimage) => Err(BootError::Kernel { elf, bzimage }),
     }
 }
 
-/// Places the initramfs at the top of RAM below the MMIO hole, page
-/// aligned: mapped from the file, its last partial page copied.
-pub fn load_initramfs(mem: &GuestMemoryMmap, file: &File, kernel_end: u64) -> Result<Initramfs, BootError> {
+/// Copies the initramfs to the top of RAM below the MMIO hole, page aligned.
+pub fn load_initramfs(mem: &GuestMemoryMmap, file: &mut File, kernel_end: u64) -> Result<Initramfs, BootError> {
     let size = file.metadata().map_err(BootError::ReadInitramfs)?.len();
     let low_end = mem.last_addr().raw_value().min(MMIO_HOLE_START - 1) + 1;
     let addr = low_end.checked_sub(size).map(|a| a & !(PAGE_SIZE - 1)).filter(|a| *a >= kernel_end.max(HIMEM_START));
     let addr = addr.ok_or(BootError::InitramfsTooLarge { size })?;
     let len = usize::try_from(size).map_err(|_| BootError::InitramfsTooLarge { size })?;
-    let mut slice = mem.get_slice(GuestAddress(addr), len).map_err(BootError::WriteInitramfs)?;
-    let mut image = BootImageFile::new(file, mem).map_err(BootError::ReadInitramfs)?;
-    image.read_exact_volatile(&mut slice).map_err(|e| match e {
-        vm_memory::VolatileMemoryError::IOError(e) => BootError::ReadInitramfs(e),
-        e => BootError::ReadInitramfs(std::io::Error::other(e)),
-    })?;
-    Ok(Initramfs { addr, size, mapped: image.mapped() })
+    let slice = mem.get_slice(GuestAddress(addr), len).map_err(BootError::WriteInitramfs)?;
+    let mut done = 0;
+    while done < len {
+        let mut rest = slice.subslice(done, len - done).map_err(|e| BootError::WriteInitramfs(e.into()))?;
+        match file.read_volatile(&mut rest) {
+            Ok(0) => {
+                return Err(BootError::ReadInitramfs(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            Ok(n) => done += n,
+            Err(e) => return Err(BootError::ReadInitramfs(std::io::Error::other(e))),
+        }
+    }
+    Ok(Initramfs { addr, size })
 }
 
 /// The memory map: RAM below the EBDA, the ACPI area reserved, RAM from
@@ -295,8 +291,8 @@ mod tests {
 
     #[test]
     fn zero_page_has_the_protocol_fields() {
-        let kernel = LoadedKernel { entry: 0x100_0000, pvh_entry: None, setup_header: None, end: 0x200_0000, mapped: 0 };
-        let initramfs = Initramfs { addr: 0x700_0000, size: 0x1234, mapped: 0 };
+        let kernel = LoadedKernel { entry: 0x100_0000, pvh_entry: None, setup_header: None, end: 0x200_0000 };
+        let initramfs = Initramfs { addr: 0x700_0000, size: 0x1234 };
         let params = zero_page(&kernel, 42, Some(initramfs), 128 << 20, ACPI_START);
         let hdr = params.hdr;
         assert_eq!({ hdr.boot_flag }, 0xaa55);
@@ -318,7 +314,7 @@ mod tests {
     #[test]
     fn pvh_start_info_points_at_everything() {
         let map = e820_map(64 << 20);
-        let info = pvh_start_info(&map, Some(Initramfs { addr: 0x300_0000, size: 9, mapped: 0 }), ACPI_START);
+        let info = pvh_start_info(&map, Some(Initramfs { addr: 0x300_0000, size: 9 }), ACPI_START);
         assert_eq!(info.len(), 56);
         let u32_at = |o: usize| u32::from_le_bytes(info[o..o + 4].try_into().expect("4 bytes"));
         let u64_at = |o: usize| u64::from_le_bytes(info[o..o + 8].try_into().expect("8 bytes"));
@@ -352,16 +348,12 @@ mod tests {
         let mut file = tempfile::tempfile().expect("temp file");
         std::io::Write::write_all(&mut file, &[7u8; 5000]).expect("written");
         file.seek(SeekFrom::Start(0)).expect("seekable");
-        let initramfs = load_initramfs(&mem, &file, 0x200_0000).expect("fits");
-        // Its first page mapped from the file, the last 904 bytes copied.
-        assert_eq!(initramfs, Initramfs { addr: ((64 << 20) - 5000) & !0xfff, size: 5000, mapped: 4096 });
-        for at in [0, 4095, 4096, 4999] {
-            let byte: u8 = mem.read_obj(GuestAddress(initramfs.addr + at)).expect("readable");
-            assert_eq!(byte, 7, "byte {at}");
-        }
-        let after: u8 = mem.read_obj(GuestAddress(initramfs.addr + 5000)).expect("readable");
-        assert_eq!(after, 0, "nothing of the file past its end");
-        assert!(matches!(load_initramfs(&mem, &file, 64 << 20), Err(BootError::InitramfsTooLarge { .. })));
+        let initramfs = load_initramfs(&mem, &mut file, 0x200_0000).expect("fits");
+        assert_eq!(initramfs, Initramfs { addr: ((64 << 20) - 5000) & !0xfff, size: 5000 });
+        let byte: u8 = mem.read_obj(GuestAddress(initramfs.addr + 4999)).expect("readable");
+        assert_eq!(byte, 7);
+        file.seek(SeekFrom::Start(0)).expect("seekable");
+        assert!(matches!(load_initramfs(&mem, &mut file, 64 << 20), Err(BootError::InitramfsTooLarge { .. })));
     }
 
     #[test]
@@ -369,7 +361,7 @@ mod tests {
         let mem = memory(16 << 20);
         let mut file = tempfile::tempfile().expect("temp file");
         std::io::Write::write_all(&mut file, &[0u8; 8192]).expect("written");
-        assert!(matches!(load_kernel(&mem, &file), Err(BootError::Kernel { .. })));
+        assert!(matches!(load_kernel(&mem, &mut file), Err(BootError::Kernel { .. })));
     }
 
     /// The default image's kernel loads and has the PVH note moat relies on.
@@ -379,31 +371,12 @@ mod tests {
         let path = crate::test_support::default_image_file("vmlinux");
         let Some(path) = path else { return };
         let mem = memory(512 << 20);
-        let file = File::open(&path).expect("vmlinux opens");
-        let kernel = load_kernel(&mem, &file).expect("vmlinux loads");
+        let mut file = File::open(&path).expect("vmlinux opens");
+        let kernel = load_kernel(&mem, &mut file).expect("vmlinux loads");
         let pvh = kernel.pvh_entry.expect("Debian's vmlinux carries a PVH note");
         assert!(pvh >= HIMEM_START && pvh < kernel.end, "{pvh:#x} inside the kernel");
         assert!(kernel.entry >= HIMEM_START);
         let entry = write_boot_params(&mem, &kernel, "console=ttyS0", None, ACPI_START).expect("params fit");
         assert_eq!(entry, EntryPoint::Pvh { entry: pvh, start_info: PVH_INFO_ADDR });
-    }
-
-    /// Mapping the default image's kernel puts in guest memory exactly what
-    /// linux-loader's copy does, mapping most of it.
-    #[test]
-    #[ignore = "needs the default image (cargo xtask image); cargo xtask test provides it"]
-    fn the_mapped_vmlinux_is_the_copied_one() {
-        let Some(path) = crate::test_support::default_image_file("vmlinux") else { return };
-        let (mapped_mem, copied_mem) = (memory(512 << 20), memory(512 << 20));
-        let kernel = load_kernel(&mapped_mem, &File::open(&path).expect("vmlinux opens")).expect("vmlinux loads");
-        let copied = Elf::load(&copied_mem, None, &mut File::open(&path).expect("opens"), Some(GuestAddress(HIMEM_START)))
-            .expect("linux-loader loads it");
-        assert_eq!((kernel.entry, kernel.end), (copied.kernel_load.raw_value(), copied.kernel_end));
-        let len = usize::try_from(kernel.end - HIMEM_START).expect("fits");
-        let (mut a, mut b) = (vec![0u8; len], vec![0u8; len]);
-        mapped_mem.read_slice(&mut a, GuestAddress(HIMEM_START)).expect("readable");
-        copied_mem.read_slice(&mut b, GuestAddress(HIMEM_START)).expect("readable");
-        assert!(a == b, "the mapped kernel differs from the copied one");
-        assert!(kernel.mapped > (kernel.end - HIMEM_START) / 2, "only {} bytes mapped", kernel.mapped);
     }
 }
