@@ -40,6 +40,9 @@ pub enum CoreError {
         crate::moat::ANSWER_GRACE.as_secs()
     )]
     Unresponsive { id: String, waited_s: u64 },
+    /// Python's session for `run_code` could not start or be reached.
+    #[error("Sandbox {id}: {reason}")]
+    CodeSession { id: String, reason: String },
     #[error("Sandbox {id}: the agent failed")]
     Agent {
         id: String,

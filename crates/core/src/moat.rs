@@ -448,10 +448,13 @@ impl Moat {
                         running
                     }
                     None => {
-                        let handle = self.exec(id, PythonSession::request()).await?;
-                        let started = PythonSession::start(handle)
+                        // Bounded as a command is: the runner is given the
+                        // cell's timeout and the grace after it to be ready.
+                        let handle =
+                            answered_within(id, Some(timeout), self.exec(id, PythonSession::request())).await?;
+                        let started = PythonSession::start(handle, timeout.saturating_add(ANSWER_GRACE))
                             .await
-                            .map_err(|e| CoreError::StartFailed { id: id.into(), reason: e.to_string() })?;
+                            .map_err(|e| CoreError::CodeSession { id: id.into(), reason: e.to_string() })?;
                         session.insert(started)
                     }
                 };

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use moat_core::{CoreError, Moat, MoatConfig, SandboxSpec, SandboxState};
+use moat_core::{CoreError, Language, Moat, MoatConfig, SandboxSpec, SandboxState};
 use moat_proto::{ExecRequest, ReadFileRequest, WriteFileRequest};
 
 mod common;
@@ -138,6 +138,44 @@ async fn a_stuck_sandbox_is_reported_not_waited_on() {
         eprintln!("this host cannot freeze cgroups; nothing to check");
     }
     moat.client(id).expect("resumes");
+    moat.destroy_all().await;
+}
+
+/// A Python session whose interpreter never becomes ready (here: a user
+/// site hook that sleeps; in life, an overloaded or wedged guest) is given
+/// up once the cell's timeout and the grace after it pass, its runner is
+/// stopped, and the next cell starts a fresh session.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_python_session_that_never_starts_is_given_up() {
+    let moat = moat(16).await;
+    let sandbox = moat.create(small()).await.expect("created");
+    let id = sandbox.id.as_str();
+    // Python imports `usercustomize` from the user's site directory as it starts.
+    let hook = r#"d=$(python3 -c 'import site; print(site.getusersitepackages())') && mkdir -p "$d" &&
+        echo 'import time; time.sleep(600)' > "$d/usercustomize.py" && echo "$d""#;
+    let (dir, code) = sh(&moat, id, hook).await;
+    assert_eq!(code, Some(0), "{dir}");
+    let python = |code: &'static str, timeout: u64| {
+        moat.run_code(id, Language::Python, code, Duration::from_secs(timeout), std::future::pending(), &|_, _| {})
+    };
+    let err = python("1 + 1", 1).await.expect_err("the session never becomes ready");
+    assert!(matches!(err, CoreError::CodeSession { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("python3 was not ready within 31 s") && text.contains("destroy_sandbox"), "{text}");
+    // The runner was stopped with its connection (the agent kills it).
+    let mut left = String::new();
+    for _ in 0..300 {
+        left = sh(&moat, id, "pgrep -a python3 || true").await.0;
+        if left.trim().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(left.trim().is_empty(), "the stalled runner is still there: {left}");
+    sh(&moat, id, &format!("rm {}/usercustomize.py", dir.trim())).await;
+    let out = python("6 * 7", 60).await.expect("a fresh session");
+    assert_eq!(out.text, "42", "{out:?}");
     moat.destroy_all().await;
 }
 

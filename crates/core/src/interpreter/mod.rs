@@ -165,8 +165,10 @@ impl PythonSession {
         request
     }
 
-    /// Takes over a started runner and waits until it is ready.
-    pub(crate) async fn start(mut handle: ExecHandle) -> Result<Self, SessionError> {
+    /// Takes over a started runner and waits until it is ready, at most
+    /// `within`: a runner not ready by then is stopped (dropping its
+    /// connection makes the agent kill it).
+    pub(crate) async fn start(mut handle: ExecHandle, within: Duration) -> Result<Self, SessionError> {
         let stdin = handle.take_stdin().ok_or_else(|| SessionError::Start("no stdin".into()))?;
         let stdout = handle.take_stdout().ok_or_else(|| SessionError::Start("no stdout".into()))?;
         let diagnostics = Arc::new(Mutex::new(Vec::new()));
@@ -183,9 +185,16 @@ impl PythonSession {
             });
         }
         let mut session = Self { handle, stdin, stdout, pending: Vec::new(), diagnostics };
-        match session.next_event().await? {
-            Event::Ready => Ok(session),
-            other => Err(SessionError::Protocol(format!("expected ready, got {other:?}"))),
+        match tokio::time::timeout(within, session.next_event()).await {
+            Ok(Ok(Event::Ready)) => Ok(session),
+            Ok(Ok(other)) => Err(SessionError::Protocol(format!("expected ready, got {other:?}"))),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(SessionError::Start(format!(
+                "python3 was not ready within {} s{}; the sandbox is overloaded or stuck. Run the code \
+                     again, or destroy the sandbox (destroy_sandbox) and create another if it does not answer",
+                within.as_secs(),
+                session.said()
+            ))),
         }
     }
 
@@ -284,10 +293,15 @@ impl PythonSession {
     }
 
     fn ended(&self) -> SessionError {
+        SessionError::Ended(self.said())
+    }
+
+    /// What the runner wrote to stderr lately, as " (…)", or nothing.
+    fn said(&self) -> String {
         let diagnostics = self.diagnostics.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let text = String::from_utf8_lossy(&diagnostics);
         let text = text.trim();
-        if text.is_empty() { SessionError::Ended(String::new()) } else { SessionError::Ended(format!(" ({text})")) }
+        if text.is_empty() { String::new() } else { format!(" ({text})") }
     }
 
     async fn next_event(&mut self) -> Result<Event, SessionError> {
