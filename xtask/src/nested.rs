@@ -49,6 +49,10 @@ pub enum Command {
         /// The level-2 kernel command line (default: moat_nested::level2::CMDLINE).
         #[arg(long)]
         cmdline: Option<String>,
+        /// Boot level 2 under moat-vmm too, alternating with QEMU (same
+        /// kernel, initramfs, disk and command line), and print the ratio.
+        #[arg(long)]
+        moat_vmm: bool,
     },
 }
 
@@ -56,10 +60,13 @@ pub fn main(command: Command) -> ExitCode {
     let result = match command {
         Command::Run { timeout, command } => run_command(command, timeout),
         Command::Shell => prepare().and_then(|b| Ok(moat_nested::shell_in(&b, Machine::default())?)),
-        Command::Bench { runs, machine, cmdline } => {
-            bench(runs, machine.as_deref().unwrap_or(level2::MACHINE), cmdline.as_deref().unwrap_or(level2::CMDLINE))
-                .map(|()| 0)
-        }
+        Command::Bench { runs, machine, cmdline, moat_vmm } => bench(
+            runs,
+            machine.as_deref().unwrap_or(level2::MACHINE),
+            cmdline.as_deref().unwrap_or(level2::CMDLINE),
+            moat_vmm,
+        )
+        .map(|()| 0),
     };
     match result {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
@@ -109,9 +116,13 @@ fn run_command(command: Vec<String>, timeout: u64) -> Result<i32> {
 }
 
 #[allow(clippy::print_stdout)]
-fn bench(runs: u32, machine: &str, cmdline: &str) -> Result<()> {
+fn bench(runs: u32, machine: &str, cmdline: &str, with_moat_vmm: bool) -> Result<()> {
     let bundle = prepare()?;
-    let out = moat_nested::run_in(&bundle, &level2::boots(runs, &[level2::Boot::qemu_microvm(machine, cmdline)]))?;
+    let mut boots = vec![level2::Boot::qemu_microvm(machine, cmdline)];
+    if with_moat_vmm {
+        boots.push(level2::Boot::moat_vmm(cmdline));
+    }
+    let out = moat_nested::run_in(&bundle, &level2::boots(runs, &boots))?;
     let times = level2::boot_times(&out, "qemu")?;
     let at = |stage| out.reached(stage).map_or_else(|| "-".into(), |d: Duration| format!("{:.2} s", d.as_secs_f64()));
     println!(
@@ -130,5 +141,17 @@ fn bench(runs: u32, machine: &str, cmdline: &str) -> Result<()> {
     sorted.sort_unstable();
     let median = sorted.get(sorted.len() / 2).context("no level-2 boot")?;
     println!("  median                      {:.2} s", median.as_secs_f64());
+    if with_moat_vmm {
+        let ours = level2::boot_times(&out, "moat-vmm")?;
+        let mut sorted = ours.clone();
+        sorted.sort_unstable();
+        let ours_median = sorted.get(sorted.len() / 2).context("no moat-vmm boot")?;
+        println!("level 2 under moat-vmm in the same level 1, alternating with QEMU (same kernel, initramfs, disk, command line):");
+        for (i, t) in ours.iter().enumerate() {
+            println!("  run {}                       {:.2} s", i + 1, t.as_secs_f64());
+        }
+        println!("  median                      {:.2} s", ours_median.as_secs_f64());
+        println!("  ratio moat-vmm / QEMU       {:.2}", ours_median.as_secs_f64() / median.as_secs_f64());
+    }
     Ok(())
 }
