@@ -146,7 +146,9 @@ fn bench(runs: u32, machine: &str, cmdline: &str, with_moat_vmm: bool) -> Result
         let mut sorted = ours.clone();
         sorted.sort_unstable();
         let ours_median = sorted.get(sorted.len() / 2).context("no moat-vmm boot")?;
-        println!("level 2 under moat-vmm in the same level 1, alternating with QEMU (same kernel, initramfs, disk, command line):");
+        println!(
+            "level 2 under moat-vmm in the same level 1, alternating with QEMU (same kernel, initramfs, disk, command line):"
+        );
         for (i, t) in ours.iter().enumerate() {
             println!("  run {}                       {:.2} s", i + 1, t.as_secs_f64());
         }
