@@ -50,6 +50,11 @@ const BOOT_GUARD: Duration = Duration::from_secs(180);
 /// How long a control request may take.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// While a VM boots, how often the agent itself is asked whether it is up
+/// when moat-vmm's boot timer has not said so (a guest that never writes
+/// the timer still comes up, only noticed later).
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
 /// Starts microVMs with `moat-vmm`.
 #[derive(Debug, Clone)]
 pub struct VmBackend {
@@ -281,16 +286,39 @@ impl Instance for Vm {
     }
 }
 
+/// Whether the moat-vmm behind `control` reports the guest ready (its boot
+/// timer written); `false` while it cannot be asked.
+async fn guest_ready(control: &Path) -> bool {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let ask = async {
+        let mut stream = tokio::net::UnixStream::connect(control).await?;
+        stream.write_all(b"{\"op\":\"status\"}\n").await?;
+        let mut line = String::new();
+        tokio::io::BufReader::new(stream).read_line(&mut line).await?;
+        let status: serde_json::Value = serde_json::from_str(&line).map_err(std::io::Error::other)?;
+        Ok::<_, std::io::Error>(status["guest_ready_us"].is_u64())
+    };
+    matches!(tokio::time::timeout(CONTROL_TIMEOUT, ask).await, Ok(Ok(true)))
+}
+
 impl Vm {
+    /// Waits until the agent answers its handshake. The agent writes
+    /// moat-vmm's boot timer once it listens, and the VMM's `status` says
+    /// so: that is polled (the VMM answers it alone), and the agent asked
+    /// then, or every [`PROBE_EVERY`] — not every poll, since each try
+    /// costs the booting guest a vsock round trip.
     async fn wait_ready(&mut self) -> Result<(), CoreError> {
         let started = Instant::now();
         let client = self.client();
+        let mut probed: Option<Instant> = None;
         loop {
-            if self.vsock.exists()
-                && let Ok(Ok(info)) = tokio::time::timeout(Duration::from_secs(2), client.info()).await
-            {
-                self.processes.store(info.processes, Ordering::Relaxed);
-                return Ok(());
+            let timer_says_ready = guest_ready(&self.control).await;
+            if (timer_says_ready || probed.is_none_or(|at| at.elapsed() >= PROBE_EVERY)) && self.vsock.exists() {
+                probed = Some(Instant::now());
+                if let Ok(Ok(info)) = tokio::time::timeout(Duration::from_secs(2), client.info()).await {
+                    self.processes.store(info.processes, Ordering::Relaxed);
+                    return Ok(());
+                }
             }
             if let Ok(Some(status)) = self.vmm.try_wait() {
                 return Err(self.start_failed(&format!("moat-vmm exited ({status})")));
@@ -413,6 +441,33 @@ impl Drop for Vm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The boot timer is read from a control socket answering as moat-vmm
+    /// does (docs/vmm.md); no socket, or no time yet, is not ready.
+    #[tokio::test]
+    async fn the_boot_timer_is_read_from_the_vmms_status() {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("control.sock");
+        assert!(!guest_ready(&path).await, "no VMM yet");
+        let listener = tokio::net::UnixListener::bind(&path).expect("binds");
+        let server = tokio::spawn(async move {
+            for ready in ["null", "81234"] {
+                let (stream, _) = listener.accept().await.expect("accepts");
+                let (read, mut write) = stream.into_split();
+                let mut line = String::new();
+                tokio::io::BufReader::new(read).read_line(&mut line).await.expect("reads");
+                assert_eq!(line, "{\"op\":\"status\"}\n");
+                let reply = format!(
+                    "{{\"ok\":true,\"state\":\"running\",\"vcpus\":1,\"memory_mib\":512,\"uptime_ms\":9,\"guest_ready_us\":{ready}}}\n"
+                );
+                write.write_all(reply.as_bytes()).await.expect("answers");
+            }
+        });
+        assert!(!guest_ready(&path).await, "guest_ready_us null");
+        assert!(guest_ready(&path).await, "guest_ready_us set");
+        server.await.expect("served");
+    }
 
     #[test]
     fn the_command_line_boots_the_agent_from_its_overlay_disk() {
