@@ -286,19 +286,29 @@ impl Instance for Vm {
     }
 }
 
+/// One request on a VMM's control socket; its JSON answer (each way
+/// bounded by [`CONTROL_TIMEOUT`]).
+fn control_request(control: &Path, op: &str) -> std::io::Result<serde_json::Value> {
+    let mut stream = UnixStream::connect(control)?;
+    stream.set_read_timeout(Some(CONTROL_TIMEOUT))?;
+    stream.set_write_timeout(Some(CONTROL_TIMEOUT))?;
+    stream.write_all(format!("{{\"op\":\"{op}\"}}\n").as_bytes())?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line)?;
+    let answer: serde_json::Value = serde_json::from_str(&line).map_err(std::io::Error::other)?;
+    if answer["ok"] == serde_json::Value::Bool(true) {
+        Ok(answer)
+    } else {
+        Err(std::io::Error::other(format!("moat-vmm refused {op}: {}", answer["error"])))
+    }
+}
+
 /// Whether the moat-vmm behind `control` reports the guest ready (its boot
 /// timer written); `false` while it cannot be asked.
 async fn guest_ready(control: &Path) -> bool {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-    let ask = async {
-        let mut stream = tokio::net::UnixStream::connect(control).await?;
-        stream.write_all(b"{\"op\":\"status\"}\n").await?;
-        let mut line = String::new();
-        tokio::io::BufReader::new(stream).read_line(&mut line).await?;
-        let status: serde_json::Value = serde_json::from_str(&line).map_err(std::io::Error::other)?;
-        Ok::<_, std::io::Error>(status["guest_ready_us"].is_u64())
-    };
-    matches!(tokio::time::timeout(CONTROL_TIMEOUT, ask).await, Ok(Ok(true)))
+    let control = control.to_owned();
+    let status = tokio::task::spawn_blocking(move || control_request(&control, "status")).await;
+    matches!(status, Ok(Ok(status)) if status["guest_ready_us"].is_u64())
 }
 
 impl Vm {
@@ -390,18 +400,7 @@ impl Vm {
 
     /// One request on the VMM's control socket; its JSON answer.
     fn control(&self, op: &str) -> std::io::Result<serde_json::Value> {
-        let mut stream = UnixStream::connect(&self.control)?;
-        stream.set_read_timeout(Some(CONTROL_TIMEOUT))?;
-        stream.set_write_timeout(Some(CONTROL_TIMEOUT))?;
-        stream.write_all(format!("{{\"op\":\"{op}\"}}\n").as_bytes())?;
-        let mut line = String::new();
-        BufReader::new(&stream).read_line(&mut line)?;
-        let answer: serde_json::Value = serde_json::from_str(&line).map_err(std::io::Error::other)?;
-        if answer["ok"] == serde_json::Value::Bool(true) {
-            Ok(answer)
-        } else {
-            Err(std::io::Error::other(format!("moat-vmm refused {op}: {}", answer["error"])))
-        }
+        control_request(&self.control, op)
     }
 
     /// Asks the VMM to stop the guest now, waits for it, SIGKILL if it does
