@@ -125,6 +125,11 @@ async fn serve(config: ServerConfig, http: Option<HttpConfig>) -> ExitCode {
     };
     let moat = match moat {
         Ok(moat) => moat,
+        // The operator's settings are wrong: a usage error, as for flags.
+        Err(e @ moat_core::CoreError::Config(_)) => {
+            eprintln!("moat-mcp: {e}");
+            return ExitCode::from(2);
+        }
         Err(e) => {
             eprintln!("moat-mcp: {e}");
             return ExitCode::FAILURE;

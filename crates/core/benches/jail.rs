@@ -43,6 +43,7 @@ async fn bench() {
         agent,
         max_sandboxes: 1024,
         roots: vec![],
+        copy_limit: moat_core::hostfs::DEFAULT_COPY_MAX_MIB << 20,
         pool_size: 0,
         pool_spec: spec(),
         egress: moat_core::EgressConfig::default(),

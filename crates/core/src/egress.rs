@@ -248,8 +248,7 @@ pub fn git_remote_host(url: &str) -> Option<String> {
 }
 
 /// The host of the `origin` remote in a checkout's `.git/config`, if any.
-pub fn repository_host(project: &std::path::Path) -> Option<String> {
-    let config = std::fs::read_to_string(project.join(".git/config")).ok()?;
+pub fn repository_host(config: &str) -> Option<String> {
     let mut in_origin = false;
     for line in config.lines().map(str::trim) {
         if line.starts_with('[') {
@@ -616,14 +615,8 @@ mod tests {
         ] {
             assert_eq!(git_remote_host(url).as_deref(), host, "{url}");
         }
-        let dir = tempfile::tempdir().expect("tempdir");
-        std::fs::create_dir(dir.path().join(".git")).expect("mkdir");
-        std::fs::write(
-            dir.path().join(".git/config"),
-            "[core]\n\tbare = false\n[remote \"upstream\"]\n\turl = https://a.example/x\n[remote \"origin\"]\n\turl = git@code.example.org:me/p.git\n",
-        )
-        .expect("write");
-        assert_eq!(repository_host(dir.path()).as_deref(), Some("code.example.org"));
+        let config = "[core]\n\tbare = false\n[remote \"upstream\"]\n\turl = https://a.example/x\n[remote \"origin\"]\n\turl = git@code.example.org:me/p.git\n";
+        assert_eq!(repository_host(config).as_deref(), Some("code.example.org"));
         let egress = policy(EgressConfig::default(), &[]);
         egress.set_repository_host("code.example.org".into());
         assert!(egress.allowed_hosts().contains("code.example.org"));

@@ -16,6 +16,12 @@ pub enum CoreError {
     UnknownTask { id: String, known: Vec<String> },
     #[error("Cannot import the project: {0}")]
     ImportRefused(String),
+    /// A host path a tool call named was refused, or a copy failed.
+    #[error("Host path refused: {0}")]
+    HostPath(String),
+    /// The operator's configuration is wrong; the binaries exit with 2.
+    #[error("Configuration: {0}")]
+    Config(String),
     #[error(transparent)]
     Image(#[from] ImageError),
     #[error(

@@ -12,6 +12,7 @@ pub mod backend;
 pub mod cgroup;
 pub mod egress;
 pub mod error;
+pub mod hostfs;
 pub mod image;
 pub mod interpreter;
 pub mod jail;

@@ -10,6 +10,7 @@ use moat_proto::{AgentClient, ExecHandle, ExecRequest, Output, UnixConnector};
 use crate::backend::BackendKind;
 use crate::egress::{EgressConfig, EgressDecision, EgressProxy, SandboxEgress};
 use crate::error::CoreError;
+use crate::hostfs::{self, HostRoots, SourceKind};
 use crate::image::{self, Image};
 use crate::interpreter::{CodeOutput, Language, PythonSession, StreamName, snippet_request};
 use crate::jail::JailBackend;
@@ -18,6 +19,8 @@ use crate::preview::{Preview, PreviewLink};
 use crate::sandbox::{NetworkPolicy, Sandbox, SandboxSpec, SandboxState, now};
 use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
 use crate::vm::VmBackend;
+
+mod copy;
 
 /// The most [`Moat::run`] collects of each of stdout and stderr; what a
 /// sandbox prints beyond is dropped (stream with [`Moat::exec`] for more).
@@ -52,8 +55,11 @@ pub struct MoatConfig {
     /// The `moat-agent` binary (static) that jails run.
     pub agent: PathBuf,
     pub max_sandboxes: usize,
-    /// Host directories projects may be imported from (see [`task::allowed_roots`]).
+    /// Host directories the copy and task tools may read and write (see
+    /// [`hostfs::roots_from_env`]); empty shares none.
     pub roots: Vec<PathBuf>,
+    /// The most one copy or import may move, in bytes (`MOAT_COPY_MAX_MIB`).
+    pub copy_limit: u64,
     /// Sandboxes kept started ahead of need, for `create` calls whose spec
     /// equals `pool_spec`: those return at once. 0 turns the pool off.
     pub pool_size: usize,
@@ -72,7 +78,8 @@ impl MoatConfig {
             backend: BackendKind::Auto,
             agent: find_agent()?,
             max_sandboxes: 16,
-            roots: task::allowed_roots(),
+            roots: hostfs::roots_from_env()?,
+            copy_limit: hostfs::copy_limit_from_env()?,
             pool_size: 0,
             pool_spec: SandboxSpec::default(),
             egress: EgressConfig::from_env(),
@@ -136,6 +143,8 @@ struct Entry {
 
 struct Inner {
     config: MoatConfig,
+    /// `config.roots`, open.
+    host: HostRoots,
     egress: Arc<EgressConfig>,
     backend: Runner,
     sandboxes: Mutex<BTreeMap<String, Entry>>,
@@ -175,6 +184,7 @@ impl Moat {
     /// Sweeps what dead owners left, picks the backend, and starts the
     /// lifecycle task (idle suspend, expiry).
     pub async fn new(config: MoatConfig) -> Result<Self, CoreError> {
+        let host = HostRoots::open(&config.roots, &config.data_dir, config.copy_limit)?;
         let backend = choose_backend(&config)?;
         tracing::info!(backend = %backend.kind(), "sandboxes run in this backend");
         if backend.kind() == BackendKind::Jail && !config.agent.is_file() {
@@ -185,6 +195,7 @@ impl Moat {
             tracing::info!(count = swept.len(), "cleaned up sandboxes of dead owners");
         }
         let inner = Arc::new(Inner {
+            host,
             backend,
             egress: Arc::new(config.egress.clone()),
             config,
@@ -524,49 +535,55 @@ impl Moat {
                  sandbox; import a local checkout, or create a sandbox with network filtered and use git_clone"
             )));
         }
-        let root = task::check_import_path(path, &self.inner.config.roots)?;
-        let packing = root.clone();
-        let (archive, files, top) = tokio::task::spawn_blocking(move || task::pack_project(&packing))
-            .await
-            .map_err(|e| CoreError::ImportRefused(format!("archiving failed: {e}")))??;
+        let source = self.inner.host.open_source(path)?;
+        if source.kind != SourceKind::Dir {
+            return Err(CoreError::HostPath(format!(
+                "{} is not a directory; give a project directory",
+                path.display()
+            )));
+        }
+        let shown = source.shown.clone();
+        let repository = hostfs::read_small(&source.fd, ".git/config").and_then(|c| crate::egress::repository_host(&c));
         let sandbox = self.create(spec).await?;
         let id = sandbox.id.clone();
         let result = async {
-            let client = self.client(&id)?;
-            client
-                .tar_in("/workspace", Some("user".into()), &mut archive.as_slice())
-                .await
-                .map_err(|source| CoreError::Agent { id: id.clone(), source })?;
+            let packed = self.send_tree(&id, source, "/workspace", true).await?;
             let baseline = "cd /workspace && git init -q && git add -A && \
                 git -c user.name=moat -c user.email=moat@localhost commit -q --allow-empty -m baseline";
             let out = self.exec(&id, ExecRequest::shell(baseline)).await?.output_limited(RUN_OUTPUT_LIMIT).await;
             match out {
-                Ok(out) if out.status.success() => Ok(()),
-                Ok(out) => Err(CoreError::StartFailed {
-                    id: id.clone(),
-                    reason: format!("the baseline commit failed: {}", String::from_utf8_lossy(&out.stderr)),
-                }),
-                Err(source) => Err(CoreError::Agent { id: id.clone(), source }),
+                Ok(out) if out.status.success() => {}
+                Ok(out) => {
+                    return Err(CoreError::StartFailed {
+                        id: id.clone(),
+                        reason: format!("the baseline commit failed: {}", String::from_utf8_lossy(&out.stderr)),
+                    });
+                }
+                Err(source) => return Err(CoreError::Agent { id: id.clone(), source }),
             }
+            Ok(packed)
         }
         .await;
-        if let Err(e) = result {
-            let _ = self.destroy(&id).await;
-            return Err(e);
-        }
-        let runtime = task::Runtime::detect(&top);
+        let packed = match result {
+            Ok(packed) => packed,
+            Err(e) => {
+                let _ = self.destroy(&id).await;
+                return Err(e);
+            }
+        };
+        let runtime = task::Runtime::detect(&packed.top);
         if let Some((policy, _)) = self.inner.lock().get(&id).and_then(|e| e.egress.as_ref()) {
             policy.set_runtime(runtime);
-            if let Some(host) = crate::egress::repository_host(&root) {
+            if let Some(host) = repository {
                 policy.set_repository_host(host);
             }
         }
         let task = Task {
             id: new_id().replacen("sbx-", "task-", 1),
             sandbox_id: id,
-            source: root.display().to_string(),
+            source: shown.display().to_string(),
             runtime,
-            files,
+            files: packed.files,
             started_at: now(),
         };
         self.inner
@@ -621,7 +638,9 @@ impl Moat {
             let id = task_key.clone();
             move |source| CoreError::Io { id, what: what.into(), source }
         };
-        std::fs::create_dir_all(&dir).map_err(io("creating the task record"))?;
+        std::fs::create_dir_all(task::tasks_dir(&self.inner.config.data_dir))
+            .map_err(io("creating the task record"))?;
+        std::fs::create_dir(&dir).map_err(io("creating the task record"))?;
         let record = TaskRecord {
             patch_path: dir.join("patch.diff"),
             log_path: dir.join("log.json"),
@@ -630,72 +649,15 @@ impl Moat {
             sandbox_kept: keep_sandbox,
             task,
         };
-        std::fs::write(&record.patch_path, diff).map_err(io("writing the patch"))?;
+        hostfs::write_new(&record.patch_path, diff.as_bytes()).map_err(io("writing the patch"))?;
         let log_json = serde_json::to_string_pretty(&log).unwrap_or_default();
-        std::fs::write(&record.log_path, log_json).map_err(io("writing the log"))?;
+        hostfs::write_new(&record.log_path, log_json.as_bytes()).map_err(io("writing the log"))?;
         let record_json = serde_json::to_string_pretty(&record).unwrap_or_default();
-        std::fs::write(dir.join("record.json"), record_json).map_err(io("writing the record"))?;
+        hostfs::write_new(&dir.join("record.json"), record_json.as_bytes()).map_err(io("writing the record"))?;
         if !keep_sandbox {
             let _ = self.destroy(&record.task.sandbox_id).await;
         }
         Ok(record)
-    }
-
-    /// Copies a host file or tree (inside the configured roots; symlinks out
-    /// of it refused; a tree without its `.git`) to `sandbox_path`, owned by
-    /// `user`. Returns files and bytes.
-    pub async fn copy_to_sandbox(&self, id: &str, host: &Path, sandbox_path: &str) -> Result<(u64, u64), CoreError> {
-        let source = task::check_host_path(host, &self.inner.config.roots)?;
-        let client = self.client(id)?;
-        let agent = |source| CoreError::Agent { id: id.into(), source };
-        if source.is_file() {
-            let bytes =
-                std::fs::read(&source).map_err(|e| CoreError::ImportRefused(format!("{}: {e}", source.display())))?;
-            let req = moat_proto::WriteFileRequest {
-                path: sandbox_path.into(),
-                mode: None,
-                create_parents: true,
-                owner: Some("user".into()),
-            };
-            let written = client.write_file(req, &mut bytes.as_slice()).await.map_err(agent)?;
-            return Ok((1, written));
-        }
-        let packing = source.clone();
-        let (archive, files, _) = tokio::task::spawn_blocking(move || task::pack_project(&packing))
-            .await
-            .map_err(|e| CoreError::ImportRefused(format!("archiving failed: {e}")))??;
-        client.tar_in(sandbox_path, Some("user".into()), &mut archive.as_slice()).await.map_err(agent)?;
-        Ok((files, archive.len() as u64))
-    }
-
-    /// Copies a sandbox file or tree to `host` (a new path inside the
-    /// configured roots). Returns files and bytes.
-    pub async fn copy_from_sandbox(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<(u64, u64), CoreError> {
-        let dest = task::check_host_path(host, &self.inner.config.roots)?;
-        if dest.exists() {
-            return Err(CoreError::ImportRefused(format!(
-                "{} exists; copy to a new path (nothing on the host is overwritten)",
-                dest.display()
-            )));
-        }
-        let client = self.client(id)?;
-        let agent = |source| CoreError::Agent { id: id.into(), source };
-        let info = client.stat(sandbox_path).await.map_err(agent)?;
-        if info.kind == moat_proto::FileKind::File {
-            let req = moat_proto::ReadFileRequest {
-                path: sandbox_path.into(),
-                offset: 0,
-                length: Some(task::MAX_IMPORT_BYTES),
-            };
-            let bytes = client.read_file(req).await.map_err(agent)?;
-            std::fs::write(&dest, &bytes).map_err(|e| CoreError::ImportRefused(format!("{}: {e}", dest.display())))?;
-            return Ok((1, bytes.len() as u64));
-        }
-        let mut archive = Vec::new();
-        client.tar_out(sandbox_path, &mut archive).await.map_err(agent)?;
-        tokio::task::spawn_blocking(move || task::unpack_untrusted(&archive, &dest))
-            .await
-            .map_err(|e| CoreError::ImportRefused(format!("unpacking failed: {e}")))?
     }
 
     /// Retained task records.

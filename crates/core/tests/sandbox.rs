@@ -476,15 +476,97 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
     assert!(!moat.task_records().iter().any(|r| r.task.id == task.id));
     assert!(matches!(moat.remove_task(&task.id), Err(CoreError::UnknownTask { .. })));
 
-    // A symlink out of the project, and a directory outside the roots, are refused.
+    // A symlink travels as a link: inside the sandbox it leads into the
+    // sandbox. A directory outside the roots, or reached through a link, is refused.
     std::os::unix::fs::symlink("/etc/passwd", p.join("escape")).expect("symlink");
-    let err = moat.task_start(p, small()).await.expect_err("refused");
-    assert!(err.to_string().contains("points outside the project"), "{err}");
+    let task = moat.task_start(p, small()).await.expect("links travel as links");
+    let (out, _) = sh(&moat, &task.sandbox_id, "readlink /workspace/escape; head -c 5 /workspace/escape").await;
+    assert_eq!(out, "/etc/passwd\nroot:");
+    moat.task_finish(&task.id, false).await.expect("finishes");
     let err = moat.task_start(std::path::Path::new("/etc"), small()).await.expect_err("outside the roots");
-    assert!(err.to_string().contains("outside the allowed roots"), "{err}");
+    assert!(err.to_string().contains("outside the shared directories"), "{err}");
+    let via = p.parent().expect("parent").join(format!("via-{}", task.id));
+    std::os::unix::fs::symlink(p, &via).expect("symlink");
+    let err = moat.task_start(&via, small()).await.expect_err("through a link");
+    assert!(err.to_string().contains("symlink"), "{err}");
+    std::fs::remove_file(&via).expect("rm");
     let err =
         moat.task_start(std::path::Path::new("https://github.com/x/y.git"), small()).await.expect_err("no network");
     assert!(err.to_string().contains("needs network access"), "{err}");
+}
+
+/// Issue 15, items 1, 2 and 5: a sandbox that plants links for a later copy,
+/// host paths outside the roots, and a huge sparse file.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn copies_hold_the_host_boundary_against_a_hostile_sandbox() {
+    let moat = moat(16).await;
+    let base = tempfile::Builder::new().prefix("copies-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let b = base.path();
+    let marker = tempfile::Builder::new().prefix("moat-escape-").tempdir().expect("tempdir outside the roots");
+    let escaped = marker.path().join("escaped");
+    let sandbox = moat.create(small()).await.expect("creates");
+    let id = &sandbox.id;
+    let ups = "../".repeat(24);
+    let plant = format!(
+        "cd /home/user && mkdir out && ln -s . out/x && ln -s x/x/x/x/x/x/x/x/{ups}{escaped} out/p && \
+         ln -s {escaped} out/abs && ln -s ../../../../../../{escaped} out/rel && ln -s p out/chain && \
+         echo inside > out/f && ln -s f out/ok && echo evil > payload",
+        escaped = escaped.display().to_string().trim_start_matches('/')
+    );
+    let (out, code) = sh(&moat, id, &plant).await;
+    assert_eq!(code, Some(0), "{out}");
+    let copied = moat.copy_from_sandbox(id, "/home/user/out", &b.join("out")).await.expect("copies");
+    for gone in ["p", "abs", "rel", "chain"] {
+        assert!(std::fs::symlink_metadata(b.join("out").join(gone)).is_err(), "{gone} kept: {copied:?}");
+        assert!(copied.skipped.iter().any(|s| s.starts_with(&format!("{gone}: "))), "{gone} not listed: {copied:?}");
+    }
+    assert_eq!(std::fs::read_to_string(b.join("out/ok")).expect("inside link kept"), "inside\n");
+    // The second step of the attack: copying onto the planted names.
+    for name in ["p", "abs", "rel", "chain"] {
+        moat.copy_from_sandbox(id, "/home/user/payload", &b.join("out").join(name)).await.expect("a new file");
+    }
+    let err = moat.copy_from_sandbox(id, "/home/user/payload", &b.join("out/x/x/new")).await.expect_err("via a link");
+    assert!(err.to_string().contains("symlink"), "{err}");
+    let err = moat.copy_from_sandbox(id, "/home/user/payload", &b.join("out/f")).await.expect_err("exists");
+    assert!(err.to_string().contains("exists"), "{err}");
+    assert!(!escaped.exists(), "the sandbox wrote outside the roots");
+
+    // Outside the roots, `..`, and the host's secrets.
+    for path in ["/etc/shadow", "/root/.ssh/id_ed25519"] {
+        let err = moat.copy_to_sandbox(id, std::path::Path::new(path), "/tmp/x").await.expect_err("outside");
+        assert!(err.to_string().contains("MOAT_ROOTS"), "{err}");
+    }
+    let sneaky = b.join("../../../../../../../etc/shadow");
+    let err = moat.copy_to_sandbox(id, &sneaky, "/tmp/x").await.expect_err("dot-dot");
+    assert!(err.to_string().contains("`..`"), "{err}");
+    let err = moat.copy_from_sandbox(id, "/home/user/payload", &escaped).await.expect_err("outside");
+    assert!(err.to_string().contains("MOAT_ROOTS"), "{err}");
+
+    // A 48 GiB sparse file is refused by the copy limit, not skipped in
+    // silence; one that fits stays sparse on the host.
+    let (_, code) = sh(
+        &moat,
+        id,
+        "mkdir big && truncate -s 48G big/huge.img && mkdir fits && \
+        truncate -s 16M fits/sparse.img && printf x | dd of=fits/sparse.img bs=1 seek=4096 conv=notrunc 2>/dev/null",
+    )
+    .await;
+    assert_eq!(code, Some(0));
+    let err = moat.copy_from_sandbox(id, "/home/user/big", &b.join("big")).await.expect_err("too large");
+    assert!(err.to_string().contains("MOAT_COPY_MAX_MIB"), "{err}");
+    assert!(!b.join("big").exists(), "a refused copy leaves nothing");
+    let err = moat.copy_from_sandbox(id, "/home/user/big/huge.img", &b.join("huge.img")).await.expect_err("too large");
+    assert!(err.to_string().contains("MOAT_COPY_MAX_MIB"), "{err}");
+    assert!(!b.join("huge.img").exists(), "a refused copy leaves nothing");
+    let copied = moat.copy_from_sandbox(id, "/home/user/fits", &b.join("fits")).await.expect("fits");
+    assert_eq!((copied.files, copied.bytes), (1, 16 << 20));
+    let meta = std::fs::metadata(b.join("fits/sparse.img")).expect("copied");
+    assert!(std::os::unix::fs::MetadataExt::blocks(&meta) * 512 < 1 << 20, "not sparse: {meta:?}");
+
+    // The sandbox still works.
+    assert_eq!(sh(&moat, id, "echo alive").await.0, "alive\n");
+    moat.destroy(id).await.expect("destroys");
 }
 
 #[tokio::test]
@@ -496,6 +578,7 @@ async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {
         agent: agent(),
         max_sandboxes: 16,
         roots: vec![],
+        copy_limit: moat_core::hostfs::DEFAULT_COPY_MAX_MIB << 20,
         pool_size: 2,
         pool_spec: small(),
         egress: moat_core::EgressConfig::default(),

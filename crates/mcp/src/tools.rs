@@ -740,16 +740,16 @@ async fn copy_to_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     let host = std::path::PathBuf::from(required(args, "host_path")?);
     let dest = sandbox_path(required(args, "sandbox_path")?);
     let id = target(server, args).await?;
-    let (files, bytes) = server.moat.copy_to_sandbox(&id, &host, &dest).await?;
-    Ok(json!({ "files": files, "bytes": bytes }))
+    let copied = server.moat.copy_to_sandbox(&id, &host, &dest).await?;
+    Ok(json!({ "files": copied.files, "bytes": copied.bytes, "skipped": copied.skipped }))
 }
 
 async fn copy_from_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     let source = sandbox_path(required(args, "sandbox_path")?);
     let host = std::path::PathBuf::from(required(args, "host_path")?);
     let id = target(server, args).await?;
-    let (files, bytes) = server.moat.copy_from_sandbox(&id, &source, &host).await?;
-    Ok(json!({ "files": files, "bytes": bytes }))
+    let copied = server.moat.copy_from_sandbox(&id, &source, &host).await?;
+    Ok(json!({ "files": copied.files, "bytes": copied.bytes, "skipped": copied.skipped }))
 }
 
 fn remove_task(server: &Session<'_>, args: &Value) -> Outcome {

@@ -169,12 +169,14 @@ impl<C: Connector> AgentClient<C> {
         request: ReadFileRequest,
         sink: &mut W,
     ) -> Result<u64, ProtoError> {
+        let asked = request.length;
         let mut conn = self.open(Request::ReadFile(request)).await?;
         let length = match expect_reply(&mut conn).await? {
             Reply::FileData { length, .. } => length,
             other => return Err(unexpected_reply("file_data", &other)),
         };
-        download(&mut conn, sink, Some(length)).await
+        // The agent's word on the length is not trusted beyond what was asked.
+        download(&mut conn, sink, Some(asked.map_or(length, |asked| asked.min(length)))).await
     }
 
     /// Reads (a range of) a file into memory.
@@ -740,6 +742,33 @@ mod tests {
         let mut first = [0u8; 5];
         stream.read_exact(&mut first).await.expect("agent bytes");
         assert_eq!(&first, b"agent");
+    }
+
+    /// An agent that announces a file of 1 GiB and sends more than was asked.
+    #[tokio::test]
+    async fn a_read_takes_no_more_than_it_asked_for_whatever_the_agent_announces() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("agent.sock");
+        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+        tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.expect("accept");
+            let mut conn = Connection::new(stream);
+            for _ in 0..2 {
+                let _ = conn.recv().await;
+            }
+            let welcome = AgentMsg::Welcome { version: PROTOCOL_VERSION, agent: "liar".into() };
+            conn.send(&welcome).await.expect("welcome");
+            let reply = Reply::FileData { size: 1 << 30, length: 1 << 30 };
+            conn.send(&AgentMsg::Reply { reply }).await.expect("reply");
+            for _ in 0..4 {
+                conn.send_data(StreamId::Output, Bytes::from_static(&[7; 1024])).await.expect("data");
+            }
+            conn.send(&AgentMsg::End).await.expect("end");
+        });
+        let client = AgentClient::new(UnixConnector { path, vsock_port: None });
+        let request = ReadFileRequest { path: "/big".into(), offset: 0, length: Some(1500) };
+        let err = client.read_file(request).await.expect_err("more than asked");
+        assert!(err.to_string().contains("more than 1500 bytes"), "{err}");
     }
 
     #[tokio::test]

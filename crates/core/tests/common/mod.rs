@@ -23,6 +23,7 @@ pub async fn moat(backend: BackendKind, max_sandboxes: usize, egress: EgressConf
         agent: agent(),
         max_sandboxes,
         roots: vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))],
+        copy_limit: moat_core::hostfs::DEFAULT_COPY_MAX_MIB << 20,
         pool_size: 0,
         pool_spec: SandboxSpec::default(),
         egress,

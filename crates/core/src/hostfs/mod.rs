@@ -1,0 +1,511 @@
+//! Host paths: the one place moat touches host files on a tool call's behalf.
+//!
+//! Everything the model names on the host (a copy's source or destination,
+//! a task's project) is text from an attacker, and so is everything a
+//! sandbox sends back (tar entries, link targets, sizes). The rules:
+//!
+//! - **Roots.** The operator grants host directories ([`roots_from_env`]:
+//!   `MOAT_ROOTS`, or the working directory when that is a project
+//!   directory). Each is opened once, at start, and every later path is
+//!   resolved beneath that descriptor, component by component with
+//!   `O_NOFOLLOW`: a symlink anywhere in a path given by the model is
+//!   refused, never followed, and `..` is refused before any lookup.
+//! - **Guards by identity.** While walking, each directory is compared by
+//!   device and inode (not by name) with moat's data directory and with the
+//!   home directory, so neither the data directory nor a dot directory of
+//!   the home directory (`~/.ssh`, `~/.config`) is reachable through any
+//!   root, bind mounts and hard links included.
+//! - **Create, never replace.** A destination must not exist; files are
+//!   created with `O_CREAT | O_EXCL | O_NOFOLLOW`, directories with `mkdirat`.
+//! - **Untrusted archives.** [`unpack`] writes a sandbox's tar stream beneath
+//!   the new directory's descriptor, refusing unsafe names, keeping sparse
+//!   files sparse, dropping set-id bits, and keeping a symlink only when the
+//!   kernel resolves it beneath the copy (`openat2` with `RESOLVE_BENEATH`);
+//!   every entry left out is listed in the result.
+//! - **Bounded.** Copies stream through a pipe (never the whole tree in
+//!   memory) and stop before writing past `MOAT_COPY_MAX_MIB`.
+
+mod pack;
+mod unpack;
+
+use std::ffi::{OsStr, OsString};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Component, Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{OFlag, openat};
+use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat};
+
+pub use pack::{PackSummary, file_size, measure, pack};
+pub use unpack::{CopySummary, Sink, unpack};
+
+use crate::error::CoreError;
+
+/// Directories that are never a root, nor anything beneath them: the
+/// operating system's own. `/root` is one too, unless it is the home
+/// directory of the user moat runs as (then the home rules apply).
+pub const SYSTEM_DIRS: &[&str] = &["/etc", "/usr", "/var", "/proc", "/sys", "/dev", "/boot", "/root", "/run"];
+
+/// The default of `MOAT_COPY_MAX_MIB`: the most one copy may move.
+pub const DEFAULT_COPY_MAX_MIB: u64 = 1024;
+
+/// What each archive entry counts against a copy's limit beyond its data: a
+/// tar header, and about what an inode and a block cost on the disk. It
+/// bounds the number of entries as well as the bytes.
+pub const ENTRY_COST: u64 = 4096;
+
+/// The limit of one copy, in bytes: `MOAT_COPY_MAX_MIB` or the default.
+pub fn copy_limit_from_env() -> Result<u64, CoreError> {
+    match std::env::var("MOAT_COPY_MAX_MIB") {
+        Err(_) => Ok(DEFAULT_COPY_MAX_MIB << 20),
+        Ok(text) => match text.trim().parse::<u64>() {
+            Ok(mib) if (1..=1 << 20).contains(&mib) => Ok(mib << 20),
+            _ => Err(CoreError::Config(format!(
+                "MOAT_COPY_MAX_MIB={text:?} is not a size in MiB from 1 to 1048576 (the default is {DEFAULT_COPY_MAX_MIB})"
+            ))),
+        },
+    }
+}
+
+/// The roots the operator grants, from the environment.
+///
+/// `MOAT_ROOTS` (colon-separated absolute directories) when set: each must
+/// exist, and none may be `/` or a system directory ([`SYSTEM_DIRS`]) —
+/// that is an error, for the binaries to exit with. When unset, the working
+/// directory, unless it is `/`, the home directory, inside a dot directory of
+/// it, or a system directory: then there is no root, and the copy and task
+/// tools refuse with a message naming `MOAT_ROOTS`.
+pub fn roots_from_env() -> Result<Vec<PathBuf>, CoreError> {
+    roots_from(std::env::var_os("MOAT_ROOTS"), std::env::current_dir().ok(), home_dir().as_deref())
+}
+
+/// [`roots_from_env`] with its inputs given.
+pub fn roots_from(
+    list: Option<OsString>,
+    cwd: Option<PathBuf>,
+    home: Option<&Path>,
+) -> Result<Vec<PathBuf>, CoreError> {
+    match list.filter(|v| !v.is_empty()) {
+        Some(list) => std::env::split_paths(&list)
+            .filter(|p| !p.as_os_str().is_empty())
+            .map(|root| explicit_root(&root, home))
+            .collect(),
+        None => {
+            let Some(cwd) = cwd else { return Ok(Vec::new()) };
+            match unsuitable_root(&cwd, home) {
+                Some(why) => {
+                    tracing::info!(
+                        "the working directory {} is {why}: no host directory is shared; set MOAT_ROOTS to share one",
+                        cwd.display()
+                    );
+                    Ok(Vec::new())
+                }
+                None => Ok(vec![cwd]),
+            }
+        }
+    }
+}
+
+fn explicit_root(root: &Path, home: Option<&Path>) -> Result<PathBuf, CoreError> {
+    let refuse = |why: String| Err(CoreError::Config(format!("MOAT_ROOTS: {why}")));
+    if !root.is_absolute() {
+        return refuse(format!("{} is not an absolute path", root.display()));
+    }
+    let canonical = match root.canonicalize() {
+        Ok(path) if path.is_dir() => path,
+        Ok(_) => return refuse(format!("{} is not a directory", root.display())),
+        Err(e) => return refuse(format!("{}: {e}", root.display())),
+    };
+    if canonical == Path::new("/") || is_system(&canonical, home) {
+        return refuse(format!(
+            "{} is the system's own (/, {}, or beneath them); share a project directory instead",
+            root.display(),
+            SYSTEM_DIRS.join(", ")
+        ));
+    }
+    Ok(canonical)
+}
+
+/// Why `dir` may not be the root taken by default, if it may not.
+fn unsuitable_root(dir: &Path, home: Option<&Path>) -> Option<&'static str> {
+    let Ok(dir) = dir.canonicalize() else { return Some("unreadable") };
+    if dir == Path::new("/") {
+        return Some("/");
+    }
+    if let Some(home) = home {
+        if dir == home {
+            return Some("the home directory");
+        }
+        if in_dot_dir(&dir, home) {
+            return Some("inside a hidden directory of the home directory");
+        }
+    }
+    if is_system(&dir, home) { Some("a system directory") } else { None }
+}
+
+fn is_system(dir: &Path, home: Option<&Path>) -> bool {
+    SYSTEM_DIRS.iter().any(|system| {
+        let system = Path::new(system);
+        // /root is a home like any other when it is ours.
+        let ours = home.is_some_and(|h| h.starts_with(system)) && dir != system;
+        dir.starts_with(system) && !ours
+    })
+}
+
+fn in_dot_dir(dir: &Path, home: &Path) -> bool {
+    dir.strip_prefix(home)
+        .ok()
+        .and_then(|rest| rest.components().next())
+        .is_some_and(|c| c.as_os_str().as_encoded_bytes().starts_with(b"."))
+}
+
+fn home_dir() -> Option<PathBuf> {
+    std::env::var_os("HOME").filter(|h| !h.is_empty()).and_then(|h| PathBuf::from(h).canonicalize().ok())
+}
+
+/// A file's identity: device and inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId(u64, u64);
+
+impl FileId {
+    fn of(stat: &FileStat) -> Self {
+        Self(stat.st_dev, stat.st_ino)
+    }
+
+    fn of_path(path: &Path) -> Option<Self> {
+        nix::sys::stat::stat(path).ok().map(|s| Self::of(&s))
+    }
+}
+
+/// One granted directory, open for the life of the server.
+#[derive(Debug)]
+struct Root {
+    /// Its canonical path, which model paths are matched against.
+    path: PathBuf,
+    dir: OwnedFd,
+}
+
+/// The host directories a tool call may read from and write to, open.
+#[derive(Debug)]
+pub struct HostRoots {
+    roots: Vec<Root>,
+    /// moat's data directory: never reachable through a root.
+    data_dir: Option<FileId>,
+    /// The home directory, whose dot directories are never reachable.
+    home: Option<FileId>,
+    /// The most one copy may move, in bytes.
+    copy_limit: u64,
+}
+
+/// What kind of thing a source is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceKind {
+    File,
+    Dir,
+}
+
+/// A host file or directory opened beneath a root, for reading.
+#[derive(Debug)]
+pub struct Source {
+    pub fd: OwnedFd,
+    pub kind: SourceKind,
+    /// The path as the model gave it, for messages.
+    pub shown: PathBuf,
+}
+
+/// A host path that does not exist yet, beneath a root: its parent
+/// directory, open, and its name.
+#[derive(Debug)]
+pub struct Destination {
+    parent: OwnedFd,
+    name: OsString,
+    pub shown: PathBuf,
+}
+
+impl HostRoots {
+    /// Opens `roots` (each checked as [`roots_from_env`] checks an explicit
+    /// one); `data_dir` is kept out of every root; one copy moves at most
+    /// `copy_limit` bytes.
+    pub fn open(roots: &[PathBuf], data_dir: &Path, copy_limit: u64) -> Result<Self, CoreError> {
+        Self::open_with_home(roots, data_dir, copy_limit, home_dir())
+    }
+
+    /// [`HostRoots::open`] with the home directory given.
+    pub fn open_with_home(
+        roots: &[PathBuf],
+        data_dir: &Path,
+        copy_limit: u64,
+        home: Option<PathBuf>,
+    ) -> Result<Self, CoreError> {
+        let data = data_dir.canonicalize().ok();
+        let mut opened = Vec::new();
+        for root in roots {
+            let path = explicit_root(root, home.as_deref())?;
+            if data.as_ref().is_some_and(|d| path.starts_with(d)) {
+                return Err(CoreError::Config(format!(
+                    "MOAT_ROOTS: {} is inside moat's data directory; share a project directory instead",
+                    root.display()
+                )));
+            }
+            let dir = nix::fcntl::open(&path, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+                .map_err(|e| CoreError::Config(format!("MOAT_ROOTS: cannot open {}: {e}", path.display())))?;
+            opened.push(Root { path, dir });
+        }
+        Ok(Self {
+            roots: opened,
+            data_dir: FileId::of_path(data_dir),
+            home: home.as_deref().and_then(FileId::of_path),
+            copy_limit,
+        })
+    }
+
+    /// The most one copy may move, in bytes.
+    pub fn copy_limit(&self) -> u64 {
+        self.copy_limit
+    }
+
+    /// The roots' paths.
+    pub fn paths(&self) -> Vec<&Path> {
+        self.roots.iter().map(|r| r.path.as_path()).collect()
+    }
+
+    fn refuse(&self, path: &Path, why: impl std::fmt::Display) -> CoreError {
+        CoreError::HostPath(format!("{}: {why}", path.display()))
+    }
+
+    fn outside(&self, path: &Path) -> CoreError {
+        if self.roots.is_empty() {
+            return self.refuse(
+                path,
+                "no host directory is shared with sandboxes (the server's working directory is not a project \
+                 directory); the operator may set MOAT_ROOTS to the directories to share",
+            );
+        }
+        let list = self.roots.iter().map(|r| r.path.display().to_string()).collect::<Vec<_>>().join(", ");
+        self.refuse(path, format!("outside the shared directories ({list}); the operator may add it to MOAT_ROOTS"))
+    }
+
+    /// Which root `path` is in, and its components beneath that root.
+    fn locate(&self, path: &Path) -> Result<(&Root, Vec<OsString>), CoreError> {
+        if !path.is_absolute() {
+            return Err(self.refuse(path, "not an absolute path; give one such as /home/me/project/file.txt"));
+        }
+        let mut parts = Vec::new();
+        for component in path.components() {
+            match component {
+                Component::RootDir | Component::CurDir => {}
+                Component::Normal(name) => parts.push(name.to_os_string()),
+                Component::ParentDir | Component::Prefix(_) => {
+                    return Err(self.refuse(path, "`..` is not allowed in host paths; give the path without it"));
+                }
+            }
+        }
+        for root in &self.roots {
+            let prefix: Vec<&OsStr> = root.path.components().skip(1).map(Component::as_os_str).collect();
+            if parts.len() >= prefix.len() && parts.iter().zip(&prefix).all(|(a, b)| a == b) {
+                let rest = parts.split_off(prefix.len());
+                return Ok((root, rest));
+            }
+        }
+        Err(self.outside(path))
+    }
+
+    /// Opens the directory `parts` beneath `root`, refusing symlinks, the
+    /// data directory and the home directory's dot directories.
+    fn walk(&self, root: &Root, parts: &[OsString], shown: &Path) -> Result<OwnedFd, CoreError> {
+        let mut dir = openat(&root.dir, ".", OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(|e| self.refuse(shown, e.desc()))?;
+        for name in parts {
+            self.check_entry(&dir, name, shown)?;
+            dir = openat(
+                &dir,
+                name.as_os_str(),
+                OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|e| self.walk_error(shown, name, e))?;
+            self.check_dir(&dir, shown)?;
+        }
+        Ok(dir)
+    }
+
+    fn walk_error(&self, shown: &Path, name: &OsStr, e: Errno) -> CoreError {
+        let name = name.to_string_lossy();
+        match e {
+            Errno::ENOTDIR | Errno::ELOOP => self.refuse(
+                shown,
+                format!(
+                    "{name} is a symlink or not a directory; give the real path (links in host paths are not followed)"
+                ),
+            ),
+            Errno::ENOENT => self.refuse(shown, format!("{name} does not exist")),
+            other => self.refuse(shown, format!("{name}: {}", other.desc())),
+        }
+    }
+
+    /// Refuses `name` in `dir` when `dir` is the home directory and `name`
+    /// a dot entry.
+    fn check_entry(&self, dir: &OwnedFd, name: &OsStr, shown: &Path) -> Result<(), CoreError> {
+        if name.as_encoded_bytes().starts_with(b".")
+            && let Some(home) = self.home
+            && fstat(dir).is_ok_and(|s| FileId::of(&s) == home)
+        {
+            return Err(self.refuse(shown, "inside a hidden directory of the home directory, which is never shared"));
+        }
+        Ok(())
+    }
+
+    fn check_dir(&self, dir: &OwnedFd, shown: &Path) -> Result<(), CoreError> {
+        if self.data_dir.is_some_and(|data| fstat(dir).is_ok_and(|s| FileId::of(&s) == data)) {
+            return Err(self.refuse(shown, "moat's own data directory, which is never shared"));
+        }
+        Ok(())
+    }
+
+    /// Opens an existing file or directory for reading.
+    pub fn open_source(&self, path: &Path) -> Result<Source, CoreError> {
+        let (root, parts) = self.locate(path)?;
+        let shown = path.to_path_buf();
+        let Some((name, parents)) = parts.split_last() else {
+            let fd = openat(&root.dir, ".", OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+                .map_err(|e| self.refuse(path, e.desc()))?;
+            return Ok(Source { fd, kind: SourceKind::Dir, shown });
+        };
+        let parent = self.walk(root, parents, path)?;
+        self.check_entry(&parent, name, path)?;
+        let stat = fstatat(&parent, name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW)
+            .map_err(|e| self.walk_error(path, name, e))?;
+        let kind = match SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT {
+            SFlag::S_IFREG => SourceKind::File,
+            SFlag::S_IFDIR => SourceKind::Dir,
+            SFlag::S_IFLNK => {
+                return Err(self.refuse(path, "a symlink; give the path it points to (links are not followed)"));
+            }
+            _ => return Err(self.refuse(path, "not a regular file or directory")),
+        };
+        let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NOCTTY | OFlag::O_NONBLOCK;
+        let fd = openat(&parent, name.as_os_str(), flags, Mode::empty()).map_err(|e| self.walk_error(path, name, e))?;
+        let opened = fstat(&fd).map_err(|e| self.refuse(path, e.desc()))?;
+        if FileId::of(&opened) != FileId::of(&stat) {
+            return Err(self.refuse(path, "it changed while being opened; try again"));
+        }
+        if kind == SourceKind::Dir {
+            self.check_dir(&fd, path)?;
+        }
+        // Reads block as usual from here on.
+        nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_SETFL(OFlag::empty()))
+            .map_err(|e| self.refuse(path, e.desc()))?;
+        Ok(Source { fd, kind, shown })
+    }
+
+    /// Checks that `path` is a new name beneath a root, and opens its parent.
+    pub fn destination(&self, path: &Path) -> Result<Destination, CoreError> {
+        let (root, parts) = self.locate(path)?;
+        let Some((name, parents)) = parts.split_last() else {
+            return Err(self.refuse(path, "exists; copy to a new path (nothing on the host is overwritten)"));
+        };
+        let parent = self.walk(root, parents, path)?;
+        self.check_entry(&parent, name, path)?;
+        match fstatat(&parent, name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Err(Errno::ENOENT) => {}
+            Ok(_) => return Err(self.refuse(path, "exists; copy to a new path (nothing on the host is overwritten)")),
+            Err(e) => return Err(self.refuse(path, e.desc())),
+        }
+        Ok(Destination { parent, name: name.clone(), shown: path.to_path_buf() })
+    }
+}
+
+impl Destination {
+    /// Creates the destination as a new, empty file.
+    pub fn create_file(&self) -> Result<std::fs::File, CoreError> {
+        let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        openat(&self.parent, self.name.as_os_str(), flags, Mode::from_bits_truncate(0o644))
+            .map(std::fs::File::from)
+            .map_err(|e| CoreError::HostPath(format!("{}: cannot create it: {}", self.shown.display(), e.desc())))
+    }
+
+    /// Creates the destination as a new, empty directory, and opens it.
+    pub fn create_dir(&self) -> Result<OwnedFd, CoreError> {
+        let fail = |e: Errno| CoreError::HostPath(format!("{}: cannot create it: {}", self.shown.display(), e.desc()));
+        nix::sys::stat::mkdirat(&self.parent, self.name.as_os_str(), Mode::from_bits_truncate(0o755)).map_err(fail)?;
+        openat(
+            &self.parent,
+            self.name.as_os_str(),
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(fail)
+    }
+
+    /// Removes what was created at the destination (after a failed copy).
+    pub fn remove(&self) {
+        if let Err(e) = remove_beneath(&self.parent, &self.name) {
+            tracing::warn!(path = %self.shown.display(), "could not remove a failed copy: {e}");
+        }
+    }
+}
+
+/// Reads the small file `rel` beneath the directory `dir` (at most 64 KiB),
+/// never leaving it (`RESOLVE_BENEATH`, no magic links); `None` when it is
+/// missing, unreadable or larger.
+pub fn read_small(dir: &OwnedFd, rel: &str) -> Option<String> {
+    use std::io::Read;
+    const MAX: u64 = 64 << 10;
+    let how = nix::fcntl::OpenHow::new()
+        .flags(OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NOCTTY | OFlag::O_NONBLOCK)
+        .resolve(nix::fcntl::ResolveFlag::RESOLVE_BENEATH | nix::fcntl::ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let fd = nix::fcntl::openat2(dir, rel, how).ok()?;
+    let stat = fstat(&fd).ok()?;
+    if SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
+        return None;
+    }
+    let mut text = String::new();
+    std::fs::File::from(fd).take(MAX + 1).read_to_string(&mut text).ok()?;
+    (text.len() as u64 <= MAX).then_some(text)
+}
+
+/// Writes `bytes` to the new file `path` in moat's own directories: never
+/// through a symlink, never over an existing file.
+pub fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .mode(0o600)
+        .open(path)?
+        .write_all(bytes)
+}
+
+/// Removes `name` in `dir` and everything beneath it, never following a
+/// symlink.
+pub(crate) fn remove_beneath(dir: &impl AsFd, name: &OsStr) -> nix::Result<()> {
+    use nix::unistd::{UnlinkatFlags, unlinkat};
+    use std::os::unix::ffi::OsStrExt;
+    let stat = match fstatat(dir, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
+        Err(Errno::ENOENT) => return Ok(()),
+        other => other?,
+    };
+    if SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT != SFlag::S_IFDIR {
+        return unlinkat(dir, name, UnlinkatFlags::NoRemoveDir);
+    }
+    let fd =
+        openat(dir, name, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())?;
+    let children: Vec<OsString> = {
+        let mut listing = nix::dir::Dir::from_fd(fd.try_clone().map_err(|_| Errno::EMFILE)?)?;
+        listing
+            .iter()
+            .filter_map(Result::ok)
+            .map(|e| OsStr::from_bytes(e.file_name().to_bytes()).to_os_string())
+            .filter(|n| n != "." && n != "..")
+            .collect()
+    };
+    for child in children {
+        remove_beneath(&fd, &child)?;
+    }
+    unlinkat(dir, name, UnlinkatFlags::RemoveDir)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,157 @@
+//! Moving host files into and out of sandboxes: the copy tools and task
+//! imports. Every host path goes through [`crate::hostfs`]; data streams
+//! through a pipe between the agent's connection and a blocking thread that
+//! walks or writes the host tree, so a copy holds a few buffers in memory
+//! whatever its size.
+
+use std::os::fd::OwnedFd;
+use std::path::Path;
+
+use moat_proto::ProtoError;
+use nix::fcntl::OFlag;
+use tokio::io::AsyncReadExt;
+
+use super::Moat;
+use crate::error::CoreError;
+use crate::hostfs::{self, CopySummary, ENTRY_COST, PackSummary, Sink, Source, SourceKind};
+
+/// A pipe: the blocking end as a file, the other as raw descriptor.
+fn pipe() -> Result<(OwnedFd, OwnedFd), CoreError> {
+    nix::unistd::pipe2(OFlag::O_CLOEXEC)
+        .map_err(|e| CoreError::HostPath(format!("cannot make a pipe for the copy: {}", e.desc())))
+}
+
+fn too_large(limit: u64, shown: &Path, size: u64) -> CoreError {
+    CoreError::HostPath(format!(
+        "{} is {size} bytes, more than the copy limit of {} MiB (MOAT_COPY_MAX_MIB); copy a smaller part, or the \
+         operator may raise the limit",
+        shown.display(),
+        limit >> 20
+    ))
+}
+
+impl Moat {
+    /// Copies a host file or tree (beneath a shared root; a tree without its
+    /// top-level `.git`; symlinks as links) to `sandbox_path`, owned by
+    /// `user`.
+    pub async fn copy_to_sandbox(&self, id: &str, host: &Path, sandbox_path: &str) -> Result<CopySummary, CoreError> {
+        let source = self.inner.host.open_source(host)?;
+        let client = self.client(id)?;
+        if source.kind == SourceKind::Dir {
+            let packed = self.send_tree(id, source, sandbox_path, false).await?;
+            return Ok(CopySummary { files: packed.files, bytes: packed.bytes, skipped: packed.skipped });
+        }
+        let size = hostfs::file_size(&source.fd);
+        let limit = self.inner.host.copy_limit();
+        if size.saturating_add(ENTRY_COST) > limit {
+            return Err(too_large(limit, &source.shown, size));
+        }
+        let file = tokio::fs::File::from_std(std::fs::File::from(source.fd));
+        let req = moat_proto::WriteFileRequest {
+            path: sandbox_path.into(),
+            mode: None,
+            create_parents: true,
+            owner: Some("user".into()),
+        };
+        let written = client
+            .write_file(req, &mut file.take(size))
+            .await
+            .map_err(|source| CoreError::Agent { id: id.into(), source })?;
+        Ok(CopySummary { files: 1, bytes: written, skipped: Vec::new() })
+    }
+
+    /// Streams the host tree `source` into the sandbox directory `dest`,
+    /// owned by `user`, after measuring it against the copy limit.
+    pub(super) async fn send_tree(
+        &self,
+        id: &str,
+        source: Source,
+        dest: &str,
+        skip_git: bool,
+    ) -> Result<PackSummary, CoreError> {
+        let client = self.client(id)?;
+        let inner = self.inner.clone();
+        let dir = source.fd;
+        let (measured, dir) = tokio::task::spawn_blocking(move || {
+            let measured = hostfs::measure(&inner.host, &dir, skip_git);
+            (measured, dir)
+        })
+        .await
+        .map_err(|e| CoreError::HostPath(format!("measuring the tree failed: {e}")))?;
+        let measured = measured?;
+        let (read, write) = pipe()?;
+        let mut receiver = tokio::net::unix::pipe::Receiver::from_owned_fd(read)
+            .map_err(|e| CoreError::HostPath(format!("cannot stream the copy: {e}")))?;
+        let inner = self.inner.clone();
+        let packer = tokio::task::spawn_blocking(move || {
+            hostfs::pack(&inner.host, &dir, skip_git, std::io::BufWriter::new(std::fs::File::from(write)))
+        });
+        let uploaded = client.tar_in(dest, Some("user".into()), &mut receiver).await;
+        // An agent that stopped reading must not leave the packer blocked on
+        // a full pipe: closing the read end makes its next write fail.
+        drop(receiver);
+        let packed = packer.await.map_err(|e| CoreError::HostPath(format!("archiving failed: {e}")))?;
+        match (packed, uploaded) {
+            (Err(e), _) => Err(e),
+            (Ok(_), Err(source)) => Err(CoreError::Agent { id: id.into(), source }),
+            (Ok(mut packed), Ok(_)) => {
+                packed.top = measured.top;
+                Ok(packed)
+            }
+        }
+    }
+
+    /// Copies a sandbox file or tree to `host`, a new path beneath a shared
+    /// root. Entries left out (unsafe names, links leading out of the copy,
+    /// devices) are listed in the result; on failure nothing is left behind.
+    pub async fn copy_from_sandbox(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<CopySummary, CoreError> {
+        let dest = self.inner.host.destination(host)?;
+        let client = self.client(id)?;
+        let agent = |source| CoreError::Agent { id: id.into(), source };
+        let info = client.stat(sandbox_path).await.map_err(agent)?;
+        let sink = match info.kind {
+            moat_proto::FileKind::File => Sink::File(dest.create_file()?),
+            moat_proto::FileKind::Dir => Sink::Dir(dest.create_dir()?),
+            _ => {
+                return Err(CoreError::HostPath(format!(
+                    "{sandbox_path} in the sandbox is not a regular file or directory; copy one of those"
+                )));
+            }
+        };
+        let (read, write) = match pipe() {
+            Ok(ends) => ends,
+            Err(e) => {
+                dest.remove();
+                return Err(e);
+            }
+        };
+        let mut sender = match tokio::net::unix::pipe::Sender::from_owned_fd(write) {
+            Ok(sender) => sender,
+            Err(e) => {
+                dest.remove();
+                return Err(CoreError::HostPath(format!("cannot stream the copy: {e}")));
+            }
+        };
+        let limit = self.inner.host.copy_limit();
+        let unpacker = tokio::task::spawn_blocking(move || {
+            hostfs::unpack(std::io::BufReader::with_capacity(64 << 10, std::fs::File::from(read)), sink, limit)
+        });
+        let downloaded = client.tar_out(sandbox_path, &mut sender).await;
+        // The unpacker reads to the end of the archive; closing our end ends
+        // it when the agent stopped early.
+        drop(sender);
+        let unpacked = unpacker.await.map_err(|e| CoreError::HostPath(format!("unpacking failed: {e}")));
+        let result = match (unpacked, downloaded) {
+            (Ok(Ok(summary)), Ok(_)) => Ok(summary),
+            // The unpacker stopped (limit, bad entry) and the agent's writes
+            // then failed: the unpacker's reason is the one to give.
+            (Ok(Err(e)), Err(ProtoError::Io(_)) | Ok(_)) => Err(e),
+            (Ok(_), Err(source)) => Err(agent(source)),
+            (Err(e), _) => Err(e),
+        };
+        if result.is_err() {
+            dest.remove();
+        }
+        result
+    }
+}
