@@ -55,9 +55,9 @@ class HttpServer:
 
 
 @contextlib.asynccontextmanager
-async def connect(binary, env, transport, era, server=None, headers=None):
+async def connect(binary, env, transport, era, server=None, headers=None, cwd=None):
     if transport == "stdio":
-        opened = stdio_client(StdioServerParameters(command=binary, args=[], env=env))
+        opened = stdio_client(StdioServerParameters(command=binary, args=[], env=env, cwd=cwd))
     else:
         client = create_mcp_http_client(headers={"Authorization": f"Bearer {TOKEN}", **(headers or {})})
         opened = streamable_http_client(server.url, http_client=client)
@@ -114,6 +114,8 @@ async def main(binary, contract_path, project, transport, era):
     try:
         async with connect(binary, env, transport, era, server) as session:
             await every_tool(session, contract, project)
+        if transport == "stdio":
+            await started_from_root(binary, env, era)
         if server:
             await http_only(binary, env, server)
     finally:
@@ -235,11 +237,11 @@ async def every_tool(session, contract, project):
     got = await call(session, "copy_from_sandbox", {"sandbox_path": "copied", "host_path": back_dir})
     assert open(os.path.join(back_dir, "new.txt")).read() == "extra\n", got
     one = await call(session, "copy_to_sandbox", {"host_path": os.path.join(project, "main.py"), "sandbox_path": "one.py"})
-    assert one == {"files": 1, "bytes": 15}, one
+    assert one == {"files": 1, "bytes": 15, "skipped": []}, one
     message = await call(session, "copy_from_sandbox", {"sandbox_path": "one.py", "host_path": back_dir}, expect_error=True)
     assert "exists" in message, message
     message = await call(session, "copy_to_sandbox", {"host_path": "/etc/passwd", "sandbox_path": "x"}, expect_error=True)
-    assert "outside the allowed roots" in message, message
+    assert "outside the shared directories" in message and "MOAT_ROOTS" in message, message
 
     # A task: import, change, diff, finish.
     task = await call(session, "task_start", {"source": project})
@@ -290,6 +292,22 @@ def raw_post(url, headers):
             return response.status, response.headers, response.read(200).decode(errors="replace")
     except urllib.error.HTTPError as e:
         return e.code, e.headers, e.read().decode(errors="replace")
+
+
+async def started_from_root(binary, env, era):
+    """Issue 15, item 2: a server started from / with MOAT_ROOTS unset (as
+    several desktop hosts start servers) shares no host directory."""
+    env = {k: v for k, v in env.items() if k != "MOAT_ROOTS"}
+    async with connect(binary, env, "stdio", era, cwd="/") as session:
+        for path in ["/etc/shadow", "/etc/passwd", "/root/.ssh/id_rsa"]:
+            message = await call(session, "copy_to_sandbox", {"host_path": path, "sandbox_path": "x"}, expect_error=True)
+            assert "no host directory is shared" in message and "MOAT_ROOTS" in message, message
+        message = await call(session, "copy_from_sandbox", {"sandbox_path": "/etc/hostname", "host_path": "/tmp/moat-planted"}, expect_error=True)
+        assert "MOAT_ROOTS" in message and not os.path.exists("/tmp/moat-planted"), message
+        message = await call(session, "task_start", {"source": "/etc"}, expect_error=True)
+        assert "MOAT_ROOTS" in message, message
+        out = await call(session, "run_command", {"cmd": "echo still-here"})
+        assert out["stdout"] == "still-here\n", out
 
 
 async def http_only(binary, env, server):

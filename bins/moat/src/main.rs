@@ -355,6 +355,20 @@ fn doctor(image_name: &str) -> ExitCode {
         if userns.trim().parse::<u64>().unwrap_or(0) > 0 { "available" } else { "disabled (jails cannot start)" }
     );
     println!("cgroups:                 {}", CgroupSupport::probe().describe());
+    match moat_core::hostfs::roots_from_env() {
+        Ok(roots) if roots.is_empty() => {
+            println!("shared host directories: none (the working directory is not a project directory; set MOAT_ROOTS)")
+        }
+        Ok(roots) => {
+            let list: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
+            println!("shared host directories: {}", list.join(", "));
+        }
+        Err(e) => println!("shared host directories: {e}"),
+    }
+    match moat_core::hostfs::copy_limit_from_env() {
+        Ok(limit) => println!("copy limit:              {} MiB (MOAT_COPY_MAX_MIB)", limit >> 20),
+        Err(e) => println!("copy limit:              {e}"),
+    }
     let data = moat_core::image::data_dir();
     match Image::open(&data, image_name) {
         Ok(image) => println!(

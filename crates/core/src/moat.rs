@@ -73,13 +73,16 @@ impl MoatConfig {
     /// The data directory from the environment, backend `auto`, the agent
     /// from `$MOAT_AGENT` or beside the running executable, 16 sandboxes.
     pub fn from_env() -> Result<Self, CoreError> {
+        // The operator's errors (exit 2) before the machine's.
+        let roots = hostfs::roots_from_env()?;
+        let copy_limit = hostfs::copy_limit_from_env()?;
         Ok(Self {
             data_dir: image::data_dir(),
             backend: BackendKind::Auto,
             agent: find_agent()?,
             max_sandboxes: 16,
-            roots: hostfs::roots_from_env()?,
-            copy_limit: hostfs::copy_limit_from_env()?,
+            roots,
+            copy_limit,
             pool_size: 0,
             pool_spec: SandboxSpec::default(),
             egress: EgressConfig::from_env(),
