@@ -137,6 +137,10 @@ pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, C
             summary.skipped.push(format!("{shown}: not a regular file, directory or symlink"));
         }
     }
+    // The agent may still be sending the archive's padding: read it (a
+    // little, not forever), so a copy that is whole is not failed by a write
+    // into a closed pipe.
+    let _ = std::io::copy(&mut archive.into_inner().take(1 << 20), &mut std::io::sink());
     if let Some(dir) = dir.as_ref() {
         make_links(dir, links, &mut summary);
     } else if summary.files == 0 {
