@@ -44,7 +44,15 @@ use crate::error::CoreError;
 /// Directories that are never a root, nor anything beneath them: the
 /// operating system's own. `/root` is one too, unless it is the home
 /// directory of the user moat runs as (then the home rules apply).
-pub const SYSTEM_DIRS: &[&str] = &["/etc", "/usr", "/var", "/proc", "/sys", "/dev", "/boot", "/root", "/run"];
+pub const SYSTEM_DIRS: &[&str] = &[
+    "/etc", "/usr", "/var", "/proc", "/sys", "/dev", "/boot", "/root", "/run", "/bin", "/sbin", "/lib", "/lib32",
+    "/lib64", "/libx32", "/nix", "/snap",
+];
+
+/// Trees deeper than this are cut there (the rest is listed as skipped),
+/// both ways: each level holds a descriptor open while a walk is inside it,
+/// and a sandbox could otherwise make a million directories with one name.
+pub const MAX_DEPTH: usize = 128;
 
 /// The default of `MOAT_COPY_MAX_MIB`: the most one copy may move.
 pub const DEFAULT_COPY_MAX_MIB: u64 = 1024;
@@ -146,8 +154,9 @@ fn unsuitable_root(dir: &Path, home: Option<&Path>) -> Option<&'static str> {
 fn is_system(dir: &Path, home: Option<&Path>) -> bool {
     SYSTEM_DIRS.iter().any(|system| {
         let system = Path::new(system);
-        // /root is a home like any other when it is ours.
-        let ours = home.is_some_and(|h| h.starts_with(system)) && dir != system;
+        // A home under a system directory (/root, /var/home/u) is a home like
+        // any other, and only it: the rest of that directory stays the system's.
+        let ours = home.is_some_and(|h| h.starts_with(system) && dir.starts_with(h));
         dir.starts_with(system) && !ours
     })
 }
@@ -159,8 +168,13 @@ fn in_dot_dir(dir: &Path, home: &Path) -> bool {
         .is_some_and(|c| c.as_os_str().as_encoded_bytes().starts_with(b"."))
 }
 
+/// `$HOME`, else the account's home from the password database.
 fn home_dir() -> Option<PathBuf> {
-    std::env::var_os("HOME").filter(|h| !h.is_empty()).and_then(|h| PathBuf::from(h).canonicalize().ok())
+    let home = std::env::var_os("HOME")
+        .filter(|h| !h.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| nix::unistd::User::from_uid(nix::unistd::getuid()).ok().flatten().map(|user| user.dir));
+    home.and_then(|h| h.canonicalize().ok())
 }
 
 /// A file's identity: device and inode.
@@ -175,6 +189,25 @@ impl FileId {
     fn of_path(path: &Path) -> Option<Self> {
         nix::sys::stat::stat(path).ok().map(|s| Self::of(&s))
     }
+}
+
+/// Whether `dir` is the directory `target` or beneath it, by walking `..`
+/// up to `/` and comparing identities (a bind mount of `target` included).
+fn is_or_beneath(dir: &OwnedFd, target: FileId) -> bool {
+    let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    let Ok(mut current) = openat(dir, ".", flags, Mode::empty()) else { return false };
+    for _ in 0..4096 {
+        let Ok(stat) = fstat(&current) else { return false };
+        if FileId::of(&stat) == target {
+            return true;
+        }
+        let Ok(parent) = openat(&current, "..", flags, Mode::empty()) else { return false };
+        if fstat(&parent).is_ok_and(|p| FileId::of(&p) == FileId::of(&stat)) {
+            return false;
+        }
+        current = parent;
+    }
+    false
 }
 
 /// One granted directory, open for the life of the server.
@@ -237,6 +270,11 @@ impl HostRoots {
         copy_limit: u64,
         home: Option<PathBuf>,
     ) -> Result<Self, CoreError> {
+        // The guard needs the data directory's identity: make it now.
+        if let Err(e) = std::fs::create_dir_all(data_dir) {
+            return Err(CoreError::Config(format!("cannot create the data directory {}: {e}", data_dir.display())));
+        }
+        let data_id = FileId::of_path(data_dir);
         let data = data_dir.canonicalize().ok();
         let mut opened = Vec::new();
         for root in roots {
@@ -249,14 +287,15 @@ impl HostRoots {
             }
             let dir = nix::fcntl::open(&path, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
                 .map_err(|e| CoreError::Config(format!("MOAT_ROOTS: cannot open {}: {e}", path.display())))?;
+            if data_id.is_some_and(|data| is_or_beneath(&dir, data)) {
+                return Err(CoreError::Config(format!(
+                    "MOAT_ROOTS: {} is moat's data directory or inside it; share a project directory instead",
+                    root.display()
+                )));
+            }
             opened.push(Root { path, dir });
         }
-        Ok(Self {
-            roots: opened,
-            data_dir: FileId::of_path(data_dir),
-            home: home.as_deref().and_then(FileId::of_path),
-            copy_limit,
-        })
+        Ok(Self { roots: opened, data_dir: data_id, home: home.as_deref().and_then(FileId::of_path), copy_limit })
     }
 
     /// The most one copy may move, in bytes.
@@ -281,8 +320,9 @@ impl HostRoots {
                  directory); the operator may set MOAT_ROOTS to the directories to share",
             );
         }
-        let list = self.roots.iter().map(|r| r.path.display().to_string()).collect::<Vec<_>>().join(", ");
-        self.refuse(path, format!("outside the shared directories ({list}); the operator may add it to MOAT_ROOTS"))
+        // The roots are not named: no error shows the model a host path it
+        // did not give. The operator sees them in `moat doctor`.
+        self.refuse(path, "outside the shared directories; the operator may add it to MOAT_ROOTS")
     }
 
     /// Which root `path` is in, and its components beneath that root.
@@ -315,6 +355,7 @@ impl HostRoots {
     fn walk(&self, root: &Root, parts: &[OsString], shown: &Path) -> Result<OwnedFd, CoreError> {
         let mut dir = openat(&root.dir, ".", OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
             .map_err(|e| self.refuse(shown, e.desc()))?;
+        self.check_dir(&dir, shown)?;
         for name in parts {
             self.check_entry(&dir, name, shown)?;
             dir = openat(
@@ -369,6 +410,7 @@ impl HostRoots {
         let Some((name, parents)) = parts.split_last() else {
             let fd = openat(&root.dir, ".", OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
                 .map_err(|e| self.refuse(path, e.desc()))?;
+            self.check_dir(&fd, path)?;
             return Ok(Source { fd, kind: SourceKind::Dir, shown });
         };
         let parent = self.walk(root, parents, path)?;
@@ -416,30 +458,98 @@ impl HostRoots {
 }
 
 impl Destination {
-    /// Creates the destination as a new, empty file.
-    pub fn create_file(&self) -> Result<std::fs::File, CoreError> {
+    /// Makes a new, empty file under a hidden name beside the destination;
+    /// [`Staged::commit`] gives it its name.
+    pub fn stage_file(self) -> Result<(Staged, std::fs::File), CoreError> {
         let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        openat(&self.parent, self.name.as_os_str(), flags, Mode::from_bits_truncate(0o644))
-            .map(std::fs::File::from)
-            .map_err(|e| CoreError::HostPath(format!("{}: cannot create it: {}", self.shown.display(), e.desc())))
+        let (temp, fd) = self.stage(|parent, temp| openat(parent, temp, flags, Mode::from_bits_truncate(0o600)))?;
+        Ok((Staged::new(self, temp, false), std::fs::File::from(fd)))
     }
 
-    /// Creates the destination as a new, empty directory, and opens it.
-    pub fn create_dir(&self) -> Result<OwnedFd, CoreError> {
-        let fail = |e: Errno| CoreError::HostPath(format!("{}: cannot create it: {}", self.shown.display(), e.desc()));
-        nix::sys::stat::mkdirat(&self.parent, self.name.as_os_str(), Mode::from_bits_truncate(0o755)).map_err(fail)?;
-        openat(
+    /// Makes a new, empty directory (mode 0700 until committed) under a
+    /// hidden name beside the destination, and opens it.
+    pub fn stage_dir(self) -> Result<(Staged, OwnedFd), CoreError> {
+        let (temp, fd) = self.stage(|parent, temp| {
+            nix::sys::stat::mkdirat(parent, temp, Mode::from_bits_truncate(0o700))?;
+            let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+            openat(parent, temp, flags, Mode::empty())
+        })?;
+        Ok((Staged::new(self, temp, true), fd))
+    }
+
+    fn stage(&self, make: impl Fn(&OwnedFd, &OsStr) -> nix::Result<OwnedFd>) -> Result<(OsString, OwnedFd), CoreError> {
+        use std::hash::{BuildHasher, Hasher};
+        for _ in 0..16 {
+            let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+            hasher.write_u32(std::process::id());
+            let temp = OsString::from(format!(".moat-copy-{:016x}", hasher.finish()));
+            match make(&self.parent, &temp) {
+                Ok(fd) => return Ok((temp, fd)),
+                Err(Errno::EEXIST) => {}
+                Err(e) => {
+                    return Err(CoreError::HostPath(format!(
+                        "{}: cannot create it: {}",
+                        self.shown.display(),
+                        e.desc()
+                    )));
+                }
+            }
+        }
+        Err(CoreError::HostPath(format!("{}: cannot find a free temporary name beside it", self.shown.display())))
+    }
+}
+
+/// A copy being written under a hidden name beside its destination, so
+/// that nothing a sandbox sent is at the destination's name before it has
+/// all been checked. Dropped without [`Staged::commit`], it is removed.
+#[derive(Debug)]
+pub struct Staged {
+    parent: OwnedFd,
+    temp: OsString,
+    name: OsString,
+    shown: PathBuf,
+    dir: bool,
+    done: bool,
+}
+
+impl Staged {
+    fn new(dest: Destination, temp: OsString, dir: bool) -> Self {
+        Self { parent: dest.parent, temp, name: dest.name, shown: dest.shown, dir, done: false }
+    }
+
+    /// Gives the copy its name: a rename that never replaces anything.
+    pub fn commit(mut self) -> Result<(), CoreError> {
+        if self.dir {
+            let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+            if let Ok(fd) = openat(&self.parent, self.temp.as_os_str(), flags, Mode::empty()) {
+                let _ = nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(0o755));
+            }
+        }
+        let renamed = nix::fcntl::renameat2(
+            &self.parent,
+            self.temp.as_os_str(),
             &self.parent,
             self.name.as_os_str(),
-            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(fail)
+            nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+        );
+        match renamed {
+            Ok(()) => {
+                self.done = true;
+                Ok(())
+            }
+            Err(Errno::EEXIST) => {
+                Err(CoreError::HostPath(format!("{}: exists now; copy to a new path", self.shown.display())))
+            }
+            Err(e) => Err(CoreError::HostPath(format!("{}: cannot create it: {}", self.shown.display(), e.desc()))),
+        }
     }
+}
 
-    /// Removes what was created at the destination (after a failed copy).
-    pub fn remove(&self) {
-        if let Err(e) = remove_beneath(&self.parent, &self.name) {
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.done
+            && let Err(e) = remove_beneath(&self.parent, &self.temp, 0)
+        {
             tracing::warn!(path = %self.shown.display(), "could not remove a failed copy: {e}");
         }
     }
@@ -454,7 +564,7 @@ pub fn read_small(dir: &OwnedFd, rel: &str) -> Option<String> {
     let how = nix::fcntl::OpenHow::new()
         .flags(OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NOCTTY | OFlag::O_NONBLOCK)
         .resolve(nix::fcntl::ResolveFlag::RESOLVE_BENEATH | nix::fcntl::ResolveFlag::RESOLVE_NO_MAGICLINKS);
-    let fd = nix::fcntl::openat2(dir, rel, how).ok()?;
+    let fd = retry_again(|| nix::fcntl::openat2(dir, rel, how)).ok()?;
     let stat = fstat(&fd).ok()?;
     if SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
         return None;
@@ -462,6 +572,19 @@ pub fn read_small(dir: &OwnedFd, rel: &str) -> Option<String> {
     let mut text = String::new();
     std::fs::File::from(fd).take(MAX + 1).read_to_string(&mut text).ok()?;
     (text.len() as u64 <= MAX).then_some(text)
+}
+
+/// Runs `openat2` again while it fails with `EAGAIN`, which `RESOLVE_BENEATH`
+/// returns when a rename anywhere on the system races a `..` in the lookup.
+pub(crate) fn retry_again(mut open: impl FnMut() -> nix::Result<OwnedFd>) -> nix::Result<OwnedFd> {
+    let mut result = open();
+    for _ in 0..16 {
+        if !matches!(result, Err(Errno::EAGAIN)) {
+            break;
+        }
+        result = open();
+    }
+    result
 }
 
 /// Writes `bytes` to the new file `path` in moat's own directories: never
@@ -480,7 +603,7 @@ pub fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// Removes `name` in `dir` and everything beneath it, never following a
 /// symlink.
-pub(crate) fn remove_beneath(dir: &impl AsFd, name: &OsStr) -> nix::Result<()> {
+pub(crate) fn remove_beneath(dir: &impl AsFd, name: &OsStr, depth: usize) -> nix::Result<()> {
     use nix::unistd::{UnlinkatFlags, unlinkat};
     use std::os::unix::ffi::OsStrExt;
     let stat = match fstatat(dir, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
@@ -489,6 +612,11 @@ pub(crate) fn remove_beneath(dir: &impl AsFd, name: &OsStr) -> nix::Result<()> {
     };
     if SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT != SFlag::S_IFDIR {
         return unlinkat(dir, name, UnlinkatFlags::NoRemoveDir);
+    }
+    // Copies are at most MAX_DEPTH deep; the bound keeps the recursion and
+    // its open descriptors small whatever is found.
+    if depth > 2 * MAX_DEPTH {
+        return Err(Errno::ELOOP);
     }
     let fd =
         openat(dir, name, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())?;
@@ -502,7 +630,7 @@ pub(crate) fn remove_beneath(dir: &impl AsFd, name: &OsStr) -> nix::Result<()> {
             .collect()
     };
     for child in children {
-        remove_beneath(&fd, &child)?;
+        remove_beneath(&fd, &child, depth + 1)?;
     }
     unlinkat(dir, name, UnlinkatFlags::RemoveDir)
 }

@@ -16,12 +16,8 @@ use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat, readlinkat};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat};
 
-use super::{ENTRY_COST, FileId, HostRoots};
+use super::{ENTRY_COST, FileId, HostRoots, MAX_DEPTH};
 use crate::error::CoreError;
-
-/// Trees deeper than this are cut there (the rest is listed as skipped):
-/// each level holds a descriptor open while the walk is inside it.
-const MAX_DEPTH: usize = 128;
 
 /// What a pack sent, and what it left out.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -112,8 +112,13 @@ fn destinations_are_new_names_never_links() {
     symlink(&f.outside, f.root.join("via")).expect("symlink");
     refused(f.roots.destination(&f.root.join("via/new")), "symlink");
     let dest = f.roots.destination(&f.root.join("proj/new.txt")).expect("new");
-    dest.create_file().expect("created");
+    let (staged, _file) = dest.stage_file().expect("staged");
+    assert!(!f.root.join("proj/new.txt").exists(), "nothing at the name before the commit");
+    staged.commit().expect("committed");
     assert!(f.root.join("proj/new.txt").is_file());
+    let names: Vec<_> =
+        std::fs::read_dir(f.root.join("proj")).expect("ls").map(|e| e.expect("entry").file_name()).collect();
+    assert_eq!(names, ["new.txt"], "no staging left");
     assert!(!f.outside.join("new").exists());
 }
 
@@ -134,13 +139,24 @@ fn hostile_tar(entries: &[RawEntry<'_>]) -> Vec<u8> {
 }
 
 fn unpack_into(f: &Fixture, name: &str, archive: &[u8]) -> Result<CopySummary, CoreError> {
+    unpack_from(f, name, archive)
+}
+
+/// Unpacks as `copy_from_sandbox` does: into a staged directory, named on success.
+fn unpack_from(f: &Fixture, name: &str, input: impl std::io::Read) -> Result<CopySummary, CoreError> {
     let dest = f.roots.destination(&f.root.join(name)).expect("new");
-    let dir = dest.create_dir().expect("mkdir");
-    let result = unpack(archive, Sink::Dir(dir), f.roots.copy_limit());
-    if result.is_err() {
-        dest.remove();
-    }
-    result
+    let (staged, dir) = dest.stage_dir().expect("mkdir");
+    let summary = unpack(input, Sink::Dir(dir), f.roots.copy_limit())?;
+    staged.commit()?;
+    Ok(summary)
+}
+
+fn unpack_file(f: &Fixture, name: &str, archive: &[u8]) -> Result<CopySummary, CoreError> {
+    let dest = f.roots.destination(&f.root.join(name)).expect("new");
+    let (staged, file) = dest.stage_file().expect("file");
+    let summary = unpack(archive, Sink::File(file), f.roots.copy_limit())?;
+    staged.commit()?;
+    Ok(summary)
 }
 
 #[test]
@@ -198,6 +214,17 @@ fn unsafe_entries_are_left_out_and_listed() {
     assert_eq!(summary.skipped.len(), 7, "{summary:?}");
     let mode = std::fs::metadata(f.root.join("out/suid")).expect("suid").permissions().mode();
     assert_eq!(mode & 0o7777, 0o755, "set-id bits are dropped");
+    let archive = hostile_tar(&[(b"open", Regular, b"", b"x")]);
+    let mut archive = archive;
+    // Mode 0666 written raw: others may not write what a sandbox sent.
+    archive[100..108].copy_from_slice(b"0000666\0");
+    let mut header = tar::Header::new_old();
+    header.as_mut_bytes().copy_from_slice(&archive[..512]);
+    header.set_cksum();
+    archive[..512].copy_from_slice(header.as_bytes());
+    unpack_into(&f, "modes", &archive).expect("unpacks");
+    let mode = std::fs::metadata(f.root.join("modes/open")).expect("open").permissions().mode();
+    assert_eq!(mode & 0o777, 0o644);
     assert!(!f.root.join("up").exists() && !Path::new("/abs").exists() && !f.root.join("out/hard").exists());
 }
 
@@ -230,14 +257,17 @@ fn sparse_files_stay_sparse() {
 #[test]
 fn a_single_file_copy_takes_exactly_one_regular_file() {
     let f = fixture(MIB);
-    let dest = f.roots.destination(&f.root.join("one")).expect("new");
     let archive = hostile_tar(&[(b"one", tar::EntryType::Regular, b"", b"hello")]);
-    let summary = unpack(archive.as_slice(), Sink::File(dest.create_file().expect("file")), MIB).expect("copies");
+    let summary = unpack_file(&f, "one", &archive).expect("copies");
     assert_eq!((summary.files, summary.bytes), (1, 5));
     assert_eq!(std::fs::read_to_string(f.root.join("one")).expect("read"), "hello");
-    let dest = f.roots.destination(&f.root.join("two")).expect("new");
     let archive = hostile_tar(&[(b"l", tar::EntryType::Symlink, b"/etc/shadow", b"")]);
-    refused(unpack(archive.as_slice(), Sink::File(dest.create_file().expect("file")), MIB), "regular file");
+    refused(unpack_file(&f, "two", &archive), "regular file");
+    let staged = std::fs::read_dir(&f.root)
+        .expect("ls")
+        .filter(|e| e.as_ref().expect("entry").file_name().to_string_lossy().starts_with(".moat-copy"));
+    assert_eq!(staged.count(), 0, "no staging left behind");
+    assert!(!f.root.join("two").exists());
 }
 
 #[test]
@@ -274,4 +304,255 @@ fn packing_walks_by_descriptor_and_lists_what_it_leaves_out() {
     // Too large: refused by measuring, before anything is sent.
     std::fs::write(proj.join("big"), vec![1u8; MIB_BYTES]).expect("write");
     refused(measure(&f.roots, &source.fd, true), "MOAT_COPY_MAX_MIB");
+}
+
+// Held-out variants of the reported attacks.
+
+/// A raw 512-byte GNU header: `name` (≤ 100 bytes), type byte, declared size.
+fn gnu_header(name: &[u8], kind: u8, size: u64) -> Vec<u8> {
+    let mut header = tar::Header::new_gnu();
+    header.as_gnu_mut().expect("gnu").name[..name.len()].copy_from_slice(name);
+    header.set_entry_type(tar::EntryType::new(kind));
+    header.set_mode(0o644);
+    header.set_size(size);
+    header.set_cksum();
+    header.as_bytes().to_vec()
+}
+
+/// `data` padded to a whole number of 512-byte blocks.
+fn blocks(data: &[u8]) -> Vec<u8> {
+    let mut out = data.to_vec();
+    out.resize(data.len().div_ceil(512) * 512, 0);
+    out
+}
+
+/// A GNU long-name entry (`L`) naming the entry that follows.
+fn long_name(name: &[u8]) -> Vec<u8> {
+    let mut out = gnu_header(b"././@LongLink", b'L', name.len() as u64 + 1);
+    let mut data = name.to_vec();
+    data.push(0);
+    out.extend(blocks(&data));
+    out
+}
+
+/// A reader that counts what it hands out.
+struct Counted<R> {
+    inner: R,
+    read: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl<R: std::io::Read> std::io::Read for Counted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.read.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// F-A: a GNU long name (or a PAX header) is read whole into memory by the
+/// tar crate before `unpack` sees the entry, and is not charged against the
+/// copy limit: with a 1 MiB limit the host holds a 32 MiB name (twice: the
+/// name, and again in `skipped`). Scaled up, a sandbox exhausts host memory.
+#[test]
+fn long_names_are_bounded_by_the_copy_limit() {
+    let f = fixture(MIB);
+    let mut name = b"/".to_vec();
+    name.resize(32 * MIB_BYTES, b'a');
+    let mut archive = long_name(&name);
+    archive.extend(gnu_header(b"x", b'0', 0));
+    archive.extend([0u8; 1024]);
+    let read = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let input = Counted { inner: archive.as_slice(), read: read.clone() };
+    let result = unpack_from(&f, "out", input);
+    let consumed = read.load(std::sync::atomic::Ordering::Relaxed);
+    let listed: usize = result.as_ref().map(|s| s.skipped.iter().map(String::len).sum()).unwrap_or(0);
+    assert!(
+        consumed <= 2 * MIB && listed <= 64 << 10,
+        "limit 1 MiB, yet {consumed} bytes of archive metadata were taken into memory and {listed} bytes listed"
+    );
+}
+
+/// F-A (PAX variant): a local PAX header of 32 MiB.
+#[test]
+fn pax_headers_are_bounded_by_the_copy_limit() {
+    let f = fixture(MIB);
+    let payload = vec![b'a'; 32 * MIB_BYTES];
+    let body_len = " comment=".len() + payload.len() + 1;
+    let mut len = body_len + 1;
+    while len != body_len + len.to_string().len() {
+        len = body_len + len.to_string().len();
+    }
+    let mut record = format!("{len} comment=").into_bytes();
+    record.extend(&payload);
+    record.push(b'\n');
+    let mut header = tar::Header::new_ustar();
+    header.set_path("pax").expect("name");
+    header.set_entry_type(tar::EntryType::XHeader);
+    header.set_size(record.len() as u64);
+    header.set_cksum();
+    let mut archive = header.as_bytes().to_vec();
+    archive.extend(blocks(&record));
+    archive.extend(gnu_header(b"x", b'0', 0));
+    archive.extend([0u8; 1024]);
+    let read = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let result = unpack_from(&f, "out", Counted { inner: archive.as_slice(), read: read.clone() });
+    let consumed = read.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(result.is_err() || consumed <= 2 * MIB, "limit 1 MiB, yet {consumed} bytes read for one empty file");
+}
+
+/// F-B: the directories an entry's name implies are made without being
+/// charged: one entry (4 KiB of the limit) makes thousands of directories
+/// (inodes, 4 KiB blocks each). The limit's bound on entries is bypassed.
+#[test]
+fn directories_a_name_implies_are_charged() {
+    let f = fixture(MIB);
+    let mut name = b"d/".repeat(3000);
+    name.push(b'f');
+    let mut archive = long_name(&name);
+    archive.extend(gnu_header(b"x", b'0', 0));
+    archive.extend([0u8; 1024]);
+    unpack_into(&f, "out", &archive).ok();
+    let mut dirs = 0u64;
+    let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    if let Ok(mut at) = nix::fcntl::open(&f.root.join("out"), flags, Mode::empty()) {
+        while let Ok(next) = openat(&at, "d", flags, Mode::empty()) {
+            dirs += 1;
+            at = next;
+        }
+    }
+    assert!(dirs <= MIB / ENTRY_COST, "{dirs} directories made within a limit of {} entries", MIB / ENTRY_COST);
+}
+
+/// F-C: a failed copy of a deep tree is not removed. `remove_beneath`
+/// recurses with a descriptor open per level: past RLIMIT_NOFILE it stops
+/// (EMFILE, the tree stays), and with a high limit the recursion overflows
+/// the (tokio worker's) stack and aborts the whole server.
+/// The tree is made by one entry; the copy then fails at the limit.
+#[test]
+fn a_failed_deep_copy_is_removed() {
+    let f = fixture(MIB);
+    let depth = 25_000;
+    let mut name = b"d/".repeat(depth);
+    name.push(b'f');
+    let mut archive = long_name(&name);
+    archive.extend(gnu_header(b"x", b'0', 0));
+    archive.extend(gnu_header(b"big", b'0', 2 * MIB));
+    archive.extend([0u8; 1024]);
+    refused(unpack_into(&f, "out", &archive), "MOAT_COPY_MAX_MIB");
+    assert!(!f.root.join("out").exists(), "the failed copy was left behind");
+}
+
+/// F-D: with the home directory under a system directory (Fedora Atomic's
+/// /var/home/u, or a service account's /var/lib/moat), every other
+/// directory under it stops being a system directory.
+#[test]
+fn system_dirs_stay_system_when_home_is_beneath_one() {
+    let home = Path::new("/var/home/u");
+    for dir in ["/var/lib", "/var/log", "/var/spool/cron", "/var/lib/docker"] {
+        assert!(is_system(Path::new(dir), Some(home)), "{dir} is treated as a project directory");
+    }
+    refused(roots_from(Some("/var/lib".into()), None, Some(home)), "system");
+}
+
+/// F-E: the data directory reached through a bind mount as a root (same
+/// inode, another path) is not refused: the root itself is never compared
+/// with the data directory's identity. Simulated as the fixture simulates
+/// the data directory: by pointing the guard at the root's identity.
+#[test]
+fn a_root_that_is_the_data_directory_is_refused() {
+    let f = fixture(MIB);
+    let roots = HostRoots { data_dir: FileId::of_path(&f.root), ..f.roots };
+    let f = Fixture { roots, ..f };
+    refused(f.roots.open_source(&f.root), "data directory");
+    refused(f.roots.destination(&f.root.join("new")), "data directory");
+}
+
+/// F-F: an entry named `.` (or empty, or `./`) that is a regular file or a
+/// symlink is dropped without being listed.
+#[test]
+fn entries_named_dot_are_listed_when_left_out() {
+    use tar::EntryType::{Regular, Symlink};
+    let f = fixture(MIB);
+    let archive = hostile_tar(&[(b".", Regular, b"", b"hidden data"), (b"./", Symlink, b"/etc", b"")]);
+    let summary = unpack_into(&f, "out", &archive).expect("unpacks");
+    assert_eq!(summary.skipped.len(), 2, "entries dropped in silence: {summary:?}");
+}
+
+#[test]
+fn long_and_pax_names_with_dot_dot_are_refused() {
+    let f = fixture(MIB);
+    let mut archive = long_name(b"a/../../outside/viaL");
+    archive.extend(gnu_header(b"ok", b'0', 1));
+    archive.extend(blocks(b"x"));
+    let mut header = tar::Header::new_ustar();
+    header.set_path("ok2").expect("name");
+    header.set_entry_type(tar::EntryType::Symlink);
+    header.set_size(0);
+    let mut builder = tar::Builder::new(Vec::new());
+    builder.append_pax_extensions([("path", &b"../outside/viaPax"[..])]).expect("pax");
+    let mut plain = tar::Header::new_ustar();
+    plain.set_path("p").expect("name");
+    plain.set_size(1);
+    plain.set_cksum();
+    builder.append(&plain, &b"y"[..]).expect("append");
+    builder.append_pax_extensions([("linkpath", &b"../../outside/secret"[..])]).expect("pax");
+    header.set_cksum();
+    builder.append(&header, std::io::empty()).expect("append");
+    archive.extend(builder.into_inner().expect("done"));
+    let summary = unpack_into(&f, "out", &archive).expect("unpacks");
+    assert!(!f.outside.join("viaL").exists() && !f.outside.join("viaPax").exists());
+    assert!(std::fs::symlink_metadata(f.root.join("out/ok2")).is_err(), "{summary:?}");
+    assert_eq!(summary.skipped.len(), 3, "{summary:?}");
+}
+
+#[test]
+fn a_truncated_archive_fails() {
+    let f = fixture(MIB);
+    let mut archive = gnu_header(b"a", b'0', 4096);
+    archive.extend(vec![1u8; 1000]);
+    refused(unpack_into(&f, "out", &archive), "broken archive");
+    assert!(!f.root.join("out").exists());
+    refused(unpack_file(&f, "one", &archive), "broken archive");
+    assert!(!f.root.join("one").exists());
+}
+
+/// F-H: `openat2(RESOLVE_BENEATH)` fails with EAGAIN when any rename on the
+/// system races a `..` in the lookup; `resolves_beneath` takes that as
+/// "leads out", so a link that stays inside the copy is dropped at random on
+/// a busy host (and listed with a wrong reason).
+#[test]
+fn links_are_kept_while_the_host_renames_files() {
+    use tar::EntryType::{Directory, Regular, Symlink};
+    let f = fixture(64 * MIB);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy = f.outside.clone();
+    let flag = stop.clone();
+    let renamer = std::thread::spawn(move || {
+        std::fs::write(busy.join("a"), "x").expect("write");
+        while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+            let _ = std::fs::rename(busy.join("a"), busy.join("b"));
+            let _ = std::fs::rename(busy.join("b"), busy.join("a"));
+        }
+    });
+    let mut target = b"d/".repeat(15);
+    target.extend(b"../".repeat(15));
+    target.push(b'f');
+    let target = target.as_slice();
+    let mut d = b"d/".repeat(15);
+    d.pop();
+    let mut dropped = 0;
+    for i in 0..100 {
+        let archive = hostile_tar(&[
+            (d.as_slice(), Directory, b"", b""),
+            (b"f", Regular, b"", b"x"),
+            (b"l", Symlink, target, b""),
+        ]);
+        let summary = unpack_into(&f, &format!("out{i}"), &archive).expect("unpacks");
+        if !summary.skipped.is_empty() {
+            dropped += 1;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    renamer.join().expect("joins");
+    assert_eq!(dropped, 0, "a link inside the copy was dropped in {dropped} of 100 copies");
 }

@@ -21,7 +21,7 @@ use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat, openat2};
 use nix::sys::stat::{Mode, mkdirat};
 use nix::unistd::{UnlinkatFlags, unlinkat};
 
-use super::ENTRY_COST;
+use super::{ENTRY_COST, MAX_DEPTH};
 use crate::error::CoreError;
 
 /// Where a copy goes.
@@ -47,13 +47,81 @@ pub struct CopySummary {
 /// A name split into its components, each a plain name.
 type Parts = Vec<Vec<u8>>;
 
+/// Metadata the tar crate may read for one entry beyond its data: its
+/// headers, a GNU long name or link, PAX records. Names are at most 4 KiB
+/// on Linux; this leaves room and bounds what a hostile archive makes the
+/// host buffer.
+const METADATA_ALLOWANCE: u64 = 64 << 10;
+
+/// Symlinks one copy may make: each is checked by a path lookup, which a
+/// hostile link can make slow.
+const MAX_LINKS: usize = 4096;
+
+/// Entries listed as left out, at most; the rest are counted.
+const MAX_LISTED: usize = 1000;
+
+/// Names in messages are cut to this many characters.
+const MAX_SHOWN: usize = 256;
+
+/// The archive's reader, allowed to hand out only what the entries seen so
+/// far account for (their data, and [`METADATA_ALLOWANCE`] each).
+struct Budget<R> {
+    inner: R,
+    allowance: std::rc::Rc<std::cell::Cell<u64>>,
+}
+
+impl<R: Read> Read for Budget<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.allowance.get();
+        if left == 0 {
+            return Err(std::io::Error::other(format!(
+                "more header data for one entry than moat reads ({} KiB)",
+                METADATA_ALLOWANCE >> 10
+            )));
+        }
+        let take = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..take])?;
+        self.allowance.set(left - n as u64);
+        Ok(n)
+    }
+}
+
+/// What is left out, listed up to [`MAX_LISTED`].
+fn skip(summary: &mut CopySummary, dropped: &mut u64, entry: String) {
+    if summary.skipped.len() < MAX_LISTED {
+        summary.skipped.push(entry);
+    } else {
+        *dropped += 1;
+    }
+}
+
+fn shown(name: &[u8]) -> String {
+    let text = String::from_utf8_lossy(name);
+    if text.chars().count() <= MAX_SHOWN {
+        return text.into_owned();
+    }
+    let cut: String = text.chars().take(MAX_SHOWN).collect();
+    format!("{cut}…")
+}
+
+fn too_large(limit: u64, shown: &str, size: u64) -> CoreError {
+    CoreError::HostPath(format!(
+        "the copy is larger than the limit of {} MiB (MOAT_COPY_MAX_MIB; each entry and directory counts {} KiB \
+         beyond its data), reached at {shown} ({size} bytes); copy a smaller part, or the operator may raise the limit",
+        limit >> 20,
+        ENTRY_COST >> 10,
+    ))
+}
+
 /// Writes the archive `input` into `sink`, stopping with an error before the
-/// data and entries pass `limit` bytes (each entry counts [`ENTRY_COST`]
-/// beyond its data).
+/// data and entries pass `limit` bytes (each entry, and each directory its
+/// name makes, counts [`ENTRY_COST`] beyond its data and name).
 pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, CoreError> {
-    let mut archive = tar::Archive::new(input);
+    let allowance = std::rc::Rc::new(std::cell::Cell::new(METADATA_ALLOWANCE));
+    let mut archive = tar::Archive::new(Budget { inner: input, allowance: allowance.clone() });
     let broken = |e: std::io::Error| CoreError::HostPath(format!("the sandbox sent a broken archive: {e}"));
     let mut summary = CopySummary::default();
+    let mut dropped = 0u64;
     let mut cost = 0u64;
     let mut links: Vec<(Parts, Vec<u8>)> = Vec::new();
     let (dir, mut file) = match sink {
@@ -62,25 +130,22 @@ pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, C
     };
     for entry in archive.entries().map_err(broken)? {
         let mut entry = entry.map_err(broken)?;
-        let name = entry.path_bytes().into_owned();
-        let shown = String::from_utf8_lossy(&name).into_owned();
         let size = entry.size();
-        cost = cost.saturating_add(ENTRY_COST).saturating_add(size);
+        // This entry's data, and the next entry's headers.
+        allowance.set(allowance.get().saturating_add(size.div_ceil(512) * 512).saturating_add(METADATA_ALLOWANCE));
+        let name = entry.path_bytes().into_owned();
+        let link = entry.link_name_bytes().map(std::borrow::Cow::into_owned);
+        let shown = shown(&name);
+        let named = (name.len() + link.as_ref().map_or(0, Vec::len)) as u64;
+        cost = cost.saturating_add(ENTRY_COST).saturating_add(size).saturating_add(named);
         if cost > limit {
-            return Err(CoreError::HostPath(format!(
-                "the copy is larger than the limit of {} MiB (MOAT_COPY_MAX_MIB; each entry counts {} KiB beyond its \
-                 data), reached at {shown} ({size} bytes); copy a smaller part, or the operator may raise the limit",
-                limit >> 20,
-                ENTRY_COST >> 10,
-            )));
+            return Err(too_large(limit, &shown, size));
         }
         let kind = entry.header().entry_type();
-        let mode = entry.header().mode().unwrap_or(0o644) & 0o777;
+        // Permission bits, never set-id or sticky, never writable by others;
+        // always readable and writable by the owner.
+        let mode = (entry.header().mode().unwrap_or(0o644) & 0o755) | 0o600;
         let mtime = entry.header().mtime().unwrap_or(0);
-        let Some(parts) = plain_parts(&name) else {
-            summary.skipped.push(format!("{shown}: a name with `..` or an absolute path"));
-            continue;
-        };
         let regular = kind.is_file() || kind.is_contiguous() || kind.is_gnu_sparse();
         if let Some(out) = file.as_mut() {
             // A single file: the archive's one regular file, nothing else.
@@ -97,12 +162,36 @@ pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, C
             continue;
         }
         let Some(dir) = dir.as_ref() else { continue };
-        let Some((last, parents)) = parts.split_last() else { continue };
+        if kind.is_pax_global_extensions() || kind.is_pax_local_extensions() {
+            // Metadata for other entries, which the tar crate applies itself.
+            continue;
+        }
+        let Some(parts) = plain_parts(&name) else {
+            skip(&mut summary, &mut dropped, format!("{shown}: a name with `..` or an absolute path"));
+            continue;
+        };
+        if parts.len() > MAX_DEPTH {
+            skip(&mut summary, &mut dropped, format!("{shown}: deeper than {MAX_DEPTH} levels"));
+            continue;
+        }
+        let Some((last, parents)) = parts.split_last() else {
+            // `.` itself: the copy's own directory, made already.
+            if !kind.is_dir() {
+                skip(&mut summary, &mut dropped, format!("{shown}: an empty name"));
+            }
+            continue;
+        };
         if regular {
-            let parent = match parent_dir(dir, parents) {
+            let mut made = 0u64;
+            let parent = parent_dir(dir, parents, &mut made);
+            cost = cost.saturating_add(made * ENTRY_COST);
+            if cost > limit {
+                return Err(too_large(limit, &shown, size));
+            }
+            let parent = match parent {
                 Ok(parent) => parent,
                 Err(why) => {
-                    summary.skipped.push(format!("{shown}: {why}"));
+                    skip(&mut summary, &mut dropped, format!("{shown}: {why}"));
                     continue;
                 }
             };
@@ -110,7 +199,7 @@ pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, C
             let mut out = match openat(&parent, OsStr::from_bytes(last), flags, Mode::from_bits_truncate(0o600)) {
                 Ok(fd) => std::fs::File::from(fd),
                 Err(Errno::EEXIST) => {
-                    summary.skipped.push(format!("{shown}: a second entry of the same name"));
+                    skip(&mut summary, &mut dropped, format!("{shown}: a second entry of the same name"));
                     continue;
                 }
                 Err(e) => return Err(CoreError::HostPath(format!("cannot create the copy of {shown}: {}", e.desc()))),
@@ -121,30 +210,41 @@ pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, C
             summary.files += 1;
             summary.bytes += written;
         } else if kind.is_dir() {
-            if let Err(why) = parent_dir(dir, &parts) {
-                summary.skipped.push(format!("{shown}: {why}"));
+            let mut made = 0u64;
+            let made_dir = parent_dir(dir, &parts, &mut made);
+            cost = cost.saturating_add(made * ENTRY_COST);
+            if cost > limit {
+                return Err(too_large(limit, &shown, size));
+            }
+            if let Err(why) = made_dir {
+                skip(&mut summary, &mut dropped, format!("{shown}: {why}"));
             }
         } else if kind.is_symlink() {
-            match entry.link_name_bytes() {
-                Some(target) if !target.is_empty() => links.push((parts, target.into_owned())),
-                _ => summary.skipped.push(format!("{shown}: a symlink without a target")),
+            match link {
+                _ if links.len() >= MAX_LINKS => {
+                    skip(&mut summary, &mut dropped, format!("{shown}: more than {MAX_LINKS} symlinks in one copy"));
+                }
+                Some(target) if !target.is_empty() => links.push((parts, target)),
+                _ => skip(&mut summary, &mut dropped, format!("{shown}: a symlink without a target")),
             }
         } else if kind.is_hard_link() {
-            summary.skipped.push(format!("{shown}: a hard link (not copied; copy the file it links to)"));
-        } else if kind.is_pax_global_extensions() || kind.is_pax_local_extensions() {
-            // Metadata for other entries, which the tar crate applies itself.
+            skip(&mut summary, &mut dropped, format!("{shown}: a hard link (not copied; copy the file it links to)"));
         } else {
-            summary.skipped.push(format!("{shown}: not a regular file, directory or symlink"));
+            skip(&mut summary, &mut dropped, format!("{shown}: not a regular file, directory or symlink"));
         }
     }
     // The agent may still be sending the archive's padding: read it (a
     // little, not forever), so a copy that is whole is not failed by a write
     // into a closed pipe.
+    allowance.set(allowance.get().saturating_add(1 << 20));
     let _ = std::io::copy(&mut archive.into_inner().take(1 << 20), &mut std::io::sink());
     if let Some(dir) = dir.as_ref() {
-        make_links(dir, links, &mut summary);
+        make_links(dir, links, &mut summary, &mut dropped);
     } else if summary.files == 0 {
         return Err(CoreError::HostPath("the sandbox sent no file; copy a regular file, or a directory".into()));
+    }
+    if dropped > 0 {
+        summary.skipped.push(format!("… and {dropped} more entries left out"));
     }
     Ok(summary)
 }
@@ -166,9 +266,10 @@ fn plain_parts(name: &[u8]) -> Option<Parts> {
     Some(parts)
 }
 
-/// Opens the directory `parts` beneath `root`, making what is missing; a
-/// component that exists but is not a directory (a symlink included) stops it.
-fn parent_dir(root: &OwnedFd, parts: &[Vec<u8>]) -> Result<OwnedFd, String> {
+/// Opens the directory `parts` beneath `root`, making what is missing
+/// (counted in `made`); a component that exists but is not a directory (a
+/// symlink included) stops it.
+fn parent_dir(root: &OwnedFd, parts: &[Vec<u8>], made: &mut u64) -> Result<OwnedFd, String> {
     let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
     let mut dir = openat(root, ".", flags, Mode::empty()).map_err(|e| e.desc().to_owned())?;
     for part in parts {
@@ -177,6 +278,7 @@ fn parent_dir(root: &OwnedFd, parts: &[Vec<u8>]) -> Result<OwnedFd, String> {
             Ok(next) => next,
             Err(Errno::ENOENT) => {
                 mkdirat(&dir, name, Mode::from_bits_truncate(0o755)).map_err(|e| e.desc().to_owned())?;
+                *made += 1;
                 openat(&dir, name, flags, Mode::empty()).map_err(|e| e.desc().to_owned())?
             }
             Err(Errno::ENOTDIR | Errno::ELOOP) => {
@@ -213,32 +315,36 @@ fn write_sparse(data: &mut impl Read, out: &mut std::fs::File, size: u64) -> std
     Ok(total)
 }
 
-/// Permission bits (never set-id or sticky; always readable and writable
-/// by the owner) and modification time.
+/// Permission bits (already cleaned) and modification time.
 fn finish_file(fd: std::os::fd::BorrowedFd<'_>, mode: u32, mtime: u64) {
-    let _ = nix::sys::stat::fchmod(fd, Mode::from_bits_truncate((mode | 0o600) & 0o777));
+    let _ = nix::sys::stat::fchmod(fd, Mode::from_bits_truncate(mode));
     let mtime = nix::sys::time::TimeSpec::new(i64::try_from(mtime).unwrap_or(0), 0);
     let _ = nix::sys::stat::futimens(fd, &nix::sys::time::TimeSpec::UTIME_OMIT, &mtime);
 }
 
 /// Makes the archive's symlinks, then keeps only those the kernel resolves
 /// beneath `root`.
-fn make_links(root: &OwnedFd, links: Vec<(Parts, Vec<u8>)>, summary: &mut CopySummary) {
+fn make_links(root: &OwnedFd, links: Vec<(Parts, Vec<u8>)>, summary: &mut CopySummary, dropped: &mut u64) {
     let mut made: Vec<(Parts, String, Vec<u8>)> = Vec::new();
     for (parts, target) in links {
-        let shown = String::from_utf8_lossy(&parts.join(&b'/')).into_owned();
-        let Some((last, parents)) = parts.split_last() else { continue };
-        let parent = match parent_dir(root, parents) {
+        let shown = shown(&parts.join(&b'/'));
+        let Some((last, parents)) = parts.split_last() else {
+            skip(summary, dropped, format!("{shown}: an empty name"));
+            continue;
+        };
+        // Directories were made (and charged) for the entries; a link's own
+        // parents must exist already.
+        let parent = match existing_dir(root, parents) {
             Ok(parent) => parent,
             Err(why) => {
-                summary.skipped.push(format!("{shown}: {why}"));
+                skip(summary, dropped, format!("{shown}: {why}"));
                 continue;
             }
         };
         match nix::unistd::symlinkat(OsStr::from_bytes(&target), &parent, OsStr::from_bytes(last)) {
             Ok(()) => made.push((parts, shown, target)),
-            Err(Errno::EEXIST) => summary.skipped.push(format!("{shown}: a second entry of the same name")),
-            Err(e) => summary.skipped.push(format!("{shown}: {}", e.desc())),
+            Err(Errno::EEXIST) => skip(summary, dropped, format!("{shown}: a second entry of the same name")),
+            Err(e) => skip(summary, dropped, format!("{shown}: {}", e.desc())),
         }
     }
     loop {
@@ -248,14 +354,15 @@ fn make_links(root: &OwnedFd, links: Vec<(Parts, Vec<u8>)>, summary: &mut CopySu
                 return true;
             }
             if let Some((last, parents)) = parts.split_last()
-                && let Ok(parent) = parent_dir(root, parents)
+                && let Ok(parent) = existing_dir(root, parents)
             {
                 let _ = unlinkat(&parent, OsStr::from_bytes(last), UnlinkatFlags::NoRemoveDir);
             }
-            summary.skipped.push(format!(
+            let why = format!(
                 "{shown}: a symlink to {} that does not lead to something inside the copy",
-                String::from_utf8_lossy(target)
-            ));
+                shown_target(target)
+            );
+            skip(summary, dropped, why);
             removed = true;
             false
         });
@@ -273,5 +380,21 @@ fn resolves_beneath(root: &OwnedFd, parts: &[Vec<u8>]) -> bool {
     let how = OpenHow::new()
         .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
         .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS);
-    openat2(root, OsStr::from_bytes(&name), how).is_ok()
+    super::retry_again(|| openat2(root, OsStr::from_bytes(&name), how)).is_ok()
+}
+
+fn shown_target(target: &[u8]) -> String {
+    shown(target)
+}
+
+/// Opens the existing directory `parts` beneath `root`, never following a
+/// symlink.
+fn existing_dir(root: &OwnedFd, parts: &[Vec<u8>]) -> Result<OwnedFd, String> {
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mut dir = openat(root, ".", flags, Mode::empty()).map_err(|e| e.desc().to_owned())?;
+    for part in parts {
+        dir = openat(&dir, OsStr::from_bytes(part), flags, Mode::empty())
+            .map_err(|_| format!("{} is not a directory in the copy", String::from_utf8_lossy(part)))?;
+    }
+    Ok(dir)
 }

@@ -30,6 +30,26 @@ fn too_large(limit: u64, shown: &Path, size: u64) -> CoreError {
     ))
 }
 
+/// A writer that remembers whether a write failed (the reader went away).
+struct Watched<W> {
+    inner: W,
+    failed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl<W: std::io::Write> std::io::Write for Watched<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let result = self.inner.write(buf);
+        if result.is_err() {
+            self.failed.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        result
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 impl Moat {
     /// Copies a host file or tree (beneath a shared root; a tree without its
     /// top-level `.git`; symlinks as links) to `sandbox_path`, owned by
@@ -83,15 +103,21 @@ impl Moat {
         let mut receiver = tokio::net::unix::pipe::Receiver::from_owned_fd(read)
             .map_err(|e| CoreError::HostPath(format!("cannot stream the copy: {e}")))?;
         let inner = self.inner.clone();
+        let sent = Watched { inner: std::fs::File::from(write), failed: Default::default() };
+        let write_failed = sent.failed.clone();
         let packer = tokio::task::spawn_blocking(move || {
-            hostfs::pack(&inner.host, &dir, skip_git, std::io::BufWriter::new(std::fs::File::from(write)))
+            hostfs::pack(&inner.host, &dir, skip_git, std::io::BufWriter::new(sent))
         });
         let uploaded = client.tar_in(dest, Some("user".into()), &mut receiver).await;
         // An agent that stopped reading must not leave the packer blocked on
         // a full pipe: closing the read end makes its next write fail.
         drop(receiver);
         let packed = packer.await.map_err(|e| CoreError::HostPath(format!("archiving failed: {e}")))?;
+        let agent_stopped = write_failed.load(std::sync::atomic::Ordering::Relaxed);
         match (packed, uploaded) {
+            // The agent refused the archive (a file in the way, a full disk)
+            // and stopped reading: its reason, not the broken pipe's.
+            (Err(_), Err(source)) if agent_stopped => Err(CoreError::Agent { id: id.into(), source }),
             (Err(e), _) => Err(e),
             (Ok(_), Err(source)) => Err(CoreError::Agent { id: id.into(), source }),
             (Ok(mut packed), Ok(_)) => {
@@ -109,29 +135,19 @@ impl Moat {
         let client = self.client(id)?;
         let agent = |source| CoreError::Agent { id: id.into(), source };
         let info = client.stat(sandbox_path).await.map_err(agent)?;
-        let sink = match info.kind {
-            moat_proto::FileKind::File => Sink::File(dest.create_file()?),
-            moat_proto::FileKind::Dir => Sink::Dir(dest.create_dir()?),
+        let (staged, sink) = match info.kind {
+            moat_proto::FileKind::File => dest.stage_file().map(|(staged, file)| (staged, Sink::File(file)))?,
+            moat_proto::FileKind::Dir => dest.stage_dir().map(|(staged, dir)| (staged, Sink::Dir(dir)))?,
             _ => {
                 return Err(CoreError::HostPath(format!(
                     "{sandbox_path} in the sandbox is not a regular file or directory; copy one of those"
                 )));
             }
         };
-        let (read, write) = match pipe() {
-            Ok(ends) => ends,
-            Err(e) => {
-                dest.remove();
-                return Err(e);
-            }
-        };
-        let mut sender = match tokio::net::unix::pipe::Sender::from_owned_fd(write) {
-            Ok(sender) => sender,
-            Err(e) => {
-                dest.remove();
-                return Err(CoreError::HostPath(format!("cannot stream the copy: {e}")));
-            }
-        };
+        // From here, returning early drops `staged`, which removes the copy.
+        let (read, write) = pipe()?;
+        let mut sender = tokio::net::unix::pipe::Sender::from_owned_fd(write)
+            .map_err(|e| CoreError::HostPath(format!("cannot stream the copy: {e}")))?;
         let limit = self.inner.host.copy_limit();
         let unpacker = tokio::task::spawn_blocking(move || {
             hostfs::unpack(std::io::BufReader::with_capacity(64 << 10, std::fs::File::from(read)), sink, limit)
@@ -140,18 +156,16 @@ impl Moat {
         // The unpacker reads to the end of the archive; closing our end ends
         // it when the agent stopped early.
         drop(sender);
-        let unpacked = unpacker.await.map_err(|e| CoreError::HostPath(format!("unpacking failed: {e}")));
-        let result = match (unpacked, downloaded) {
-            (Ok(Ok(summary)), Ok(_)) => Ok(summary),
+        let unpacked = unpacker.await.map_err(|e| CoreError::HostPath(format!("unpacking failed: {e}")))?;
+        let summary = match (unpacked, downloaded) {
+            (Ok(summary), Ok(_)) => summary,
             // The unpacker stopped (limit, bad entry) and the agent's writes
             // then failed: the unpacker's reason is the one to give.
-            (Ok(Err(e)), Err(ProtoError::Io(_)) | Ok(_)) => Err(e),
-            (Ok(_), Err(source)) => Err(agent(source)),
-            (Err(e), _) => Err(e),
+            (Err(e), Err(ProtoError::Io(_)) | Ok(_)) => return Err(e),
+            (_, Err(source)) => return Err(agent(source)),
         };
-        if result.is_err() {
-            dest.remove();
-        }
-        result
+        // Everything is checked: the copy takes its name.
+        staged.commit()?;
+        Ok(summary)
     }
 }
