@@ -375,7 +375,7 @@ async fn sandbox_root_cannot_forge_frames_to_the_hosts_loopback() {
     listener.set_nonblocking(true).expect("non-blocking");
     let port = listener.local_addr().expect("addr").port();
     let attack = |user: Option<&str>| {
-        let mut req = moat_proto::ExecRequest::shell(&format!("PORT={port} python3 - <<'EOF'\n{FORGE_FRAMES}\nEOF"));
+        let mut req = moat_proto::ExecRequest::shell(format!("PORT={port} python3 - <<'EOF'\n{FORGE_FRAMES}\nEOF"));
         req.user = user.map(str::to_owned);
         req
     };
