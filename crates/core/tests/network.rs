@@ -313,9 +313,9 @@ for flags in (0, NB):
     attempts += [
         ("AF_PACKET/SOCK_RAW", socket.AF_PACKET, socket.SOCK_RAW | flags, ETH_P_ALL, "frame"),
         ("AF_PACKET/SOCK_DGRAM", socket.AF_PACKET, socket.SOCK_DGRAM | flags, ETH_P_IP, "ip"),
-        ("AF_INET/SOCK_PACKET", socket.AF_INET, 10 | flags, ETH_P_ALL, "frame"),
-        ("AF_INET6/SOCK_PACKET", socket.AF_INET6, 10 | flags, ETH_P_ALL, "frame"),
-        ("AF_PACKET/SOCK_PACKET", socket.AF_PACKET, 10 | flags, ETH_P_ALL, "frame"),
+        ("AF_INET/SOCK_PACKET", socket.AF_INET, 10 | flags, ETH_P_ALL, "spkt"),
+        ("AF_INET6/SOCK_PACKET", socket.AF_INET6, 10 | flags, ETH_P_ALL, "spkt"),
+        ("AF_PACKET/SOCK_PACKET", socket.AF_PACKET, 10 | flags, ETH_P_ALL, "spkt"),
         ("AF_INET/SOCK_RAW/IPPROTO_RAW", socket.AF_INET, socket.SOCK_RAW | flags, socket.IPPROTO_RAW, "hdrincl"),
         ("AF_INET/SOCK_RAW/IPPROTO_TCP", socket.AF_INET, socket.SOCK_RAW | flags, socket.IPPROTO_TCP, "tcp"),
         ("AF_INET6/SOCK_RAW", socket.AF_INET6, socket.SOCK_RAW | flags, socket.IPPROTO_RAW, "none"),
@@ -327,6 +327,13 @@ for name, family, kind, proto, payload in attempts:
         print(name, ctypes.get_errno())
         continue
     try:
+        if payload == "spkt":
+            # struct sockaddr_pkt: family, device name, protocol.
+            addr = struct.pack("H14sH", socket.AF_PACKET, ifname.encode(), ETH_P_ALL)
+            if libc.sendto(fd, frame, len(frame), 0, addr, len(addr)) < 0:
+                raise OSError(ctypes.get_errno(), "sendto")
+            print(name, "SENT")
+            continue
         s = socket.socket(fileno=fd)
         if payload == "frame":
             s.bind((ifname, 0)); s.send(frame)
@@ -388,6 +395,11 @@ async fn sandbox_root_cannot_forge_frames_to_the_hosts_loopback() {
             assert_eq!(said.trim(), "0", "user is now uid 0: {said}");
             continue;
         }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            matches!(listener.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "{who}: a connection reached the host's loopback listener: {said}"
+        );
         let lines: Vec<&str> = said.lines().collect();
         let sockets: Vec<&&str> = lines.iter().filter(|l| l.starts_with("AF_")).collect();
         assert_eq!(sockets.len(), 16, "{who}: every attempt reports: {said}");
@@ -400,11 +412,6 @@ async fn sandbox_root_cannot_forge_frames_to_the_hosts_loopback() {
         let tun: Vec<&&str> = lines.iter().filter(|l| l.starts_with("tun ")).collect();
         assert_eq!(tun.len(), 2, "{who}: {said}");
         assert!(tun.iter().all(|l| l.contains("failed")), "{who}: opened a tun device: {said}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        assert!(
-            matches!(listener.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
-            "{who}: a connection reached the host's loopback listener"
-        );
     }
     // The sandbox still works, and still reaches the outside.
     let (out, code) = sh(
