@@ -105,6 +105,15 @@ fn main() -> ExitCode {
         }
         init::setup(hostname.as_deref());
     }
+    // A jail's agent (handed its socket as a descriptor) is moat's side of
+    // the sandbox: sandbox processes of its uid may not ptrace it or read
+    // its memory. (What it runs is dumpable again once it execs.)
+    if matches!(listen, ListenAddr::Fd(_))
+        && let Err(e) = nix::sys::prctl::set_dumpable(false)
+    {
+        eprintln!("moat-agent: cannot make itself non-dumpable: {e}");
+        return ExitCode::FAILURE;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -387,6 +387,10 @@ fn doctor(image_name: &str) -> ExitCode {
         Some(pasta) => println!("network open (jail):     pasta at {}", pasta.display()),
         None => println!("network open (jail):     unavailable: no pasta (apt-get install passt)"),
     }
+    match moat_core::jail::tun_problem() {
+        None => println!("{:<25}usable by pasta", format!("{}:", moat_core::jail::TUN)),
+        Some(problem) => println!("{:<25}not usable: {problem}", format!("{}:", moat_core::jail::TUN)),
+    }
     match moat_core::passt::find_passt() {
         Some(passt) => println!("network open (vm):       passt at {}", passt.display()),
         None => println!("network open (vm):       unavailable: no passt (apt-get install passt)"),

@@ -11,7 +11,8 @@
 //!       └─ clone(NEWUSER|NEWNS|NEWPID|NEWNET|NEWIPC|NEWUTS|NEWCGROUP)
 //!            the monitor writes uid_map/gid_map: 0..N → BASE..BASE+N
 //!            PID 1: /proc, /sys, /dev/pts, /dev/shm, /tmp, /run, hostname,
-//!            loopback, pivot_root, no_new_privs, seccomp, exec the agent
+//!            loopback, pivot_root, capabilities limited, no_new_privs,
+//!            seccomp, exec the agent
 //! ```
 //!
 //! The monitor dies with its parent (`PR_SET_PDEATHSIG`), PID 1 dies with
@@ -212,7 +213,7 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     // pasta dies with this monitor (PR_SET_PDEATHSIG; the monitor is
     // single-threaded, so no thread's exit sets it off early).
     let _pasta = match &spec.pasta {
-        Some(pasta) => Some(start_pasta(pasta, pid, spec.id_base)?),
+        Some(pasta) => Some(start_pasta(pasta, pid, spec.id_base, &spec.state.join(PASTA_LOG))?),
         None => None,
     };
     let mut ready = File::from(ready_tx);
@@ -240,9 +241,16 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     }
 }
 
+/// Where pasta's stderr goes, relative to the state directory: read back
+/// into the error when pasta fails to start.
+const PASTA_LOG: &str = "pasta.log";
+
+/// How much of pasta's stderr an error quotes.
+const PASTA_LOG_QUOTED: u64 = 2048;
+
 /// Attaches pasta to the network namespace of `pid` and waits until the
-/// namespace has a default route.
-fn start_pasta(pasta: &Path, pid: Pid, owner: u32) -> Result<std::process::Child, JailError> {
+/// namespace has a default route. pasta's stderr goes to `log`.
+fn start_pasta(pasta: &Path, pid: Pid, owner: u32, log: &Path) -> Result<std::process::Child, JailError> {
     use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;
     // pasta runs as the namespaces' owner uid, which may not open the
@@ -258,7 +266,9 @@ fn start_pasta(pasta: &Path, pid: Pid, owner: u32) -> Result<std::process::Child
         .arg(format!("/proc/self/fd/{PASTA_USERNS_FD}"))
         .arg("--netns")
         .arg(format!("/proc/self/fd/{PASTA_NETNS_FD}"))
-        .stdin(std::process::Stdio::null());
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(step("creating pasta's log", File::create(log))?);
     // pasta starts as the owner uid rather than dropping to it itself
     // (`--runas`): a change of credentials would clear the parent-death
     // signal, which is set last, so pasta dies with this monitor.
@@ -291,16 +301,35 @@ fn start_pasta(pasta: &Path, pid: Pid, owner: u32) -> Result<std::process::Child
             return Ok(child);
         }
         if let Ok(Some(status)) = child.try_wait() {
-            let e = std::io::Error::other(format!("pasta exited ({status}) before configuring the network"));
-            return Err(JailError { step: "attaching pasta".into(), source: e });
+            let what = format!("pasta exited ({status}) before configuring the network");
+            return Err(pasta_failed(&what, log));
         }
         if started.elapsed() > PASTA_GUARD {
             let _ = child.kill();
-            let e = std::io::Error::other("pasta did not configure the network within 10 s");
-            return Err(JailError { step: "attaching pasta".into(), source: e });
+            let _ = child.wait();
+            return Err(pasta_failed("pasta did not configure the network within 10 s", log));
         }
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
+}
+
+/// The error for a pasta that failed to start: `what` happened, what pasta
+/// said (its stderr, on one line: the host quotes the log's last lines),
+/// and where to look next.
+fn pasta_failed(what: &str, log: &Path) -> JailError {
+    let said = File::open(log)
+        .and_then(|f| {
+            let mut text = String::new();
+            f.take(PASTA_LOG_QUOTED).read_to_string(&mut text).map(|_| text)
+        })
+        .unwrap_or_default();
+    let said: Vec<&str> = said.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    let said = if said.is_empty() { "nothing".to_owned() } else { said.join(" / ") };
+    let e = std::io::Error::other(format!(
+        "{what}; pasta said: {said}. `moat doctor` checks what pasta needs (/dev/net/tun mode 0666, \
+         user namespaces); or create the sandbox with network none or filtered"
+    ));
+    JailError { step: "attaching pasta".into(), source: e }
 }
 
 /// The sandbox's init, for the SIGTERM handler.
@@ -469,6 +498,14 @@ fn sandbox_init(
     step("detaching the host's root", umount2("/.moat/old", MntFlags::MNT_DETACH))?;
     let _ = std::fs::remove_dir("/.moat/old");
 
+    // ICMP echo sockets for every sandbox group (`ping` without raw
+    // sockets, which the filter refuses), as Docker sets; best effort.
+    let _ = std::fs::write("/proc/sys/net/ipv4/ping_group_range", format!("0 {}", spec.id_count.saturating_sub(1)));
+
+    // Setup is done: from here on, at most the capabilities sandbox root
+    // keeps (no CAP_NET_RAW, CAP_NET_ADMIN, CAP_SYS_ADMIN, …), for the
+    // agent and everything it runs.
+    step("dropping capabilities", crate::capabilities::limit_to_kept())?;
     step("PR_SET_NO_NEW_PRIVS", nix::sys::prctl::set_no_new_privs())?;
     crate::seccomp::install()
         .map_err(|e| JailError { step: "installing the seccomp filter".into(), source: std::io::Error::other(e) })?;
@@ -511,4 +548,46 @@ fn sandbox_init(
 fn c(s: &str) -> CString {
     // Inputs are our own constants, without NUL bytes.
     CString::new(s.replace('\0', "")).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pasta that fails to start (as Debian's does when `/dev/net/tun` is
+    /// mode 0600) is reported with its own words and where to look next,
+    /// not only with its exit status.
+    #[test]
+    fn a_failing_pasta_is_quoted_in_the_error() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipping: a network namespace needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let fake = dir.path().join("pasta");
+        let script = "#!/bin/sh\necho 'Failed to open tun socket in namespace: Permission denied' >&2\nexit 1\n";
+        std::fs::write(&fake, script).expect("the fake pasta");
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        // A network namespace without a default route, as a new jail's.
+        let mut holder = std::process::Command::new("unshare")
+            .args(["--net", "sleep", "30"])
+            .spawn()
+            .expect("unshare (util-linux) starts");
+        let pid = Pid::from_raw(i32::try_from(holder.id()).expect("a pid fits"));
+        let ours = std::fs::read_link("/proc/self/ns/net").expect("our network namespace");
+        let started = std::time::Instant::now();
+        while std::fs::read_link(format!("/proc/{pid}/ns/net")).is_ok_and(|ns| ns == ours)
+            && started.elapsed() < std::time::Duration::from_secs(5)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let result = start_pasta(&fake, pid, 0, &dir.path().join(PASTA_LOG));
+        let _ = holder.kill();
+        let _ = holder.wait();
+        let said = result.map(drop).expect_err("the fake pasta fails").source.to_string();
+        for words in ["pasta exited (exit status: 1)", "Failed to open tun socket in namespace", "moat doctor"] {
+            assert!(said.contains(words), "{words:?} missing from: {said}");
+        }
+    }
 }

@@ -14,6 +14,7 @@
 //! in any image, including a bare initramfs.
 
 pub mod boot;
+pub mod capabilities;
 pub mod egress;
 pub mod error;
 pub mod exec;

@@ -60,6 +60,47 @@ pub fn find_pasta() -> Option<PathBuf> {
     crate::machine::find_program("pasta")
 }
 
+/// The tun device pasta opens inside an `open` jail's network namespace.
+pub const TUN: &str = "/dev/net/tun";
+
+/// What keeps pasta (network `open` on jails) from opening [`TUN`], with
+/// the command that fixes it; `None` when nothing does. pasta runs as the
+/// uid of the sandbox's root ([`JAIL_ID_BASE`]), which owns nothing on the
+/// host: the device must be readable and writable by every user, as
+/// distributions create it (mode 0666).
+pub fn tun_problem() -> Option<String> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let found = std::fs::metadata(TUN).map(|m| (m.file_type().is_char_device(), m.permissions().mode()));
+    if let Some(problem) = describe_tun(found) {
+        return Some(problem);
+    }
+    match std::fs::OpenOptions::new().read(true).write(true).open(TUN) {
+        Ok(_) => None,
+        Err(e) => Some(format!(
+            "{TUN} cannot be opened by this user ({e}); as root, run `chmod 0666 {TUN}`, \
+             or check that the tun module is loaded (`modprobe tun`)"
+        )),
+    }
+}
+
+/// [`tun_problem`]'s verdict on what `stat` found: (character device?, mode).
+fn describe_tun(found: std::io::Result<(bool, u32)>) -> Option<String> {
+    let create = format!("`mkdir -p /dev/net && mknod -m 0666 {TUN} c 10 200`");
+    match found {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Some(format!("{TUN} does not exist: load the tun module (`modprobe tun`) or, as root, create it: {create}"))
+        }
+        Err(e) => Some(format!("{TUN} cannot be examined ({e}); as root, run `ls -l {TUN}` to see why")),
+        Ok((false, _)) => Some(format!("{TUN} is not a character device: as root, remove it and run {create}")),
+        Ok((true, mode)) if mode & 0o006 != 0o006 => Some(format!(
+            "{TUN} is mode {:04o}: pasta runs as the sandbox's uid {JAIL_ID_BASE} and cannot open it; \
+             as root, run `chmod 0666 {TUN}` (its usual mode)",
+            mode & 0o7777
+        )),
+        Ok(_) => None,
+    }
+}
+
 impl Backend for JailBackend {
     type Instance = Jail;
 
@@ -139,7 +180,13 @@ impl Backend for JailBackend {
         if let Err(e) = jail.wait_ready().await {
             // Stopping blocks (it waits for processes to die): not on an async thread.
             let _ = tokio::task::spawn_blocking(move || jail.stop()).await;
-            return Err(e);
+            // pasta's own words are in the log; say also what on the host stops it.
+            return Err(match (e, pasta.as_ref().and_then(|_| tun_problem())) {
+                (CoreError::StartFailed { id, reason }, Some(problem)) => {
+                    CoreError::StartFailed { id, reason: format!("{reason}\n{problem}") }
+                }
+                (e, _) => e,
+            });
         }
         Ok(jail)
     }
@@ -234,5 +281,20 @@ impl Jail {
 impl Drop for Jail {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tun_device_pasta_cannot_open_is_explained_with_its_fix() {
+        let private = describe_tun(Ok((true, 0o20600))).expect("mode 0600 is a problem");
+        assert!(private.contains("mode 0600") && private.contains("chmod 0666 /dev/net/tun"), "{private}");
+        let missing = describe_tun(Err(std::io::ErrorKind::NotFound.into())).expect("a missing device is a problem");
+        assert!(missing.contains("modprobe tun") && missing.contains("mknod"), "{missing}");
+        assert!(describe_tun(Ok((false, 0o100666))).is_some(), "a regular file is not the device");
+        assert_eq!(describe_tun(Ok((true, 0o20666))), None);
     }
 }

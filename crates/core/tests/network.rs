@@ -274,6 +274,158 @@ async fn open_network_reaches_a_server_through_pasta() {
     drop(netns);
 }
 
+/// What a sandbox's root tries, in Python, to get a TCP SYN for the host's
+/// 127.0.0.1:PORT onto pasta's tap (Debian bookworm's pasta connects such
+/// a frame to the host's loopback): every kind of socket that writes
+/// frames or IP headers, with and without `SOCK_NONBLOCK`/`SOCK_CLOEXEC`,
+/// sending the frame through any that opens; then plain TCP to 127.0.0.1
+/// and to the gateway, and a tun device of its own. Prints one line per
+/// attempt: `name errno` for a socket refused, `name SENT` for a frame
+/// that left.
+const FORGE_FRAMES: &str = r#"
+import ctypes, socket, struct, os
+libc = ctypes.CDLL(None, use_errno=True)
+PORT = int(os.environ["PORT"])
+route = [l.split() for l in open("/proc/net/route").read().splitlines()[1:]]
+ifname, gw = next((r[0], socket.inet_ntoa(struct.pack("<I", int(r[2], 16)))) for r in route if r[1] == "00000000")
+try:
+    mac = bytes.fromhex(open(f"/sys/class/net/{ifname}/address").read().strip().replace(":", ""))
+except OSError:
+    mac = bytes(6)
+probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+probe.connect((gw, 9))
+src = socket.inet_aton(probe.getsockname()[0])
+dst = socket.inet_aton("127.0.0.1")
+def csum(b):
+    b += b"\0" * (len(b) % 2)
+    s = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    s = (s >> 16) + (s & 0xffff)
+    return ~(s + (s >> 16)) & 0xffff
+tcp = struct.pack("!HHIIBBHHH", 40000, PORT, 1, 0, 5 << 4, 0x02, 64240, 0, 0)
+tcp = tcp[:16] + struct.pack("!H", csum(src + dst + struct.pack("!BBH", 0, 6, len(tcp)) + tcp)) + tcp[18:]
+ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp), 1, 0, 64, 6, 0, src, dst)
+ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:] + tcp
+frame = b"\xff" * 6 + mac + b"\x08\x00" + ip
+ETH_P_ALL, ETH_P_IP = socket.htons(3), socket.htons(0x0800)
+NB = socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+attempts = []
+for flags in (0, NB):
+    attempts += [
+        ("AF_PACKET/SOCK_RAW", socket.AF_PACKET, socket.SOCK_RAW | flags, ETH_P_ALL, "frame"),
+        ("AF_PACKET/SOCK_DGRAM", socket.AF_PACKET, socket.SOCK_DGRAM | flags, ETH_P_IP, "ip"),
+        ("AF_INET/SOCK_PACKET", socket.AF_INET, 10 | flags, ETH_P_ALL, "spkt"),
+        ("AF_INET6/SOCK_PACKET", socket.AF_INET6, 10 | flags, ETH_P_ALL, "spkt"),
+        ("AF_PACKET/SOCK_PACKET", socket.AF_PACKET, 10 | flags, ETH_P_ALL, "spkt"),
+        ("AF_INET/SOCK_RAW/IPPROTO_RAW", socket.AF_INET, socket.SOCK_RAW | flags, socket.IPPROTO_RAW, "hdrincl"),
+        ("AF_INET/SOCK_RAW/IPPROTO_TCP", socket.AF_INET, socket.SOCK_RAW | flags, socket.IPPROTO_TCP, "tcp"),
+        ("AF_INET6/SOCK_RAW", socket.AF_INET6, socket.SOCK_RAW | flags, socket.IPPROTO_RAW, "none"),
+    ]
+for name, family, kind, proto, payload in attempts:
+    name += "/flags" if kind & NB else ""
+    fd = libc.socket(family, kind, proto)
+    if fd < 0:
+        print(name, ctypes.get_errno())
+        continue
+    try:
+        if payload == "spkt":
+            # struct sockaddr_pkt: family, device name, protocol.
+            addr = struct.pack("H14sH", socket.AF_PACKET, ifname.encode(), ETH_P_ALL)
+            if libc.sendto(fd, frame, len(frame), 0, addr, len(addr)) < 0:
+                raise OSError(ctypes.get_errno(), "sendto")
+            print(name, "SENT")
+            continue
+        s = socket.socket(fileno=fd)
+        if payload == "frame":
+            s.bind((ifname, 0)); s.send(frame)
+        elif payload == "ip":
+            s.sendto(ip, (ifname, 0x0800, 0, 0, b"\xff" * 6))
+        elif payload == "hdrincl":
+            s.setsockopt(socket.SOL_SOCKET, 25, ifname.encode()); s.sendto(ip, ("127.0.0.1", 0))
+        elif payload == "tcp":
+            s.setsockopt(socket.SOL_SOCKET, 25, ifname.encode()); s.sendto(tcp, ("127.0.0.1", 0))
+        print(name, "SENT")
+    except OSError as e:
+        print(name, "OPENED", e)
+for path in ("/dev/net/tun", "/tmp/tun"):
+    try:
+        if path == "/tmp/tun":
+            os.mknod(path, 0o20666, os.makedev(10, 200))
+        os.close(os.open(path, os.O_RDWR))
+        print("tun", path, "OPENED")
+    except OSError as e:
+        print("tun", path, "failed", e.errno)
+for host in ("127.0.0.1", gw):
+    try:
+        socket.create_connection((host, PORT), 3).close()
+        print("tcp", host, "CONNECTED")
+    except OSError as e:
+        print("tcp", host, "failed", e.errno)
+"#;
+
+/// Sandbox root, and `user` made uid 0 through `/etc/passwd` (the
+/// sandbox's own root, which it may become), try to forge frames for the
+/// host's loopback onto pasta's tap and to connect to it: every socket
+/// that could write a frame or an IP header is refused, nothing reaches a
+/// listener on the host's 127.0.0.1, and the sandbox still runs commands
+/// and reaches the outside through pasta afterwards.
+#[tokio::test]
+#[ignore = "needs root, the default image, the static agent and pasta; run by `cargo xtask test`"]
+async fn sandbox_root_cannot_forge_frames_to_the_hosts_loopback() {
+    let netns = TestNetns::create("moatnet1", "10.213.8.1/30", "10.213.8.2/30");
+    let outside = HostServer::start("the outside", "10.213.8.2", Some(&netns.name));
+    let moat = moat(EgressConfig::default()).await;
+    let sandbox = moat.create(spec(NetworkPolicy::Open)).await.expect("created");
+    let id = sandbox.id.as_str();
+    // The target: a listener on the host's loopback that records any
+    // connection pasta would make for a forged SYN.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.set_nonblocking(true).expect("non-blocking");
+    let port = listener.local_addr().expect("addr").port();
+    let attack = |user: Option<&str>| {
+        let mut req = moat_proto::ExecRequest::shell(format!("PORT={port} python3 - <<'EOF'\n{FORGE_FRAMES}\nEOF"));
+        req.user = user.map(str::to_owned);
+        req
+    };
+    let mut root = moat_proto::ExecRequest::shell("sed -i 's/^user:x:1000:/user:x:0:/' /etc/passwd && id -u user");
+    root.user = Some("root".into());
+    for (who, request) in [("root", attack(Some("root"))), ("setup", root), ("user as uid 0", attack(None))] {
+        let out = moat.run(id, request).await.expect("runs");
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if who == "setup" {
+            assert_eq!(said.trim(), "0", "user is now uid 0: {said}");
+            continue;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            matches!(listener.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "{who}: a connection reached the host's loopback listener: {said}"
+        );
+        let lines: Vec<&str> = said.lines().collect();
+        let sockets: Vec<&&str> = lines.iter().filter(|l| l.starts_with("AF_")).collect();
+        assert_eq!(sockets.len(), 16, "{who}: every attempt reports: {said}");
+        for line in sockets {
+            assert!(line.ends_with(" 1"), "{who}: a frame-writing socket was not refused with EPERM: {line}\n{said}");
+        }
+        let tcp: Vec<&&str> = lines.iter().filter(|l| l.starts_with("tcp ")).collect();
+        assert_eq!(tcp.len(), 2, "{who}: {said}");
+        assert!(tcp.iter().all(|l| l.contains("failed")), "{who}: reached a host loopback service: {said}");
+        let tun: Vec<&&str> = lines.iter().filter(|l| l.starts_with("tun ")).collect();
+        assert_eq!(tun.len(), 2, "{who}: {said}");
+        assert!(tun.iter().all(|l| l.contains("failed")), "{who}: opened a tun device: {said}");
+    }
+    // The sandbox still works, and still reaches the outside.
+    let (out, code) = sh(
+        &moat,
+        id,
+        &format!("echo still-here; curl -sS --connect-timeout 10 http://10.213.8.2:{}/hello.txt", outside.port),
+    )
+    .await;
+    assert_eq!((out.as_str(), code), ("still-here\nhello from the outside\n", Some(0)));
+    moat.destroy_all().await;
+    drop(outside);
+    drop(netns);
+}
+
 /// Headless Chromium, as root, with a fresh profile; returns the DOM it
 /// rendered for `url`.
 fn chromium_dom(url: &str) -> String {

@@ -256,6 +256,162 @@ async fn sandboxes_never_outlive_a_killed_owner() {
     assert!(!state.exists(), "the next Moat must sweep the dead owner's state");
 }
 
+/// Sandbox root (jail only: a microVM's root acts on its own kernel) meets
+/// a closed kernel surface: every call below fails, no new user namespace
+/// hands capabilities back, the capability sets are Docker's default less
+/// `CAP_NET_RAW` and `CAP_MKNOD`, the agent cannot be traced, and ordinary
+/// tools (git, python, node, pip, npm) still work afterwards.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn the_kernel_surface_is_closed_to_sandbox_root() {
+    if backend() != moat_core::BackendKind::Jail {
+        return;
+    }
+    let moat = moat(16).await;
+    let sandbox = moat.create(small()).await.expect("created");
+    let id = sandbox.id.as_str();
+    let as_root = |script: &str| {
+        let mut req = ExecRequest::shell(script);
+        req.user = Some("root".into());
+        req
+    };
+    let stdout = |out: &moat_proto::Output| String::from_utf8_lossy(&out.stdout).into_owned();
+
+    // Threat: the kernel's attack surface from inside (namespaces, the
+    // mount API, bpf, io_uring, keyrings, modules, the clock). Each call
+    // prints "name result errno"; all must fail with EPERM, clone3 with
+    // ENOSYS (so that libc falls back to clone).
+    let calls = [
+        ("unshare(CLONE_NEWUSER)", 272, "0x10000000"),
+        ("unshare(CLONE_NEWNET)", 272, "0x40000000"),
+        ("unshare(CLONE_NEWNS)", 272, "0x20000"),
+        ("clone(CLONE_NEWUSER)", 56, "0x10000011"),
+        ("setns", 308, "0"),
+        ("keyctl", 250, "0"),
+        ("add_key", 248, "0"),
+        ("request_key", 249, "0"),
+        ("bpf", 321, "0"),
+        ("userfaultfd", 323, "0"),
+        ("perf_event_open", 298, "0"),
+        ("io_uring_setup", 425, "0"),
+        ("io_uring_enter", 426, "0"),
+        ("io_uring_register", 427, "0"),
+        ("mount", 165, "0"),
+        ("umount2", 166, "0"),
+        ("pivot_root", 155, "0"),
+        ("fsopen", 430, "0"),
+        ("fsconfig", 431, "0"),
+        ("fsmount", 432, "0"),
+        ("fspick", 433, "0"),
+        ("open_tree", 428, "0"),
+        ("move_mount", 429, "0"),
+        ("mount_setattr", 442, "0"),
+        ("kexec_load", 246, "0"),
+        ("kexec_file_load", 320, "0"),
+        ("init_module", 175, "0"),
+        ("finit_module", 313, "0"),
+        ("delete_module", 176, "0"),
+        ("swapon", 167, "0"),
+        ("swapoff", 168, "0"),
+        ("reboot", 169, "0"),
+        ("settimeofday", 164, "0"),
+        ("clock_settime", 227, "0"),
+        ("adjtimex", 159, "0"),
+        ("acct", 163, "0"),
+        ("quotactl", 179, "0"),
+        ("lookup_dcookie", 212, "0"),
+        ("name_to_handle_at", 303, "0"),
+        ("open_by_handle_at", 304, "0"),
+        ("modify_ldt", 154, "0"),
+        ("iopl", 172, "0"),
+        ("ioperm", 173, "0"),
+        ("personality(ADDR_NO_RANDOMIZE)", 135, "0x0040000"),
+        ("clone3", 435, "0"),
+    ];
+    let mut script = String::from("import ctypes, os\nl = ctypes.CDLL(None, use_errno=True)\nparent = os.getpid()\n");
+    for (name, nr, arg) in calls {
+        script.push_str(&format!(
+            "ctypes.set_errno(0); r = l.syscall({nr}, ctypes.c_long({arg}), 0, 0, 0, 0, 0)\n\
+             print({name:?}, r, ctypes.get_errno() if r < 0 else 0)\n\
+             os.getpid() != parent and os._exit(0)\n"
+        ));
+    }
+    let out = moat.run(id, as_root(&format!("python3 - <<'EOF'\n{script}EOF"))).await.expect("runs");
+    let said = stdout(&out);
+    for (name, _, _) in calls {
+        let expected = if name == "clone3" { "-1 38" } else { "-1 1" };
+        let line = said.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_default();
+        assert_eq!(line.strip_prefix(name).map(str::trim), Some(expected), "{name} must fail: {said}");
+    }
+
+    // Threat: a new user namespace through the ordinary tools.
+    let out = moat
+        .run(id, as_root("unshare --user --map-root-user true 2>&1; echo $?; unshare --net true 2>&1; echo $?"))
+        .await;
+    let said = stdout(&out.expect("runs"));
+    let codes: Vec<&str> = said.lines().filter(|l| l.parse::<i32>().is_ok()).collect();
+    assert_eq!(codes.len(), 2, "{said}");
+    assert!(codes.iter().all(|c| *c != "0"), "unshare made a namespace: {said}");
+
+    // Threat: nf_tables and friends (root tooling over netlink).
+    let out = moat
+        .run(id, as_root("python3 -c 'import socket; socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 12)' 2>&1"))
+        .await
+        .expect("runs");
+    assert!(stdout(&out).contains("Operation not permitted"), "NETLINK_NETFILTER opened: {}", stdout(&out));
+
+    // Threat: capabilities sandbox root does not need. Root's sets are
+    // Docker's default less CAP_NET_RAW and CAP_MKNOD; user's are empty.
+    let out = moat.run(id, as_root("grep ^Cap /proc/self/status")).await.expect("runs");
+    let caps = stdout(&out);
+    for (set, mask) in [
+        ("CapBnd", "00000000a00405fb"),
+        ("CapEff", "00000000a00405fb"),
+        ("CapPrm", "00000000a00405fb"),
+        ("CapInh", "0000000000000000"),
+        ("CapAmb", "0000000000000000"),
+    ] {
+        assert!(caps.contains(&format!("{set}:\t{mask}")), "{set} must be {mask}: {caps}");
+    }
+    let (caps, _) = sh(&moat, id, "grep ^CapEff /proc/self/status").await;
+    assert_eq!(caps.trim(), "CapEff:\t0000000000000000");
+
+    // Threat: tracing or reading the agent (moat's side of the sandbox).
+    let out = moat
+        .run(
+            id,
+            as_root(
+                "python3 -c 'import ctypes; l=ctypes.CDLL(None,use_errno=True); print(l.ptrace(16, 1, 0, 0), ctypes.get_errno())'; \
+                 cat /proc/1/environ >/dev/null 2>&1; echo $?; cat /proc/1/maps >/dev/null 2>&1; echo $?",
+            ),
+        )
+        .await
+        .expect("runs");
+    let said = stdout(&out);
+    let lines: Vec<&str> = said.lines().collect();
+    assert_eq!(lines.first().copied(), Some("-1 1"), "PTRACE_ATTACH to the agent: {said}");
+    assert!(lines.iter().skip(1).all(|l| *l != "0"), "the agent's environment or memory map was read: {said}");
+
+    // And the sandbox still works: the agent, and what people run in it.
+    let script = "cd /tmp && git init -q r && cd r && git -c user.email=a@b.c -c user.name=n commit -q --allow-empty -m x \
+         && git log --oneline | wc -l; \
+         python3 -c 'import threading, multiprocessing, subprocess, socket; \
+         t = threading.Thread(target=print, args=(\"thread\",)); t.start(); t.join(); \
+         print(multiprocessing.Pool(2).map(abs, [-1, -2])); subprocess.run([\"true\"], check=True); \
+         socket.getaddrinfo(\"localhost\", 80); print(\"python\")'; \
+         node -e 'console.log(require(\"child_process\").execSync(\"echo node\").toString().trim()); require(\"os\").networkInterfaces()'; \
+         pip --version >/dev/null && echo pip; npm --version >/dev/null && echo npm";
+    let (out, code) = sh(&moat, id, script).await;
+    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(out.lines().collect::<Vec<_>>(), ["1", "thread", "[1, 2]", "python", "node", "pip", "npm"], "{out}");
+    let out = moat
+        .run(id, as_root("touch /tmp/owned && chown user:user /tmp/owned && stat -c %U /tmp/owned"))
+        .await
+        .expect("runs");
+    assert_eq!(stdout(&out).trim(), "user");
+    moat.destroy_all().await;
+}
+
 /// Each check names the threat it guards against.
 #[tokio::test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
