@@ -10,6 +10,7 @@ use moat_proto::{AgentClient, ExecHandle, ExecRequest, Output, UnixConnector};
 use crate::backend::BackendKind;
 use crate::egress::{EgressConfig, EgressDecision, EgressProxy, SandboxEgress};
 use crate::error::CoreError;
+use crate::grants::Grants;
 use crate::image::{self, Image};
 use crate::interpreter::{CodeOutput, Language, PythonSession, StreamName, snippet_request};
 use crate::jail::JailBackend;
@@ -61,11 +62,15 @@ pub struct MoatConfig {
     /// What `filtered` sandboxes may reach beyond their runtime's registries
     /// (and a task's repository host).
     pub egress: EgressConfig,
+    /// The most a spec may ask for ([`Grants::check`]): `MOAT_ALLOW_NETWORK`,
+    /// and for `allow_hosts`, the hosts of `egress` and the registries.
+    pub grants: Grants,
 }
 
 impl MoatConfig {
     /// The data directory from the environment, backend `auto`, the agent
-    /// from `$MOAT_AGENT` or beside the running executable, 16 sandboxes.
+    /// from `$MOAT_AGENT` or beside the running executable, 16 sandboxes,
+    /// and the grants of `MOAT_ALLOW_NETWORK` (none unless set).
     pub fn from_env() -> Result<Self, CoreError> {
         Ok(Self {
             data_dir: image::data_dir(),
@@ -76,6 +81,7 @@ impl MoatConfig {
             pool_size: 0,
             pool_spec: SandboxSpec::default(),
             egress: EgressConfig::from_env(),
+            grants: Grants::from_env()?,
         })
     }
 }
@@ -175,6 +181,9 @@ impl Moat {
     /// Sweeps what dead owners left, picks the backend, and starts the
     /// lifecycle task (idle suspend, expiry).
     pub async fn new(config: MoatConfig) -> Result<Self, CoreError> {
+        if config.pool_size > 0 {
+            config.grants.check(&config.pool_spec, &config.egress)?;
+        }
         let backend = choose_backend(&config)?;
         tracing::info!(backend = %backend.kind(), "sandboxes run in this backend");
         if backend.kind() == BackendKind::Jail && !config.agent.is_file() {
@@ -213,14 +222,53 @@ impl Moat {
         &self.inner.config.data_dir
     }
 
+    /// Host paths of moat's own that a model is never shown, each with the
+    /// words that stand for it: the data directory (images, sandbox state,
+    /// task records), the agent and moat-vmm binaries and their
+    /// directories, and the cgroup tree. Longest first, so that a caller
+    /// replacing them in a message replaces the most specific one.
+    pub fn private_paths(&self) -> Vec<(String, &'static str)> {
+        let data = &self.inner.config.data_dir;
+        let mut paths: Vec<(PathBuf, &'static str)> = vec![
+            (data.clone(), "<moat data directory>"),
+            (self.inner.config.agent.clone(), "moat-agent"),
+            (PathBuf::from("/sys/fs/cgroup"), "<cgroup>"),
+        ];
+        if let Ok(real) = data.canonicalize() {
+            paths.push((real, "<moat data directory>"));
+        }
+        if let Some(dir) = self.inner.config.agent.parent() {
+            paths.push((dir.to_path_buf(), "<moat's directory>"));
+        }
+        if let Some(vmm) = find_vmm() {
+            paths.extend(vmm.parent().map(|d| (d.to_path_buf(), "<moat's directory>")));
+            paths.push((vmm, "moat-vmm"));
+        }
+        if let Some(dir) = std::env::current_exe().ok().and_then(|exe| exe.parent().map(Path::to_path_buf)) {
+            paths.push((dir, "<moat's directory>"));
+        }
+        let mut paths: Vec<(String, &'static str)> =
+            paths.into_iter().map(|(p, label)| (p.display().to_string(), label)).filter(|(p, _)| p.len() > 1).collect();
+        paths.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
+        paths.dedup_by(|a, b| a.0 == b.0);
+        paths
+    }
+
     /// What `filtered` sandboxes may reach beyond their runtime's registries.
     pub fn egress_config(&self) -> &EgressConfig {
         &self.inner.egress
     }
 
-    /// Creates a sandbox and waits until its agent answers.
+    /// What the operator grants the specs of [`Moat::create`].
+    pub fn grants(&self) -> &Grants {
+        &self.inner.config.grants
+    }
+
+    /// Creates a sandbox and waits until its agent answers. A spec that
+    /// asks for more than [`Moat::grants`] is refused.
     pub async fn create(&self, spec: SandboxSpec) -> Result<Sandbox, CoreError> {
         spec.validate()?;
+        self.inner.config.grants.check(&spec, &self.inner.egress)?;
         let max = self.inner.config.max_sandboxes;
         if self.inner.lock().len() >= max {
             return Err(CoreError::LimitReached { max });
