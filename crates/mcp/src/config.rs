@@ -219,6 +219,8 @@ mod tests {
             (("MOAT_IDLE_SECONDS", "30"), "0 (never suspend)"),
             (("MOAT_IDLE_SECONDS", "4000"), "less than MOAT_TIMEOUT_SECONDS (3600)"),
             (("MOAT_NETWORK", "wifi"), "none, filtered or open"),
+            (("MOAT_ALLOW_NETWORK", "all"), "none, filtered or open"),
+            (("MOAT_NETWORK", "filtered"), "set MOAT_ALLOW_NETWORK=filtered"),
             (("MOAT_MAX_SANDBOXES", "-1"), "from 1 to 1024"),
             (("MOAT_LOG_LEVEL", "loud"), "error, warn"),
             (("MOAT_IMAGE", "../x"), "image name"),
@@ -236,6 +238,16 @@ mod tests {
     }
 
     #[test]
+    fn the_operator_grants_no_network_unless_it_says_so() {
+        assert_eq!(with(&[]).expect("valid").grants, Grants::default());
+        assert_eq!(with(&[]).expect("valid").grants.network, NetworkPolicy::None);
+        let open = with(&[("MOAT_ALLOW_NETWORK", "open"), ("MOAT_NETWORK", "filtered")]).expect("within");
+        assert_eq!((open.grants.network, open.defaults.network), (NetworkPolicy::Open, NetworkPolicy::Filtered));
+        let err = with(&[("MOAT_ALLOW_NETWORK", "filtered"), ("MOAT_NETWORK", "open")]).expect_err("above").to_string();
+        assert!(err.starts_with("MOAT_NETWORK=\"open\"") && err.contains("MOAT_ALLOW_NETWORK"), "{err}");
+    }
+
+    #[test]
     fn host_lists_are_read_and_defaulted() {
         let config = with(&[("MOAT_ALLOW_HOSTS", " Example.com, files.pythonhosted.org ,")]).expect("valid");
         assert_eq!(config.allow_hosts, ["example.com", "files.pythonhosted.org"]);
@@ -248,7 +260,8 @@ mod tests {
         for (value, policy) in
             [("none", NetworkPolicy::None), ("filtered", NetworkPolicy::Filtered), ("open", NetworkPolicy::Open)]
         {
-            assert_eq!(with(&[("MOAT_NETWORK", value)]).expect(value).defaults.network, policy);
+            let config = with(&[("MOAT_NETWORK", value), ("MOAT_ALLOW_NETWORK", value)]).expect(value);
+            assert_eq!((config.defaults.network, config.grants.network), (policy, policy));
         }
         let config = with(&[("MOAT_TEST_EGRESS_NETS", "127.0.0.1/32"), ("MOAT_TEST_RESOLVE", "Reg.test=127.0.0.1")])
             .expect("test knobs");
