@@ -276,5 +276,7 @@ fn init(client: Host, scope: Scope, print: bool) -> ExitCode {
     }
     let verb = if replaced { "updated the moat entry in" } else { "added moat to" };
     println!("{verb} {} (command: {})", path.display(), command.display());
+    let token_dir = moat_mcp::http::token_dir(&moat_core::image::data_dir());
+    println!("{}", moat_mcp::hosts::http_token_help(&token_dir));
     ExitCode::SUCCESS
 }

@@ -72,6 +72,12 @@ impl MoatConfig {
     /// from `$MOAT_AGENT` or beside the running executable, 16 sandboxes,
     /// and the grants of `MOAT_ALLOW_NETWORK` (none unless set).
     pub fn from_env() -> Result<Self, CoreError> {
+        Ok(Self { grants: Grants::from_env()?, ..Self::operator_from_env()? })
+    }
+
+    /// [`MoatConfig::from_env`] for the operator's own tools (the `moat`
+    /// CLI): everything is granted, and `MOAT_ALLOW_NETWORK` is not read.
+    pub fn operator_from_env() -> Result<Self, CoreError> {
         Ok(Self {
             data_dir: image::data_dir(),
             backend: BackendKind::Auto,
@@ -81,7 +87,7 @@ impl MoatConfig {
             pool_size: 0,
             pool_spec: SandboxSpec::default(),
             egress: EgressConfig::from_env(),
-            grants: Grants::from_env()?,
+            grants: Grants::everything(),
         })
     }
 }
