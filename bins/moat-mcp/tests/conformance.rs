@@ -62,8 +62,10 @@ impl Drop for Server {
 }
 
 /// A relay on loopback that forwards each request to `upstream` with
-/// `Authorization: Bearer TOKEN` and `upstream`'s Host; responses pass
-/// unchanged. Bodies are framed by Content-Length (what the suite sends).
+/// `Authorization: Bearer TOKEN`, and a Host or Origin naming the relay
+/// replaced by upstream's (others, such as a scenario's forged Host, pass
+/// as they are); responses pass unchanged. Bodies are framed by
+/// Content-Length (what the suite sends).
 struct Authorizing {
     url: String,
 }
@@ -76,14 +78,14 @@ impl Authorizing {
         std::thread::spawn(move || {
             for client in listener.incoming().map_while(Result::ok) {
                 let authority = authority.clone();
-                std::thread::spawn(move || relay(client, &authority));
+                std::thread::spawn(move || relay(client, &format!("127.0.0.1:{port}"), &authority));
             }
         });
         Self { url: format!("http://127.0.0.1:{port}/mcp") }
     }
 }
 
-fn relay(mut client: TcpStream, authority: &str) {
+fn relay(mut client: TcpStream, own: &str, authority: &str) {
     let Ok(mut upstream) = TcpStream::connect(authority) else { return };
     let (Ok(mut from_upstream), Ok(mut to_client)) = (upstream.try_clone(), client.try_clone()) else { return };
     std::thread::spawn(move || {
@@ -105,17 +107,19 @@ fn relay(mut client: TcpStream, authority: &str) {
         let head = String::from_utf8_lossy(&buffered[..end]).into_owned();
         buffered.drain(..end);
         let mut lines = head.split("\r\n").filter(|l| !l.is_empty());
-        let mut out =
-            format!("{}\r\nAuthorization: Bearer {TOKEN}\r\nHost: {authority}\r\n", lines.next().unwrap_or(""));
+        let mut out = format!("{}\r\nAuthorization: Bearer {TOKEN}\r\n", lines.next().unwrap_or(""));
         let mut length = 0usize;
         for line in lines {
-            let name = line.split(':').next().unwrap_or("").trim().to_ascii_lowercase();
+            let (name, value) = line.split_once(':').unwrap_or((line, ""));
+            let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
             if name == "content-length" {
-                length = line.split(':').nth(1).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+                length = value.parse().unwrap_or(0);
             }
-            if name == "origin" {
+            if name == "host" && value == own {
+                out.push_str(&format!("Host: {authority}\r\n"));
+            } else if name == "origin" && value == format!("http://{own}") {
                 out.push_str(&format!("Origin: http://{authority}\r\n"));
-            } else if name != "host" && name != "authorization" {
+            } else if name != "authorization" {
                 out.push_str(line);
                 out.push_str("\r\n");
             }
