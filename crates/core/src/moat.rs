@@ -611,8 +611,19 @@ impl Moat {
         let runtime = task::Runtime::detect(&top);
         if let Some((policy, _)) = self.inner.lock().get(&id).and_then(|e| e.egress.as_ref()) {
             policy.set_runtime(runtime);
+            // The checkout's remote is a file the model may have written
+            // (copy_from_sandbox into a root): its host is allowed only
+            // when the operator allows it anyway.
             if let Some(host) = crate::egress::repository_host(&root) {
-                policy.set_repository_host(host);
+                if Grants::hosts(&self.inner.egress).contains(&host) {
+                    policy.set_repository_host(host);
+                } else {
+                    tracing::info!(
+                        %host,
+                        "the task's repository host is not among the operator's hosts (MOAT_ALLOW_HOSTS, \
+                         MOAT_GIT_HOSTS); it stays unreachable"
+                    );
+                }
             }
         }
         let task = Task {
