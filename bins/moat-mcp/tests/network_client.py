@@ -182,9 +182,11 @@ async def git_token_attacks(session, url, port, main):
         "[core]", "\tsshCommand = touch /tmp/ran", ""])
     await call(session, "write_file", {"path": ".gitconfig", "content": hostile})
     await call(session, "run_command", {"cmd": "mkdir -p ~/.config/git && cp ~/.gitconfig ~/.config/git/config"})
+    # The pattern is in a file, so that no watcher's command line holds it.
+    await call(session, "write_file", {"path": "/tmp/pattern", "content": TOKEN[:12] + "\n"})
     await call(session, "run_command", {
         "cmd": "for i in $(seq 3000); do cat /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null "
-               f"| tr '\\0' '\\n' | grep -a '{TOKEN[:12]}' >> /tmp/seen; sleep 0.01; done",
+               "| tr '\\0' '\\n' | grep -a -F -f /tmp/pattern >> /tmp/seen; sleep 0.01; done",
         "background": True})
     cloned = await call(session, "git_clone", {"url": url, "path": "/workspace/guarded", "username": USER,
                                                "token": TOKEN})
