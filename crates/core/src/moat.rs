@@ -230,29 +230,18 @@ impl Moat {
 
     /// Host paths of moat's own that a model is never shown, each with the
     /// words that stand for it: the data directory (images, sandbox state,
-    /// task records), the agent and moat-vmm binaries and their
-    /// directories, and the cgroup tree. Longest first, so that a caller
-    /// replacing them in a message replaces the most specific one.
+    /// task records) and the binaries moat runs (this program, the agent,
+    /// moat-vmm). Longest first, so that a caller replacing them in a
+    /// message replaces the most specific one. (Directories such as
+    /// `/usr/bin` that hold the binaries are not listed: sandbox paths
+    /// would be mangled.)
     pub fn private_paths(&self) -> Vec<(String, &'static str)> {
         let data = &self.inner.config.data_dir;
-        let mut paths: Vec<(PathBuf, &'static str)> = vec![
-            (data.clone(), "<moat data directory>"),
-            (self.inner.config.agent.clone(), "moat-agent"),
-            (PathBuf::from("/sys/fs/cgroup"), "<cgroup>"),
-        ];
-        if let Ok(real) = data.canonicalize() {
-            paths.push((real, "<moat data directory>"));
-        }
-        if let Some(dir) = self.inner.config.agent.parent() {
-            paths.push((dir.to_path_buf(), "<moat's directory>"));
-        }
-        if let Some(vmm) = find_vmm() {
-            paths.extend(vmm.parent().map(|d| (d.to_path_buf(), "<moat's directory>")));
-            paths.push((vmm, "moat-vmm"));
-        }
-        if let Some(dir) = std::env::current_exe().ok().and_then(|exe| exe.parent().map(Path::to_path_buf)) {
-            paths.push((dir, "<moat's directory>"));
-        }
+        let mut paths: Vec<(PathBuf, &'static str)> =
+            vec![(data.clone(), "<moat data directory>"), (self.inner.config.agent.clone(), "moat-agent")];
+        paths.extend(data.canonicalize().ok().map(|real| (real, "<moat data directory>")));
+        paths.extend(find_vmm().map(|vmm| (vmm, "moat-vmm")));
+        paths.extend(std::env::current_exe().ok().map(|exe| (exe, "<moat's program>")));
         let mut paths: Vec<(String, &'static str)> =
             paths.into_iter().map(|(p, label)| (p.display().to_string(), label)).filter(|(p, _)| p.len() > 1).collect();
         paths.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
