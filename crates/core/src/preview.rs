@@ -223,7 +223,9 @@ fn clean_head(head: &str) -> String {
     let mut out = String::with_capacity(head.len());
     out.push_str(lines.next().unwrap_or_default());
     out.push_str("\r\n");
-    for line in lines.filter(|l| !l.is_empty()) {
+    // Folded continuation lines (obsolete; no browser sends them) are
+    // dropped: a header's value is judged whole or not forwarded.
+    for line in lines.filter(|l| !l.is_empty() && !l.starts_with([' ', '\t'])) {
         let Some((name, value)) = line.split_once(':') else { continue };
         let lower = name.trim().to_ascii_lowercase();
         if lower.starts_with("x-moat") || lower.starts_with("moat") {
@@ -479,6 +481,8 @@ mod tests {
             assert!(!clean.contains(gone), "{gone} was forwarded: {clean}");
         }
         assert!(clean.ends_with("\r\n\r\n"));
+        let folded = clean_head("GET / HTTP/1.1\r\nCookie: a=1\r\n b=2; moat_preview_1=t; c:d\r\n\r\n");
+        assert!(!folded.contains("moat_preview") && folded.contains("Cookie: a=1\r\n"), "{folded}");
         let basic = clean_head("GET / HTTP/1.1\r\nAuthorization: Basic dXNlcjpwYXNz\r\n\r\n");
         assert!(basic.contains("Authorization: Basic"), "the app's own credentials pass: {basic}");
     }

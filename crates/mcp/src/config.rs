@@ -23,7 +23,8 @@ pub struct ServerConfig {
     pub defaults: SandboxSpec,
     /// `MOAT_ALLOW_NETWORK`: the most a tool call may ask for.
     pub grants: Grants,
-    /// `MOAT_HTTP_TOKEN`: the bearer token `--http` requires, when set.
+    /// `MOAT_HTTP_TOKEN`: the bearer token `--http` requires; when unset,
+    /// the server generates one into an owner-only file (`http::TokenFile`).
     pub http_token: Option<String>,
     /// `MOAT_ALLOW_HOSTS`: hosts filtered sandboxes may reach beyond the defaults.
     pub allow_hosts: Vec<String>,
