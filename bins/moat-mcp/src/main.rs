@@ -2,10 +2,10 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use moat_core::{Moat, MoatConfig};
 use moat_mcp::hosts::{Host, Scope};
-use moat_mcp::http::{HttpConfig, HttpServer, parse_host};
+use moat_mcp::http::{HttpConfig, HttpServer, TokenFile, parse_host};
 use moat_mcp::{MoatServer, ServerConfig};
 use rmcp::ServiceExt;
 
@@ -16,7 +16,9 @@ use rmcp::ServiceExt;
 #[command(version)]
 struct Cli {
     /// Serve streamable HTTP at http://HOST:PORT/mcp instead of stdio.
-    /// Set MOAT_HTTP_TOKEN to require a bearer token.
+    /// Every request needs `Authorization: Bearer <token>`: MOAT_HTTP_TOKEN,
+    /// or else a token generated at start into a file only you can read
+    /// (its path is printed on stderr).
     #[arg(long)]
     http: bool,
     /// The address to listen on with --http: one address, not a wildcard.
@@ -48,8 +50,24 @@ enum Command {
     },
 }
 
+/// What the operator grants models, as `--help` shows it.
+fn grants_help() -> String {
+    match ServerConfig::from_env() {
+        Ok(config) => format!(
+            "Grants in force (what a model may ask for; set by the operator):\n  {}\n  \
+             Raise with MOAT_ALLOW_NETWORK=none|filtered|open and MOAT_ALLOW_HOSTS=host,host.",
+            config.grants.describe(&config.egress())
+        ),
+        Err(e) => format!("Grants: the environment is not valid, so the server would not start: {e}"),
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().after_help(grants_help()).get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     if let Some(Command::Init { client, user, print, .. }) = cli.command {
         return init(client, if user { Scope::User } else { Scope::Project }, print);
     }
@@ -76,13 +94,7 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
         };
-        if !host.is_loopback() && config.http_token.is_none() {
-            eprintln!(
-                "moat-mcp: warning: serving on {host}, which is not a loopback address, without MOAT_HTTP_TOKEN: \
-                 anyone who can reach it can run code in sandboxes; set MOAT_HTTP_TOKEN"
-            );
-        }
-        Some(HttpConfig { host, port: cli.port, token: config.http_token.clone() })
+        Some((host, cli.port))
     } else {
         None
     };
@@ -108,7 +120,7 @@ fn log_filter() -> tracing_subscriber::EnvFilter {
     }
 }
 
-async fn serve(config: ServerConfig, http: Option<HttpConfig>) -> ExitCode {
+async fn serve(config: ServerConfig, http: Option<(std::net::IpAddr, u16)>) -> ExitCode {
     let moat = match MoatConfig::from_env() {
         Ok(moat_config) => {
             let moat_config = MoatConfig {
@@ -117,6 +129,7 @@ async fn serve(config: ServerConfig, http: Option<HttpConfig>) -> ExitCode {
                 pool_size: config.pool_size,
                 pool_spec: config.defaults.clone(),
                 egress: config.egress(),
+                grants: config.grants,
                 ..moat_config
             };
             Moat::new(moat_config).await
@@ -135,8 +148,8 @@ async fn serve(config: ServerConfig, http: Option<HttpConfig>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    if let Some(http) = http {
-        let code = serve_http(&moat, config.defaults.clone(), http).await;
+    if let Some((host, port)) = http {
+        let code = serve_http(&moat, &config, host, port).await;
         moat.destroy_all().await;
         return code;
     }
@@ -165,15 +178,38 @@ async fn serve(config: ServerConfig, http: Option<HttpConfig>) -> ExitCode {
     code
 }
 
-/// Serves streamable HTTP until SIGTERM or SIGINT.
-async fn serve_http(moat: &Moat, defaults: moat_core::SandboxSpec, http: HttpConfig) -> ExitCode {
-    let server = match HttpServer::bind(http).await {
+/// Serves streamable HTTP until SIGTERM or SIGINT, with `MOAT_HTTP_TOKEN`
+/// or a token generated now into a file only this user can read.
+async fn serve_http(moat: &Moat, config: &ServerConfig, host: std::net::IpAddr, port: u16) -> ExitCode {
+    let server = match HttpServer::bind(HttpConfig { host, port, token: String::new() }).await {
         Ok(server) => server,
         Err(e) => {
             eprintln!("moat-mcp: {e}");
             return ExitCode::FAILURE;
         }
     };
+    let (token, _file) = match &config.http_token {
+        Some(token) => (token.clone(), None),
+        None => {
+            let path = moat_mcp::http::token_path(moat.data_dir(), server.addr().port());
+            match TokenFile::create(&path) {
+                Ok(file) => {
+                    eprintln!(
+                        "moat-mcp: MOAT_HTTP_TOKEN is not set: clients must send `Authorization: Bearer <token>` \
+                         with the token in {} (readable by this user only; removed when the server stops)",
+                        file.path.display()
+                    );
+                    (file.token.clone(), Some(file))
+                }
+                Err(e) => {
+                    eprintln!("moat-mcp: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+    };
+    moat_core::preview::never_forward(&token);
+    let server = server.with_token(token);
     // The URL on stderr, for people and for scripts that asked for port 0.
     eprintln!("moat-mcp: serving MCP over streamable HTTP at {}", server.url());
     let shutdown = tokio_util::sync::CancellationToken::new();
@@ -182,7 +218,7 @@ async fn serve_http(moat: &Moat, defaults: moat_core::SandboxSpec, http: HttpCon
         terminated().await;
         stop.cancel();
     });
-    match server.serve(moat.clone(), defaults, shutdown).await {
+    match server.serve(moat.clone(), config.defaults.clone(), shutdown).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("moat-mcp: {e}");
@@ -245,5 +281,7 @@ fn init(client: Host, scope: Scope, print: bool) -> ExitCode {
     }
     let verb = if replaced { "updated the moat entry in" } else { "added moat to" };
     println!("{verb} {} (command: {})", path.display(), command.display());
+    let token_dir = moat_mcp::http::token_dir(&moat_core::image::data_dir());
+    println!("{}", moat_mcp::hosts::http_token_help(&token_dir));
     ExitCode::SUCCESS
 }

@@ -7,10 +7,19 @@
 //! `cargo xtask test` installs the suite and the Node.js it needs (22; the
 //! suite does not run on older ones) under `target/conformance` and names
 //! that folder in `MOAT_CONFORMANCE_DIR`.
+//!
+//! moat-mcp requires a bearer token on every request and the suite has no
+//! option to send one, so it talks to moat-mcp through [`Authorizing`], a
+//! loopback relay that adds the token (and the Host moat-mcp expects) to
+//! each request head.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+
+/// The token the test's server requires.
+const TOKEN: &str = "moat-conformance-token-0123456789";
 
 /// `moat-mcp --http` on a free port; killed (SIGTERM) when dropped.
 struct Server {
@@ -22,7 +31,7 @@ impl Server {
     fn start() -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_moat-mcp"))
             .args(["--http", "--port", "0"])
-            .env_remove("MOAT_HTTP_TOKEN")
+            .env("MOAT_HTTP_TOKEN", TOKEN)
             .stdin(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -52,6 +61,86 @@ impl Drop for Server {
     }
 }
 
+/// A relay on loopback that forwards each request to `upstream` with
+/// `Authorization: Bearer TOKEN`, and a Host or Origin naming the relay
+/// replaced by upstream's (others, such as a scenario's forged Host, pass
+/// as they are); responses pass unchanged. Bodies are framed by
+/// Content-Length (what the suite sends).
+struct Authorizing {
+    url: String,
+}
+
+impl Authorizing {
+    fn start(upstream_url: &str) -> Self {
+        let authority = upstream_url.split('/').nth(2).expect("an http:// URL").to_owned();
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the relay");
+        let port = listener.local_addr().expect("relay address").port();
+        std::thread::spawn(move || {
+            for client in listener.incoming().map_while(Result::ok) {
+                let authority = authority.clone();
+                std::thread::spawn(move || relay(client, &format!("127.0.0.1:{port}"), &authority));
+            }
+        });
+        Self { url: format!("http://127.0.0.1:{port}/mcp") }
+    }
+}
+
+fn relay(mut client: TcpStream, own: &str, authority: &str) {
+    let Ok(mut upstream) = TcpStream::connect(authority) else { return };
+    let (Ok(mut from_upstream), Ok(mut to_client)) = (upstream.try_clone(), client.try_clone()) else { return };
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut from_upstream, &mut to_client);
+        let _ = to_client.shutdown(std::net::Shutdown::Both);
+    });
+    let mut buffered = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        let end = loop {
+            if let Some(end) = buffered.windows(4).position(|w| w == b"\r\n\r\n") {
+                break end + 4;
+            }
+            match client.read(&mut chunk) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buffered.extend_from_slice(&chunk[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&buffered[..end]).into_owned();
+        buffered.drain(..end);
+        let mut lines = head.split("\r\n").filter(|l| !l.is_empty());
+        let mut out = format!("{}\r\nAuthorization: Bearer {TOKEN}\r\n", lines.next().unwrap_or(""));
+        let mut length = 0usize;
+        for line in lines {
+            let (name, value) = line.split_once(':').unwrap_or((line, ""));
+            let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
+            if name == "content-length" {
+                length = value.parse().unwrap_or(0);
+            }
+            if name == "host" && value == own {
+                out.push_str(&format!("Host: {authority}\r\n"));
+            } else if name == "origin" && value == format!("http://{own}") {
+                out.push_str(&format!("Origin: http://{authority}\r\n"));
+            } else if name != "authorization" {
+                out.push_str(line);
+                out.push_str("\r\n");
+            }
+        }
+        out.push_str("\r\n");
+        if upstream.write_all(out.as_bytes()).is_err() {
+            return;
+        }
+        while buffered.len() < length {
+            match client.read(&mut chunk) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buffered.extend_from_slice(&chunk[..n]),
+            }
+        }
+        if upstream.write_all(&buffered[..length]).is_err() {
+            return;
+        }
+        buffered.drain(..length);
+    }
+}
+
 #[test]
 #[ignore = "needs root, the default image, the static agent and the conformance suite; run by `cargo xtask test`"]
 fn official_conformance_suite_passes_but_for_listed_scenarios() {
@@ -61,12 +150,13 @@ fn official_conformance_suite_passes_but_for_listed_scenarios() {
     let suite = dir.join("node_modules/@modelcontextprotocol/conformance/dist/index.js");
     let expected = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/conformance-expected-failures.yml");
     let server = Server::start();
+    let relay = Authorizing::start(&server.url);
     let results =
         tempfile::Builder::new().prefix("conformance-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     for version in ["2025-11-25", "2026-07-28"] {
         let out = Command::new(&node)
             .arg(&suite)
-            .args(["server", "--url", &server.url, "--suite", "all", "--spec-version", version])
+            .args(["server", "--url", &relay.url, "--suite", "all", "--spec-version", version])
             .args(["--expected-failures", expected])
             .arg("-o")
             .arg(results.path().join(version))

@@ -20,6 +20,9 @@ fn init_merges_into_each_hosts_file() {
     let out = init(dir.path(), &["--client", "claude-code"]);
     assert!(out.status.success(), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stdout).contains("added moat to"), "{out:?}");
+    // How an HTTP client gets its bearer token is said too.
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("Authorization: Bearer") && said.contains("MOAT_HTTP_TOKEN"), "{said}");
     let merged: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join(".mcp.json")).expect("read")).expect("json");
     assert_eq!(merged["keep"], true);

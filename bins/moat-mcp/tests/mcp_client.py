@@ -33,13 +33,17 @@ SDK_MAJOR = int(importlib.metadata.version("mcp").split(".")[0])
 
 
 class HttpServer:
-    """`moat-mcp --http --port 0`, its URL read from stderr."""
+    """`moat-mcp --http --port 0`, its URL (and the file of a generated
+    token) read from stderr."""
 
     def __init__(self, binary, env):
         self.process = subprocess.Popen(
             [binary, "--http", "--port", "0"], env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )
+        self.token_file = None
         for line in self.process.stderr:
+            if "MOAT_HTTP_TOKEN is not set" in line:
+                self.token_file = line.split(" with the token in ", 1)[1].split(" (readable", 1)[0]
             if "serving MCP over streamable HTTP at " in line:
                 self.url = line.strip().rsplit(" ", 1)[-1]
                 break
@@ -55,11 +59,11 @@ class HttpServer:
 
 
 @contextlib.asynccontextmanager
-async def connect(binary, env, transport, era, server=None, headers=None, cwd=None):
+async def connect(binary, env, transport, era, server=None, headers=None, token=TOKEN, cwd=None):
     if transport == "stdio":
         opened = stdio_client(StdioServerParameters(command=binary, args=[], env=env, cwd=cwd))
     else:
-        client = create_mcp_http_client(headers={"Authorization": f"Bearer {TOKEN}", **(headers or {})})
+        client = create_mcp_http_client(headers={"Authorization": f"Bearer {token}", **(headers or {})})
         opened = streamable_http_client(server.url, http_client=client)
     async with opened as streams:
         async with ClientSession(streams[0], streams[1]) as session:
@@ -110,6 +114,10 @@ async def call(session, name, args, expect_error=False):
 async def main(binary, contract_path, project, transport, era):
     contract = json.load(open(contract_path))["tools"]
     env = dict(os.environ, MOAT_ROOTS=os.path.dirname(project), MOAT_HTTP_TOKEN=TOKEN)
+    # The operator grants no network here (the default): tool calls that
+    # ask for more are refused (see operator_grants).
+    for var in ("MOAT_ALLOW_NETWORK", "MOAT_NETWORK", "MOAT_ALLOW_HOSTS"):
+        env.pop(var, None)
     server = HttpServer(binary, env) if transport == "http" else None
     try:
         async with connect(binary, env, transport, era, server) as session:
@@ -134,6 +142,7 @@ async def every_tool(session, contract, project):
 
     box = await call(session, "create_sandbox", {"name": "mcp-test"})
     assert box["current"] and box["name"] == "mcp-test" and box["backend"] in ("jail", "vm"), box
+    await operator_grants(session, box)
 
     out = await call(session, "run_command", {"cmd": "echo hi; echo err >&2; exit 3"})
     assert (out["stdout"], out["stderr"], out["exit_code"], out["timed_out"]) == ("hi\n", "err\n", 3, False), out
@@ -260,6 +269,37 @@ async def every_tool(session, contract, project):
     assert all(s["sandbox_id"] != box["sandbox_id"] for s in listed["sandboxes"]), listed
 
 
+def data_dir_of(env):
+    return env.get("MOAT_DATA_DIR") or os.path.join(
+        env.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local/share"), "moat")
+
+
+async def operator_grants(session, box):
+    """Issue 15, items 3 and 6: the model asks for more network than the
+    operator grants, and for images that are paths. Each is refused with
+    the setting or rule that applies, no host path is shown, and the
+    session's sandbox still works."""
+    data_dir = os.path.realpath(data_dir_of(os.environ))
+    for network in ("open", "filtered"):
+        message = await call(session, "create_sandbox", {"network": network}, expect_error=True)
+        assert "MOAT_ALLOW_NETWORK" in message and "none|filtered|open" in message, message
+    message = await call(session, "create_sandbox", {"network": "filtered", "allow_hosts": ["evil.example"]},
+                         expect_error=True)
+    assert "MOAT_ALLOW_NETWORK" in message, message
+    message = await call(session, "git_clone", {"url": "https://github.com/x/y"}, expect_error=True)
+    assert "MOAT_ALLOW_NETWORK" in message, message
+    for image in ("../../../../tmp", "../images/default", "/etc", "..", "a/b"):
+        message = await call(session, "create_sandbox", {"image": image}, expect_error=True)
+        assert "letters, digits" in message, message
+        assert data_dir not in message and "/images" not in message, f"a host path in: {message}"
+    message = await call(session, "create_sandbox", {"image": "no-such-image"}, expect_error=True)
+    assert "not built" in message and data_dir not in message, f"a host path in: {message}"
+    listed = await call(session, "list_sandboxes", {})
+    assert [s["sandbox_id"] for s in listed["sandboxes"]] == [box["sandbox_id"]], "a refused call made a sandbox"
+    out = await call(session, "run_command", {"cmd": "echo still works", "sandbox_id": box["sandbox_id"]})
+    assert out["stdout"] == "still works\n", out
+
+
 async def cancellation_kills(session):
     running = asyncio.ensure_future(session.call_tool("run_command", {"cmd": "touch started; sleep 61; touch finished"}))
     for _ in range(100):
@@ -327,8 +367,7 @@ async def http_only(binary, env, server):
 
     # Two sessions: neither sees nor touches the other's sandboxes, and a
     # session's sandboxes end with it.
-    data_dir = env.get("MOAT_DATA_DIR") or os.path.join(
-        env.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local/share"), "moat")
+    data_dir = data_dir_of(env)
     async with connect(binary, env, "http", "handshake", server) as first:
         mine = await call(first, "create_sandbox", {"name": "first"})
         async with connect(binary, env, "http", "handshake", server) as second:
@@ -345,6 +384,34 @@ async def http_only(binary, env, server):
     while os.path.exists(state) and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
     assert not os.path.exists(state), f"{state} outlived its closed session"
+    await generated_token(binary, env)
+
+
+async def generated_token(binary, env):
+    """Issue 15, item 9: without MOAT_HTTP_TOKEN the server still requires
+    a token: one it generates into a file only its owner can read, whose
+    path it prints. Without it a local client gets 401; with it, tools."""
+    env = {k: v for k, v in env.items() if k != "MOAT_HTTP_TOKEN"}
+    server = HttpServer(binary, env)
+    try:
+        assert server.token_file, "no token file was named on stderr"
+        info = os.lstat(server.token_file)
+        assert info.st_mode & 0o777 == 0o600 and info.st_uid == os.geteuid(), oct(info.st_mode)
+        assert os.stat(os.path.dirname(server.token_file)).st_mode & 0o077 == 0, "its directory is private"
+        token = open(server.token_file).read().strip()
+        assert len(token) >= 32, token
+        status, headers, body = raw_post(server.url, {})
+        assert status == 401 and headers.get("WWW-Authenticate", "").startswith("Bearer"), (status, body)
+        status, _, _ = raw_post(server.url, {"Authorization": f"Bearer {TOKEN}"})
+        assert status == 401, "a token other than the generated one is refused"
+        status, _, _ = raw_post(server.url, {"Authorization": f"Bearer {token}"})
+        assert status == 200, status
+        async with connect(binary, env, "http", "handshake", server, token=token) as session:
+            out = await call(session, "run_command", {"cmd": "echo with the generated token"})
+            assert out["stdout"] == "with the generated token\n", out
+    finally:
+        server.stop()
+    assert not os.path.exists(server.token_file), "the token file outlived its server"
 
 
 if __name__ == "__main__":

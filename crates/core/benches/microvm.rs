@@ -85,6 +85,8 @@ async fn bench(runs: usize) {
         pool_size: 0,
         pool_spec: spec(),
         egress: moat_core::EgressConfig::default(),
+        // The test is the operator: it grants what it asks for.
+        grants: moat_core::Grants::everything(),
     };
     let moat = Moat::new(config).await.expect("moat starts with the vm backend");
     let image = moat_core::Image::open(&data_dir, "default").expect("the default image");

@@ -187,8 +187,9 @@ pub fn sandbox_ids() -> Vec<String> {
 }
 
 fn write(dir: &Path, file: &str, value: &str) -> std::io::Result<()> {
-    std::fs::write(dir.join(file), value)
-        .map_err(|e| std::io::Error::new(e.kind(), format!("writing {value:?} to {}: {e}", dir.join(file).display())))
+    std::fs::write(dir.join(file), value).map_err(|e| {
+        std::io::Error::new(e.kind(), format!("writing {value:?} to the sandbox's cgroup file {file}: {e}"))
+    })
 }
 
 /// A cgroup can be removed only once its last process is gone, which takes

@@ -366,8 +366,8 @@ impl SandboxEgress {
 
     /// Decides on one request: the address to connect to, or why not.
     async fn resolve(&self, host: &str, port: u16) -> Result<Vec<SocketAddr>, (String, Option<String>)> {
-        let how_to_allow = "allow it with MOAT_ALLOW_HOSTS (server) or allow_hosts (create_sandbox), \
-                            or use network 'open'";
+        let how_to_allow = "the operator who starts moat can allow it with MOAT_ALLOW_HOSTS \
+                            (or grant network 'open' with MOAT_ALLOW_NETWORK=open)";
         if !self.allowed_hosts().contains(host) {
             return Err((format!("moat refused {host}:{port}: {host} is not an allowed host; {how_to_allow}"), None));
         }

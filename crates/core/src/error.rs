@@ -1,5 +1,6 @@
 //! The errors of `moat-core`: each says what was wrong and what to do.
 
+use crate::grants::{GrantsError, NotGranted};
 use crate::image::ImageError;
 
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +25,11 @@ pub enum CoreError {
     Config(String),
     #[error(transparent)]
     Image(#[from] ImageError),
+    /// A spec asks for more than the operator grants.
+    #[error(transparent)]
+    NotGranted(#[from] NotGranted),
+    #[error(transparent)]
+    Grants(#[from] GrantsError),
     #[error(
         "The vm backend needs moat-vmm: build it with `cargo xtask build`, put it beside this program or on PATH, \
          or set MOAT_VMM (or use MOAT_BACKEND=jail)"

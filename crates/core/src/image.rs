@@ -48,7 +48,19 @@ pub fn data_dir() -> PathBuf {
     home.join(".local/share/moat")
 }
 
-/// The directory of image `name` under `data_dir`.
+/// What [`valid_name`] allows, for error messages.
+pub const NAME_RULE: &str = "1 to 64 letters, digits, '-' or '_' (such as default), naming an image built with \
+                             `cargo xtask image --name NAME`";
+
+/// Whether `name` can name an image: 1 to 64 ASCII letters, digits, `-`
+/// or `_`, so that it is one directory entry under `images/` and never a
+/// path (`..`, `/`, NUL are all refused).
+pub fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+/// The directory of image `name` under `data_dir` (a name that passed
+/// [`valid_name`]; [`Image::open`] checks).
 pub fn image_dir(data_dir: &Path, name: &str) -> PathBuf {
     data_dir.join("images").join(name)
 }
@@ -101,7 +113,15 @@ pub struct Manifest {
 /// Why an image cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
-    #[error("Image {name:?} is not built (no {path}); build it with `cargo xtask image --name {name}`")]
+    /// The name is not an image name. The message shows only the name
+    /// asked for, never where images live on the host.
+    #[error("Image name {name:?} is not valid: an image name is {NAME_RULE}")]
+    BadName { name: String },
+    /// Where it was looked for (`path`) is kept for the host's log, not
+    /// shown: the caller may be a model, which learns no host path.
+    #[error(
+        "Image {name:?} is not built; build it with `cargo xtask image --name {name}` (`moat doctor` shows where images live)"
+    )]
     Missing { name: String, path: PathBuf },
     #[error(
         "Image {name:?} has an unreadable manifest ({reason}); rebuild it with `cargo xtask image --name {name} --force`"
@@ -127,10 +147,15 @@ impl Image {
     /// Opens image `name` and checks, cheaply, that every artifact is there
     /// with the size the manifest records. [`Image::verify`] hashes them.
     pub fn open(data_dir: &Path, name: &str) -> Result<Self, ImageError> {
+        if !valid_name(name) {
+            return Err(ImageError::BadName { name: name.into() });
+        }
         let dir = image_dir(data_dir, name);
         let manifest_path = dir.join("manifest.json");
-        let text = std::fs::read_to_string(&manifest_path)
-            .map_err(|_| ImageError::Missing { name: name.into(), path: manifest_path.clone() })?;
+        let text = std::fs::read_to_string(&manifest_path).map_err(|e| {
+            tracing::warn!(path = %manifest_path.display(), "image {name:?} is not usable: {e}");
+            ImageError::Missing { name: name.into(), path: manifest_path.clone() }
+        })?;
         let manifest: Manifest = serde_json::from_str(&text)
             .map_err(|e| ImageError::BadManifest { name: name.into(), reason: e.to_string() })?;
         if manifest.format != FORMAT_VERSION {
@@ -283,10 +308,27 @@ mod tests {
     }
 
     #[test]
+    fn names_that_are_paths_are_refused_without_showing_host_paths() {
+        let data = tempfile::tempdir().expect("tempdir");
+        fake_image(data.path());
+        let outside = data.path().join("outside");
+        std::fs::create_dir_all(&outside).expect("mkdir");
+        for bad in ["../../../../tmp", "..", ".", "a/b", "/etc", "t\0", "", "t ", &"x".repeat(65), "../images/t"] {
+            let err = Image::open(data.path(), bad).expect_err(bad);
+            assert!(matches!(err, ImageError::BadName { .. }), "{bad:?}: {err}");
+            let text = err.to_string();
+            assert!(text.contains("letters, digits, '-' or '_'"), "{text}");
+            assert!(!text.contains(&data.path().display().to_string()), "no host path: {text}");
+        }
+        assert!(valid_name("default") && valid_name("py-3_12") && !valid_name("dé"));
+    }
+
+    #[test]
     fn missing_and_unreadable_images_say_how_to_build() {
         let data = tempfile::tempdir().expect("tempdir");
         let err = Image::open(data.path(), "default").expect_err("missing");
         assert!(err.to_string().contains("cargo xtask image --name default"), "{err}");
+        assert!(!err.to_string().contains(&data.path().display().to_string()), "no host path: {err}");
         let dir = image_dir(data.path(), "default");
         std::fs::create_dir_all(&dir).expect("mkdir");
         std::fs::write(dir.join("manifest.json"), "{not json").expect("write");

@@ -11,6 +11,7 @@ use crate::backend::BackendKind;
 use crate::egress::{EgressConfig, EgressDecision, EgressProxy, SandboxEgress};
 use crate::error::CoreError;
 use crate::hostfs::{self, HostRoots, SourceKind};
+use crate::grants::Grants;
 use crate::image::{self, Image};
 use crate::interpreter::{CodeOutput, Language, PythonSession, StreamName, snippet_request};
 use crate::jail::JailBackend;
@@ -67,12 +68,22 @@ pub struct MoatConfig {
     /// What `filtered` sandboxes may reach beyond their runtime's registries
     /// (and a task's repository host).
     pub egress: EgressConfig,
+    /// The most a spec may ask for ([`Grants::check`]): `MOAT_ALLOW_NETWORK`,
+    /// and for `allow_hosts`, the hosts of `egress` and the registries.
+    pub grants: Grants,
 }
 
 impl MoatConfig {
     /// The data directory from the environment, backend `auto`, the agent
-    /// from `$MOAT_AGENT` or beside the running executable, 16 sandboxes.
+    /// from `$MOAT_AGENT` or beside the running executable, 16 sandboxes,
+    /// and the grants of `MOAT_ALLOW_NETWORK` (none unless set).
     pub fn from_env() -> Result<Self, CoreError> {
+        Ok(Self { grants: Grants::from_env()?, ..Self::operator_from_env()? })
+    }
+
+    /// [`MoatConfig::from_env`] for the operator's own tools (the `moat`
+    /// CLI): everything is granted, and `MOAT_ALLOW_NETWORK` is not read.
+    pub fn operator_from_env() -> Result<Self, CoreError> {
         // The operator's errors (exit 2) before the machine's.
         let roots = hostfs::roots_from_env()?;
         let copy_limit = hostfs::copy_limit_from_env()?;
@@ -86,6 +97,7 @@ impl MoatConfig {
             pool_size: 0,
             pool_spec: SandboxSpec::default(),
             egress: EgressConfig::from_env(),
+            grants: Grants::everything(),
         })
     }
 }
@@ -188,6 +200,9 @@ impl Moat {
     /// lifecycle task (idle suspend, expiry).
     pub async fn new(config: MoatConfig) -> Result<Self, CoreError> {
         let host = HostRoots::open(&config.roots, &config.data_dir, config.copy_limit)?;
+        if config.pool_size > 0 {
+            config.grants.check(&config.pool_spec, &config.egress)?;
+        }
         let backend = choose_backend(&config)?;
         tracing::info!(backend = %backend.kind(), "sandboxes run in this backend");
         if backend.kind() == BackendKind::Jail && !config.agent.is_file() {
@@ -227,14 +242,42 @@ impl Moat {
         &self.inner.config.data_dir
     }
 
+    /// Host paths of moat's own that a model is never shown, each with the
+    /// words that stand for it: the data directory (images, sandbox state,
+    /// task records) and the binaries moat runs (this program, the agent,
+    /// moat-vmm). Longest first, so that a caller replacing them in a
+    /// message replaces the most specific one. (Directories such as
+    /// `/usr/bin` that hold the binaries are not listed: sandbox paths
+    /// would be mangled.)
+    pub fn private_paths(&self) -> Vec<(String, &'static str)> {
+        let data = &self.inner.config.data_dir;
+        let mut paths: Vec<(PathBuf, &'static str)> =
+            vec![(data.clone(), "<moat data directory>"), (self.inner.config.agent.clone(), "moat-agent")];
+        paths.extend(data.canonicalize().ok().map(|real| (real, "<moat data directory>")));
+        paths.extend(find_vmm().map(|vmm| (vmm, "moat-vmm")));
+        paths.extend(std::env::current_exe().ok().map(|exe| (exe, "<moat's program>")));
+        let mut paths: Vec<(String, &'static str)> =
+            paths.into_iter().map(|(p, label)| (p.display().to_string(), label)).filter(|(p, _)| p.len() > 1).collect();
+        paths.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
+        paths.dedup_by(|a, b| a.0 == b.0);
+        paths
+    }
+
     /// What `filtered` sandboxes may reach beyond their runtime's registries.
     pub fn egress_config(&self) -> &EgressConfig {
         &self.inner.egress
     }
 
-    /// Creates a sandbox and waits until its agent answers.
+    /// What the operator grants the specs of [`Moat::create`].
+    pub fn grants(&self) -> &Grants {
+        &self.inner.config.grants
+    }
+
+    /// Creates a sandbox and waits until its agent answers. A spec that
+    /// asks for more than [`Moat::grants`] is refused.
     pub async fn create(&self, spec: SandboxSpec) -> Result<Sandbox, CoreError> {
         spec.validate()?;
+        self.inner.config.grants.check(&spec, &self.inner.egress)?;
         let max = self.inner.config.max_sandboxes;
         if self.inner.lock().len() >= max {
             return Err(CoreError::LimitReached { max });
@@ -577,8 +620,19 @@ impl Moat {
         let runtime = task::Runtime::detect(&packed.top);
         if let Some((policy, _)) = self.inner.lock().get(&id).and_then(|e| e.egress.as_ref()) {
             policy.set_runtime(runtime);
+            // The checkout's remote is a file the model may have written
+            // (copy_from_sandbox into a root): its host is allowed only
+            // when the operator allows it anyway.
             if let Some(host) = repository {
-                policy.set_repository_host(host);
+                if Grants::hosts(&self.inner.egress).contains(&host) {
+                    policy.set_repository_host(host);
+                } else {
+                    tracing::info!(
+                        %host,
+                        "the task's repository host is not among the operator's hosts (MOAT_ALLOW_HOSTS, \
+                         MOAT_GIT_HOSTS); it stays unreachable"
+                    );
+                }
             }
         }
         let task = Task {

@@ -6,12 +6,25 @@
 //! link answers with a redirect that drops the token from the address and
 //! sets it as a cookie named after the listener's port (cookies ignore
 //! ports, so each link has its own name). Later requests carry the cookie.
-//! After the first request head of a connection is checked, bytes flow
-//! unchanged both ways, so HTTP keep-alive and WebSocket upgrades work.
 //! Each link has its own token, valid for its own port only; the listener
 //! and every connection through it end with the sandbox.
+//!
+//! Every request head on a connection is checked and cleaned, not only the
+//! first (keep-alive would otherwise carry later heads through unseen):
+//!
+//! - its cookie must be this link's, and it must come from this link's own
+//!   pages: a browser's `Sec-Fetch-Site` must be `same-origin` or `none`,
+//!   and an `Origin` this link's own, so a page served through another
+//!   link (all links share the site 127.0.0.1) cannot use this one;
+//! - what goes into the sandbox carries no `moat_*` cookie (no link's
+//!   token), no `X-Moat-*` header and no `Authorization` holding a secret
+//!   of the host ([`never_forward`], such as moat-mcp's HTTP token).
+//!
+//! Request bodies are forwarded by `Content-Length`; a chunked request body
+//! is refused (411). After a WebSocket upgrade request, bytes flow
+//! unchanged both ways.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use moat_proto::{AgentClient, UnixConnector};
@@ -31,6 +44,17 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_CONNECTIONS: usize = 64;
 /// The query parameter that carries the token.
 pub const TOKEN_PARAM: &str = "moat_token";
+
+/// Secrets of the host side that no preview link forwards into a sandbox.
+static NEVER_FORWARD: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Keeps `secret` (moat-mcp's HTTP token, say) out of every request a
+/// preview link forwards: an `Authorization` header holding it is dropped.
+pub fn never_forward(secret: &str) {
+    if secret.len() >= 8 {
+        NEVER_FORWARD.lock().unwrap_or_else(PoisonError::into_inner).push(secret.to_owned());
+    }
+}
 
 /// Opens a client of the sandbox's agent (resuming it if suspended).
 pub type Connect = Arc<dyn Fn() -> Result<AgentClient<UnixConnector>, CoreError> + Send + Sync>;
@@ -74,7 +98,12 @@ impl Preview {
             host_port,
             expires_at,
         };
-        let guard = Arc::new(Guard { token, cookie: format!("moat_preview_{host_port}"), port });
+        let guard = Arc::new(Guard {
+            token,
+            cookie: format!("moat_preview_{host_port}"),
+            origin: format!("http://127.0.0.1:{host_port}"),
+            port,
+        });
         let task = tokio::spawn(serve(listener, guard, connect));
         Ok(Self { link, task })
     }
@@ -87,6 +116,8 @@ impl Preview {
 struct Guard {
     token: String,
     cookie: String,
+    /// The link's own origin, `http://127.0.0.1:<listener port>`.
+    origin: String,
     port: u16,
 }
 
@@ -112,14 +143,28 @@ async fn serve(listener: TcpListener, guard: Arc<Guard>, connect: Connect) {
     }
 }
 
-/// What the first request head asks for.
+/// What a request head asks for.
 #[derive(Debug, PartialEq, Eq)]
 enum Verdict {
-    /// The token is in the query: set the cookie and redirect here.
-    Redirect(String),
+    /// The token is in the query: set the cookie and send the browser here.
+    /// `page`: answer with a page that navigates (for a navigation from
+    /// another site, whose redirect chain would stay cross-site).
+    Redirect {
+        location: String,
+        page: bool,
+    },
     /// The cookie is right: forward.
     Forward,
     Refuse(&'static str),
+}
+
+/// The value of each header `name` in `head`.
+fn header_values<'a>(head: &'a str, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+    head.lines()
+        .skip(1)
+        .filter_map(|l| l.split_once(':'))
+        .filter(move |(n, _)| n.trim().eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.trim())
 }
 
 fn judge(head: &str, guard: &Guard) -> Verdict {
@@ -137,25 +182,102 @@ fn judge(head: &str, guard: &Guard) -> Verdict {
             None => kept.push(pair),
         }
     }
+    let site = header_values(head, "sec-fetch-site").next().map(str::to_ascii_lowercase);
+    let own_pages = site.as_deref().is_none_or(|s| s == "same-origin" || s == "none");
     if let Some(value) = from_query {
         if !same(value, &guard.token) {
             return Verdict::Refuse("the token in the address is not this link's");
         }
         let location = if kept.is_empty() { path.to_owned() } else { format!("{path}?{}", kept.join("&")) };
-        return Verdict::Redirect(if location.starts_with('/') { location } else { "/".into() });
+        let location = if location.starts_with('/') { location } else { "/".into() };
+        return Verdict::Redirect { location, page: !own_pages };
     }
-    let cookie = head
-        .lines()
-        .skip(1)
-        .filter_map(|l| l.split_once(':'))
-        .filter(|(name, _)| name.trim().eq_ignore_ascii_case("cookie"))
-        .flat_map(|(_, value)| value.split(';'))
+    if !own_pages {
+        return Verdict::Refuse("a page of another site (another preview link's, say) may not use this link");
+    }
+    if header_values(head, "origin").any(|origin| origin != guard.origin) {
+        return Verdict::Refuse("a page of another origin (another preview link's, say) may not use this link");
+    }
+    let mut cookies = header_values(head, "cookie")
+        .flat_map(|value| value.split(';'))
         .filter_map(|c| c.trim().split_once('='))
-        .find(|(name, _)| *name == guard.cookie);
-    match cookie {
-        Some((_, value)) if same(value, &guard.token) => Verdict::Forward,
-        Some(_) => Verdict::Refuse("the cookie holds another token"),
-        None => Verdict::Refuse("no token: open the link's full URL (with ?moat_token=…) first"),
+        .filter(|(name, _)| *name == guard.cookie)
+        .peekable();
+    if cookies.peek().is_none() {
+        return Verdict::Refuse("no token: open the link's full URL (with ?moat_token=…) first");
+    }
+    // Any cookie of this name with the right value counts: another page
+    // may set one of the same name, but cannot unset the right one.
+    if cookies.any(|(_, value)| same(value, &guard.token)) {
+        Verdict::Forward
+    } else {
+        Verdict::Refuse("the cookie holds another token")
+    }
+}
+
+/// `head` as it may enter the sandbox: without `moat_*` cookies, `X-Moat-*`
+/// headers or an `Authorization` holding a host secret ([`never_forward`]).
+fn clean_head(head: &str) -> String {
+    let secrets = NEVER_FORWARD.lock().unwrap_or_else(PoisonError::into_inner).clone();
+    let mut lines = head.split("\r\n");
+    let mut out = String::with_capacity(head.len());
+    out.push_str(lines.next().unwrap_or_default());
+    out.push_str("\r\n");
+    // Folded continuation lines (obsolete; no browser sends them) are
+    // dropped: a header's value is judged whole or not forwarded.
+    for line in lines.filter(|l| !l.is_empty() && !l.starts_with([' ', '\t'])) {
+        let Some((name, value)) = line.split_once(':') else { continue };
+        let lower = name.trim().to_ascii_lowercase();
+        if lower.starts_with("x-moat") || lower.starts_with("moat") {
+            continue;
+        }
+        if (lower == "authorization" || lower == "proxy-authorization")
+            && secrets.iter().any(|s| value.contains(s.as_str()))
+        {
+            continue;
+        }
+        if lower == "cookie" {
+            let kept: Vec<&str> = value
+                .split(';')
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .filter(|c| !c.split('=').next().unwrap_or_default().trim().to_ascii_lowercase().starts_with("moat_"))
+                .collect();
+            if !kept.is_empty() {
+                out.push_str(&format!("{name}: {}\r\n", kept.join("; ")));
+            }
+            continue;
+        }
+        out.push_str(line);
+        out.push_str("\r\n");
+    }
+    out.push_str("\r\n");
+    out
+}
+
+/// How the body after a request head is framed.
+#[derive(Debug, PartialEq, Eq)]
+enum Body {
+    /// This many bytes (0 for none).
+    Length(u64),
+    /// A WebSocket (or other) upgrade: raw bytes both ways from here on.
+    Upgrade,
+    /// Chunked or otherwise framed: not forwarded.
+    Unsupported,
+}
+
+fn body_of(head: &str) -> Body {
+    if header_values(head, "transfer-encoding").next().is_some() {
+        return Body::Unsupported;
+    }
+    if header_values(head, "upgrade").next().is_some() {
+        return Body::Upgrade;
+    }
+    let mut lengths = header_values(head, "content-length");
+    match (lengths.next().map(str::parse::<u64>), lengths.next()) {
+        (None, _) => Body::Length(0),
+        (Some(Ok(n)), None) => Body::Length(n),
+        _ => Body::Unsupported,
     }
 }
 
@@ -165,7 +287,7 @@ fn same(a: &str, b: &str) -> bool {
 }
 
 async fn connection(mut stream: TcpStream, guard: &Guard, connect: &Connect) {
-    let (head, rest) = match tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream)).await {
+    let (head, rest) = match tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream, Vec::new())).await {
         Ok(Some(read)) => read,
         _ => return answer(stream, "400 Bad Request", "No complete request head.".into(), None).await,
     };
@@ -175,40 +297,105 @@ async fn connection(mut stream: TcpStream, guard: &Guard, connect: &Connect) {
             let body = format!("moat preview link for sandbox port {}: refused: {why}.", guard.port);
             answer(stream, "403 Forbidden", body, None).await;
         }
-        Verdict::Redirect(location) => {
-            let headers = format!(
-                "Location: {location}\r\nSet-Cookie: {}={}; Path=/; HttpOnly; SameSite=Strict\r\n",
-                guard.cookie, guard.token
-            );
-            answer(stream, "303 See Other", "Redirecting.".into(), Some(headers)).await;
+        Verdict::Redirect { location, page } => {
+            let cookie = format!("Set-Cookie: {}={}; Path=/; HttpOnly; SameSite=Strict\r\n", guard.cookie, guard.token);
+            if page {
+                // A navigation of the page's own (same-origin) carries the cookie.
+                let quoted = location.replace('&', "&amp;").replace('"', "&quot;").replace('<', "&lt;");
+                let body = format!("<!doctype html><meta http-equiv=\"refresh\" content=\"0;url={quoted}\">");
+                answer(stream, "200 OK", body, Some(format!("{cookie}Cache-Control: no-store\r\n"))).await;
+            } else {
+                answer(
+                    stream,
+                    "303 See Other",
+                    "Redirecting.".into(),
+                    Some(format!("Location: {location}\r\n{cookie}")),
+                )
+                .await;
+            }
         }
         Verdict::Forward => {
+            if body_of(&text) == Body::Unsupported {
+                let why = "a request body must have one Content-Length (chunked bodies are not forwarded)";
+                return answer(stream, "411 Length Required", why.into(), None).await;
+            }
             let upstream = match connect() {
                 Ok(client) => client.port_forward(guard.port).await.map_err(|e| e.to_string()),
                 Err(e) => Err(e.to_string()),
             };
-            let mut upstream = match upstream {
+            let upstream = match upstream {
                 Ok(upstream) => upstream,
                 Err(why) => return answer(stream, "502 Bad Gateway", why, None).await,
             };
-            if upstream.write_all(&head).await.is_err() || upstream.write_all(&rest).await.is_err() {
-                return;
+            let (mut from_client, mut to_client) = stream.into_split();
+            let (mut from_sandbox, mut to_sandbox) = tokio::io::split(upstream);
+            let requests = forward_requests(&mut from_client, &mut to_sandbox, guard, text, rest);
+            tokio::select! {
+                () = requests => {}
+                _ = tokio::io::copy(&mut from_sandbox, &mut to_client) => {}
             }
-            let _ = tokio::io::copy_bidirectional(&mut stream, &mut upstream).await;
         }
     }
 }
 
-async fn read_head(stream: &mut TcpStream) -> Option<(Vec<u8>, Vec<u8>)> {
-    let mut buf = Vec::with_capacity(2048);
-    let mut chunk = [0u8; 4096];
+/// Forwards request after request, each head judged and cleaned, each
+/// body by its length, until the client ends, a head is refused, or an
+/// upgrade makes the rest raw bytes.
+async fn forward_requests(
+    from_client: &mut (impl tokio::io::AsyncRead + Unpin),
+    to_sandbox: &mut (impl tokio::io::AsyncWrite + Unpin),
+    guard: &Guard,
+    mut head: String,
+    mut buffered: Vec<u8>,
+) {
     loop {
-        let n = stream.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
+        if judge(&head, guard) != Verdict::Forward {
+            return;
         }
-        let from = buf.len().saturating_sub(3);
-        buf.extend_from_slice(&chunk[..n]);
+        if to_sandbox.write_all(clean_head(&head).as_bytes()).await.is_err() {
+            return;
+        }
+        match body_of(&head) {
+            Body::Unsupported => return,
+            Body::Upgrade => {
+                if to_sandbox.write_all(&buffered).await.is_ok() {
+                    let _ = tokio::io::copy(from_client, to_sandbox).await;
+                }
+                return;
+            }
+            Body::Length(mut left) => {
+                let now = usize::try_from(left).unwrap_or(usize::MAX).min(buffered.len());
+                if to_sandbox.write_all(&buffered[..now]).await.is_err() {
+                    return;
+                }
+                buffered.drain(..now);
+                left -= now as u64;
+                let mut chunk = vec![0u8; 64 * 1024];
+                while left > 0 {
+                    let want = usize::try_from(left).unwrap_or(usize::MAX).min(chunk.len());
+                    let n = match from_client.read(&mut chunk[..want]).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    if to_sandbox.write_all(&chunk[..n]).await.is_err() {
+                        return;
+                    }
+                    left -= n as u64;
+                }
+            }
+        }
+        let Some((next, rest)) = read_head(from_client, buffered).await else { return };
+        head = String::from_utf8_lossy(&next).into_owned();
+        buffered = rest;
+    }
+}
+
+/// Reads one request head (through its blank line) after the bytes
+/// already `buf`fered; returns it and what came after it.
+async fn read_head(stream: &mut (impl tokio::io::AsyncRead + Unpin), mut buf: Vec<u8>) -> Option<(Vec<u8>, Vec<u8>)> {
+    let mut chunk = [0u8; 4096];
+    let mut from = 0;
+    loop {
         if let Some(end) = buf[from..].windows(4).position(|w| w == b"\r\n\r\n") {
             let rest = buf.split_off(from + end + 4);
             return Some((buf, rest));
@@ -216,6 +403,12 @@ async fn read_head(stream: &mut TcpStream) -> Option<(Vec<u8>, Vec<u8>)> {
         if buf.len() > MAX_HEAD {
             return None;
         }
+        from = buf.len().saturating_sub(3);
+        let n = stream.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
     }
 }
 
@@ -243,7 +436,12 @@ mod tests {
     use super::*;
 
     fn guard() -> Guard {
-        Guard { token: "a".repeat(32), cookie: "moat_preview_4000".into(), port: 8000 }
+        Guard {
+            token: "a".repeat(32),
+            cookie: "moat_preview_4000".into(),
+            origin: "http://127.0.0.1:4000".into(),
+            port: 8000,
+        }
     }
 
     #[test]
@@ -252,9 +450,12 @@ mod tests {
         let g = guard();
         assert_eq!(
             judge(&format!("GET /app?x=1&moat_token={token} HTTP/1.1\r\n\r\n"), &g),
-            Verdict::Redirect("/app?x=1".into())
+            Verdict::Redirect { location: "/app?x=1".into(), page: false }
         );
-        assert_eq!(judge(&format!("GET /?moat_token={token} HTTP/1.1\r\n\r\n"), &g), Verdict::Redirect("/".into()));
+        assert_eq!(
+            judge(&format!("GET /?moat_token={token} HTTP/1.1\r\n\r\n"), &g),
+            Verdict::Redirect { location: "/".into(), page: false }
+        );
         assert_eq!(
             judge(&format!("GET /x HTTP/1.1\r\nCookie: a=b; moat_preview_4000={token}\r\n\r\n"), &g),
             Verdict::Forward
@@ -265,5 +466,79 @@ mod tests {
         assert!(matches!(judge(&other_link, &g), Verdict::Refuse(_)), "another link's cookie does not count");
         let wrong = format!("GET / HTTP/1.1\r\nCookie: moat_preview_4000={}\r\n\r\n", "b".repeat(32));
         assert!(matches!(judge(&wrong, &g), Verdict::Refuse(_)));
+    }
+
+    #[test]
+    fn no_moat_cookie_or_host_secret_enters_the_sandbox() {
+        never_forward("host-secret-0123456789");
+        let head = "GET /x HTTP/1.1\r\nHost: 127.0.0.1:4000\r\nCookie: app=1; moat_preview_4000=aaaa; \
+                    MOAT_preview_4001=bbbb; theme=dark\r\nCookie: moat_preview_4002=cccc\r\n\
+                    Authorization: Bearer host-secret-0123456789\r\nX-Moat-Token: t\r\nAccept: */*\r\n\r\n";
+        let clean = clean_head(head);
+        assert!(clean.starts_with("GET /x HTTP/1.1\r\nHost: 127.0.0.1:4000\r\n"), "{clean}");
+        assert!(clean.contains("Cookie: app=1; theme=dark\r\n") && clean.contains("Accept: */*"), "{clean}");
+        for gone in ["moat_preview", "MOAT_preview", "aaaa", "bbbb", "cccc", "host-secret", "X-Moat"] {
+            assert!(!clean.contains(gone), "{gone} was forwarded: {clean}");
+        }
+        assert!(clean.ends_with("\r\n\r\n"));
+        let folded = clean_head("GET / HTTP/1.1\r\nCookie: a=1\r\n b=2; moat_preview_1=t; c:d\r\n\r\n");
+        assert!(!folded.contains("moat_preview") && folded.contains("Cookie: a=1\r\n"), "{folded}");
+        let basic = clean_head("GET / HTTP/1.1\r\nAuthorization: Basic dXNlcjpwYXNz\r\n\r\n");
+        assert!(basic.contains("Authorization: Basic"), "the app's own credentials pass: {basic}");
+    }
+
+    #[test]
+    fn pages_of_other_links_cannot_use_this_one() {
+        let token = "a".repeat(32);
+        let g = guard();
+        let cookie = format!("Cookie: moat_preview_4000={token}");
+        for from_elsewhere in [
+            format!("GET / HTTP/1.1\r\n{cookie}\r\nSec-Fetch-Site: same-site\r\n\r\n"),
+            format!("GET / HTTP/1.1\r\n{cookie}\r\nSec-Fetch-Site: cross-site\r\n\r\n"),
+            format!("POST / HTTP/1.1\r\n{cookie}\r\nOrigin: http://127.0.0.1:4001\r\n\r\n"),
+            format!("GET /ws HTTP/1.1\r\n{cookie}\r\nUpgrade: websocket\r\nOrigin: http://127.0.0.1:4001\r\n\r\n"),
+        ] {
+            assert!(matches!(judge(&from_elsewhere, &g), Verdict::Refuse(_)), "{from_elsewhere}");
+        }
+        for own in [
+            format!(
+                "GET / HTTP/1.1\r\n{cookie}\r\nSec-Fetch-Site: same-origin\r\nOrigin: http://127.0.0.1:4000\r\n\r\n"
+            ),
+            format!("GET / HTTP/1.1\r\n{cookie}\r\nSec-Fetch-Site: none\r\n\r\n"),
+            format!("GET / HTTP/1.1\r\nCookie: moat_preview_4000=forged; moat_preview_4000={token}\r\n\r\n"),
+        ] {
+            assert_eq!(judge(&own, &g), Verdict::Forward, "{own}");
+        }
+        // Opened from another site, the token's page navigates itself, so
+        // that the cookie goes with a same-origin request.
+        let opened = format!("GET /?moat_token={token} HTTP/1.1\r\nSec-Fetch-Site: cross-site\r\n\r\n");
+        assert_eq!(judge(&opened, &g), Verdict::Redirect { location: "/".into(), page: true });
+    }
+
+    #[test]
+    fn bodies_are_framed_by_length_only() {
+        assert_eq!(body_of("POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\n"), Body::Length(5));
+        assert_eq!(body_of("GET / HTTP/1.1\r\n\r\n"), Body::Length(0));
+        assert_eq!(body_of("GET / HTTP/1.1\r\nUpgrade: websocket\r\n\r\n"), Body::Upgrade);
+        assert_eq!(body_of("POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"), Body::Unsupported);
+        assert_eq!(body_of("POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"), Body::Unsupported);
+    }
+
+    #[tokio::test]
+    async fn every_request_on_a_kept_alive_connection_is_cleaned() {
+        let token = "a".repeat(32);
+        let g = guard();
+        let first = format!("GET /1 HTTP/1.1\r\nCookie: moat_preview_4000={token}\r\n\r\n");
+        let later = format!(
+            "POST /2 HTTP/1.1\r\nContent-Length: 4\r\nCookie: moat_preview_4000={token}; moat_preview_4001=other\r\n\r\nbody\
+             GET /3 HTTP/1.1\r\nCookie: moat_preview_4001=other\r\n\r\n"
+        );
+        let mut client = later.as_bytes();
+        let mut sandbox = Vec::new();
+        forward_requests(&mut client, &mut sandbox, &g, first, Vec::new()).await;
+        let seen = String::from_utf8_lossy(&sandbox);
+        assert!(seen.contains("GET /1 HTTP/1.1\r\n") && seen.contains("POST /2 HTTP/1.1\r\n"), "{seen}");
+        assert!(seen.ends_with("\r\n\r\nbody"), "the body passes, the refused third request does not: {seen}");
+        assert!(!seen.contains("moat_preview") && !seen.contains("other"), "{seen}");
     }
 }

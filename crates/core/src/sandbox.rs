@@ -7,8 +7,9 @@ use serde::{Deserialize, Serialize};
 use crate::backend::BackendKind;
 use crate::error::CoreError;
 
-/// What the network of a sandbox may reach.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+/// What the network of a sandbox may reach, ordered from least to most
+/// (the order [`crate::grants::Grants`] caps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum NetworkPolicy {
     /// Loopback only.
@@ -18,6 +19,17 @@ pub enum NetworkPolicy {
     Filtered,
     /// Full outbound NAT through pasta (jails) or passt (microVMs; see docs/network.md).
     Open,
+}
+
+impl NetworkPolicy {
+    /// The policy's name as tool arguments and variables spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Filtered => "filtered",
+            Self::Open => "open",
+        }
+    }
 }
 
 impl std::str::FromStr for NetworkPolicy {
@@ -80,6 +92,9 @@ impl SandboxSpec {
                 || name.starts_with('-'))
         {
             return bad("name", "1-63 letters, digits or '-' (it becomes the hostname), not starting with '-'");
+        }
+        if !crate::image::valid_name(&self.image) {
+            return bad("image", crate::image::NAME_RULE);
         }
         if !(1..=16).contains(&self.cpus) {
             return bad("cpus", "between 1 and 16");
@@ -161,6 +176,8 @@ mod tests {
         assert!(SandboxSpec::default().validate().is_ok());
         let cases = [
             (SandboxSpec { cpus: 0, ..SandboxSpec::default() }, "cpus"),
+            (SandboxSpec { image: "../../../../tmp".into(), ..SandboxSpec::default() }, "image"),
+            (SandboxSpec { image: "/var/lib".into(), ..SandboxSpec::default() }, "image"),
             (SandboxSpec { memory_mib: 1, ..SandboxSpec::default() }, "memory_mib"),
             (SandboxSpec { timeout_seconds: 10, ..SandboxSpec::default() }, "timeout_seconds"),
             (SandboxSpec { idle_seconds: 30, ..SandboxSpec::default() }, "idle_seconds"),

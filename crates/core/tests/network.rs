@@ -584,7 +584,15 @@ async fn a_filtered_task_reaches_its_runtimes_registries_and_its_repository_host
         "[remote \"origin\"]\n\turl = https://code.example.org/me/p.git\n",
     )
     .expect("write");
-    let moat = moat(EgressConfig::default()).await;
+    // The repository host comes from a file in a root, which a model may
+    // have written: it is reachable only when the operator allows it.
+    let moat_without = moat(EgressConfig::default()).await;
+    let task = moat_without.task_start(project.path(), spec(NetworkPolicy::Filtered)).await.expect("task starts");
+    let allowed = moat_without.allowed_hosts(&task.sandbox_id).expect("hosts");
+    assert!(!allowed.iter().any(|h| h == "code.example.org"), "not granted, not allowed: {allowed:?}");
+    moat_without.destroy_all().await;
+    let granted = EgressConfig { allow_hosts: vec!["code.example.org".into()], ..EgressConfig::default() };
+    let moat = moat(granted).await;
     let task = moat.task_start(project.path(), spec(NetworkPolicy::Filtered)).await.expect("task starts");
     let allowed = moat.allowed_hosts(&task.sandbox_id).expect("hosts");
     assert!(allowed.iter().any(|h| h == "code.example.org"), "{allowed:?}");

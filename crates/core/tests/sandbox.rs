@@ -738,6 +738,8 @@ async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {
         pool_size: 2,
         pool_spec: small(),
         egress: moat_core::EgressConfig::default(),
+        // The test is the operator: it grants what it asks for.
+        grants: moat_core::Grants::everything(),
     };
     let moat = Moat::new(config).await.expect("moat starts");
     // A guard against a hang: microVMs under nested emulation take seconds each.

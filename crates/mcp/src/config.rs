@@ -2,7 +2,7 @@
 //! a bad value stops the server with one line naming the variable and what
 //! is allowed (exit status 2).
 
-use moat_core::{BackendKind, EgressConfig, IpNet, NetworkPolicy, SandboxSpec};
+use moat_core::{BackendKind, EgressConfig, Grants, IpNet, NetworkPolicy, SandboxSpec};
 
 /// A variable with a value the server cannot use.
 #[derive(Debug, thiserror::Error)]
@@ -21,7 +21,10 @@ pub struct ServerConfig {
     pub pool_size: usize,
     /// Defaults for sandboxes created without arguments.
     pub defaults: SandboxSpec,
-    /// `MOAT_HTTP_TOKEN`: the bearer token `--http` requires, when set.
+    /// `MOAT_ALLOW_NETWORK`: the most a tool call may ask for.
+    pub grants: Grants,
+    /// `MOAT_HTTP_TOKEN`: the bearer token `--http` requires; when unset,
+    /// the server generates one into an owner-only file (`http::TokenFile`).
     pub http_token: Option<String>,
     /// `MOAT_ALLOW_HOSTS`: hosts filtered sandboxes may reach beyond the defaults.
     pub allow_hosts: Vec<String>,
@@ -85,6 +88,25 @@ impl ServerConfig {
             None => NetworkPolicy::None,
             Some(v) => v.parse::<NetworkPolicy>().map_err(|_| bad("MOAT_NETWORK", &v, "none, filtered or open"))?,
         };
+        let grants = Grants::from_value(get(moat_core::grants::NETWORK_VAR).as_deref()).map_err(|e| {
+            bad(
+                moat_core::grants::NETWORK_VAR,
+                &e.value,
+                "none, filtered or open (the most network a model may ask for)",
+            )
+        })?;
+        if !grants.allows_network(network) {
+            let asked = get("MOAT_NETWORK").unwrap_or_default();
+            return Err(bad(
+                "MOAT_NETWORK",
+                &asked,
+                &format!(
+                    "at most what MOAT_ALLOW_NETWORK grants ({}); set MOAT_ALLOW_NETWORK={asked} (or higher) to \
+                     grant it, or lower MOAT_NETWORK",
+                    grants.network.as_str()
+                ),
+            ));
+        }
         let timeout = number("MOAT_TIMEOUT_SECONDS", 3600, 60, 28_800)?;
         let idle = number("MOAT_IDLE_SECONDS", 300, 0, 28_800)?;
         if idle != 0 && (idle < 60 || idle >= timeout) {
@@ -95,8 +117,8 @@ impl ServerConfig {
             ));
         }
         let image = get("MOAT_IMAGE").unwrap_or_else(|| "default".into());
-        if !image.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') || image.len() > 64 {
-            return Err(bad("MOAT_IMAGE", &image, "an image name of letters, digits, '-' or '_'"));
+        if !moat_core::image::valid_name(&image) {
+            return Err(bad("MOAT_IMAGE", &image, &format!("an image name: {}", moat_core::image::NAME_RULE)));
         }
         let max_sandboxes = number("MOAT_MAX_SANDBOXES", 16, 1, 1024)?;
         let pool_size = number("MOAT_POOL_SIZE", 0, 0, 64)?;
@@ -153,6 +175,7 @@ impl ServerConfig {
             max_sandboxes: usize::try_from(max_sandboxes).unwrap_or(16),
             pool_size: usize::try_from(pool_size).unwrap_or(0),
             defaults,
+            grants,
             http_token,
             allow_hosts,
             git_hosts,
@@ -197,6 +220,8 @@ mod tests {
             (("MOAT_IDLE_SECONDS", "30"), "0 (never suspend)"),
             (("MOAT_IDLE_SECONDS", "4000"), "less than MOAT_TIMEOUT_SECONDS (3600)"),
             (("MOAT_NETWORK", "wifi"), "none, filtered or open"),
+            (("MOAT_ALLOW_NETWORK", "all"), "none, filtered or open"),
+            (("MOAT_NETWORK", "filtered"), "set MOAT_ALLOW_NETWORK=filtered"),
             (("MOAT_MAX_SANDBOXES", "-1"), "from 1 to 1024"),
             (("MOAT_LOG_LEVEL", "loud"), "error, warn"),
             (("MOAT_IMAGE", "../x"), "image name"),
@@ -214,6 +239,16 @@ mod tests {
     }
 
     #[test]
+    fn the_operator_grants_no_network_unless_it_says_so() {
+        assert_eq!(with(&[]).expect("valid").grants, Grants::default());
+        assert_eq!(with(&[]).expect("valid").grants.network, NetworkPolicy::None);
+        let open = with(&[("MOAT_ALLOW_NETWORK", "open"), ("MOAT_NETWORK", "filtered")]).expect("within");
+        assert_eq!((open.grants.network, open.defaults.network), (NetworkPolicy::Open, NetworkPolicy::Filtered));
+        let err = with(&[("MOAT_ALLOW_NETWORK", "filtered"), ("MOAT_NETWORK", "open")]).expect_err("above").to_string();
+        assert!(err.starts_with("MOAT_NETWORK=\"open\"") && err.contains("MOAT_ALLOW_NETWORK"), "{err}");
+    }
+
+    #[test]
     fn host_lists_are_read_and_defaulted() {
         let config = with(&[("MOAT_ALLOW_HOSTS", " Example.com, files.pythonhosted.org ,")]).expect("valid");
         assert_eq!(config.allow_hosts, ["example.com", "files.pythonhosted.org"]);
@@ -226,7 +261,8 @@ mod tests {
         for (value, policy) in
             [("none", NetworkPolicy::None), ("filtered", NetworkPolicy::Filtered), ("open", NetworkPolicy::Open)]
         {
-            assert_eq!(with(&[("MOAT_NETWORK", value)]).expect(value).defaults.network, policy);
+            let config = with(&[("MOAT_NETWORK", value), ("MOAT_ALLOW_NETWORK", value)]).expect(value);
+            assert_eq!((config.defaults.network, config.grants.network), (policy, policy));
         }
         let config = with(&[("MOAT_TEST_EGRESS_NETS", "127.0.0.1/32"), ("MOAT_TEST_RESOLVE", "Reg.test=127.0.0.1")])
             .expect("test knobs");

@@ -1,12 +1,25 @@
 //! `git_clone`: clone a repository into a sandbox through its network
 //! policy.
 //!
-//! The URL's host must be one of `MOAT_GIT_HOSTS`. The token reaches git
-//! only through its credential mechanism: a one-shot `credential.helper`
-//! given with `git -c` (so it is not stored in the clone's config) prints
-//! the user name and token from the process environment; neither is in
-//! any command line, the clone's config or its remote URL. What git prints
-//! is scrubbed of the token anyway before it goes anywhere.
+//! The URL's host must be one of `MOAT_GIT_HOSTS`, and the server must
+//! grant network (`MOAT_ALLOW_NETWORK`). The token reaches only git's
+//! credential exchange for the clone's own host:
+//!
+//! - it travels on the clone's stdin, never in an argument or environment
+//!   variable, into a file in a directory only root (in the sandbox) can
+//!   read, removed when the clone ends;
+//! - the clone runs as root with an environment of moat's own (none of the
+//!   sandbox's `env`), `GIT_CONFIG_NOSYSTEM=1` and `GIT_CONFIG_GLOBAL`
+//!   naming a config of moat's own, so the user-writable `~/.gitconfig`
+//!   (`insteadOf`, `http.proxy`, `sslVerify`, helpers) is never read;
+//!   `protocol.allow=never` with only https allowed;
+//! - its credential helper answers only `https` requests for the URL's own
+//!   host and port, so a redirect elsewhere gets nothing;
+//! - the checkout is made in a root-only staging directory, given to
+//!   `user`, and moved into place by `user`, so no user process can swap
+//!   in a repository configuration that root's git would read.
+//!
+//! What git prints is scrubbed of the token anyway before it goes anywhere.
 
 use moat_core::NetworkPolicy;
 use moat_proto::ExecRequest;
@@ -17,33 +30,89 @@ use crate::tools::{Outcome, Session, ToolError, required, str_arg, target};
 /// How long a clone may take.
 const CLONE_TIMEOUT_MS: u64 = 600_000;
 
-/// The credential helper: prints what git asks for from the environment.
-const CREDENTIAL_HELPER: &str = "credential.helper=!f() { test \"$1\" = get || exit 0; echo username=$MOAT_GIT_USER; echo password=$MOAT_GIT_TOKEN; }; f";
+/// The helper git asks for credentials: answers `get` for https requests
+/// to the host in `host` beside it, with `cred` beside it, and nothing else.
+const CREDENTIAL_HELPER: &str = r#"#!/bin/sh
+[ "$1" = get ] || exit 0
+dir=${0%/*}
+want=$(cat "$dir/host")
+proto= host=
+while IFS= read -r line; do
+  [ -z "$line" ] && break
+  case $line in protocol=*) proto=${line#protocol=} ;; host=*) host=${line#host=} ;; esac
+done
+host=$(printf '%s' "$host" | tr 'A-Z' 'a-z')
+if [ "$proto" = https ] && [ "$host" = "$want" ] && [ -s "$dir/cred" ]; then cat "$dir/cred"; fi
+"#;
 
-/// The clone, as a script whose inputs all come from the environment.
-const CLONE_SCRIPT: &str = r#"set -e
-helper() { if [ -n "$MOAT_GIT_TOKEN" ]; then git -c credential.helper= -c "$MOAT_GIT_HELPER" "$@"; else git "$@"; fi; }
-mkdir -p "$(dirname "$MOAT_GIT_DEST")"
+/// git's whole configuration during a clone (`GIT_CONFIG_GLOBAL`; no system
+/// or user file is read). `@HELPER@` is replaced by the helper's path.
+const GIT_CONFIG: &str = "[credential]\n\thelper = @HELPER@\n[protocol]\n\tallow = never\n\
+                          [protocol \"https\"]\n\tallow = always\n[http]\n\tsslVerify = true\n";
+
+/// The clone, run as root. Inputs: the environment below (no secret), and
+/// on stdin the user name then the token, one line each. Prints the
+/// staging directory and the commit checked out, one line each.
+const CLONE_SCRIPT: &str = r#"set -eu
+umask 077
+IFS= read -r user_name || true
+IFS= read -r token || true
+secret=$(mktemp -d /run/moat-git.XXXXXXXX)
+stage=$(mktemp -d /var/tmp/moat-clone.XXXXXXXX)
+trap 'rm -rf "$secret"; [ -n "${keep:-}" ] || rm -rf "$stage"' EXIT
+printf '%s
+' "$MOAT_GIT_AUTHORITY" > "$secret/host"
+if [ -n "$token" ]; then printf 'username=%s
+password=%s
+' "$user_name" "$token" > "$secret/cred"; fi
+unset token user_name
+printf '%s' "$MOAT_GIT_HELPER" > "$secret/helper"
+chmod 700 "$secret/helper"
+printf '%s' "$MOAT_GIT_CONFIG" | sed "s#@HELPER@#$secret/helper#" > "$secret/config"
+export GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL="$secret/config" HOME="$secret" XDG_CONFIG_HOME="$secret"
+unset MOAT_GIT_HELPER MOAT_GIT_CONFIG
+umask 022
+cd "$stage"
 if [ -n "$MOAT_GIT_BRANCH" ]; then
-  helper clone -q --branch "$MOAT_GIT_BRANCH" -- "$MOAT_GIT_URL" "$MOAT_GIT_DEST"
+  git clone -q --branch "$MOAT_GIT_BRANCH" -- "$MOAT_GIT_URL" repo
 else
-  helper clone -q -- "$MOAT_GIT_URL" "$MOAT_GIT_DEST"
+  git clone -q -- "$MOAT_GIT_URL" repo
 fi
-cd "$MOAT_GIT_DEST"
+cd repo
 if [ -n "$MOAT_GIT_COMMIT" ]; then
-  git checkout -q "$MOAT_GIT_COMMIT" 2>/dev/null || { helper fetch -q origin "$MOAT_GIT_COMMIT" && git checkout -q FETCH_HEAD; }
+  git checkout -q "$MOAT_GIT_COMMIT" 2>/dev/null || { git fetch -q origin "$MOAT_GIT_COMMIT" && git checkout -q FETCH_HEAD; }
 fi
-git rev-parse HEAD"#;
+commit=$(git rev-parse HEAD)
+cd /
+chown -R user:user "$stage"
+chmod 700 "$stage"
+keep=1
+printf '%s
+%s
+' "$stage" "$commit"
+"#;
 
-/// A Git URL taken apart: scheme and host (lower case, no port).
-fn url_host(url: &str) -> Result<(&str, String), ToolError> {
+/// Moves the checkout from its staging directory into place, as `user`.
+const PLACE_SCRIPT: &str = r#"set -eu
+trap 'rm -rf "$MOAT_GIT_STAGE"' EXIT
+if [ -e "$MOAT_GIT_DEST" ] || [ -L "$MOAT_GIT_DEST" ]; then
+  rmdir -- "$MOAT_GIT_DEST" 2>/dev/null || {
+    echo "fatal: destination path '$MOAT_GIT_DEST' already exists and is not an empty directory." >&2; exit 128; }
+fi
+mkdir -p -- "$(dirname -- "$MOAT_GIT_DEST")"
+mv -T -- "$MOAT_GIT_STAGE/repo" "$MOAT_GIT_DEST"
+"#;
+
+/// A Git URL taken apart: its authority (host and port as git's
+/// credential requests name them, lower case) and its host (no port).
+fn url_host(url: &str) -> Result<(String, String), ToolError> {
     let (scheme, rest) = url
         .split_once("://")
         .ok_or_else(|| ToolError(format!("url {url:?} is not an http(s) URL; use https://HOST/OWNER/REPO(.git)")))?;
-    if scheme != "https" && scheme != "http" {
+    if scheme != "https" {
         return Err(ToolError(format!(
-            "url scheme {scheme:?} is not supported; git_clone clones over https:// (ssh and git:// cannot pass the \
-             sandbox's proxy)"
+            "url scheme {scheme:?} is not supported; git_clone clones over https:// only (http would send \
+             credentials in the clear; ssh and git:// cannot pass the sandbox's proxy)"
         )));
     }
     let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
@@ -59,7 +128,10 @@ fn url_host(url: &str) -> Result<(&str, String), ToolError> {
     if host.is_empty() || url.chars().any(|c| c.is_control() || c == ' ') {
         return Err(ToolError(format!("url {url:?} has no host or holds spaces or control characters")));
     }
-    Ok((scheme, host.to_ascii_lowercase()))
+    if !authority.chars().all(|c| c.is_ascii_alphanumeric() || "-.:[]".contains(c)) {
+        return Err(ToolError(format!("url {url:?} has characters a host name cannot hold")));
+    }
+    Ok((authority.to_ascii_lowercase(), host.to_ascii_lowercase()))
 }
 
 /// `/workspace/<name>` for a URL ending in `<name>` or `<name>.git`.
@@ -105,16 +177,18 @@ pub async fn git_clone(server: &Session<'_>, args: &Value) -> Outcome {
     // Errors of the arguments are built from the URL, which has no token
     // in it (refused above) — but scrub them too.
     let refuse = |e: ToolError| ToolError(scrub(&e.0, &secrets));
-    let (scheme, host) = url_host(url).map_err(refuse)?;
-    if !token.is_empty() && scheme != "https" {
-        return Err(ToolError("a token is only sent over https; use an https:// URL".into()));
-    }
+    let (authority, host) = url_host(url).map_err(refuse)?;
     let git_hosts = &server.moat.egress_config().git_hosts;
     if !git_hosts.contains(&host) {
         return Err(ToolError(format!(
             "{host} is not a Git host this server clones from ({}); the server's MOAT_GIT_HOSTS lists them",
             git_hosts.join(", ")
         )));
+    }
+    // No sandbox is made or used when the operator grants no network.
+    let grants = *server.moat.grants();
+    if !grants.allows_network(NetworkPolicy::Filtered) {
+        return Err(ToolError(grants.refuse_network(NetworkPolicy::Filtered, "git_clone needs").to_string()));
     }
     let path = match str_arg(args, "path")? {
         Some(path) if path.starts_with('/') => path.to_owned(),
@@ -138,26 +212,63 @@ pub async fn git_clone(server: &Session<'_>, args: &Value) -> Outcome {
     if sandbox.spec.network == NetworkPolicy::None {
         return Err(ToolError(format!(
             "sandbox {id} has no network (policy none), so it cannot clone; create one with create_sandbox \
-             network \"filtered\" (or \"open\"), or start the server with MOAT_NETWORK=filtered"
+             network \"filtered\" (this server grants up to {:?})",
+            grants.network.as_str()
         )));
     }
-    let mut request = ExecRequest::argv(["bash", "-c", CLONE_SCRIPT]);
-    request.env = vec![
-        ("MOAT_GIT_URL".into(), url.to_owned()),
-        ("MOAT_GIT_DEST".into(), path.clone()),
-        ("MOAT_GIT_BRANCH".into(), branch.to_owned()),
-        ("MOAT_GIT_COMMIT".into(), commit.to_owned()),
-        ("MOAT_GIT_USER".into(), username.to_owned()),
-        ("MOAT_GIT_TOKEN".into(), token.to_owned()),
-        ("MOAT_GIT_HELPER".into(), CREDENTIAL_HELPER.to_owned()),
+    // The clone's environment is moat's own: none of the sandbox's `env`
+    // but the CA a test host or private server needs, and the proxy of a
+    // filtered sandbox.
+    let mut env: Vec<(String, String)> = sandbox
+        .spec
+        .env
+        .iter()
+        .filter(|(key, _)| ["GIT_SSL_CAINFO", "GIT_SSL_CAPATH"].contains(&key.as_str()))
+        .cloned()
+        .collect();
+    if sandbox.spec.network == NetworkPolicy::Filtered {
+        env.extend(moat_core::egress::proxy_env());
+    }
+    env.extend([
+        ("MOAT_GIT_URL".to_owned(), url.to_owned()),
+        ("MOAT_GIT_AUTHORITY".to_owned(), authority),
+        ("MOAT_GIT_BRANCH".to_owned(), branch.to_owned()),
+        ("MOAT_GIT_COMMIT".to_owned(), commit.to_owned()),
+        ("MOAT_GIT_HELPER".to_owned(), CREDENTIAL_HELPER.to_owned()),
+        ("MOAT_GIT_CONFIG".to_owned(), GIT_CONFIG.to_owned()),
         // Never wait for a password on a terminal nobody watches.
-        ("GIT_TERMINAL_PROMPT".into(), "0".into()),
-        ("GIT_ASKPASS".into(), "/bin/false".into()),
-    ];
+        ("GIT_TERMINAL_PROMPT".to_owned(), "0".to_owned()),
+        ("GIT_ASKPASS".to_owned(), "/bin/false".to_owned()),
+    ]);
+    let mut request = ExecRequest::argv(["bash", "-c", CLONE_SCRIPT]);
+    request.env = env;
+    request.user = Some("root".into());
+    request.cwd = Some("/".into());
+    request.stdin = true;
     request.timeout_ms = Some(CLONE_TIMEOUT_MS);
     let started_at = moat_core::sandbox::now();
-    let handle = server.moat.exec(&id, request).await?;
-    let mut out = handle.output_limited(1 << 20).await?;
+    let client = server.moat.client(&id)?;
+    let agent = |source| moat_core::CoreError::Agent { id: id.clone(), source };
+    let mut handle = client.exec(request).await.map_err(agent)?;
+    if let Some(mut stdin) = handle.take_stdin() {
+        let secret = format!("{username}\n{token}\n");
+        stdin.write(secret.into_bytes().into()).await.map_err(agent)?;
+        stdin.close().await.map_err(agent)?;
+    }
+    let mut out = handle.output_limited(1 << 20).await.map_err(agent)?;
+    if out.status.success() {
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stage = text.lines().next().unwrap_or_default().trim().to_owned();
+        let mut place = ExecRequest::argv(["bash", "-c", PLACE_SCRIPT]);
+        place.env = vec![("MOAT_GIT_STAGE".into(), stage), ("MOAT_GIT_DEST".into(), path.clone())];
+        place.user = Some("user".into());
+        place.timeout_ms = Some(CLONE_TIMEOUT_MS);
+        let placed = client.exec(place).await.map_err(agent)?.output_limited(1 << 20).await.map_err(agent)?;
+        if !placed.status.success() {
+            out.status = placed.status;
+            out.stderr = placed.stderr;
+        }
+    }
     out.stdout = scrub(&String::from_utf8_lossy(&out.stdout), &secrets).into_bytes();
     out.stderr = scrub(&String::from_utf8_lossy(&out.stderr), &secrets).into_bytes();
     let described = format!("git_clone {url} into {path}");
@@ -176,7 +287,7 @@ pub async fn git_clone(server: &Session<'_>, args: &Value) -> Outcome {
         };
         return Err(ToolError(format!("git clone of {url} failed: {why}{hint}")));
     }
-    let commit = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().trim().to_owned();
+    let commit = String::from_utf8_lossy(&out.stdout).lines().nth(1).unwrap_or_default().trim().to_owned();
     Ok(json!({ "path": path, "commit": commit }))
 }
 
@@ -188,11 +299,29 @@ mod tests {
     fn urls_are_checked_before_anything_runs() {
         assert_eq!(url_host("https://GitHub.com/a/b.git").map(|(_, h)| h).ok(), Some("github.com".into()));
         assert_eq!(url_host("https://git.test:8443/r.git").map(|(_, h)| h).ok(), Some("git.test".into()));
-        for bad in ["git@github.com:a/b.git", "ssh://github.com/a/b", "https://u:t@github.com/a/b", "https:///x"] {
+        assert_eq!(url_host("https://Git.test:8443/r.git").map(|(a, _)| a).ok(), Some("git.test:8443".into()));
+        for bad in [
+            "git@github.com:a/b.git",
+            "ssh://github.com/a/b",
+            "https://u:t@github.com/a/b",
+            "https:///x",
+            "http://github.com/a/b",
+            "file:///etc",
+            "https://git.test$(id)/r",
+        ] {
             assert!(url_host(bad).is_err(), "{bad}");
         }
         assert_eq!(default_path("https://github.com/a/repo.git/").ok(), Some("/workspace/repo".into()));
         assert!(default_path("https://github.com/").is_err());
+    }
+
+    #[test]
+    fn gits_own_configuration_allows_https_only_and_one_helper() {
+        let config = GIT_CONFIG.replace("@HELPER@", "/run/moat-git.x/helper");
+        assert!(config.contains("helper = /run/moat-git.x/helper") && config.contains("allow = never"), "{config}");
+        assert!(config.contains("[protocol \"https\"]\n\tallow = always"), "{config}");
+        assert!(CLONE_SCRIPT.contains("GIT_CONFIG_NOSYSTEM=1") && CLONE_SCRIPT.contains("GIT_CONFIG_GLOBAL="));
+        assert!(CREDENTIAL_HELPER.contains("\"$proto\" = https") && CREDENTIAL_HELPER.contains("\"$want\""));
     }
 
     #[test]
@@ -207,6 +336,6 @@ mod tests {
     fn secrets_are_scrubbed() {
         assert_eq!(scrub("fatal: bad token s3cr3t-t0k3n here", &["s3cr3t-t0k3n"]), "fatal: bad token *** here");
         assert_eq!(scrub("abc", &[""]), "abc", "an empty token scrubs nothing");
-        assert!(!CLONE_SCRIPT.contains("MOAT_GIT_TOKEN=") && CREDENTIAL_HELPER.contains("$MOAT_GIT_TOKEN"));
+        assert!(!CLONE_SCRIPT.contains("MOAT_GIT_TOKEN"), "the token never travels in the environment");
     }
 }

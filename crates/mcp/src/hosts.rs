@@ -71,6 +71,20 @@ impl Host {
     }
 }
 
+/// How a client of `moat-mcp --http` gets its bearer token, for `init` to
+/// print: `token_dir` is where a server writes a generated one
+/// ([`crate::http::token_dir`]).
+pub fn http_token_help(token_dir: &Path) -> String {
+    format!(
+        "moat-mcp --http requires `Authorization: Bearer <token>` on every request. Either start it with \
+         MOAT_HTTP_TOKEN set (16 or more characters) and give the client the same value, or let it generate one: \
+         it writes it to {}/http-<port>.token (readable by you only) and prints that path; clients read it from \
+         there, e.g. `Authorization: Bearer $(cat {}/http-8000.token)`. The stdio entry written here needs no token.",
+        token_dir.display(),
+        token_dir.display()
+    )
+}
+
 /// `existing` (the file's text, if any) with moat added or replaced under
 /// the host's servers key. Fails, touching nothing, on a file that is not a
 /// JSON object.
@@ -113,6 +127,13 @@ mod tests {
         let value: Value = serde_json::from_str(&text).expect("json");
         assert_eq!(value["servers"]["moat"]["type"], "stdio");
         assert!(value.get("mcpServers").is_none());
+    }
+
+    #[test]
+    fn the_http_token_help_says_where_the_token_is() {
+        let help = http_token_help(Path::new("/run/user/1000/moat"));
+        assert!(help.contains("MOAT_HTTP_TOKEN") && help.contains("/run/user/1000/moat/http-<port>.token"), "{help}");
+        assert!(help.contains("Authorization: Bearer"), "{help}");
     }
 
     #[test]

@@ -6,15 +6,21 @@
 //! - `Host` must be exactly the address the server listens on, and a
 //!   browser's `Origin` exactly `http://` + that address, so a web page
 //!   cannot reach the server through DNS rebinding;
-//! - with a token configured (`MOAT_HTTP_TOKEN`), `Authorization: Bearer
-//!   <token>` is required (401 with `WWW-Authenticate` otherwise).
+//! - `Authorization: Bearer <token>` is always required (401 with
+//!   `WWW-Authenticate` otherwise): loopback is not a trust boundary, since
+//!   every local account can reach it. The token is `MOAT_HTTP_TOKEN`, or
+//!   when that is unset one generated at start and written to a file only
+//!   its owner can read ([`TokenFile`]), whose path is printed on stderr.
 //!
 //! Each MCP session gets its own [`MoatServer`] and so its own [`Scope`]:
 //! sessions cannot see each other's sandboxes, and a session's sandboxes
 //! are destroyed when it closes or expires. Requests without a session
 //! (protocol 2026-07-28 has no sessions) share one scope of their own.
 
+use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,8 +42,8 @@ pub struct HttpConfig {
     pub host: IpAddr,
     /// 0 picks a free port (the URL is printed on stderr).
     pub port: u16,
-    /// The bearer token every request must carry, when set.
-    pub token: Option<String>,
+    /// The bearer token every request must carry.
+    pub token: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +65,84 @@ pub enum HttpError {
     Serve(#[source] std::io::Error),
     #[error("The tools contract does not parse")]
     Contract(#[source] serde_json::Error),
+    #[error(
+        "Cannot write the generated bearer token to {path} ({why}); set MOAT_HTTP_TOKEN to a secret of 16 or more \
+         characters instead, or fix that directory (it must be yours and not writable by others)"
+    )]
+    TokenFile { path: PathBuf, why: String },
+    #[error("An HTTP server needs a bearer token of at least 16 characters (MOAT_HTTP_TOKEN or a generated one)")]
+    NoToken,
+}
+
+/// The directory generated tokens are written to: `$XDG_RUNTIME_DIR/moat`
+/// when the session has a runtime directory, else `run/` in moat's data
+/// directory.
+pub fn token_dir(data_dir: &Path) -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()).map(PathBuf::from) {
+        Some(runtime) if runtime.is_dir() => runtime.join("moat"),
+        _ => data_dir.join("run"),
+    }
+}
+
+/// The file a server on `port` writes its generated token to.
+pub fn token_path(data_dir: &Path, port: u16) -> PathBuf {
+    token_dir(data_dir).join(format!("http-{port}.token"))
+}
+
+/// A generated token in a file only its owner can read; removed on drop.
+#[derive(Debug)]
+pub struct TokenFile {
+    pub path: PathBuf,
+    pub token: String,
+}
+
+impl Drop for TokenFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl TokenFile {
+    /// Generates a token and writes it to `path`: the directory is made
+    /// (mode 0700) if missing and must be this user's and writable by no
+    /// one else; the file is created with `O_EXCL | O_NOFOLLOW`, mode 0600.
+    /// A file left by a server that died is replaced; a link is refused.
+    pub fn create(path: &Path) -> Result<Self, HttpError> {
+        let fail = |why: String| HttpError::TokenFile { path: path.to_owned(), why };
+        let dir = path.parent().ok_or_else(|| fail("it has no directory".into()))?;
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| fail(e.to_string()))?;
+        let meta = std::fs::symlink_metadata(dir).map_err(|e| fail(e.to_string()))?;
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let me = unsafe { libc::geteuid() };
+        if !meta.is_dir() || meta.uid() != me || meta.permissions().mode() & 0o022 != 0 {
+            return Err(fail(format!("{} is not a directory of this user that only it may write", dir.display())));
+        }
+        match std::fs::symlink_metadata(path) {
+            Ok(old) if old.is_file() && old.uid() == me => {
+                std::fs::remove_file(path).map_err(|e| fail(format!("removing a stale token file: {e}")))?;
+            }
+            Ok(_) => return Err(fail("something that is not this user's file is in its place".into())),
+            Err(_) => {}
+        }
+        let token = new_token().map_err(|e| fail(format!("reading /dev/urandom: {e}")))?;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| fail(e.to_string()))?;
+        file.write_all(format!("{token}\n").as_bytes()).map_err(|e| fail(e.to_string()))?;
+        Ok(Self { path: path.to_owned(), token })
+    }
+}
+
+/// 64 random hex digits.
+fn new_token() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// Parses `--host`: an IP address that is not a wildcard.
@@ -77,7 +161,7 @@ struct Gate {
     /// `host:port` as clients must send it.
     authority: String,
     origin: String,
-    token: Option<String>,
+    token: String,
 }
 
 /// A bound server, ready to serve.
@@ -96,6 +180,13 @@ impl HttpServer {
         Ok(Self { listener, addr, config })
     }
 
+    /// The server with `token` as the bearer token it requires (for a
+    /// token made once the port is known).
+    pub fn with_token(mut self, token: String) -> Self {
+        self.config.token = token;
+        self
+    }
+
     /// The address it listens on (the port resolved when 0 was asked).
     pub fn addr(&self) -> SocketAddr {
         self.addr
@@ -108,6 +199,9 @@ impl HttpServer {
 
     /// Serves until `shutdown` is cancelled.
     pub async fn serve(self, moat: Moat, defaults: SandboxSpec, shutdown: CancellationToken) -> Result<(), HttpError> {
+        if self.config.token.len() < 16 {
+            return Err(HttpError::NoToken);
+        }
         let authority = self.addr.to_string();
         let origin = format!("http://{authority}");
         let tools = Arc::new(crate::contract_tools().map_err(HttpError::Contract)?);
@@ -161,18 +255,19 @@ async fn check_request(State(gate): State<Arc<Gate>>, request: Request, next: Ne
             );
         }
     }
-    if let Some(token) = &gate.token {
-        let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("");
-        let presented = given.strip_prefix("Bearer ").map(str::trim);
-        if !presented.is_some_and(|p| same_secret(p.as_bytes(), token.as_bytes())) {
-            let (challenge, message) = match presented {
-                None => (r#"Bearer realm="moat-mcp""#, "this server requires a bearer token (MOAT_HTTP_TOKEN)"),
-                Some(_) => (r#"Bearer realm="moat-mcp", error="invalid_token""#, "the bearer token is not valid"),
-            };
-            let mut response = refuse(StatusCode::UNAUTHORIZED, format!("Unauthorized: {message}"));
-            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
-            return response;
-        }
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let presented = given.strip_prefix("Bearer ").map(str::trim);
+    if !presented.is_some_and(|p| same_secret(p.as_bytes(), gate.token.as_bytes())) {
+        let (challenge, message) = match presented {
+            None => (
+                r#"Bearer realm="moat-mcp""#,
+                "this server requires a bearer token: MOAT_HTTP_TOKEN, or the one in the file it named at start",
+            ),
+            Some(_) => (r#"Bearer realm="moat-mcp", error="invalid_token""#, "the bearer token is not valid"),
+        };
+        let mut response = refuse(StatusCode::UNAUTHORIZED, format!("Unauthorized: {message}"));
+        response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+        return response;
     }
     let closing = request.method() == axum::http::Method::DELETE;
     let mut response = next.run(request).await;
@@ -206,6 +301,37 @@ mod tests {
         assert!(wildcard.contains("every address"), "{wildcard}");
         assert!(matches!(parse_host("::"), Err(HttpError::Wildcard(_))));
         assert!(matches!(parse_host("example.com"), Err(HttpError::NotAnAddress(_))));
+    }
+
+    #[test]
+    fn generated_tokens_are_for_the_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("run/http-8000.token");
+        let file = TokenFile::create(&path).expect("written");
+        assert_eq!(file.token.len(), 64);
+        let meta = std::fs::symlink_metadata(&path).expect("exists");
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        assert_eq!(std::fs::metadata(dir.path().join("run")).expect("dir").permissions().mode() & 0o777, 0o700);
+        assert_eq!(std::fs::read_to_string(&path).expect("read").trim(), file.token);
+        let first = file.token.clone();
+        // A file a dead server left is replaced, with a new token.
+        std::mem::forget(file);
+        let again = TokenFile::create(&path).expect("replaced");
+        assert_ne!(again.token, first);
+        drop(again);
+        assert!(!path.exists(), "removed with the server");
+
+        // A link in its place is never followed.
+        let target = dir.path().join("elsewhere");
+        std::os::unix::fs::symlink(&target, &path).expect("link");
+        let err = TokenFile::create(&path).expect_err("a link").to_string();
+        assert!(err.contains("MOAT_HTTP_TOKEN") && !target.exists(), "{err}");
+        std::fs::remove_file(&path).expect("unlink");
+
+        // A directory others may write is refused.
+        std::fs::set_permissions(dir.path().join("run"), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        assert!(TokenFile::create(&path).is_err());
     }
 
     #[test]

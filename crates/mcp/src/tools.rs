@@ -72,8 +72,23 @@ pub async fn call(server: &Session<'_>, name: &str, args: Value, context: &CallC
             result.structured_content = Some(value);
             result
         }
-        Err(ToolError(message)) => CallToolResult::error(vec![ContentBlock::text(message)]),
+        Err(ToolError(message)) => {
+            CallToolResult::error(vec![ContentBlock::text(hide_private_paths(&message, server.moat))])
+        }
     }
+}
+
+/// `message` with moat's own host paths ([`moat_core::Moat::private_paths`]:
+/// data directory, binaries, cgroups) replaced by words: errors from deep
+/// inside (a backend that could not start, an image that is missing) must
+/// not show the model where things live on the host.
+pub(crate) fn hide_private_paths(message: &str, moat: &moat_core::Moat) -> String {
+    hide_paths(message, &moat.private_paths())
+}
+
+/// `message` with each of `paths` (longest first) replaced by its words.
+fn hide_paths(message: &str, paths: &[(String, &str)]) -> String {
+    paths.iter().fold(message.to_owned(), |text, (path, label)| text.replace(path.as_str(), label))
 }
 
 async fn plain_call(server: &Session<'_>, name: &str, args: &Value, context: &CallContext) -> Outcome {
@@ -800,6 +815,20 @@ mod tests {
         assert!(cut);
         assert!(text.ends_with("… [truncated: 5 more characters]"), "{}", &text[text.len() - 40..]);
         assert_eq!(clip("short"), ("short".to_owned(), false));
+    }
+
+    #[test]
+    fn private_host_paths_are_replaced_by_words() {
+        let paths =
+            [("/srv/moat-data/images".to_owned(), "<images>"), ("/srv/moat-data".to_owned(), "<moat data directory>")];
+        let message =
+            "Image \"x\" is corrupt: /srv/moat-data/images/x/rootfs.ext4 is short; state in /srv/moat-data/sandboxes";
+        let hidden = hide_paths(message, &paths);
+        assert!(!hidden.contains("/srv/moat-data"), "{hidden}");
+        assert!(
+            hidden.contains("<images>/x/rootfs.ext4") && hidden.contains("<moat data directory>/sandboxes"),
+            "{hidden}"
+        );
     }
 
     #[test]

@@ -15,9 +15,11 @@ fn render() -> String {
          sandbox is used, created with the defaults on first need. Mistakes the model\n\
          can fix come back as results with `isError: true` and a message saying what\n\
          to do. Text outputs are cut at 100,000 characters.\n\n\
-         `git_clone` needs a sandbox with network `filtered` or `open`; network\n\
-         policies, the egress log and preview links are described in\n\
-         [network.md](network.md).\n",
+         `git_clone` needs a sandbox with network `filtered` or `open`. A model may\n\
+         ask only for what the operator grants: network up to `MOAT_ALLOW_NETWORK`\n\
+         (`none` unless set) and `allow_hosts` among the operator's hosts; more is\n\
+         refused with the variable that would allow it. Network policies, the\n\
+         egress log and preview links are described in [network.md](network.md).\n",
     );
     for tool in contract["tools"].as_array().expect("tools") {
         let name = tool["name"].as_str().unwrap_or_default();

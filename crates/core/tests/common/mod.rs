@@ -27,6 +27,8 @@ pub async fn moat(backend: BackendKind, max_sandboxes: usize, egress: EgressConf
         pool_size: 0,
         pool_spec: SandboxSpec::default(),
         egress,
+        // The test is the operator: it grants what it asks for.
+        grants: moat_core::Grants::everything(),
     };
     Moat::new(config).await.expect("moat starts (image built, agent built, running as root)")
 }
