@@ -74,6 +74,28 @@ pub fn ensure_packages(packages: &[(&str, &str)]) -> Result<()> {
         .env("DEBIAN_FRONTEND", "noninteractive"))
 }
 
+/// Makes `/dev/net/tun` usable by pasta, which runs as the sandbox's
+/// unprivileged uid: some machines ship it mode 0600. As root the gate
+/// sets Debian's usual 0666 (and says so); otherwise it says what to run.
+/// `moat doctor` reports the same problem to users.
+pub fn ensure_tun() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    const TUN: &str = "/dev/net/tun";
+    let mode = match std::fs::metadata(TUN) {
+        Ok(meta) => meta.permissions().mode() & 0o7777,
+        Err(e) => bail!("{TUN}: {e}; load the tun module (`modprobe tun`) so the network tests can run pasta"),
+    };
+    if mode & 0o006 == 0o006 {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!("{TUN} is mode {mode:04o}, which stops pasta (network `open`); run: sudo chmod 0666 {TUN}");
+    }
+    eprintln!("xtask: {TUN} was mode {mode:04o}, which stops rootless pasta; setting Debian's usual 0666");
+    std::fs::set_permissions(TUN, std::fs::Permissions::from_mode(0o666))?;
+    Ok(())
+}
+
 /// Whether `program` is installed, on PATH or in the sbin directories a
 /// non-login root shell may lack.
 pub fn on_path(program: &str) -> bool {

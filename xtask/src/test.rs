@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 
-use crate::host::{BASE_PACKAGES, cargo, ensure_packages, root, run};
+use crate::host::{BASE_PACKAGES, cargo, ensure_packages, ensure_tun, root, run};
 use crate::{build, image, nested};
 
 /// What the tests use beyond the base packages: QEMU boots the image in the
@@ -33,6 +33,7 @@ pub fn gate() -> Result<()> {
     ensure_packages(BASE_PACKAGES)?;
     ensure_packages(TEST_PACKAGES)?;
     ensure_packages(nested::NESTED_PACKAGES)?;
+    ensure_tun()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     let agent = build::static_agent()?;
