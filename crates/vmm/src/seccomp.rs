@@ -5,7 +5,11 @@
 //! subverts a device model gains no new powers on the host. The vCPU threads
 //! may issue only the KVM ioctls of the run loop (and of the fault report);
 //! the VMM thread (event loop, control socket, console input) may not issue
-//! KVM ioctls at all. Neither may open files, create sockets, or exec.
+//! KVM ioctls at all. Neither may open files or exec. The VMM thread may
+//! create and connect Unix sockets only when the guest may open
+//! connections to the host (vsock `host_ports` not empty), and remove files
+//! only when it is not jailed (a jail's supervisor removes its sockets):
+//! see [`Needs`].
 
 use std::collections::BTreeMap;
 
@@ -71,17 +75,15 @@ const COMMON: &[i64] = &[
     libc::SYS_tgkill,
 ];
 
-/// What the VMM thread adds: epoll, the control socket, timers, and
-/// removing its socket files on the way out; the devices' work (disk
-/// reads, writes and flushes; vsock's Unix sockets, `socket(2)` allowed
-/// for `AF_UNIX` only, below).
+/// What the VMM thread adds: epoll, the control socket, timers; the
+/// devices' work on the descriptors they hold (disk reads, writes and
+/// flushes; vsock's and passt's Unix sockets).
 const VMM: &[i64] = &[
     libc::SYS_pread64,
     libc::SYS_pwrite64,
     libc::SYS_fdatasync,
     libc::SYS_fsync,
     libc::SYS_fallocate,
-    libc::SYS_connect,
     libc::SYS_epoll_wait,
     libc::SYS_epoll_pwait,
     libc::SYS_epoll_ctl,
@@ -91,20 +93,36 @@ const VMM: &[i64] = &[
     libc::SYS_sendmsg,
     libc::SYS_shutdown,
     libc::SYS_timerfd_settime,
-    libc::SYS_unlink,
-    libc::SYS_unlinkat,
     libc::SYS_fstat,
     libc::SYS_statx,
     libc::SYS_poll,
     libc::SYS_ppoll,
 ];
 
+/// What the VMM thread may do beyond working on the descriptors it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Needs {
+    /// Open new Unix socket connections (`socket(AF_UNIX)`, `connect`): the
+    /// vsock device's connections from the guest to `<uds_path>_<port>`.
+    pub connect: bool,
+    /// Remove files (`unlink`): the control socket's file when the VMM
+    /// ends. A jailed VMM leaves that to its supervisor.
+    pub unlink: bool,
+}
+
+impl Needs {
+    /// Everything a VMM may be configured to need.
+    pub const ALL: Self = Self { connect: true, unlink: true };
+    /// Nothing beyond the descriptors it holds.
+    pub const NONE: Self = Self { connect: false, unlink: false };
+}
+
 fn rule(ioctl: u64) -> Result<SeccompRule, seccompiler::BackendError> {
     SeccompRule::new(vec![SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, ioctl)?])
 }
 
-/// The filter for `kind`.
-pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
+/// The filter for `kind`; `needs` widens the VMM thread's.
+pub fn filter(kind: ThreadKind, needs: Needs) -> Result<BpfProgram, SeccompError> {
     let build = || -> Result<BpfProgram, seccompiler::BackendError> {
         let mut rules: BTreeMap<i64, Vec<SeccompRule>> = COMMON.iter().map(|s| (*s, vec![])).collect();
         match kind {
@@ -115,9 +133,17 @@ pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
                 // was (glibc's tcsetattr reads the settings back too).
                 let ioctls = [libc::FIONBIO, libc::FIOCLEX, libc::TCGETS, libc::TCSETS];
                 rules.insert(libc::SYS_ioctl, ioctls.into_iter().map(rule).collect::<Result<_, _>>()?);
-                // vsock connects guest connections to Unix sockets only.
-                let unix = SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::AF_UNIX as u64)?;
-                rules.insert(libc::SYS_socket, vec![SeccompRule::new(vec![unix])?]);
+                if needs.connect {
+                    // vsock connects guest connections to Unix sockets only.
+                    let unix =
+                        SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::AF_UNIX as u64)?;
+                    rules.insert(libc::SYS_socket, vec![SeccompRule::new(vec![unix])?]);
+                    rules.insert(libc::SYS_connect, vec![]);
+                }
+                if needs.unlink {
+                    rules.insert(libc::SYS_unlink, vec![]);
+                    rules.insert(libc::SYS_unlinkat, vec![]);
+                }
             }
             ThreadKind::Vcpu => {
                 // A driver's status write resets or activates its device on
@@ -157,7 +183,7 @@ mod tests {
     #[test]
     fn both_filters_build() {
         for kind in [ThreadKind::Vmm, ThreadKind::Vcpu] {
-            assert!(!filter(kind).expect("builds").is_empty());
+            assert!(!filter(kind, Needs::ALL).expect("builds").is_empty());
         }
     }
 
@@ -167,7 +193,7 @@ mod tests {
     #[test]
     fn a_forbidden_syscall_on_a_vcpu_thread_kills_the_process() {
         if std::env::var_os("MOAT_SECCOMP_CHILD").is_some() {
-            let program = filter(ThreadKind::Vcpu).expect("builds");
+            let program = filter(ThreadKind::Vcpu, Needs::ALL).expect("builds");
             let thread = std::thread::spawn(move || {
                 install(&program).expect("installs");
                 // Allowed: a write. Then forbidden: socket(2).
@@ -222,7 +248,7 @@ mod tests {
             });
             let (vmm_end, mut passt) = std::os::unix::net::UnixStream::pair().expect("socketpair");
             let mut net = crate::devices::virtio::net::Net::new([2, 0, 0, 0, 0, 1], vmm_end).expect("net");
-            let program = filter(ThreadKind::Vmm).expect("builds");
+            let program = filter(ThreadKind::Vmm, Needs::ALL).expect("builds");
             let device = std::thread::spawn(move || {
                 install(&program).expect("installs");
                 net_work(&mut net, &mut passt);
@@ -343,7 +369,7 @@ mod tests {
             passt.write_all(&[0, 0, 0, 4, 1, 2, 3, 4]).expect("a frame");
             let mem = crate::devices::virtio::testing::guest_memory(1 << 16);
             net.process_host(None, &mem);
-            let program = filter(ThreadKind::Vcpu).expect("builds");
+            let program = filter(ThreadKind::Vcpu, Needs::ALL).expect("builds");
             let vcpu = std::thread::spawn(move || {
                 install(&program).expect("installs");
                 guest.dev.reset();
