@@ -300,6 +300,67 @@ mod tests {
         assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{:?}\n{stderr}", out.status);
     }
 
+    /// A jailed VMM whose guest may reach no host port needs neither new
+    /// connections nor file removal: under that filter, a VMM thread that
+    /// `connect`s to a Unix socket (set up before, as an exploit would
+    /// find one) or `unlink`s a file kills the process, and neither
+    /// happens.
+    #[test]
+    fn without_needs_connect_and_unlink_kill_the_vmm() {
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::process::ExitStatusExt;
+
+        if let Some(what) = std::env::var_os("MOAT_SECCOMP_NEEDS_CHILD") {
+            let dir = std::path::PathBuf::from(std::env::var_os("MOAT_SECCOMP_NEEDS_DIR").expect("dir given"));
+            let program = filter(ThreadKind::Vmm, Needs::NONE).expect("builds");
+            let thread = std::thread::spawn(move || {
+                // Made before the filter, as at setup: a socket to connect.
+                // SAFETY: socket(2) with constant arguments.
+                let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+                assert!(fd >= 0, "socket");
+                install(&program).expect("installs");
+                eprintln!("vmm filter installed");
+                if what == "connect" {
+                    let path = dir.join("host.sock");
+                    // SAFETY: a zeroed sockaddr_un is a valid value.
+                    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+                    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+                    for (d, s) in addr.sun_path.iter_mut().zip(path.as_os_str().as_bytes()) {
+                        *d = *s as libc::c_char;
+                    }
+                    let len = u32::try_from(size_of::<libc::sockaddr_un>()).expect("small");
+                    // SAFETY: connect(2) reads `len` bytes of `addr`, which we own.
+                    let r = unsafe { libc::connect(fd, (&raw const addr).cast(), len) };
+                    eprintln!("still alive after connect() = {r}");
+                } else {
+                    let r = std::fs::remove_file(dir.join("victim"));
+                    eprintln!("still alive after unlink: {r:?}");
+                }
+            });
+            let _ = thread.join();
+            std::process::exit(0);
+        }
+        for what in ["connect", "unlink"] {
+            let dir = tempfile::tempdir().expect("dir");
+            let listener = std::os::unix::net::UnixListener::bind(dir.path().join("host.sock")).expect("binds");
+            listener.set_nonblocking(true).expect("nonblocking");
+            std::fs::write(dir.path().join("victim"), b"x").expect("victim");
+            let exe = std::env::current_exe().expect("test binary path");
+            let out = std::process::Command::new(exe)
+                .args(["--exact", "seccomp::tests::without_needs_connect_and_unlink_kill_the_vmm", "--nocapture"])
+                .env("MOAT_SECCOMP_NEEDS_CHILD", what)
+                .env("MOAT_SECCOMP_NEEDS_DIR", dir.path())
+                .output()
+                .expect("child runs");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(stderr.contains("vmm filter installed"), "{what}: {stderr}");
+            assert!(!stderr.contains("still alive"), "{what}: {stderr}");
+            assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{what}: {:?}\n{stderr}", out.status);
+            assert!(listener.accept().is_err(), "{what}: no connection reached the host socket");
+            assert!(dir.path().join("victim").exists(), "{what}: the file is still there");
+        }
+    }
+
     /// The network device's work under a filter: a frame each way through
     /// passt's stream, then passt hanging up.
     fn net_work(net: &mut crate::devices::virtio::net::Net, passt: &mut std::os::unix::net::UnixStream) {
