@@ -112,7 +112,8 @@ impl Vm {
 
     /// A jailed moat-vmm laid out as core lays one out: the kernel in
     /// `image/`, the console and the jail in `state/`, the sockets (and
-    /// the host's vsock listeners) in `state/run/`.
+    /// the host's vsock listeners) in `state/run/`; `{state}` in `extra`
+    /// stands for the state directory.
     fn jailed(code: &[u8], extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let d = dir.path().canonicalize().expect("canonical temp dir");
@@ -129,7 +130,7 @@ impl Vm {
             .arg(&socket)
             .arg("--jail")
             .arg(d.join("state/jail"))
-            .args(extra)
+            .args(extra.iter().map(|a| a.replace("{state}", d.join("state").to_str().expect("utf-8"))))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -580,20 +581,26 @@ fn guest_driver_reads_the_base_and_writes_into_the_overlay() {
         code.push(0xee);
     }
     code.extend(poweroff());
-    let dir = tempfile::tempdir().expect("temp dir");
-    let base = dir.path().join("rootfs.ext4");
-    std::fs::write(&base, vec![b'B'; 1 << 20]).expect("base written");
-    let overlay = dir.path().join("overlay.img");
-    let disk = format!("{},overlay={},overlay_limit_mib=1", base.display(), overlay.display());
-    let (out, console) = Vm::start(&code, true, &["--disk", &disk]).wait();
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    assert_eq!(console.as_bytes(), [b'B', 0, 0], "base byte, read status, write status");
-    assert_eq!(std::fs::read(&base).expect("base"), vec![b'B'; 1 << 20], "the base is untouched");
-    use moat_vmm::devices::virtio::block::{CowDisk, DiskBackend};
-    let mut cow = CowDisk::open(&base, &overlay, 1 << 20).expect("the overlay reopens");
-    let mut sectors = vec![0u8; 1024];
-    cow.read_at(&mut sectors, 0).expect("reads");
-    assert_eq!((&sectors[..512], &sectors[512..]), (&[b'B'; 512][..], &[b'a'; 512][..]));
+    // Jailed too: the overlay is created before the jail, the base bound
+    // read-only and the overlay read-write.
+    for jailed in [false, true] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let base = dir.path().join("rootfs.ext4");
+        std::fs::write(&base, vec![b'B'; 1 << 20]).expect("base written");
+        let overlay = dir.path().join("overlay.img");
+        let disk = format!("{},overlay={},overlay_limit_mib=1", base.display(), overlay.display());
+        let vm =
+            if jailed { Vm::jailed(&code, &["--disk", &disk]) } else { Vm::start(&code, true, &["--disk", &disk]) };
+        let (out, console) = vm.wait();
+        assert_eq!(out.status.code(), Some(0), "jailed {jailed}: {}", stderr(&out));
+        assert_eq!(console.as_bytes(), [b'B', 0, 0], "base byte, read status, write status");
+        assert_eq!(std::fs::read(&base).expect("base"), vec![b'B'; 1 << 20], "the base is untouched");
+        use moat_vmm::devices::virtio::block::{CowDisk, DiskBackend};
+        let mut cow = CowDisk::open(&base, &overlay, 1 << 20).expect("the overlay reopens");
+        let mut sectors = vec![0u8; 1024];
+        cow.read_at(&mut sectors, 0).expect("reads");
+        assert_eq!((&sectors[..512], &sectors[512..]), (&[b'B'; 512][..], &[b'a'; 512][..]));
+    }
 }
 
 /// A guest driver connecting from vsock port 1234 to the host's port 5000,
@@ -731,7 +738,8 @@ fn files_under(dir: &Path, prefix: &Path, found: &mut Vec<PathBuf>) {
 #[test]
 #[ignore = "needs /dev/kvm; cargo xtask test provides it"]
 fn a_jailed_vmm_has_no_privileges_its_own_namespaces_and_only_its_files() {
-    let vm = Vm::jailed(&dots(), &["--vcpus", "2"]);
+    let vsock = ["--vsock-cid", "3", "--vsock-uds", "{state}/run/v.sock", "--vsock-host-ports", "none"];
+    let vm = Vm::jailed(&dots(), &[&["--vcpus", "2"], &vsock[..]].concat());
     let d = vm.dir.path().canonicalize().expect("canonical");
     let mut control = Control::connect(&vm.socket());
     let status = control.call(r#"{"op":"status"}"#);
@@ -758,8 +766,10 @@ fn a_jailed_vmm_has_no_privileges_its_own_namespaces_and_only_its_files() {
     let mut found = Vec::new();
     files_under(Path::new(&format!("/proc/{inner}/root")), Path::new("/"), &mut found);
     found.sort();
-    let expected: Vec<PathBuf> =
-        ["image/vmlinux", "state/console", "state/run/ctl.sock"].iter().map(|p| d.join(p)).collect();
+    let expected: Vec<PathBuf> = ["image/vmlinux", "state/console", "state/run/ctl.sock", "state/run/v.sock"]
+        .iter()
+        .map(|p| d.join(p))
+        .collect();
     assert_eq!(found, expected);
     let hostname = std::fs::read_to_string(format!("/proc/{inner}/root/proc/sys/kernel/hostname"));
     assert!(hostname.is_err(), "no /proc in the jail");
@@ -770,6 +780,7 @@ fn a_jailed_vmm_has_no_privileges_its_own_namespaces_and_only_its_files() {
     let (out, _) = vm.wait();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert!(!socket.exists(), "the supervisor removes the control socket");
+    assert!(!d.join("state/run/v.sock").exists(), "and the vsock socket");
     assert!(!Path::new(&format!("/proc/{inner}")).exists(), "the jailed VMM is gone");
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
     assert!(!mounts.contains(d.to_str().expect("utf-8")), "no mount left on the host: {mounts}");

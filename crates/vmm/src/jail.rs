@@ -172,8 +172,13 @@ impl Jail {
     /// called while the process has a single thread.
     pub fn enter(self) -> Result<Side, JailError> {
         let ns = |what| move |source| JailError::Namespaces { what, source };
-        // SAFETY: geteuid/getegid only read the caller's credentials.
-        let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+        // SAFETY: geteuid/getegid/getppid only read the caller's credentials.
+        let (uid, gid, parent) = unsafe { (libc::geteuid(), libc::getegid(), libc::getppid()) };
+        // A new user namespace clears the parent-death signal our starter
+        // may have asked for; the supervisor sets it again (below).
+        let mut death_signal: libc::c_int = 0;
+        // SAFETY: PR_GET_PDEATHSIG writes one int to the pointer given.
+        unsafe { libc::prctl(libc::PR_GET_PDEATHSIG, &mut death_signal as *mut libc::c_int, 0, 0, 0) };
         if uid == 0 {
             check(
                 // SAFETY: unshare(2) with constant flags; no memory is passed.
@@ -224,6 +229,17 @@ impl Jail {
                 drop(alive_read);
                 // The supervisor needs no privilege either.
                 drop_privileges()?;
+                if death_signal != 0 {
+                    // SAFETY: prctl with plain values; getppid reads only;
+                    // kill signals the supervisor's own child.
+                    unsafe {
+                        libc::prctl(libc::PR_SET_PDEATHSIG, death_signal, 0, 0, 0);
+                        if libc::getppid() != parent {
+                            // The starter died meanwhile: end as it asked.
+                            libc::kill(child, libc::SIGKILL);
+                        }
+                    }
+                }
                 let ended = supervise(child, &mask);
                 for socket in &self.sockets {
                     use std::os::unix::fs::FileTypeExt;
