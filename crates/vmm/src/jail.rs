@@ -286,7 +286,7 @@ impl Jail {
         let dot = c"." as &std::ffi::CStr;
         // SAFETY: pivot_root(".", ".") with NUL-terminated constant strings:
         // the old root is stacked under the new one, then detached.
-        check(unsafe { libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) } as i32)
+        check(unsafe { libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) })
             .map_err(fail("pivoting into", root))?;
         // SAFETY: detaches the old root, now mounted on "."; no memory passed.
         check(unsafe { libc::umount2(dot.as_ptr(), libc::MNT_DETACH) })
@@ -448,7 +448,7 @@ pub fn drop_privileges() -> Result<(), JailError> {
     let data = [Data { effective: 0, permitted: 0, inheritable: 0 }; 2];
     // SAFETY: capset reads a version-3 header and two data words, both
     // laid out as <linux/capability.h> defines them.
-    check(unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) } as i32).map_err(fail("capset"))?;
+    check(unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) }).map_err(fail("capset"))?;
     // SAFETY: prctl with constant arguments.
     check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) }).map_err(fail("no_new_privs"))
 }
@@ -506,8 +506,9 @@ fn signal_set(signals: &[i32]) -> libc::sigset_t {
     }
 }
 
-fn check(result: i32) -> std::io::Result<()> {
-    if result < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
+/// A system call's result: negative is the error in `errno`.
+fn check(result: impl Into<i64>) -> std::io::Result<()> {
+    if result.into() < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
 }
 
 #[cfg(test)]

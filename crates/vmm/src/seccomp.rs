@@ -324,7 +324,7 @@ mod tests {
                     let path = dir.join("host.sock");
                     // SAFETY: a zeroed sockaddr_un is a valid value.
                     let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-                    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+                    addr.sun_family = libc::sa_family_t::try_from(libc::AF_UNIX).expect("AF_UNIX fits");
                     for (d, s) in addr.sun_path.iter_mut().zip(path.as_os_str().as_bytes()) {
                         *d = *s as libc::c_char;
                     }
