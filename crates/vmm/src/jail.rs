@@ -283,14 +283,28 @@ impl Jail {
         mount(None, root, None, libc::MS_REMOUNT | libc::MS_RDONLY | hidden, None)
             .map_err(fail("making read-only", root))?;
         std::env::set_current_dir(root).map_err(fail("entering", root))?;
-        let dot = c"." as &std::ffi::CStr;
+        let dot = c".";
         // SAFETY: pivot_root(".", ".") with NUL-terminated constant strings:
         // the old root is stacked under the new one, then detached.
-        check(unsafe { libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) })
-            .map_err(fail("pivoting into", root))?;
-        // SAFETY: detaches the old root, now mounted on "."; no memory passed.
-        check(unsafe { libc::umount2(dot.as_ptr(), libc::MNT_DETACH) })
-            .map_err(fail("detaching the host from", root))?;
+        match check(unsafe { libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) }) {
+            Ok(()) => {
+                // SAFETY: detaches the old root, now mounted on "."; no memory passed.
+                check(unsafe { libc::umount2(dot.as_ptr(), libc::MNT_DETACH) })
+                    .map_err(fail("detaching the host from", root))?;
+            }
+            // The host's root is the initial ramfs, which cannot be pivoted
+            // away (a machine that never left its initramfs, like the nested
+            // test host): move the jail's root over it and chroot there, as
+            // switch_root and runc do. The ramfs below is out of reach of a
+            // process without CAP_SYS_CHROOT and without /proc.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                mount(Some(root), Path::new("/"), None, libc::MS_MOVE, None)
+                    .map_err(fail("moving over the initial ramfs", root))?;
+                // SAFETY: chroot(".") with a constant string; cwd is the jail's root.
+                check(unsafe { libc::chroot(dot.as_ptr()) }).map_err(fail("entering", root))?;
+            }
+            Err(e) => return Err(fail("pivoting into", root)(e)),
+        }
         std::env::set_current_dir("/").map_err(fail("entering", Path::new("/")))?;
         let name = b"moat-vmm";
         // SAFETY: sethostname reads `name.len()` bytes of `name`.
