@@ -6,7 +6,8 @@
 //!    are created, as the caller, before anything else.
 //! 2. `/dev/kvm` is opened by the caller (the jail has no `/dev`).
 //! 3. [`Jail::enter`] unshares a PID namespace (and a user namespace when
-//!    not root, mapping the caller's ids onto themselves) and forks. The
+//!    not root, or root without `CAP_SYS_ADMIN`, mapping the caller's ids
+//!    onto themselves) and forks. The
 //!    parent stays outside as the jail's **supervisor**: it forwards
 //!    SIGTERM, SIGINT and SIGHUP to the VMM, waits for it, removes its
 //!    socket files and ends the way the VMM ended, so that whoever started
@@ -179,13 +180,18 @@ impl Jail {
         let mut death_signal: libc::c_int = 0;
         // SAFETY: PR_GET_PDEATHSIG writes one int to the pointer given.
         unsafe { libc::prctl(libc::PR_GET_PDEATHSIG, &mut death_signal as *mut libc::c_int, 0, 0, 0) };
-        if uid == 0 {
-            check(
+        // Root needs no user namespace; root without CAP_SYS_ADMIN (in a
+        // container) gets one, as any other user does.
+        let user_namespace = uid != 0
+            || match check(
                 // SAFETY: unshare(2) with constant flags; no memory is passed.
                 unsafe { libc::unshare(libc::CLONE_NEWPID) },
-            )
-            .map_err(ns("pid"))?;
-        } else {
+            ) {
+                Ok(()) => false,
+                Err(e) if e.raw_os_error() == Some(libc::EPERM) => true,
+                Err(e) => return Err(ns("pid")(e)),
+            };
+        if user_namespace {
             // SAFETY: as above.
             check(unsafe { libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWPID) }).map_err(ns("user and pid"))?;
             let write = |file: &str, text: String| std::fs::write(format!("/proc/self/{file}"), text);
@@ -200,8 +206,10 @@ impl Jail {
         // SAFETY: adds to a set this function owns.
         unsafe { libc::sigaddset(&mut mask, libc::SIGCHLD) };
         // SAFETY: sets this thread's mask from a valid set.
-        check(unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &mask, std::ptr::null_mut()) })
-            .map_err(ns("signal mask"))?;
+        match unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &mask, std::ptr::null_mut()) } {
+            0 => {}
+            e => return Err(ns("signal mask")(std::io::Error::from_raw_os_error(e))),
+        }
         // The jailed VMM learns that its supervisor is gone when this
         // pipe's write end closes (see `jailed`).
         let mut ends = [0; 2];
