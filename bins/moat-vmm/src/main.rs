@@ -6,8 +6,10 @@ use std::time::Instant;
 
 use clap::Parser;
 use moat_vmm::arch::x86_64::boot::BootError;
-use moat_vmm::builder::{BuildError, build_microvm};
+use moat_vmm::builder::{BuildError, build_microvm_on};
 use moat_vmm::config::{ConfigError, DiskConfig, NetConfig, VmConfig, VsockConfig};
+use moat_vmm::jail::{self, Ended, Jail, JailError, Side};
+use moat_vmm::vstate::vm::{Kvm, open_kvm};
 
 /// Exit status for an invalid configuration (clap's usage errors use it too).
 const EXIT_CONFIG: u8 = 2;
@@ -63,6 +65,10 @@ struct Args {
     /// connections to the host).
     #[arg(long, value_name = "PATH", requires = "vsock_cid")]
     vsock_uds: Option<PathBuf>,
+    /// The host ports the guest may connect to over vsock, comma-separated,
+    /// or `none` [default: any].
+    #[arg(long, value_name = "PORTS|none", requires = "vsock_cid")]
+    vsock_host_ports: Option<String>,
     /// A network device served by passt listening on this Unix socket
     /// (`passt --socket PATH`).
     #[arg(long, value_name = "PATH", conflicts_with = "net_passt_fd")]
@@ -83,6 +89,12 @@ struct Args {
     /// How long a graceful shutdown waits before stopping the guest [default: 5000].
     #[arg(long, value_name = "MS")]
     shutdown_timeout_ms: Option<u64>,
+    /// Run jailed, as Firecracker's jailer does: own mount, pid, ipc, uts and
+    /// network namespaces, a root made at DIR (a tmpfs in the VMM's own
+    /// mount namespace) holding only the files and socket directories the
+    /// configuration names, no capabilities, no_new_privs. See docs/vmm.md.
+    #[arg(long, value_name = "DIR")]
+    jail: Option<PathBuf>,
     /// Run without seccomp filters (debugging only).
     #[arg(long)]
     no_seccomp: bool,
@@ -102,7 +114,7 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .init();
-    let config = match configure(&args) {
+    let mut config = match configure(&args) {
         Ok(config) => config,
         Err(e) => return fail(EXIT_CONFIG, &e),
     };
@@ -113,7 +125,17 @@ fn main() -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
-    let vmm = match build_microvm(&config, started) {
+    let kvm = match &args.jail {
+        None => None,
+        Some(dir) => match enter_jail(dir, &mut config) {
+            Ok(Ok(kvm)) => Some(kvm),
+            Ok(Err(Ended::Exited(code))) => return ExitCode::from(code),
+            Ok(Err(Ended::Killed(signal))) => return ExitCode::from(jail::end_like(signal)),
+            Err(e @ JailError::Path { .. }) => return fail(EXIT_CONFIG, &e),
+            Err(e) => return fail(EXIT_FAILURE, &e),
+        },
+    };
+    let mut vmm = match build_microvm_on(kvm, &config, started) {
         Ok(vmm) => vmm,
         Err(BuildError::Config(e)) => return fail(EXIT_CONFIG, &e),
         Err(BuildError::Boot(e @ BootError::Kernel { .. })) => {
@@ -121,6 +143,9 @@ fn main() -> ExitCode {
         }
         Err(e) => return fail(EXIT_FAILURE, &e),
     };
+    if args.jail.is_some() {
+        vmm.leave_socket_files();
+    }
     match vmm.run(!args.no_seccomp) {
         Ok(exit) if exit.exit_code() == 0 => {
             tracing::info!("VM ended: {exit}");
@@ -132,6 +157,18 @@ fn main() -> ExitCode {
         }
         Err(e) => fail(EXIT_FAILURE, &e),
     }
+}
+
+/// Plans the jail at `dir`, opens `/dev/kvm` (the jail has no `/dev`), and
+/// enters the jail: `Ok(kvm)` in the jailed VMM, `Err(how it ended)` in its
+/// supervisor.
+fn enter_jail(dir: &std::path::Path, config: &mut VmConfig) -> Result<Result<Kvm, Ended>, JailError> {
+    let jail = Jail::plan(dir, config)?;
+    let kvm = open_kvm().map_err(|e| JailError::Path { path: "/dev/kvm".into(), why: chain(&e) })?;
+    Ok(match jail.enter()? {
+        Side::Jailed => Ok(kvm),
+        Side::Supervisor(ended) => Err(ended),
+    })
 }
 
 /// The JSON file (if any) with the flags applied on top, validated.
@@ -165,7 +202,17 @@ fn configure(args: &Args) -> Result<VmConfig, ConfigError> {
         config.disks = (0..).zip(&args.disks).map(|(i, d)| parse_disk(i, d)).collect::<Result<_, _>>()?;
     }
     if let (Some(cid), Some(uds_path)) = (args.vsock_cid, &args.vsock_uds) {
-        config.vsock = Some(VsockConfig { cid, uds_path: uds_path.clone() });
+        config.vsock = Some(VsockConfig::new(cid, uds_path.clone()));
+    }
+    if let (Some(ports), Some(vsock)) = (&args.vsock_host_ports, &mut config.vsock) {
+        vsock.host_ports = Some(match ports.as_str() {
+            "none" => Vec::new(),
+            list => list
+                .split(',')
+                .map(|p| p.trim().parse())
+                .collect::<Result<_, _>>()
+                .map_err(|_| invalid("vsock.host_ports", format!("{list:?} is not a list of ports or none")))?,
+        });
     }
     if args.net_passt_socket.is_some() || args.net_passt_fd.is_some() {
         let net = config.net.get_or_insert_with(|| NetConfig::socket(""));

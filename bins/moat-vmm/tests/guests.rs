@@ -86,6 +86,8 @@ fn poweroff() -> Vec<u8> {
 struct Vm {
     dir: tempfile::TempDir,
     child: Child,
+    console: PathBuf,
+    socket: PathBuf,
 }
 
 impl Vm {
@@ -93,27 +95,56 @@ impl Vm {
         let dir = tempfile::tempdir().expect("temp dir");
         let kernel = dir.path().join("vmlinux");
         std::fs::write(&kernel, elf(code, pvh)).expect("kernel written");
-        let console = format!("file:{}", dir.path().join("console").display());
+        let (console, socket) = (dir.path().join("console"), dir.path().join("ctl.sock"));
         let child = Command::new(env!("CARGO_BIN_EXE_moat-vmm"))
             .arg("--kernel")
             .arg(&kernel)
-            .args(["--memory-mib", "64", "--console", &console, "--control-socket"])
-            .arg(dir.path().join("ctl.sock"))
+            .args(["--memory-mib", "64", "--console", &format!("file:{}", console.display()), "--control-socket"])
+            .arg(&socket)
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("moat-vmm starts");
-        Self { dir, child }
+        Self { dir, child, console, socket }
+    }
+
+    /// A jailed moat-vmm laid out as core lays one out: the kernel in
+    /// `image/`, the console and the jail in `state/`, the sockets (and
+    /// the host's vsock listeners) in `state/run/`; `{state}` in `extra`
+    /// stands for the state directory.
+    fn jailed(code: &[u8], extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let d = dir.path().canonicalize().expect("canonical temp dir");
+        for sub in ["image", "state/run"] {
+            std::fs::create_dir_all(d.join(sub)).expect("directories");
+        }
+        let kernel = d.join("image/vmlinux");
+        std::fs::write(&kernel, elf(code, true)).expect("kernel written");
+        let (console, socket) = (d.join("state/console"), d.join("state/run/ctl.sock"));
+        let child = Command::new(env!("CARGO_BIN_EXE_moat-vmm"))
+            .arg("--kernel")
+            .arg(&kernel)
+            .args(["--memory-mib", "64", "--console", &format!("file:{}", console.display()), "--control-socket"])
+            .arg(&socket)
+            .arg("--jail")
+            .arg(d.join("state/jail"))
+            .args(extra.iter().map(|a| a.replace("{state}", d.join("state").to_str().expect("utf-8"))))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("moat-vmm starts");
+        Self { dir, child, console, socket }
     }
 
     fn console(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("console")).unwrap_or_default()
+        std::fs::read_to_string(&self.console).unwrap_or_default()
     }
 
     fn socket(&self) -> PathBuf {
-        self.dir.path().join("ctl.sock")
+        self.socket.clone()
     }
 
     /// Waits for the VMM to exit (bounded: a liveness check).
@@ -550,25 +581,31 @@ fn guest_driver_reads_the_base_and_writes_into_the_overlay() {
         code.push(0xee);
     }
     code.extend(poweroff());
-    let dir = tempfile::tempdir().expect("temp dir");
-    let base = dir.path().join("rootfs.ext4");
-    std::fs::write(&base, vec![b'B'; 1 << 20]).expect("base written");
-    let overlay = dir.path().join("overlay.img");
-    let disk = format!("{},overlay={},overlay_limit_mib=1", base.display(), overlay.display());
-    let (out, console) = Vm::start(&code, true, &["--disk", &disk]).wait();
-    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    assert_eq!(console.as_bytes(), [b'B', 0, 0], "base byte, read status, write status");
-    assert_eq!(std::fs::read(&base).expect("base"), vec![b'B'; 1 << 20], "the base is untouched");
-    use moat_vmm::devices::virtio::block::{CowDisk, DiskBackend};
-    let mut cow = CowDisk::open(&base, &overlay, 1 << 20).expect("the overlay reopens");
-    let mut sectors = vec![0u8; 1024];
-    cow.read_at(&mut sectors, 0).expect("reads");
-    assert_eq!((&sectors[..512], &sectors[512..]), (&[b'B'; 512][..], &[b'a'; 512][..]));
+    // Jailed too: the overlay is created before the jail, the base bound
+    // read-only and the overlay read-write.
+    for jailed in [false, true] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let base = dir.path().join("rootfs.ext4");
+        std::fs::write(&base, vec![b'B'; 1 << 20]).expect("base written");
+        let overlay = dir.path().join("overlay.img");
+        let disk = format!("{},overlay={},overlay_limit_mib=1", base.display(), overlay.display());
+        let vm =
+            if jailed { Vm::jailed(&code, &["--disk", &disk]) } else { Vm::start(&code, true, &["--disk", &disk]) };
+        let (out, console) = vm.wait();
+        assert_eq!(out.status.code(), Some(0), "jailed {jailed}: {}", stderr(&out));
+        assert_eq!(console.as_bytes(), [b'B', 0, 0], "base byte, read status, write status");
+        assert_eq!(std::fs::read(&base).expect("base"), vec![b'B'; 1 << 20], "the base is untouched");
+        use moat_vmm::devices::virtio::block::{CowDisk, DiskBackend};
+        let mut cow = CowDisk::open(&base, &overlay, 1 << 20).expect("the overlay reopens");
+        let mut sectors = vec![0u8; 1024];
+        cow.read_at(&mut sectors, 0).expect("reads");
+        assert_eq!((&sectors[..512], &sectors[512..]), (&[b'B'; 512][..], &[b'a'; 512][..]));
+    }
 }
 
-#[test]
-#[ignore = "needs /dev/kvm; cargo xtask test provides it"]
-fn guest_driver_connects_to_the_host_over_vsock() {
+/// A guest driver connecting from vsock port 1234 to the host's port 5000,
+/// sending "hi", printing the RESPONSE's op and the host's two bytes.
+fn vsock_guest() -> Vec<u8> {
     const MMIO: u32 = 0xd000_1000; // no disks: vsock takes the second window
     // Clear of the boot structures (the command line is at 0x2_0000) and the code.
     let rings = |q: u32| (0x30_0000 + 0x1_0000 * q, 0x30_1000 + 0x1_0000 * q, 0x30_2000 + 0x1_0000 * q);
@@ -632,6 +669,13 @@ fn guest_driver_connects_to_the_host_over_vsock() {
         code.push(0xee);
     }
     code.extend(poweroff());
+    code
+}
+
+#[test]
+#[ignore = "needs /dev/kvm; cargo xtask test provides it"]
+fn guest_driver_connects_to_the_host_over_vsock() {
+    let code = vsock_guest();
     let dir = tempfile::tempdir().expect("temp dir");
     let uds = dir.path().join("v.sock");
     let listener = std::os::unix::net::UnixListener::bind(format!("{}_5000", uds.display())).expect("binds");
@@ -645,6 +689,158 @@ fn guest_driver_connects_to_the_host_over_vsock() {
     });
     let (out, console) =
         Vm::start(&code, true, &["--vsock-cid", "3", "--vsock-uds", uds.to_str().expect("utf-8")]).wait();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(&host.join().expect("host side"), b"hi");
+    assert_eq!(console.as_bytes(), [2, b'y', b'o'], "RESPONSE, then the host's bytes");
+}
+
+/// The jailed VMM of the supervisor `vm` (its only child), once it serves
+/// its control socket.
+fn jailed_pid(vm: &Vm) -> i32 {
+    wait_until("the control socket", || vm.socket().exists());
+    let outer = vm.child.id().to_string();
+    let children: Vec<i32> = std::fs::read_dir("/proc")
+        .expect("/proc")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // "pid (comm) state ppid …": the comm may hold spaces, not ')'.
+            stat.rsplit_once(") ").and_then(|(_, rest)| rest.split(' ').nth(1)) == Some(outer.as_str())
+        })
+        .collect();
+    assert_eq!(children.len(), 1, "one jailed VMM under the supervisor: {children:?}");
+    children[0]
+}
+
+/// The value of `field` in /proc/`pid`/status.
+fn status_field(pid: i32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status readable");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .unwrap_or_else(|| panic!("no {field} in {status}"))
+        .trim()
+        .to_owned()
+}
+
+/// Every non-directory under `dir`, relative to it.
+fn files_under(dir: &Path, prefix: &Path, found: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("readable").map(|e| e.expect("entry")) {
+        let path = prefix.join(entry.file_name());
+        if entry.file_type().expect("type").is_dir() {
+            files_under(&entry.path(), &path, found);
+        } else {
+            found.push(path);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs /dev/kvm; cargo xtask test provides it"]
+fn a_jailed_vmm_has_no_privileges_its_own_namespaces_and_only_its_files() {
+    let vsock = ["--vsock-cid", "3", "--vsock-uds", "{state}/run/v.sock", "--vsock-host-ports", "none"];
+    let vm = Vm::jailed(&dots(), &[&["--vcpus", "2"], &vsock[..]].concat());
+    let d = vm.dir.path().canonicalize().expect("canonical");
+    let mut control = Control::connect(&vm.socket());
+    let status = control.call(r#"{"op":"status"}"#);
+    assert_eq!((status["ok"].as_bool(), status["vcpus"].as_u64()), (Some(true), Some(2)), "{status}");
+    wait_until("console output", || vm.console().contains(".."));
+    let outer = i32::try_from(vm.child.id()).expect("pid fits");
+    let inner = jailed_pid(&vm);
+
+    for pid in [outer, inner] {
+        for set in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+            assert_eq!(status_field(pid, set), "0000000000000000", "{set} of {pid}");
+        }
+        assert_eq!(status_field(pid, "NoNewPrivs"), "1", "{pid}");
+    }
+    assert_eq!(status_field(inner, "Seccomp"), "2", "filtered");
+    let nspid = status_field(inner, "NSpid");
+    assert!(nspid.ends_with("\t1"), "PID 1 of its own namespace: {nspid:?}");
+    let ns = |pid: &str, kind: &str| std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).expect("ns link");
+    for kind in ["mnt", "pid", "net", "ipc", "uts"] {
+        assert_ne!(ns(&inner.to_string(), kind), ns("self", kind), "{kind} namespace");
+    }
+
+    // Its root: the kernel, the console, the socket directory; nothing else.
+    let mut found = Vec::new();
+    files_under(Path::new(&format!("/proc/{inner}/root")), Path::new("/"), &mut found);
+    found.sort();
+    let expected: Vec<PathBuf> = ["image/vmlinux", "state/console", "state/run/ctl.sock", "state/run/v.sock"]
+        .iter()
+        .map(|p| d.join(p))
+        .collect();
+    assert_eq!(found, expected);
+    let hostname = std::fs::read_to_string(format!("/proc/{inner}/root/proc/sys/kernel/hostname"));
+    assert!(hostname.is_err(), "no /proc in the jail");
+
+    let stopping = control.call(r#"{"op":"shutdown","force":true}"#);
+    assert_eq!(stopping["state"], "stopping", "{stopping}");
+    let socket = vm.socket();
+    let (out, _) = vm.wait();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(!socket.exists(), "the supervisor removes the control socket");
+    assert!(!d.join("state/run/v.sock").exists(), "and the vsock socket");
+    assert!(!Path::new(&format!("/proc/{inner}")).exists(), "the jailed VMM is gone");
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    assert!(!mounts.contains(d.to_str().expect("utf-8")), "no mount left on the host: {mounts}");
+}
+
+#[test]
+#[ignore = "needs /dev/kvm; cargo xtask test provides it"]
+fn a_jailed_vmm_ends_as_its_supervisor_is_told() {
+    // SIGTERM to the supervisor reaches the VMM, which shuts down: status 0.
+    let vm = Vm::jailed(&dots(), &["--shutdown-timeout-ms", "100"]);
+    wait_until("console output", || !vm.console().is_empty());
+    let pid = i32::try_from(vm.child.id()).expect("pid fits");
+    // SAFETY: signalling our own child process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let (out, _) = vm.wait();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("Signal 15 received"), "{err}");
+
+    // SIGKILL to the supervisor takes the jailed VMM with it.
+    let vm = Vm::jailed(&dots(), &[]);
+    let inner = jailed_pid(&vm);
+    let pid = i32::try_from(vm.child.id()).expect("pid fits");
+    // SAFETY: signalling our own child process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let (out, _) = vm.wait();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(libc::SIGKILL));
+    wait_until("the jailed VMM to go", || !Path::new(&format!("/proc/{inner}")).exists());
+
+    // A guest that fails its VM: the supervisor exits with the VMM's status.
+    let mut code = say("jumping\n", false);
+    code.extend_from_slice(&[0xb8, 0x00, 0x00, 0x00, 0xd0, 0xff, 0xe0]); // mov eax, 0xd0000000; jmp eax
+    let (out, _) = Vm::jailed(&code, &[]).wait();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("RIP 0xd0000000"), "{err}");
+}
+
+#[test]
+#[ignore = "needs /dev/kvm; cargo xtask test provides it"]
+fn a_jailed_guest_reaches_a_listed_host_port_over_vsock() {
+    let code = vsock_guest();
+    // The listener goes where the jail's socket directory will be.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let run = dir.path().canonicalize().expect("canonical").join("run");
+    std::fs::create_dir(&run).expect("run dir");
+    let uds = run.join("v.sock");
+    let listener = std::os::unix::net::UnixListener::bind(format!("{}_5000", uds.display())).expect("binds");
+    let host = std::thread::spawn(move || {
+        use std::io::Read;
+        let (mut s, _) = listener.accept().expect("the guest connects");
+        let mut hi = [0u8; 2];
+        s.read_exact(&mut hi).expect("reads");
+        s.write_all(b"yo").expect("answers");
+        hi
+    });
+    let uds = uds.to_str().expect("utf-8");
+    let (out, console) =
+        Vm::jailed(&code, &["--vsock-cid", "3", "--vsock-uds", uds, "--vsock-host-ports", "5000"]).wait();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert_eq!(&host.join().expect("host side"), b"hi");
     assert_eq!(console.as_bytes(), [2, b'y', b'o'], "RESPONSE, then the host's bytes");

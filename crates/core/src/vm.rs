@@ -12,6 +12,12 @@
 //! (`filtered` reaches the host through the agent's vsock connection). An
 //! `open` VM gets moat-vmm's virtio-net device, whose other end is its own
 //! passt process ([`crate::passt`]), and `moat.net=` on its command line.
+//!
+//! moat-vmm runs jailed (`--jail <state>/jail`, docs/vmm.md): in its own
+//! mount, pid, ipc, uts and network namespaces, with a root holding only
+//! the image's kernel, initramfs and root disk (read-only), the sandbox's
+//! overlay and console, and its socket directory (`<state>/sockets`, where
+//! this side connects to the same paths); no capabilities, no_new_privs.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -110,6 +116,10 @@ struct DiskConfig<'a> {
 struct VsockConfig<'a> {
     cid: u32,
     uds_path: &'a Path,
+    /// The host ports the guest may connect to: none (the host always
+    /// connects to the agent), so the VMM's seccomp filter allows no
+    /// `socket` or `connect` once the guest runs.
+    host_ports: &'a [u32],
 }
 
 impl VmBackend {
@@ -198,8 +208,13 @@ impl Backend for VmBackend {
             }
             None => (None, None),
         };
-        let vsock = state.path.join("vsock.sock");
-        let control = state.path.join("control.sock");
+        // The sockets have a directory of their own: the jailed VMM sees
+        // it (it makes its sockets there), and nothing else of the state
+        // directory but its console and overlay.
+        let sockets = state.path.join("sockets");
+        std::fs::create_dir(&sockets).map_err(io("creating its socket directory"))?;
+        let vsock = sockets.join("vsock.sock");
+        let control = sockets.join("control.sock");
         let console = state.path.join("console.log");
         let overlay = state.path.join("overlay.img");
         let (kernel, initramfs, rootfs) =
@@ -211,7 +226,7 @@ impl Backend for VmBackend {
             vcpus: spec.cpus,
             memory_mib: spec.memory_mib,
             disks: vec![DiskConfig { path: &rootfs, read_only: false, overlay: &overlay, overlay_limit_mib }],
-            vsock: VsockConfig { cid: GUEST_CID, uds_path: &vsock },
+            vsock: VsockConfig { cid: GUEST_CID, uds_path: &vsock, host_ports: &[] },
             net: vmm_net_end
                 .as_ref()
                 .map(|_| NetConfig { passt_fd: crate::passt::CHILD_FD, mac: crate::passt::GUEST_MAC }),
@@ -223,7 +238,10 @@ impl Backend for VmBackend {
         std::fs::write(&config_path, text).map_err(io("writing its configuration"))?;
         let log = std::fs::File::create(state.path.join("vmm.log")).map_err(io("creating its log"))?;
         let mut command = Command::new(&self.vmm);
-        command.arg("--config").arg(&config_path);
+        // Jailed (docs/vmm.md): its own namespaces, a root holding only the
+        // image's kernel, initramfs and disk, this sandbox's overlay,
+        // console and socket directory; no capabilities.
+        command.arg("--config").arg(&config_path).arg("--jail").arg(state.path.join("jail"));
         command.stdin(Stdio::null()).stdout(log.try_clone().map_err(io("opening its log"))?).stderr(log);
         // Its own process group, so a terminal's Ctrl-C reaches only the host
         // process, which then destroys the sandbox in order.
@@ -498,7 +516,7 @@ mod tests {
                 overlay: Path::new("/s/overlay.img"),
                 overlay_limit_mib: 2048,
             }],
-            vsock: VsockConfig { cid: GUEST_CID, uds_path: Path::new("/s/vsock.sock") },
+            vsock: VsockConfig { cid: GUEST_CID, uds_path: Path::new("/s/vsock.sock"), host_ports: &[] },
             net: None,
             console: "file:/s/console.log".into(),
             control_socket: Path::new("/s/control.sock"),
@@ -509,6 +527,7 @@ mod tests {
         assert_eq!(json["disks"][0]["overlay"], "/s/overlay.img");
         assert_eq!(json["disks"][0]["overlay_limit_mib"], 2048);
         assert_eq!(json["vsock"]["cid"], 3);
+        assert_eq!(json["vsock"]["host_ports"], serde_json::json!([]), "the guest connects to no host port");
         assert_eq!(json["memory_mib"], 512);
         let open = VmConfig { net: Some(NetConfig { passt_fd: 100, mac: crate::passt::GUEST_MAC }), ..config };
         let json = serde_json::to_value(&open).expect("serializes");

@@ -9,7 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kvm_ioctls::IoEventAddress;
+use kvm_ioctls::{IoEventAddress, Kvm};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::arch::x86_64::layout::{
@@ -81,6 +81,11 @@ pub enum BuildError {
 /// Builds the VM `config` describes. `started` is when the VMM started,
 /// the zero of the boot timer.
 pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildError> {
+    build_microvm_on(None, config, started)
+}
+
+/// As [`build_microvm`], on `kvm` (`/dev/kvm` opened already) when given.
+pub fn build_microvm_on(kvm: Option<Kvm>, config: &VmConfig, started: Instant) -> Result<Vmm, BuildError> {
     config.validate()?;
     let mut steps = Steps::new(started);
     // virtio-mmio devices first, in window order, so that a bad disk is
@@ -92,19 +97,23 @@ pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildEr
         devices.push(Box::new(open_disk(i, disk)?));
     }
     if let Some(vsock) = &config.vsock {
-        devices.push(Box::new(
-            Vsock::new(u64::from(vsock.cid), &vsock.uds_path).map_err(|source| BuildError::Open {
-                what: "the vsock socket",
-                path: vsock.uds_path.clone(),
-                source,
-            })?,
-        ));
+        let mut device = Vsock::new(u64::from(vsock.cid), &vsock.uds_path).map_err(|source| BuildError::Open {
+            what: "the vsock socket",
+            path: vsock.uds_path.clone(),
+            source,
+        })?;
+        device.limit_host_ports(vsock.host_ports.clone());
+        devices.push(Box::new(device));
     }
     if let Some(net) = &config.net {
         devices.push(Box::new(open_net(net)?));
     }
     steps.done("devices");
-    let vm = Vm::new(create_guest_memory(config.memory_bytes())?)?;
+    let memory = create_guest_memory(config.memory_bytes())?;
+    let vm = match kvm {
+        Some(kvm) => Vm::with_kvm(kvm, memory)?,
+        None => Vm::new(memory)?,
+    };
     steps.done("memory and KVM");
     let mem = vm.memory().clone();
     let open = |what, path: &std::path::Path| {
@@ -201,6 +210,10 @@ pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildEr
         started,
         memory_mib: config.memory_mib,
         shutdown_timeout: std::time::Duration::from_millis(config.shutdown_timeout_ms),
+        needs: crate::seccomp::Needs {
+            connect: config.vsock.as_ref().is_some_and(crate::config::VsockConfig::guest_connects),
+            unlink: config.control_socket.is_some(),
+        },
     }))
 }
 

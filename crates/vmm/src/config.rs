@@ -85,6 +85,23 @@ pub struct VsockConfig {
     /// The host Unix socket that guest connections arrive on and host
     /// connections are made through (`CONNECT <port>\n`).
     pub uds_path: PathBuf,
+    /// The host ports the guest may connect to (each reached at
+    /// `<uds_path>_<port>`); absent: any. With none, the VMM makes no
+    /// connection after it starts, and its seccomp filter allows none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_ports: Option<Vec<u32>>,
+}
+
+impl VsockConfig {
+    /// A device whose guest may connect to any host port.
+    pub fn new(cid: u32, uds_path: impl Into<PathBuf>) -> Self {
+        Self { cid, uds_path: uds_path.into(), host_ports: None }
+    }
+
+    /// Whether the guest may open connections to the host at all.
+    pub fn guest_connects(&self) -> bool {
+        self.host_ports.as_ref().is_none_or(|ports| !ports.is_empty())
+    }
 }
 
 /// The network device: frames go to and come from passt, in its default
@@ -409,7 +426,7 @@ mod tests {
             (Box::new(|c| c.console = "fd:1".into()), "console"),
             (Box::new(|c| c.console = "file:/nonexistent/dir/log".into()), "console"),
             (Box::new(|c| c.control_socket = Some("/nonexistent/dir/ctl".into())), "control_socket"),
-            (Box::new(|c| c.vsock = Some(VsockConfig { cid: 2, uds_path: "/tmp/v.sock".into() })), "vsock.cid"),
+            (Box::new(|c| c.vsock = Some(VsockConfig::new(2, "/tmp/v.sock"))), "vsock.cid"),
             (Box::new(|c| c.disks = vec![DiskConfig::new("/nonexistent", false)]), "disks[0].path"),
             (
                 Box::new(move |c| {

@@ -87,6 +87,8 @@ struct Client {
 /// to the event loop.
 pub struct ControlServer {
     path: PathBuf,
+    /// Whether dropping the server removes its socket file.
+    remove_on_drop: bool,
     listener: UnixListener,
     clients: HashMap<u64, Client>,
     next_token: u64,
@@ -120,7 +122,13 @@ impl ControlServer {
         let bind_err = |source| ControlError::Bind { path: path.into(), source };
         let listener = UnixListener::bind(path).map_err(bind_err)?;
         listener.set_nonblocking(true).map_err(bind_err)?;
-        Ok(Self { path: path.into(), listener, clients: HashMap::new(), next_token: first_token })
+        Ok(Self { path: path.into(), remove_on_drop: true, listener, clients: HashMap::new(), next_token: first_token })
+    }
+
+    /// Leaves the socket file in place when the server is dropped (a jailed
+    /// VMM may not remove files; its supervisor does).
+    pub fn leave_file(&mut self) {
+        self.remove_on_drop = false;
     }
 
     /// The listening socket's fd.
@@ -238,7 +246,9 @@ fn write_all_nonblocking(stream: &mut UnixStream, mut out: &[u8]) -> std::io::Re
 
 impl Drop for ControlServer {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if self.remove_on_drop {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 

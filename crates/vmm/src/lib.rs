@@ -4,13 +4,15 @@
 //! state), `vstate` (the KVM VM, guest memory, vCPU threads), `devices`
 //! (buses, serial, i8042, boot timer, ACPI), `builder` (configuration →
 //! running VM), `vmm` (the event loop), `control` (the JSON-lines control
-//! socket) and `seccomp` (the per-thread filters). See `docs/vmm.md`.
+//! socket), `seccomp` (the per-thread filters) and `jail` (the namespaces,
+//! file system and privileges of a jailed VMM). See `docs/vmm.md`.
 
 pub mod arch;
 pub mod builder;
 pub mod config;
 pub mod control;
 pub mod devices;
+pub mod jail;
 pub mod seccomp;
 pub mod vmm;
 pub mod vstate;

@@ -5,7 +5,11 @@
 //! subverts a device model gains no new powers on the host. The vCPU threads
 //! may issue only the KVM ioctls of the run loop (and of the fault report);
 //! the VMM thread (event loop, control socket, console input) may not issue
-//! KVM ioctls at all. Neither may open files, create sockets, or exec.
+//! KVM ioctls at all. Neither may open files or exec. The VMM thread may
+//! create and connect Unix sockets only when the guest may open
+//! connections to the host (vsock `host_ports` not empty), and remove files
+//! only when it is not jailed (a jail's supervisor removes its sockets):
+//! see [`Needs`].
 
 use std::collections::BTreeMap;
 
@@ -71,17 +75,15 @@ const COMMON: &[i64] = &[
     libc::SYS_tgkill,
 ];
 
-/// What the VMM thread adds: epoll, the control socket, timers, and
-/// removing its socket files on the way out; the devices' work (disk
-/// reads, writes and flushes; vsock's Unix sockets, `socket(2)` allowed
-/// for `AF_UNIX` only, below).
+/// What the VMM thread adds: epoll, the control socket, timers; the
+/// devices' work on the descriptors they hold (disk reads, writes and
+/// flushes; vsock's and passt's Unix sockets).
 const VMM: &[i64] = &[
     libc::SYS_pread64,
     libc::SYS_pwrite64,
     libc::SYS_fdatasync,
     libc::SYS_fsync,
     libc::SYS_fallocate,
-    libc::SYS_connect,
     libc::SYS_epoll_wait,
     libc::SYS_epoll_pwait,
     libc::SYS_epoll_ctl,
@@ -91,20 +93,36 @@ const VMM: &[i64] = &[
     libc::SYS_sendmsg,
     libc::SYS_shutdown,
     libc::SYS_timerfd_settime,
-    libc::SYS_unlink,
-    libc::SYS_unlinkat,
     libc::SYS_fstat,
     libc::SYS_statx,
     libc::SYS_poll,
     libc::SYS_ppoll,
 ];
 
+/// What the VMM thread may do beyond working on the descriptors it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Needs {
+    /// Open new Unix socket connections (`socket(AF_UNIX)`, `connect`): the
+    /// vsock device's connections from the guest to `<uds_path>_<port>`.
+    pub connect: bool,
+    /// Remove files (`unlink`): the control socket's file when the VMM
+    /// ends. A jailed VMM leaves that to its supervisor.
+    pub unlink: bool,
+}
+
+impl Needs {
+    /// Everything a VMM may be configured to need.
+    pub const ALL: Self = Self { connect: true, unlink: true };
+    /// Nothing beyond the descriptors it holds.
+    pub const NONE: Self = Self { connect: false, unlink: false };
+}
+
 fn rule(ioctl: u64) -> Result<SeccompRule, seccompiler::BackendError> {
     SeccompRule::new(vec![SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, ioctl)?])
 }
 
-/// The filter for `kind`.
-pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
+/// The filter for `kind`; `needs` widens the VMM thread's.
+pub fn filter(kind: ThreadKind, needs: Needs) -> Result<BpfProgram, SeccompError> {
     let build = || -> Result<BpfProgram, seccompiler::BackendError> {
         let mut rules: BTreeMap<i64, Vec<SeccompRule>> = COMMON.iter().map(|s| (*s, vec![])).collect();
         match kind {
@@ -115,9 +133,17 @@ pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
                 // was (glibc's tcsetattr reads the settings back too).
                 let ioctls = [libc::FIONBIO, libc::FIOCLEX, libc::TCGETS, libc::TCSETS];
                 rules.insert(libc::SYS_ioctl, ioctls.into_iter().map(rule).collect::<Result<_, _>>()?);
-                // vsock connects guest connections to Unix sockets only.
-                let unix = SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::AF_UNIX as u64)?;
-                rules.insert(libc::SYS_socket, vec![SeccompRule::new(vec![unix])?]);
+                if needs.connect {
+                    // vsock connects guest connections to Unix sockets only.
+                    let unix =
+                        SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, libc::AF_UNIX as u64)?;
+                    rules.insert(libc::SYS_socket, vec![SeccompRule::new(vec![unix])?]);
+                    rules.insert(libc::SYS_connect, vec![]);
+                }
+                if needs.unlink {
+                    rules.insert(libc::SYS_unlink, vec![]);
+                    rules.insert(libc::SYS_unlinkat, vec![]);
+                }
             }
             ThreadKind::Vcpu => {
                 // A driver's status write resets or activates its device on
@@ -157,7 +183,7 @@ mod tests {
     #[test]
     fn both_filters_build() {
         for kind in [ThreadKind::Vmm, ThreadKind::Vcpu] {
-            assert!(!filter(kind).expect("builds").is_empty());
+            assert!(!filter(kind, Needs::ALL).expect("builds").is_empty());
         }
     }
 
@@ -167,7 +193,7 @@ mod tests {
     #[test]
     fn a_forbidden_syscall_on_a_vcpu_thread_kills_the_process() {
         if std::env::var_os("MOAT_SECCOMP_CHILD").is_some() {
-            let program = filter(ThreadKind::Vcpu).expect("builds");
+            let program = filter(ThreadKind::Vcpu, Needs::ALL).expect("builds");
             let thread = std::thread::spawn(move || {
                 install(&program).expect("installs");
                 // Allowed: a write. Then forbidden: socket(2).
@@ -222,7 +248,7 @@ mod tests {
             });
             let (vmm_end, mut passt) = std::os::unix::net::UnixStream::pair().expect("socketpair");
             let mut net = crate::devices::virtio::net::Net::new([2, 0, 0, 0, 0, 1], vmm_end).expect("net");
-            let program = filter(ThreadKind::Vmm).expect("builds");
+            let program = filter(ThreadKind::Vmm, Needs::ALL).expect("builds");
             let device = std::thread::spawn(move || {
                 install(&program).expect("installs");
                 net_work(&mut net, &mut passt);
@@ -272,6 +298,67 @@ mod tests {
         assert!(!stderr.contains("still alive"), "{stderr}");
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{:?}\n{stderr}", out.status);
+    }
+
+    /// A jailed VMM whose guest may reach no host port needs neither new
+    /// connections nor file removal: under that filter, a VMM thread that
+    /// `connect`s to a Unix socket (set up before, as an exploit would
+    /// find one) or `unlink`s a file kills the process, and neither
+    /// happens.
+    #[test]
+    fn without_needs_connect_and_unlink_kill_the_vmm() {
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::process::ExitStatusExt;
+
+        if let Some(what) = std::env::var_os("MOAT_SECCOMP_NEEDS_CHILD") {
+            let dir = std::path::PathBuf::from(std::env::var_os("MOAT_SECCOMP_NEEDS_DIR").expect("dir given"));
+            let program = filter(ThreadKind::Vmm, Needs::NONE).expect("builds");
+            let thread = std::thread::spawn(move || {
+                // Made before the filter, as at setup: a socket to connect.
+                // SAFETY: socket(2) with constant arguments.
+                let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+                assert!(fd >= 0, "socket");
+                install(&program).expect("installs");
+                eprintln!("vmm filter installed");
+                if what == "connect" {
+                    let path = dir.join("host.sock");
+                    // SAFETY: a zeroed sockaddr_un is a valid value.
+                    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+                    addr.sun_family = libc::sa_family_t::try_from(libc::AF_UNIX).expect("AF_UNIX fits");
+                    for (d, s) in addr.sun_path.iter_mut().zip(path.as_os_str().as_bytes()) {
+                        *d = *s as libc::c_char;
+                    }
+                    let len = u32::try_from(size_of::<libc::sockaddr_un>()).expect("small");
+                    // SAFETY: connect(2) reads `len` bytes of `addr`, which we own.
+                    let r = unsafe { libc::connect(fd, (&raw const addr).cast(), len) };
+                    eprintln!("still alive after connect() = {r}");
+                } else {
+                    let r = std::fs::remove_file(dir.join("victim"));
+                    eprintln!("still alive after unlink: {r:?}");
+                }
+            });
+            let _ = thread.join();
+            std::process::exit(0);
+        }
+        for what in ["connect", "unlink"] {
+            let dir = tempfile::tempdir().expect("dir");
+            let listener = std::os::unix::net::UnixListener::bind(dir.path().join("host.sock")).expect("binds");
+            listener.set_nonblocking(true).expect("nonblocking");
+            std::fs::write(dir.path().join("victim"), b"x").expect("victim");
+            let exe = std::env::current_exe().expect("test binary path");
+            let out = std::process::Command::new(exe)
+                .args(["--exact", "seccomp::tests::without_needs_connect_and_unlink_kill_the_vmm", "--nocapture"])
+                .env("MOAT_SECCOMP_NEEDS_CHILD", what)
+                .env("MOAT_SECCOMP_NEEDS_DIR", dir.path())
+                .output()
+                .expect("child runs");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(stderr.contains("vmm filter installed"), "{what}: {stderr}");
+            assert!(!stderr.contains("still alive"), "{what}: {stderr}");
+            assert_eq!(out.status.signal(), Some(libc::SIGSYS), "{what}: {:?}\n{stderr}", out.status);
+            assert!(listener.accept().is_err(), "{what}: no connection reached the host socket");
+            assert!(dir.path().join("victim").exists(), "{what}: the file is still there");
+        }
     }
 
     /// The network device's work under a filter: a frame each way through
@@ -343,7 +430,7 @@ mod tests {
             passt.write_all(&[0, 0, 0, 4, 1, 2, 3, 4]).expect("a frame");
             let mem = crate::devices::virtio::testing::guest_memory(1 << 16);
             net.process_host(None, &mem);
-            let program = filter(ThreadKind::Vcpu).expect("builds");
+            let program = filter(ThreadKind::Vcpu, Needs::ALL).expect("builds");
             let vcpu = std::thread::spawn(move || {
                 install(&program).expect("installs");
                 guest.dev.reset();

@@ -68,6 +68,8 @@ pub struct VmmParts {
     pub started: Instant,
     pub memory_mib: u32,
     pub shutdown_timeout: Duration,
+    /// What the VMM thread's seccomp filter must allow beyond its descriptors.
+    pub needs: seccomp::Needs,
 }
 
 /// A built microVM, ready to run.
@@ -89,6 +91,15 @@ impl Vmm {
     /// Wraps what the builder made.
     pub fn new(parts: VmmParts) -> Self {
         Self { parts }
+    }
+
+    /// Leaves the control socket's file behind when the VM ends, and so
+    /// needs no `unlink`: a jailed VMM's supervisor removes it.
+    pub fn leave_socket_files(&mut self) {
+        if let Some(control) = &mut self.parts.control {
+            control.leave_file();
+        }
+        self.parts.needs.unlink = false;
     }
 
     /// Runs the VM until it ends. With `seccomp`, every thread is filtered
@@ -127,7 +138,8 @@ impl Vmm {
         let _raw = stdin_open.then(RawTerminal::enter).flatten();
 
         let (vcpu_filter, vmm_filter) = if seccomp {
-            (Some(seccomp::filter(ThreadKind::Vcpu)?), Some(seccomp::filter(ThreadKind::Vmm)?))
+            let needs = self.parts.needs;
+            (Some(seccomp::filter(ThreadKind::Vcpu, needs)?), Some(seccomp::filter(ThreadKind::Vmm, needs)?))
         } else {
             (None, None)
         };

@@ -304,7 +304,8 @@ fn a_forbidden_syscall_from_a_vcpu_thread_kills_the_vmm() {
     io.insert(Arc::new(Mutex::new(Subverted)), 0x80, 1).expect("free port");
     let vcpu = Vcpu::new(&vm, 0, Arc::new(io), Arc::new(Bus::default())).expect("vCPU");
     real_mode(&vcpu);
-    let filter = moat_vmm::seccomp::filter(moat_vmm::seccomp::ThreadKind::Vcpu).expect("filter builds");
+    let filter = moat_vmm::seccomp::filter(moat_vmm::seccomp::ThreadKind::Vcpu, moat_vmm::seccomp::Needs::NONE)
+        .expect("filter builds");
     let shared = VcpuShared::new().expect("shared state");
     let start = StartGate::new();
     let _handle = vcpu.start(shared.clone(), Some(filter), start.clone()).expect("vCPU thread");

@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use kvm_bindings::{CpuId, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region};
-use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+pub use kvm_ioctls::Kvm;
+use kvm_ioctls::{VcpuFd, VmFd};
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -37,6 +38,11 @@ pub enum VmError {
     CreateVcpu { index: u8, source: kvm_ioctls::Error },
 }
 
+/// Opens `/dev/kvm`.
+pub fn open_kvm() -> Result<Kvm, VmError> {
+    Kvm::new().map_err(VmError::OpenKvm)
+}
+
 /// A KVM VM with its guest memory.
 #[derive(Debug)]
 pub struct Vm {
@@ -49,7 +55,12 @@ pub struct Vm {
 impl Vm {
     /// Creates the VM, its in-kernel irqchip and PIT, and maps `memory` into it.
     pub fn new(memory: GuestMemoryMmap) -> Result<Self, VmError> {
-        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        Self::with_kvm(open_kvm()?, memory)
+    }
+
+    /// As [`Vm::new`], on a `/dev/kvm` opened already (a jailed VMM has no
+    /// `/dev`: it opens KVM before entering the jail).
+    pub fn with_kvm(kvm: Kvm, memory: GuestMemoryMmap) -> Result<Self, VmError> {
         let version = kvm.get_api_version();
         if version != 12 {
             return Err(VmError::ApiVersion(version));

@@ -37,6 +37,11 @@ impl Vsock {
         Ok(Self { cid, muxer: VsockMuxer::new(cid, uds_path)?, payload: Vec::new() })
     }
 
+    /// Lets the guest connect only to `ports` on the host (`None`: any).
+    pub fn limit_host_ports(&mut self, ports: Option<Vec<u32>>) {
+        self.muxer.limit_host_ports(ports);
+    }
+
     /// The muxer (for tests and benchmarks).
     pub fn muxer(&self) -> &VsockMuxer {
         &self.muxer

@@ -154,6 +154,8 @@ struct Pending {
 pub struct VsockMuxer {
     guest_cid: u64,
     uds_path: PathBuf,
+    /// The host ports the guest may connect to; `None`: any.
+    host_ports: Option<Vec<u32>>,
     listener: UnixListener,
     epoll: Epoll,
     conns: HashMap<Key, Conn>,
@@ -184,6 +186,7 @@ impl VsockMuxer {
         Ok(Self {
             guest_cid,
             uds_path: uds_path.into(),
+            host_ports: None,
             listener,
             epoll,
             conns: HashMap::new(),
@@ -194,6 +197,12 @@ impl VsockMuxer {
             next_token: LISTENER_TOKEN + 1,
             next_local_port: LOCAL_PORT_START,
         })
+    }
+
+    /// Lets the guest connect only to `ports` on the host (`None`: any);
+    /// a connection to another port is reset without touching the host.
+    pub fn limit_host_ports(&mut self, ports: Option<Vec<u32>>) {
+        self.host_ports = ports;
     }
 
     /// The descriptor the VMM loop polls.
@@ -415,7 +424,8 @@ impl VsockMuxer {
     }
 
     fn guest_connect(&mut self, key: Key, hdr: &Header) {
-        if self.conns.contains_key(&key) || self.connections() >= MAX_CONNECTIONS {
+        let allowed = self.host_ports.as_ref().is_none_or(|ports| ports.contains(&key.0));
+        if !allowed || self.conns.contains_key(&key) || self.connections() >= MAX_CONNECTIONS {
             self.push_control(hdr.reset_reply());
             return;
         }

@@ -296,3 +296,25 @@ fn a_device_reset_ends_every_connection() {
     assert_eq!(host.read(&mut buf).expect("closed"), 0);
     assert_eq!(r.guest.dev.muxer().connections(), 0);
 }
+
+#[test]
+fn guest_connections_reach_only_the_listed_host_ports() {
+    let mut r = rig();
+    r.guest.dev.limit_host_ports(Some(vec![5000]));
+    let listed = UnixListener::bind(format!("{}_5000", r.uds().display())).expect("binds");
+    let unlisted = UnixListener::bind(format!("{}_6000", r.uds().display())).expect("binds");
+    unlisted.set_nonblocking(true).expect("nonblocking");
+    r.guest.send(hdr(1234, 6000, OP_REQUEST), &[]);
+    r.guest.kick_rx();
+    assert_eq!(r.guest.recv()[0].0.op, OP_RST, "an unlisted port is reset");
+    assert!(unlisted.accept().is_err(), "without the host socket hearing of it");
+    r.guest.send(hdr(1234, 5000, OP_REQUEST), &[]);
+    r.guest.kick_rx();
+    assert_eq!(r.guest.recv()[0].0.op, OP_RESPONSE);
+    listed.accept().expect("a listed port is connected");
+    // No port at all: every guest connection is reset.
+    r.guest.dev.limit_host_ports(Some(Vec::new()));
+    r.guest.send(hdr(1236, 5000, OP_REQUEST), &[]);
+    r.guest.kick_rx();
+    assert_eq!(r.guest.recv()[0].0.op, OP_RST);
+}
