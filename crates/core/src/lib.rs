@@ -17,6 +17,7 @@ pub mod hostfs;
 pub mod image;
 pub mod interpreter;
 pub mod jail;
+pub mod limits;
 pub mod machine;
 pub mod moat;
 pub mod passt;
