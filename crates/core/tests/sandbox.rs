@@ -891,12 +891,23 @@ async fn a_fork_bomb_is_reported_and_the_sandbox_recovers() {
 async fn a_background_fork_bomb_is_reclaimed_by_the_next_command() {
     let moat = moat(16).await;
     let id = moat.create(small()).await.expect("created").id;
-    let script = "setsid bash -c ':(){ :|:& };:' >/dev/null 2>&1 & sleep 1; echo started";
-    let (out, _, _, _) = bash(&moat, &id, script, 120_000).await;
-    assert!(out.contains("started"), "{out}");
-    let (out, err, code, _) = bash(&moat, &id, "echo ok", 60_000).await;
-    assert_eq!((out.as_str(), code), ("ok\n", Some(0)), "{err}");
-    assert!(err.contains("earlier command that reached a limit"), "{err}");
+    // The bomb starts once the command has ended.
+    let script = "setsid bash -c 'sleep 1; :(){ :|:& };:' >/dev/null 2>&1 & echo started";
+    let (out, err, _, _) = bash(&moat, &id, script, 120_000).await;
+    assert!(out.contains("started"), "{out}{err}");
+    // Until the bomb reaches the limit, commands run without a note; the
+    // first one after it reclaims the sandbox. (A guard against a hang.)
+    let mut reclaimed = false;
+    for _ in 0..600 {
+        let (out, err, code, _) = bash(&moat, &id, "echo ok", 60_000).await;
+        assert_eq!((out.as_str(), code), ("ok\n", Some(0)), "{err}");
+        if err.contains("earlier command that reached a limit") {
+            reclaimed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(reclaimed, "the background bomb was never reclaimed");
     assert_recovered(&moat, &id).await;
     moat.destroy_all().await;
 }
@@ -935,7 +946,7 @@ async fn a_timed_out_command_is_killed_with_what_left_its_group() {
     let id = moat.create(small()).await.expect("created").id;
     let (_, err, _, timed_out) = bash(&moat, &id, "setsid sleep 1001 & sleep 1000", 1000).await;
     assert!(timed_out, "{err}");
-    assert_eq!(count_processes(&moat, &id, "sleep 100[01]").await, 0, "a sleep outlived the timeout");
+    assert_eq!(count_processes(&moat, &id, "^sleep 100[01]").await, 0, "a sleep outlived the timeout");
     moat.destroy_all().await;
 }
 
@@ -949,16 +960,16 @@ async fn a_cancelled_command_is_killed_with_what_left_its_group() {
     let handle = moat.exec(&id, ExecRequest::argv(["bash", "-c", "setsid sleep 1003 & sleep 1002"])).await.expect("starts");
     // A guard against a hang, not a threshold: both start in milliseconds.
     for _ in 0..600 {
-        if count_processes(&moat, &id, "sleep 100[23]").await == 2 {
+        if count_processes(&moat, &id, "^sleep 100[23]").await == 2 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(count_processes(&moat, &id, "sleep 100[23]").await, 2, "the command started both");
+    assert_eq!(count_processes(&moat, &id, "^sleep 100[23]").await, 2, "the command started both");
     drop(handle);
     let mut left = usize::MAX;
     for _ in 0..600 {
-        left = count_processes(&moat, &id, "sleep 100[23]").await;
+        left = count_processes(&moat, &id, "^sleep 100[23]").await;
         if left == 0 {
             break;
         }
