@@ -35,6 +35,9 @@ pub const UNIFIED: &str = "unified";
 /// needs a moment to reap them).
 const KILL_GUARD: Duration = Duration::from_secs(5);
 
+/// What [`ExecCgroup::top_processes`] says of an empty cgroup.
+const NOTHING_LEFT: &str = "no process left";
+
 /// How many processes a limit report names.
 const REPORTED: usize = 3;
 
@@ -293,7 +296,7 @@ impl ExecCgroup {
             .take(REPORTED)
             .map(|(name, (count, kib))| format!("{name} ×{count}, {} MiB resident", kib / 1024))
             .collect();
-        if words.is_empty() { "no process left".into() } else { words.join(", ") }
+        if words.is_empty() { NOTHING_LEFT.into() } else { words.join(", ") }
     }
 
     /// Kills every process in the command's cgroup; returns how many there were.
@@ -358,26 +361,31 @@ impl Drop for ExecCgroup {
     }
 }
 
-/// Writes the report of a limit reached: which limit, what held it, what
-/// moat did.
+/// Writes the report of a limit reached: which limit, what held it (`top`,
+/// from [`ExecCgroup::top_processes`]), what moat did (`killed` processes).
 pub fn describe(hit: &LimitHit, top: &str, killed: usize) -> String {
-    let what = match hit {
-        LimitHit::Pids { limit } => format!("the sandbox's process limit ({limit} processes; forks failed)"),
-        LimitHit::Memory { limit_bytes, kills } => format!(
-            "the sandbox's memory limit ({}; the kernel's OOM killer ended {kills} process{})",
-            limit_bytes.map_or_else(|| "its size".to_owned(), |b| format!("{} MiB", b >> 20)),
-            if *kills == 1 { "" } else { "es" }
+    let plural = |n: u64| if n == 1 { "" } else { "es" };
+    let (what, advice) = match hit {
+        LimitHit::Pids { limit } => (
+            format!("the sandbox's process limit ({limit} processes): forks failed"),
+            "start fewer processes at once",
+        ),
+        LimitHit::Memory { limit_bytes, kills } => (
+            format!(
+                "the sandbox's memory limit ({}): the kernel's OOM killer ended {kills} process{} (the largest)",
+                limit_bytes.map_or_else(|| "its size".to_owned(), |b| format!("{} MiB", b >> 20)),
+                plural(*kills)
+            ),
+            "use less memory, or create a sandbox with more memory_mib",
         ),
     };
+    let held = if top == NOTHING_LEFT { String::new() } else { format!(" Held by: {top}.") };
     let done = if killed == 0 {
-        "no process of it was left".to_owned()
+        "Nothing of it is left running".to_owned()
     } else {
-        format!("moat killed its {killed} remaining process{}", if killed == 1 { "" } else { "es" })
+        format!("moat killed its {killed} remaining process{}", plural(killed as u64))
     };
-    format!(
-        "\nmoat: this command reached {what}. Held by: {top}. {done}; the sandbox is ready for the next command \
-         (ask for less, or create a sandbox with more memory_mib).\n"
-    )
+    format!("\nmoat: this command reached {what}.{held} {done}; the sandbox is ready for the next command ({advice}).\n")
 }
 
 /// Reads `key N` from a flat-keyed cgroup file; 0 when absent.
@@ -428,11 +436,12 @@ mod tests {
     #[test]
     fn a_limit_report_says_which_limit_what_held_it_and_what_was_done() {
         let pids = describe(&LimitHit::Pids { limit: "960".into() }, "bash ×957, 3 MiB resident", 957);
-        for words in ["process limit (960 processes", "bash ×957", "killed its 957 remaining processes", "ready"] {
+        for words in ["process limit (960 processes)", "Held by: bash ×957", "killed its 957 remaining processes", "ready"] {
             assert!(pids.contains(words), "{words:?} missing from {pids}");
         }
-        let memory = describe(&LimitHit::Memory { limit_bytes: Some(512 << 20), kills: 1 }, "no process left", 0);
-        for words in ["memory limit (512 MiB", "OOM killer ended 1 process)", "no process of it was left"] {
+        let memory = describe(&LimitHit::Memory { limit_bytes: Some(512 << 20), kills: 1 }, NOTHING_LEFT, 0);
+        assert!(!memory.contains("Held by"), "{memory}");
+        for words in ["memory limit (512 MiB)", "OOM killer ended 1 process (the largest)", "Nothing of it is left"] {
             assert!(memory.contains(words), "{words:?} missing from {memory}");
         }
     }
