@@ -9,6 +9,7 @@
 //! a host is chosen by [`backend`].
 
 pub mod backend;
+pub mod capped_log;
 pub mod cgroup;
 pub mod egress;
 pub mod error;
