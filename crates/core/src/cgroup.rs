@@ -40,11 +40,34 @@ impl CgroupSupport {
         if controllers.is_empty() { Self::None } else { Self::V1 { controllers } }
     }
 
+    /// Whether this process may make sandbox cgroups here; the reason when not.
+    pub fn writable(&self) -> Result<(), String> {
+        let dirs: Vec<PathBuf> = match self {
+            Self::None => return Err("this host has no cgroups".into()),
+            Self::V2 => vec![Path::new(ROOT).to_path_buf()],
+            Self::V1 { controllers } => controllers.iter().map(|c| Path::new(ROOT).join(c)).collect(),
+        };
+        for dir in dirs {
+            // The parent made already (by root) or the hierarchy to make it in.
+            let moat = dir.join("moat");
+            let check = if moat.is_dir() { moat } else { dir };
+            if let Err(e) = nix::unistd::access(&check, nix::unistd::AccessFlags::W_OK) {
+                return Err(format!("this user cannot make cgroups in {} ({e})", check.display()));
+            }
+        }
+        Ok(())
+    }
+
     /// What limits hold here, in words.
     pub fn describe(&self) -> String {
         match self {
             Self::V2 => "cgroup v2: memory, pids and CPU limits; freezing idle sandboxes".into(),
-            Self::V1 { controllers } => format!("cgroup v1 with {}", controllers.join(", ")),
+            Self::V1 { controllers } => format!(
+                "cgroup v1 with {}; commands run in a user cgroup beside the agent's reserve ({RESERVE_PIDS} \
+                 processes, {} MiB), one cgroup per command",
+                controllers.join(", "),
+                RESERVE_MEMORY >> 20
+            ),
             Self::None => "no cgroups: sandboxes run without memory, pids or CPU limits and cannot be frozen".into(),
         }
     }
