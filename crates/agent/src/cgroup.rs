@@ -17,11 +17,11 @@
 //! Without [`USER_CGROUPS`] (a microVM, a host without cgroups) commands run
 //! as before: their process group is what a timeout kills.
 
+use std::collections::HashSet;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::collections::HashSet;
-use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Where the jail monitor binds the sandbox's `user` cgroup directories.
@@ -184,10 +184,7 @@ impl UserCgroups {
 
     /// How many processes run in the sandbox's `user` cgroup, all commands together.
     pub fn process_count(&self) -> usize {
-        self.exec_dirs()
-            .iter()
-            .map(|dir| ExecCgroup::existing(&self.hierarchies, dir).process_count())
-            .sum()
+        self.exec_dirs().iter().map(|dir| ExecCgroup::existing(&self.hierarchies, dir).process_count()).sum()
     }
 }
 
@@ -366,10 +363,9 @@ impl Drop for ExecCgroup {
 pub fn describe(hit: &LimitHit, top: &str, killed: usize) -> String {
     let plural = |n: u64| if n == 1 { "" } else { "es" };
     let (what, advice) = match hit {
-        LimitHit::Pids { limit } => (
-            format!("the sandbox's process limit ({limit} processes): forks failed"),
-            "start fewer processes at once",
-        ),
+        LimitHit::Pids { limit } => {
+            (format!("the sandbox's process limit ({limit} processes): forks failed"), "start fewer processes at once")
+        }
         LimitHit::Memory { limit_bytes, kills } => (
             format!(
                 "the sandbox's memory limit ({}): the kernel's OOM killer ended {kills} process{} (the largest)",
@@ -385,7 +381,9 @@ pub fn describe(hit: &LimitHit, top: &str, killed: usize) -> String {
     } else {
         format!("moat killed its {killed} remaining process{}", plural(killed as u64))
     };
-    format!("\nmoat: this command reached {what}.{held} {done}; the sandbox is ready for the next command ({advice}).\n")
+    format!(
+        "\nmoat: this command reached {what}.{held} {done}; the sandbox is ready for the next command ({advice}).\n"
+    )
 }
 
 /// Reads `key N` from a flat-keyed cgroup file; 0 when absent.
@@ -436,7 +434,9 @@ mod tests {
     #[test]
     fn a_limit_report_says_which_limit_what_held_it_and_what_was_done() {
         let pids = describe(&LimitHit::Pids { limit: "960".into() }, "bash ×957, 3 MiB resident", 957);
-        for words in ["process limit (960 processes)", "Held by: bash ×957", "killed its 957 remaining processes", "ready"] {
+        for words in
+            ["process limit (960 processes)", "Held by: bash ×957", "killed its 957 remaining processes", "ready"]
+        {
             assert!(pids.contains(words), "{words:?} missing from {pids}");
         }
         let memory = describe(&LimitHit::Memory { limit_bytes: Some(512 << 20), kills: 1 }, NOTHING_LEFT, 0);

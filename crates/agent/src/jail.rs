@@ -369,10 +369,10 @@ fn bind_user_cgroups(root: &Path, user_cgroups: &[(String, PathBuf)], id_base: u
     }
     let base = root.join(crate::cgroup::USER_CGROUPS.trim_start_matches('/'));
     step("creating /.moat/cgroup", std::fs::create_dir_all(&base))?;
-    step(
-        "chown /.moat/cgroup",
-        nix::unistd::chown(&base, Some(Uid::from_raw(id_base)), Some(Gid::from_raw(id_base))),
-    )?;
+    step("chown /.moat/cgroup", nix::unistd::chown(&base, Some(Uid::from_raw(id_base)), Some(Gid::from_raw(id_base))))?;
+    // Only the agent (the sandbox's root) reaches them, not the commands it
+    // runs as `user`.
+    step("chmod /.moat/cgroup", std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o700)))?;
     for (name, dir) in user_cgroups {
         let target = base.join(name);
         step("creating a cgroup mount point", std::fs::create_dir_all(&target))?;

@@ -48,7 +48,9 @@ impl CappedLog {
 /// The note a rotated log starts with.
 fn rotated_note(path: &Path, cap: u64) -> String {
     let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
-    format!("[moat: {name} reached {cap} bytes and was rotated: the part before is {name}.1; older parts were dropped]\n")
+    format!(
+        "[moat: {name} reached {cap} bytes and was rotated: the part before is {name}.1; older parts were dropped]\n"
+    )
 }
 
 fn previous(path: &Path) -> PathBuf {

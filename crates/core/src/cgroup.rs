@@ -115,12 +115,7 @@ impl Cgroup {
     /// Creates `moat/<id>` with `limits`; on v1 also its `agent` and `user`
     /// children, `user` owned by `agent_uid` (the host uid of the sandbox's
     /// root). Errors say which file refused.
-    pub fn create(
-        support: &CgroupSupport,
-        id: &str,
-        limits: Limits,
-        agent_uid: u32,
-    ) -> std::io::Result<Option<Self>> {
+    pub fn create(support: &CgroupSupport, id: &str, limits: Limits, agent_uid: u32) -> std::io::Result<Option<Self>> {
         let cpu_max = format!("{} 100000", u64::from(limits.cpus.max(1)) * 100_000);
         match support {
             CgroupSupport::None => Ok(None),

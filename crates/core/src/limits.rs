@@ -78,8 +78,13 @@ mod tests {
         assert!(check_memory(0, 0, 1024, 1024).is_ok());
         assert!(check_memory(3072, 3, 1024, 4096).is_ok());
         let refused = check_memory(3072, 3, 2048, 4096).expect_err("5120 MiB is over 4096").to_string();
-        for words in ["memory_mib 2048", "5120 MiB", "limit of 4096 MiB", "3 live sandboxes hold 3072 MiB", "MOAT_MAX_MEMORY_MIB"]
-        {
+        for words in [
+            "memory_mib 2048",
+            "5120 MiB",
+            "limit of 4096 MiB",
+            "3 live sandboxes hold 3072 MiB",
+            "MOAT_MAX_MEMORY_MIB",
+        ] {
             assert!(refused.contains(words), "{words:?} missing from {refused}");
         }
         assert!(check_memory(u64::MAX, 1, 128, u64::MAX).is_ok(), "no overflow");

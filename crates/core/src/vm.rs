@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use moat_proto::{AgentClient, UnixConnector};
 use serde::Serialize;
 
-use crate::capped_log::{CappedLog, LOG_CAP};
 use crate::backend::{Backend, BackendKind, Instance};
+use crate::capped_log::{CappedLog, LOG_CAP};
 use crate::error::CoreError;
 use crate::image::Image;
 use crate::passt::Passt;

@@ -444,12 +444,25 @@ async fn escapes_fail() {
 
         // Threat: a host file reachable through the agent's socket directory or
         // an inherited descriptor (the monitor binds the socket outside and hands
-        // over only the listening descriptor; stdio is /dev/null).
+        // over only the listening descriptor; stdio is /dev/null). Where the
+        // sandbox has per-command cgroups, /.moat/cgroup holds its own `user`
+        // cgroups, for its root only.
         let out = moat
             .run(id, as_root("ls -A /.moat; ls -l /proc/1/fd | grep -c -e jail.log -e sandboxes || true"))
             .await
             .expect("runs");
-        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "agent\n0", "host paths visible inside");
+        let listed = String::from_utf8_lossy(&out.stdout).trim().replace("\ncgroup", "");
+        assert_eq!(listed, "agent\n0", "host paths visible inside");
+        let out = moat.run(id, ExecRequest::shell("ls /.moat/cgroup 2>&1; echo $?")).await.expect("runs");
+        assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"), "user reaches the cgroups");
+        let out = moat
+            .run(
+                id,
+                as_root("ls /.moat/cgroup 2>/dev/null | grep -v -x -e memory -e pids -e freezer -e unified | wc -l"),
+            )
+            .await
+            .expect("runs");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0", "only the sandbox's user cgroups are bound");
 
         // Threat: bypassing the seccomp deny list through x32 system call numbers.
         let out = moat
@@ -855,7 +868,8 @@ async fn bash(moat: &Moat, id: &str, script: &str, timeout_ms: u64) -> (String, 
 async fn assert_recovered(moat: &Moat, id: &str) {
     let (out, err, code, _) = bash(moat, id, "echo ok", 60_000).await;
     assert_eq!((out.as_str(), code), ("ok\n", Some(0)), "the next command fails: {err}");
-    let cell = moat.run_code(id, Language::Python, "6 * 7", Duration::from_secs(60), std::future::pending(), &|_, _| {});
+    let cell =
+        moat.run_code(id, Language::Python, "6 * 7", Duration::from_secs(60), std::future::pending(), &|_, _| {});
     let cell = cell.await.expect("the next cell runs");
     assert_eq!(cell.text, "42", "{cell:?}");
 }
@@ -932,7 +946,8 @@ async fn a_memory_bomb_is_reported_and_the_sandbox_recovers() {
     assert_recovered(&moat, &id).await;
     // In the Python session itself.
     let cell = "x = []\nwhile True: x.append(bytearray(1 << 20))";
-    let _ = moat.run_code(&id, Language::Python, cell, Duration::from_secs(120), std::future::pending(), &|_, _| {}).await;
+    let _ =
+        moat.run_code(&id, Language::Python, cell, Duration::from_secs(120), std::future::pending(), &|_, _| {}).await;
     assert_recovered(&moat, &id).await;
     moat.destroy_all().await;
 }
@@ -957,7 +972,8 @@ async fn a_timed_out_command_is_killed_with_what_left_its_group() {
 async fn a_cancelled_command_is_killed_with_what_left_its_group() {
     let moat = moat(16).await;
     let id = moat.create(small()).await.expect("created").id;
-    let handle = moat.exec(&id, ExecRequest::argv(["bash", "-c", "setsid sleep 1003 & sleep 1002"])).await.expect("starts");
+    let handle =
+        moat.exec(&id, ExecRequest::argv(["bash", "-c", "setsid sleep 1003 & sleep 1002"])).await.expect("starts");
     // A guard against a hang, not a threshold: both start in milliseconds.
     for _ in 0..600 {
         if count_processes(&moat, &id, "^sleep 100[23]").await == 2 {
