@@ -287,7 +287,7 @@ impl ExecCgroup {
             entry.1 += rss;
         }
         let mut top: Vec<_> = by_name.into_iter().collect();
-        top.sort_by(|a, b| (b.1.0, b.1.1).cmp(&(a.1.0, a.1.1)));
+        top.sort_by_key(|(_, held)| std::cmp::Reverse(*held));
         let words: Vec<String> = top
             .iter()
             .take(REPORTED)

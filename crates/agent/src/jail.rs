@@ -354,9 +354,7 @@ extern "C" fn on_term(_: libc::c_int) {
 
 /// Reads a `user <controller> <dir>` line: a `user` cgroup to bind.
 fn parse_user_cgroup(line: &str) -> Option<(String, PathBuf)> {
-    let mut parts = line.strip_prefix("user ")?.splitn(2, ' ');
-    let name = parts.next()?;
-    let dir = parts.next()?;
+    let (name, dir) = line.strip_prefix("user ")?.split_once(' ')?;
     let plain = !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
     (plain && dir.starts_with('/')).then(|| (name.to_owned(), PathBuf::from(dir)))
 }
