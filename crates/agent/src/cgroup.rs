@@ -46,10 +46,23 @@ const REPORTED: usize = 3;
 pub struct UserCgroups {
     hierarchies: Vec<Hierarchy>,
     next: AtomicU64,
-    /// The command cgroups in use: made, maybe not yet joined, so empty;
-    /// never swept.
-    active: Mutex<HashSet<String>>,
+    /// Which command cgroups are in use and which wait, empty, for reuse.
+    names: Mutex<Names>,
 }
+
+/// The command cgroups the agent tracks. Neither kind is swept: an active
+/// one may be empty because its child has not joined yet.
+#[derive(Debug, Default)]
+struct Names {
+    active: HashSet<String>,
+    /// Empty cgroups of finished commands, for the next ones: making and
+    /// removing a cgroup in each hierarchy costs more than the rest of an
+    /// exec.
+    free: Vec<String>,
+}
+
+/// How many empty command cgroups are kept for reuse.
+const KEPT_FREE: usize = 8;
 
 #[derive(Debug, Clone)]
 struct Hierarchy {
@@ -85,18 +98,44 @@ impl UserCgroups {
         // The freezer goes first: a frozen command cannot fork while the
         // other hierarchies are joined or emptied.
         hierarchies.sort_by_key(|h| (h.name != "freezer", h.name.clone()));
-        Some(Self { hierarchies, next: AtomicU64::new(1), active: Mutex::default() })
+        Some(Self { hierarchies, next: AtomicU64::new(1), names: Mutex::default() })
     }
 
-    fn active(&self) -> MutexGuard<'_, HashSet<String>> {
-        // Each critical section is one set operation: a panic leaves it whole.
-        self.active.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn names(&self) -> MutexGuard<'_, Names> {
+        // Each critical section is a few set operations: a panic leaves it whole.
+        self.names.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// An empty cgroup of an earlier command, now active, if one waits.
+    fn take_free(&self) -> Option<String> {
+        let mut names = self.names();
+        let name = names.free.pop()?;
+        names.active.insert(name.clone());
+        Some(name)
     }
 
     /// Makes the cgroup of one command. Its pids and memory limits are the
     /// `user` cgroup's own, so that a command that alone exhausts them is
     /// counted in its own cgroup's events.
     pub fn create_exec(&'static self) -> std::io::Result<ExecCgroup> {
+        while let Some(name) = self.take_free() {
+            let mut exec = ExecCgroup::existing(&self.hierarchies, &name);
+            exec.owner = Some(self);
+            let opened: std::io::Result<Vec<OwnedFd>> = exec
+                .dirs
+                .iter()
+                .map(|h| std::fs::OpenOptions::new().write(true).open(h.dir.join("cgroup.procs")).map(OwnedFd::from))
+                .collect();
+            match opened {
+                Ok(procs) if exec.process_count() == 0 => {
+                    exec.procs = procs;
+                    exec.baseline = exec.counters();
+                    return Ok(exec);
+                }
+                // Gone or taken over: made afresh below.
+                _ => exec.remove(),
+            }
+        }
         self.sweep();
         let name = loop {
             let name = format!("exec-{}", self.next.fetch_add(1, Ordering::Relaxed));
@@ -106,7 +145,7 @@ impl UserCgroups {
                 _ => break name,
             }
         };
-        self.active().insert(name.clone());
+        self.names().active.insert(name.clone());
         let mut exec = ExecCgroup::existing(&self.hierarchies, &name);
         exec.owner = Some(self);
         let mut procs = Vec::new();
@@ -177,8 +216,8 @@ impl UserCgroups {
     /// commands' (their background processes may still run in them).
     fn idle_exec_dirs(&self) -> Vec<String> {
         let mut dirs = self.exec_dirs();
-        let active = self.active();
-        dirs.retain(|d| !active.contains(d));
+        let names = self.names();
+        dirs.retain(|d| !names.active.contains(d) && !names.free.contains(d));
         dirs
     }
 
@@ -217,12 +256,49 @@ pub struct ExecCgroup {
     /// Its `cgroup.procs` files, open for the child to join between fork
     /// and exec (writing `0` moves the writer).
     procs: Vec<OwnedFd>,
+    /// Its counters when the command started (a reused cgroup keeps those
+    /// of the commands before).
+    baseline: Counters,
+    /// Handed back by [`ExecCgroup::release`].
+    released: std::sync::atomic::AtomicBool,
+}
+
+/// The events a limit report is made from.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counters {
+    /// Forks refused at the pids limit.
+    pids_max: u64,
+    /// Processes the OOM killer ended.
+    oom_kills: u64,
 }
 
 impl ExecCgroup {
     fn existing(hierarchies: &[Hierarchy], name: &str) -> Self {
         let dirs = hierarchies.iter().map(|h| Hierarchy { name: h.name.clone(), dir: h.dir.join(name) }).collect();
-        Self { name: name.to_owned(), owner: None, dirs, procs: Vec::new() }
+        Self {
+            name: name.to_owned(),
+            owner: None,
+            dirs,
+            procs: Vec::new(),
+            baseline: Counters::default(),
+            released: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// The memory controller's events file and its limit file.
+    fn memory_files(dir: &Path) -> (&'static str, &'static str) {
+        if dir.join("memory.events").exists() {
+            ("memory.events", "memory.max")
+        } else {
+            ("memory.oom_control", "memory.limit_in_bytes")
+        }
+    }
+
+    fn counters(&self) -> Counters {
+        Counters {
+            pids_max: self.dir("pids").map_or(0, |dir| counter(&dir.join("pids.events"), "max")),
+            oom_kills: self.dir("memory").map_or(0, |dir| counter(&dir.join(Self::memory_files(dir).0), "oom_kill")),
+        }
     }
 
     /// The raw descriptors of its `cgroup.procs` files, for [`join`].
@@ -254,19 +330,16 @@ impl ExecCgroup {
 
     /// The limit the command reached, if any, from its cgroup's counters.
     pub fn reached_limit(&self) -> Option<LimitHit> {
+        let now = self.counters();
         if let Some(dir) = self.dir("pids")
-            && counter(&dir.join("pids.events"), "max") > 0
+            && now.pids_max > self.baseline.pids_max
         {
             let limit = std::fs::read_to_string(dir.join("pids.max")).unwrap_or_default().trim().to_owned();
             return Some(LimitHit::Pids { limit });
         }
         if let Some(dir) = self.dir("memory") {
-            let (events, limit) = if dir.join("memory.events").exists() {
-                ("memory.events", "memory.max")
-            } else {
-                ("memory.oom_control", "memory.limit_in_bytes")
-            };
-            let kills = counter(&dir.join(events), "oom_kill");
+            let limit = Self::memory_files(dir).1;
+            let kills = now.oom_kills.saturating_sub(self.baseline.oom_kills);
             if kills > 0 {
                 let limit_bytes = std::fs::read_to_string(dir.join(limit)).ok().and_then(|l| l.trim().parse().ok());
                 return Some(LimitHit::Memory { limit_bytes, kills });
@@ -296,8 +369,12 @@ impl ExecCgroup {
         if words.is_empty() { NOTHING_LEFT.into() } else { words.join(", ") }
     }
 
-    /// Kills every process in the command's cgroup; returns how many there were.
+    /// Kills every process in the command's cgroup; returns how many there
+    /// were. Once released, the cgroup may be another command's: nothing.
     pub fn kill(&self) -> usize {
+        if self.released.load(Ordering::SeqCst) {
+            return 0;
+        }
         let count = self.process_count();
         if let Some(dir) = self.dir(UNIFIED)
             && std::fs::write(dir.join("cgroup.kill"), "1").is_ok()
@@ -343,6 +420,31 @@ impl ExecCgroup {
         }
     }
 
+    /// Hands a command's cgroup back once the command is done: kept for
+    /// the next command when empty (up to [`KEPT_FREE`]), removed when
+    /// empty beyond that, left to the sweep while background processes run
+    /// in it.
+    pub fn release(&self) {
+        let Some(owner) = self.owner else { return };
+        if self.released.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let empty = self.process_count() == 0;
+        // One that counted a limit is not reused: the counters of a cgroup
+        // left with background processes must be its last command's alone,
+        // for [`UserCgroups::reclaim`].
+        let counted = self.counters();
+        let clean = counted.pids_max == 0 && counted.oom_kills == 0;
+        let mut names = owner.names();
+        names.active.remove(&self.name);
+        if empty && clean && names.free.len() < KEPT_FREE {
+            names.free.push(self.name.clone());
+        } else if empty {
+            drop(names);
+            self.remove();
+        }
+    }
+
     fn remove(&self) {
         for h in &self.dirs {
             let _ = std::fs::remove_dir(&h.dir);
@@ -352,8 +454,12 @@ impl ExecCgroup {
 
 impl Drop for ExecCgroup {
     fn drop(&mut self) {
-        if let Some(owner) = self.owner {
-            owner.active().remove(&self.name);
+        // Not released (the command never started): its name is free to be
+        // swept once empty.
+        if let Some(owner) = self.owner
+            && !self.released.load(Ordering::SeqCst)
+        {
+            owner.names().active.remove(&self.name);
         }
     }
 }

@@ -275,7 +275,7 @@ where
     if let Some(cgroup) = cgroup.as_mut() {
         cgroup.joined();
     }
-    let tree = Tree { group: Pid::from_raw(0), cgroup: cgroup.map(Arc::new) };
+    let tree = Tree { group: Pid::from_raw(0), cgroup: cgroup.map(Arc::new), acting: tokio::sync::Mutex::new(()) };
     let (prepared, child, exit, streams) = match spawned {
         Ok(spawned) => spawned,
         Err(error) => {
@@ -352,18 +352,23 @@ where
 struct Tree {
     group: Pid,
     cgroup: Option<Arc<crate::cgroup::ExecCgroup>>,
+    /// One kill or hand-back at a time (the timer, the control loop and the
+    /// end of the command may each act): once the cgroups are handed back,
+    /// they may be the next command's.
+    acting: tokio::sync::Mutex<()>,
 }
 
 impl Tree {
     /// Kills the process group and everything in the command's cgroups.
     async fn kill(&self) {
+        let _acting = self.acting.lock().await;
         if self.group.as_raw() > 0 {
             let _ = killpg(self.group, Signal::SIGKILL);
         }
         if let Some(cgroup) = self.cgroup.clone() {
             let _ = tokio::task::spawn_blocking(move || {
                 cgroup.kill();
-                cgroup.remove_if_empty();
+                cgroup.release();
             })
             .await;
         }
@@ -372,12 +377,13 @@ impl Tree {
     /// After the command exited: when it reached a pids or memory limit,
     /// kills what is left of it and says so (the report for its stderr).
     async fn limit_report(&self) -> Option<String> {
+        let _acting = self.acting.lock().await;
         let cgroup = self.cgroup.clone()?;
         tokio::task::spawn_blocking(move || {
             let hit = cgroup.reached_limit()?;
             let top = cgroup.top_processes();
             let killed = cgroup.kill();
-            cgroup.remove_if_empty();
+            cgroup.release();
             Some(crate::cgroup::describe(&hit, &top, killed))
         })
         .await
@@ -385,11 +391,12 @@ impl Tree {
         .flatten()
     }
 
-    /// Removes the command's cgroups if nothing of it runs any more
-    /// (background processes keep theirs until they end).
+    /// Hands the command's cgroups back (background processes keep theirs
+    /// until they end).
     async fn finish(&self) {
+        let _acting = self.acting.lock().await;
         if let Some(cgroup) = self.cgroup.clone() {
-            let _ = tokio::task::spawn_blocking(move || cgroup.remove_if_empty()).await;
+            let _ = tokio::task::spawn_blocking(move || cgroup.release()).await;
         }
     }
 }

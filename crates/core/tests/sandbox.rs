@@ -994,3 +994,21 @@ async fn a_cancelled_command_is_killed_with_what_left_its_group() {
     assert_eq!(left, 0, "a process of the cancelled command is still running");
     moat.destroy_all().await;
 }
+
+/// What a command leaves running in the background without reaching a
+/// limit (a server started with `&`) keeps running through later commands.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn background_processes_of_a_well_behaved_command_keep_running() {
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let (out, err, code, _) = bash(&moat, &id, "setsid sleep 1004 >/dev/null 2>&1 & echo started", 60_000).await;
+    assert_eq!((out.as_str(), code), ("started\n", Some(0)), "{err}");
+    for _ in 0..20 {
+        let (out, err, code, _) = bash(&moat, &id, "echo ok", 60_000).await;
+        assert_eq!((out.as_str(), code), ("ok\n", Some(0)), "{err}");
+        assert!(err.is_empty(), "{err}");
+    }
+    assert_eq!(count_processes(&moat, &id, "^sleep 1004").await, 1, "the background process was killed");
+    moat.destroy_all().await;
+}
