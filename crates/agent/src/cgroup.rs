@@ -171,6 +171,7 @@ impl UserCgroups {
             }
         }
         exec.procs = procs;
+        exec.baseline = exec.counters();
         Ok(exec)
     }
 
@@ -270,6 +271,9 @@ struct Counters {
     pids_max: u64,
     /// Processes the OOM killer ended.
     oom_kills: u64,
+    /// Processes the OOM killer ended at the `user` cgroup's limit, which
+    /// all commands share (what earlier ones left in tmpfs counts there).
+    user_oom_kills: u64,
 }
 
 impl ExecCgroup {
@@ -298,6 +302,10 @@ impl ExecCgroup {
         Counters {
             pids_max: self.dir("pids").map_or(0, |dir| counter(&dir.join("pids.events"), "max")),
             oom_kills: self.dir("memory").map_or(0, |dir| counter(&dir.join(Self::memory_files(dir).0), "oom_kill")),
+            user_oom_kills: self
+                .dir("memory")
+                .and_then(Path::parent)
+                .map_or(0, |user| counter(&user.join(Self::memory_files(user).0), "oom_kill")),
         }
     }
 
@@ -339,7 +347,13 @@ impl ExecCgroup {
         }
         if let Some(dir) = self.dir("memory") {
             let limit = Self::memory_files(dir).1;
-            let kills = now.oom_kills.saturating_sub(self.baseline.oom_kills);
+            let mut kills = now.oom_kills.saturating_sub(self.baseline.oom_kills);
+            // The limit shared by all commands, reached while this one ran
+            // (only for a running command's own cgroup, whose baseline was
+            // read when it started).
+            if kills == 0 && self.owner.is_some() {
+                kills = now.user_oom_kills.saturating_sub(self.baseline.user_oom_kills);
+            }
             if kills > 0 {
                 let limit_bytes = std::fs::read_to_string(dir.join(limit)).ok().and_then(|l| l.trim().parse().ok());
                 return Some(LimitHit::Memory { limit_bytes, kills });

@@ -944,6 +944,14 @@ async fn a_memory_bomb_is_reported_and_the_sandbox_recovers() {
     let (_, err, code, _) = bash(&moat, &id, "python3 -c 'x = bytearray(10**10)'", 120_000).await;
     assert_ne!(code, Some(0), "{err}");
     assert_recovered(&moat, &id).await;
+    // Reached by the sandbox's memory as a whole: files an earlier command
+    // left in tmpfs count too.
+    let (_, err, code, _) = bash(&moat, &id, "head -c 120M /dev/zero > /dev/shm/ballast", 120_000).await;
+    assert_eq!(code, Some(0), "{err}");
+    let (_, err, code, _) = bash(&moat, &id, grow, 120_000).await;
+    assert_ne!(code, Some(0));
+    assert!(err.contains("moat: this command reached the sandbox's memory limit"), "{err}");
+    assert_recovered(&moat, &id).await;
     // In the Python session itself.
     let cell = "x = []\nwhile True: x.append(bytearray(1 << 20))";
     let _ =
