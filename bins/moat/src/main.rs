@@ -355,7 +355,33 @@ fn doctor(image_name: &str) -> ExitCode {
         "user namespaces:         {}",
         if userns.trim().parse::<u64>().unwrap_or(0) > 0 { "available" } else { "disabled (jails cannot start)" }
     );
-    println!("cgroups:                 {}", CgroupSupport::probe().describe());
+    let cgroups = CgroupSupport::probe();
+    println!("cgroups:                 {}", cgroups.describe());
+    let unlimited = moat_core::limits::allow_unlimited();
+    let limitless = match (&cgroups, cgroups.writable(), unlimited) {
+        (_, _, true) => "allowed (MOAT_ALLOW_UNLIMITED=1): a jail whose cgroups cannot be set up runs without \
+                         memory, pids or CPU limits"
+            .to_owned(),
+        (CgroupSupport::None, _, false) => {
+            "refused: this host has no cgroups, so jails cannot start; set MOAT_ALLOW_UNLIMITED=1 to run them \
+             without limits"
+                .to_owned()
+        }
+        (_, Err(problem), false) => format!(
+            "refused: {problem}, so jails cannot start; run as root or in a delegated cgroup, or set \
+             MOAT_ALLOW_UNLIMITED=1 to run them without limits"
+        ),
+        (_, Ok(()), false) => "refused (MOAT_ALLOW_UNLIMITED=1 would allow them)".to_owned(),
+    };
+    println!("sandboxes without limits: {limitless}");
+    match moat_core::limits::max_memory_mib_from_env() {
+        Ok(mib) => println!(
+            "memory of all sandboxes: at most {mib} MiB of memory_mib together (MOAT_MAX_MEMORY_MIB; by default \
+             {}% of the host's)",
+            moat_core::limits::DEFAULT_SHARE_PERCENT
+        ),
+        Err(e) => println!("memory of all sandboxes: {e}"),
+    }
     match moat_core::hostfs::roots_from_env() {
         Ok(roots) if roots.is_empty() => {
             println!("shared host directories: none (the working directory is not a project directory; set MOAT_ROOTS)")

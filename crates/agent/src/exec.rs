@@ -47,7 +47,9 @@ struct Prepared {
     timeout: Option<Duration>,
 }
 
-fn prepare(req: &ExecRequest) -> Result<Prepared, WireError> {
+/// Checks `req` and builds its command; the child joins the cgroups whose
+/// `cgroup.procs` descriptors are `join` before anything else.
+fn prepare(req: &ExecRequest, join: Vec<i32>) -> Result<Prepared, WireError> {
     let argv: Vec<String> = match &req.command {
         moat_proto::Command::Argv(argv) => argv.clone(),
         moat_proto::Command::Shell(script) => vec!["/bin/sh".into(), "-c".into(), script.clone()],
@@ -106,16 +108,17 @@ fn prepare(req: &ExecRequest) -> Result<Prepared, WireError> {
         command.env("TERM", "xterm-256color");
     }
     command.envs(req.env.iter().map(|(k, v)| (k, v)));
-    become_user(&mut command, &user, req.pty.is_some());
+    become_user(&mut command, &user, req.pty.is_some(), join);
     Ok(Prepared { command, pty: req.pty, stdin: req.stdin, timeout })
 }
 
-/// Makes the child lead a new session (and so a new process group), take
-/// its PTY as controlling terminal, and drop to `user`.
-fn become_user(command: &mut Command, user: &UserEntry, pty: bool) {
+/// Makes the child join its command's cgroups (`join`), lead a new session
+/// (and so a new process group), take its PTY as controlling terminal, and
+/// drop to `user`.
+fn become_user(command: &mut Command, user: &UserEntry, pty: bool, join: Vec<i32>) {
     let me = nix::unistd::geteuid();
     let switch = me.as_raw() != user.uid;
-    if !switch && !pty {
+    if !switch && !pty && join.is_empty() {
         // Nothing to do between fork and exec but leave the caller's process
         // group: std can then use posix_spawn (a vfork), far cheaper than
         // fork for a multi-threaded parent.
@@ -125,18 +128,21 @@ fn become_user(command: &mut Command, user: &UserEntry, pty: bool) {
     let uid = Uid::from_raw(user.uid);
     let gid = Gid::from_raw(user.gid);
     let groups: Vec<Gid> = user.groups.iter().copied().map(Gid::from_raw).collect();
-    let setup = move || child_setup(pty, switch.then_some((uid, gid, groups.as_slice())));
+    let setup = move || child_setup(&join, pty, switch.then_some((uid, gid, groups.as_slice())));
     // SAFETY: `setup` runs in the forked child before exec and only makes
     // async-signal-safe system calls (see `child_setup`); it allocates
-    // nothing: `groups` was built before the fork.
+    // nothing: `groups` and `join` were built before the fork.
     unsafe {
         command.pre_exec(setup);
     }
 }
 
-/// Runs in the child between fork and exec: new session, controlling
-/// terminal, credentials. System calls only: no allocation, no locks.
-fn child_setup(pty: bool, user: Option<(Uid, Gid, &[Gid])>) -> std::io::Result<()> {
+/// Runs in the child between fork and exec: the command's cgroups (while
+/// the child still has the agent's credentials, which may move it), new
+/// session, controlling terminal, credentials. System calls only: no
+/// allocation, no locks.
+fn child_setup(join: &[i32], pty: bool, user: Option<(Uid, Gid, &[Gid])>) -> std::io::Result<()> {
+    crate::cgroup::join(join)?;
     nix::unistd::setsid()?;
     if pty {
         // SAFETY: fd 0 is the PTY slave std installed as stdin; TIOCSCTTY
@@ -244,34 +250,62 @@ pub async fn serve<S>(reaper: Arc<Reaper>, req: ExecRequest, mut conn: Connectio
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let spawned = prepare(&req).and_then(|mut prepared| {
+    let cgroups = crate::cgroup::user_cgroups();
+    // Runaway processes of earlier commands go before this one starts.
+    let reclaimed = match cgroups {
+        Some(cgroups) => tokio::task::spawn_blocking(|| cgroups.reclaim()).await.ok().flatten(),
+        None => None,
+    };
+    let mut cgroup = match cgroups {
+        Some(cgroups) => match tokio::task::spawn_blocking(|| cgroups.create_exec()).await {
+            Ok(Ok(cgroup)) => Some(cgroup),
+            Ok(Err(e)) => {
+                tracing::warn!("running a command without its own cgroup: {e}");
+                None
+            }
+            Err(_) => None,
+        },
+        None => None,
+    };
+    let join = cgroup.as_ref().map(crate::cgroup::ExecCgroup::procs_fds).unwrap_or_default();
+    let spawned = prepare(&req, join).and_then(|mut prepared| {
         let (child, exit, streams) = spawn(&reaper, &mut prepared)?;
         Ok((prepared, child, exit, streams))
     });
+    if let Some(cgroup) = cgroup.as_mut() {
+        cgroup.joined();
+    }
+    let tree = Tree { group: Pid::from_raw(0), cgroup: cgroup.map(Arc::new), acting: tokio::sync::Mutex::new(()) };
     let (prepared, child, exit, streams) = match spawned {
         Ok(spawned) => spawned,
         Err(error) => {
             let _ = conn.send(&AgentMsg::Error { error }).await;
+            tree.finish().await;
             return;
         }
     };
     let started = Instant::now();
     let pid = pid_of(&child);
     let group = Pid::from_raw(pid);
+    let tree = Arc::new(Tree { group, ..tree });
     if conn.send(&AgentMsg::Started { pid: child.id() }).await.is_err() {
-        let _ = killpg(group, Signal::SIGKILL);
+        tree.kill().await;
         return;
     }
     let (mut sink, stream) = conn.split();
+    if let Some(note) = reclaimed {
+        let _ = sink.send_data(StreamId::Error, Bytes::from(note)).await;
+    }
     let Streams { stdin, stdout, stderr, pty } = streams;
-    let control = tokio::spawn(control_loop(stream, stdin, group, pty));
+    let abandoned = Arc::new(AtomicBool::new(false));
+    let control = tokio::spawn(control_loop(stream, stdin, tree.clone(), abandoned.clone(), pty));
     let timed_out = Arc::new(AtomicBool::new(false));
     let timer = prepared.timeout.map(|timeout| {
-        let timed_out = timed_out.clone();
+        let (timed_out, tree) = (timed_out.clone(), tree.clone());
         tokio::spawn(async move {
             tokio::time::sleep(timeout).await;
             timed_out.store(true, Ordering::SeqCst);
-            let _ = killpg(group, Signal::SIGKILL);
+            tree.kill().await;
         })
     });
 
@@ -279,6 +313,15 @@ where
     control.abort();
     if let Some(timer) = timer {
         timer.abort();
+    }
+    if timed_out.load(Ordering::SeqCst) || abandoned.load(Ordering::SeqCst) || result.is_err() {
+        // Everything the command started goes with it, even what left its
+        // process group.
+        tree.kill().await;
+    } else if let Some(report) = tree.limit_report().await {
+        let _ = sink.send_data(StreamId::Error, Bytes::from(report)).await;
+    } else {
+        tree.finish().await;
     }
     match result {
         Ok(exit) => {
@@ -298,8 +341,62 @@ where
         }
         Err(()) => {
             // The client went away mid-stream: nobody will read the output,
-            // so the process tree goes too.
-            let _ = killpg(group, Signal::SIGKILL);
+            // so the process tree went too (above).
+        }
+    }
+}
+
+/// What a command started: its process group and, where the sandbox has
+/// them, its own cgroups, which also hold what left the group.
+#[derive(Debug)]
+struct Tree {
+    group: Pid,
+    cgroup: Option<Arc<crate::cgroup::ExecCgroup>>,
+    /// One kill or hand-back at a time (the timer, the control loop and the
+    /// end of the command may each act): once the cgroups are handed back,
+    /// they may be the next command's.
+    acting: tokio::sync::Mutex<()>,
+}
+
+impl Tree {
+    /// Kills the process group and everything in the command's cgroups.
+    async fn kill(&self) {
+        let _acting = self.acting.lock().await;
+        if self.group.as_raw() > 0 {
+            let _ = killpg(self.group, Signal::SIGKILL);
+        }
+        if let Some(cgroup) = self.cgroup.clone() {
+            let _ = tokio::task::spawn_blocking(move || {
+                cgroup.kill();
+                cgroup.release();
+            })
+            .await;
+        }
+    }
+
+    /// After the command exited: when it reached a pids or memory limit,
+    /// kills what is left of it and says so (the report for its stderr).
+    async fn limit_report(&self) -> Option<String> {
+        let _acting = self.acting.lock().await;
+        let cgroup = self.cgroup.clone()?;
+        tokio::task::spawn_blocking(move || {
+            let hit = cgroup.reached_limit()?;
+            let top = cgroup.top_processes();
+            let killed = cgroup.kill();
+            cgroup.release();
+            Some(crate::cgroup::describe(&hit, &top, killed))
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+
+    /// Hands the command's cgroups back (background processes keep theirs
+    /// until they end).
+    async fn finish(&self) {
+        let _acting = self.acting.lock().await;
+        if let Some(cgroup) = self.cgroup.clone() {
+            let _ = tokio::task::spawn_blocking(move || cgroup.release()).await;
         }
     }
 }
@@ -375,16 +472,24 @@ async fn read_chunk(pipe: &mut Option<pipe::Receiver>, buf: &mut BytesMut) -> Op
 }
 
 /// Applies what the client sends while the process runs: stdin data, end of
-/// stdin, signals and resizes. A client that disconnects kills the group.
-async fn control_loop<S>(mut stream: FrameStream<S>, mut stdin: Option<pipe::Sender>, group: Pid, pty: Option<OwnedFd>)
-where
+/// stdin, signals and resizes. A client that disconnects (a cancelled
+/// call) kills the command and everything it started, and sets `abandoned`.
+async fn control_loop<S>(
+    mut stream: FrameStream<S>,
+    mut stdin: Option<pipe::Sender>,
+    tree: Arc<Tree>,
+    abandoned: Arc<AtomicBool>,
+    pty: Option<OwnedFd>,
+) where
     S: AsyncRead + AsyncWrite + Unpin,
 {
+    let group = tree.group;
     loop {
         let frame = match stream.recv().await {
             Some(Ok(frame)) => frame,
             None | Some(Err(_)) => {
-                let _ = killpg(group, Signal::SIGKILL);
+                abandoned.store(true, Ordering::SeqCst);
+                tree.kill().await;
                 return;
             }
         };

@@ -51,7 +51,9 @@ pub struct JailSpec {
     pub cgroups: Vec<PathBuf>,
     /// Read more `cgroup.procs` paths from stdin (one a line, ended by an
     /// empty line) once the root is prepared, so that the host can make the
-    /// cgroups meanwhile. (Paths, never secrets, travel this way or on the
+    /// cgroups meanwhile. A line `user <controller> <dir>` instead names a
+    /// `user` cgroup to bind at `/.moat/cgroup/<controller>` (see
+    /// [`crate::cgroup`]). (Paths, never secrets, travel this way or on the
     /// command line, which every host user can read.)
     pub cgroups_on_stdin: bool,
     /// Network policy `open`: the `pasta` binary to attach to the sandbox's
@@ -138,17 +140,22 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     )?;
     let root = prepare_root(spec)?;
     let mut cgroups = spec.cgroups.clone();
+    let mut user_cgroups = Vec::new();
     if spec.cgroups_on_stdin {
         let mut lines = std::io::BufRead::lines(std::io::stdin().lock());
         loop {
             match lines.next() {
                 Some(Ok(line)) if line.is_empty() => break,
-                Some(Ok(line)) => cgroups.push(line.into()),
+                Some(Ok(line)) => match parse_user_cgroup(&line) {
+                    Some(user) => user_cgroups.push(user),
+                    None => cgroups.push(line.into()),
+                },
                 // The host went away before sending: nothing to start for.
                 None | Some(Err(_)) => return Ok(1),
             }
         }
     }
+    bind_user_cgroups(&root, &user_cgroups, spec.id_base)?;
     // Every process of the sandbox descends from here: join before clone.
     for procs in &cgroups {
         step(&format!("joining {}", procs.display()), std::fs::write(procs, std::process::id().to_string()))?;
@@ -345,6 +352,34 @@ extern "C" fn on_term(_: libc::c_int) {
     }
 }
 
+/// Reads a `user <controller> <dir>` line: a `user` cgroup to bind.
+fn parse_user_cgroup(line: &str) -> Option<(String, PathBuf)> {
+    let (name, dir) = line.strip_prefix("user ")?.split_once(' ')?;
+    let plain = !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+    (plain && dir.starts_with('/')).then(|| (name.to_owned(), PathBuf::from(dir)))
+}
+
+/// Binds each `user` cgroup directory at `/.moat/cgroup/<controller>`
+/// inside the root, where the agent makes its per-command cgroups.
+fn bind_user_cgroups(root: &Path, user_cgroups: &[(String, PathBuf)], id_base: u32) -> Result<(), JailError> {
+    if user_cgroups.is_empty() {
+        return Ok(());
+    }
+    let base = root.join(crate::cgroup::USER_CGROUPS.trim_start_matches('/'));
+    step("creating /.moat/cgroup", std::fs::create_dir_all(&base))?;
+    step("chown /.moat/cgroup", nix::unistd::chown(&base, Some(Uid::from_raw(id_base)), Some(Gid::from_raw(id_base))))?;
+    // Only the agent (the sandbox's root) reaches them, not the commands it
+    // runs as `user`.
+    step("chmod /.moat/cgroup", std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o700)))?;
+    for (name, dir) in user_cgroups {
+        let target = base.join(name);
+        step("creating a cgroup mount point", std::fs::create_dir_all(&target))?;
+        let flags = MsFlags::MS_BIND | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+        step(&format!("binding the {name} user cgroup"), mount(Some(dir), &target, None::<&str>, flags, None::<&str>))?;
+    }
+    Ok(())
+}
+
 /// In the monitor's private mount namespace, as host root: the disk, the
 /// overlay root, /dev, the agent binary and the socket directory.
 fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
@@ -440,6 +475,13 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
     Ok(root)
 }
 
+/// The mount options of /dev/shm, /tmp and /run: each at most `disk_mib`
+/// (/run a tenth of it, at least 16 MiB: it holds sockets and pid files).
+fn tmpfs_options(disk_mib: u64) -> (String, String, String) {
+    let run = (disk_mib / 10).clamp(16, disk_mib.max(16));
+    (format!("mode=1777,size={disk_mib}m"), format!("mode=1777,size={disk_mib}m"), format!("mode=0755,size={run}m"))
+}
+
 fn map_ids(pid: Pid, spec: &JailSpec) -> Result<(), JailError> {
     let map = format!("0 {} {}\n", spec.id_base, spec.id_count);
     step("writing uid_map", std::fs::write(format!("/proc/{pid}/uid_map"), &map))?;
@@ -472,6 +514,10 @@ fn sandbox_init(
     )?;
     step("entering the bound root", nix::unistd::chdir("..").and_then(|()| nix::unistd::chdir(ROOT)))?;
     let nosuid = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    // Every writable mount is a tmpfs bounded by the sandbox's disk size:
+    // its pages are charged to the sandbox's memory cgroup, and without
+    // one the size still bounds it.
+    let (shm, tmp, run) = tmpfs_options(spec.disk_mib);
     let mounts: &[(&str, &str, &str, MsFlags, Option<&str>)] = &[
         ("proc", "proc", "proc", nosuid | MsFlags::MS_NOEXEC, None),
         ("sysfs", "sys", "sysfs", nosuid | MsFlags::MS_NOEXEC | MsFlags::MS_RDONLY, None),
@@ -482,9 +528,9 @@ fn sandbox_init(
             MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
             Some("newinstance,ptmxmode=0666,mode=0620"),
         ),
-        ("shm", "dev/shm", "tmpfs", nosuid, Some("mode=1777")),
-        ("tmpfs", "tmp", "tmpfs", nosuid, Some("mode=1777")),
-        ("tmpfs", "run", "tmpfs", nosuid, Some("mode=0755")),
+        ("shm", "dev/shm", "tmpfs", nosuid, Some(shm.as_str())),
+        ("tmpfs", "tmp", "tmpfs", nosuid, Some(tmp.as_str())),
+        ("tmpfs", "run", "tmpfs", nosuid, Some(run.as_str())),
     ];
     for (source, target, fstype, flags, data) in mounts {
         let _ = std::fs::create_dir_all(target);
@@ -553,6 +599,25 @@ fn c(s: &str) -> CString {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn user_cgroup_lines_are_told_from_procs_paths() {
+        assert_eq!(
+            parse_user_cgroup("user pids /sys/fs/cgroup/pids/moat/sbx-1/user"),
+            Some(("pids".into(), PathBuf::from("/sys/fs/cgroup/pids/moat/sbx-1/user")))
+        );
+        assert_eq!(parse_user_cgroup("/sys/fs/cgroup/pids/moat/sbx-1/agent/cgroup.procs"), None);
+        assert_eq!(parse_user_cgroup("user ../x /tmp"), None, "a controller name is one plain word");
+        assert_eq!(parse_user_cgroup("user pids relative"), None);
+    }
+
+    #[test]
+    fn every_writable_tmpfs_is_sized() {
+        let (shm, tmp, run) = tmpfs_options(2048);
+        assert!(shm.ends_with("size=2048m") && tmp.ends_with("size=2048m"), "{shm} {tmp}");
+        assert!(run.ends_with("size=204m"), "{run}");
+        assert!(tmpfs_options(64).2.ends_with("size=16m"));
+    }
 
     /// A pasta that fails to start (as Debian's does when `/dev/net/tun` is
     /// mode 0600) is reported with its own words and where to look next,

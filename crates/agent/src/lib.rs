@@ -15,6 +15,7 @@
 
 pub mod boot;
 pub mod capabilities;
+pub mod cgroup;
 pub mod egress;
 pub mod error;
 pub mod exec;

@@ -4,6 +4,13 @@
 //! limit; suspending it freezes the cgroup. On a v1 host each controller is
 //! its own hierarchy. What the host does not offer is skipped, and
 //! [`CgroupSupport::probe`] says so for `moat doctor`.
+//!
+//! On v1 the sandbox's cgroup is split in two: `agent` holds the agent (and
+//! the jail's monitor), `user` every process the agent starts, with the
+//! sandbox's pids and memory limits minus [`RESERVE_PIDS`] and
+//! [`RESERVE_MEMORY`]: whatever the commands do, the agent keeps that much
+//! to act with. The agent owns the `user` directory (not its limit files)
+//! and makes one cgroup per command beneath it (`moat_agent::cgroup`).
 
 use std::path::{Path, PathBuf};
 
@@ -33,15 +40,48 @@ impl CgroupSupport {
         if controllers.is_empty() { Self::None } else { Self::V1 { controllers } }
     }
 
+    /// Whether this process may make sandbox cgroups here; the reason when not.
+    pub fn writable(&self) -> Result<(), String> {
+        let dirs: Vec<PathBuf> = match self {
+            Self::None => return Err("this host has no cgroups".into()),
+            Self::V2 => vec![Path::new(ROOT).to_path_buf()],
+            Self::V1 { controllers } => controllers.iter().map(|c| Path::new(ROOT).join(c)).collect(),
+        };
+        for dir in dirs {
+            // The parent made already (by root) or the hierarchy to make it in.
+            let moat = dir.join("moat");
+            let check = if moat.is_dir() { moat } else { dir };
+            if let Err(e) = nix::unistd::access(&check, nix::unistd::AccessFlags::W_OK) {
+                return Err(format!("this user cannot make cgroups in {} ({e})", check.display()));
+            }
+        }
+        Ok(())
+    }
+
     /// What limits hold here, in words.
     pub fn describe(&self) -> String {
         match self {
             Self::V2 => "cgroup v2: memory, pids and CPU limits; freezing idle sandboxes".into(),
-            Self::V1 { controllers } => format!("cgroup v1 with {}", controllers.join(", ")),
+            Self::V1 { controllers } => format!(
+                "cgroup v1 with {}; commands run in a user cgroup beside the agent's reserve ({RESERVE_PIDS} \
+                 processes, {} MiB), one cgroup per command",
+                controllers.join(", "),
+                RESERVE_MEMORY >> 20
+            ),
             Self::None => "no cgroups: sandboxes run without memory, pids or CPU limits and cannot be frozen".into(),
         }
     }
 }
+
+/// Processes the sandbox's commands cannot take from the agent.
+pub const RESERVE_PIDS: u32 = 64;
+
+/// Memory the sandbox's commands cannot take from the agent.
+pub const RESERVE_MEMORY: u64 = 64 << 20;
+
+/// The controllers whose `user` cgroup the agent gets, to make per-command
+/// cgroups in: the limits it reports on, and the freezer it kills with.
+const USER_CONTROLLERS: &[&str] = &["memory", "pids", "freezer"];
 
 /// Limits for one sandbox.
 #[derive(Debug, Clone, Copy)]
@@ -57,11 +97,25 @@ pub struct Cgroup {
     /// The directories made, one per hierarchy (one on v2).
     dirs: Vec<(Option<&'static str>, PathBuf)>,
     v2: bool,
+    /// Whether `agent` and `user` children were made (v1).
+    split: bool,
+}
+
+impl Limits {
+    /// The limits of the `user` cgroup: the sandbox's less the agent's reserve
+    /// (at most half of each, for very small sandboxes).
+    pub fn user(&self) -> (u64, u32) {
+        let memory = self.memory_bytes - RESERVE_MEMORY.min(self.memory_bytes / 2);
+        let pids = self.pids - RESERVE_PIDS.min(self.pids / 2);
+        (memory, pids)
+    }
 }
 
 impl Cgroup {
-    /// Creates `moat/<id>` with `limits`. Errors say which file refused.
-    pub fn create(support: &CgroupSupport, id: &str, limits: Limits) -> std::io::Result<Option<Self>> {
+    /// Creates `moat/<id>` with `limits`; on v1 also its `agent` and `user`
+    /// children, `user` owned by `agent_uid` (the host uid of the sandbox's
+    /// root). Errors say which file refused.
+    pub fn create(support: &CgroupSupport, id: &str, limits: Limits, agent_uid: u32) -> std::io::Result<Option<Self>> {
         let cpu_max = format!("{} 100000", u64::from(limits.cpus.max(1)) * 100_000);
         match support {
             CgroupSupport::None => Ok(None),
@@ -74,7 +128,7 @@ impl Cgroup {
                 }
                 let dir = parent.join(id);
                 std::fs::create_dir_all(&dir)?;
-                let group = Self { dirs: vec![(None, dir.clone())], v2: true };
+                let group = Self { dirs: vec![(None, dir.clone())], v2: true, split: false };
                 write(&dir, "memory.max", &limits.memory_bytes.to_string())?;
                 let _ = write(&dir, "memory.swap.max", "0");
                 write(&dir, "pids.max", &limits.pids.to_string())?;
@@ -82,7 +136,8 @@ impl Cgroup {
                 Ok(Some(group))
             }
             CgroupSupport::V1 { controllers } => {
-                let mut group = Self { dirs: Vec::new(), v2: false };
+                let mut group = Self { dirs: Vec::new(), v2: false, split: true };
+                let (user_memory, user_pids) = limits.user();
                 for controller in controllers {
                     let dir = Path::new(ROOT).join(controller).join("moat").join(id);
                     std::fs::create_dir_all(&dir)?;
@@ -97,23 +152,54 @@ impl Cgroup {
                         }
                         _ => {}
                     }
+                    let user = dir.join("user");
+                    std::fs::create_dir_all(dir.join("agent"))?;
+                    std::fs::create_dir_all(&user)?;
+                    match *controller {
+                        "memory" => write(&user, "memory.limit_in_bytes", &user_memory.to_string())?,
+                        "pids" => write(&user, "pids.max", &user_pids.to_string())?,
+                        _ => {}
+                    }
+                    // The agent makes its per-command cgroups here; the
+                    // limit files stay root's.
+                    let owner = Some(nix::unistd::Uid::from_raw(agent_uid));
+                    nix::unistd::chown(&user, owner, Some(nix::unistd::Gid::from_raw(agent_uid)))
+                        .map_err(|e| std::io::Error::other(format!("giving the sandbox its user cgroup: {e}")))?;
                 }
                 Ok(Some(group))
             }
         }
     }
 
-    /// The `cgroup.procs` files a process writes its pid to, to join.
+    /// The `cgroup.procs` files the jail's monitor (and so the agent)
+    /// writes its pid to, to join.
     pub fn procs_files(&self) -> Vec<PathBuf> {
-        self.dirs.iter().map(|(_, d)| d.join("cgroup.procs")).collect()
+        let leaf = if self.split { "agent/cgroup.procs" } else { "cgroup.procs" };
+        self.dirs.iter().map(|(_, d)| d.join(leaf)).collect()
     }
 
-    /// How many processes are in the sandbox's cgroup.
-    pub fn process_count(&self) -> usize {
+    /// The `user` cgroups the agent makes per-command cgroups in, by
+    /// controller name; empty when the cgroup is not split.
+    pub fn user_dirs(&self) -> Vec<(&'static str, PathBuf)> {
+        if !self.split {
+            return Vec::new();
+        }
         self.dirs
-            .first()
-            .and_then(|(_, dir)| std::fs::read_to_string(dir.join("cgroup.procs")).ok())
-            .map_or(0, |procs| procs.lines().count())
+            .iter()
+            .filter_map(|(c, d)| c.filter(|c| USER_CONTROLLERS.contains(c)).map(|c| (c, d.join("user"))))
+            .collect()
+    }
+
+    /// Whether a command still runs: more processes than the agent (and
+    /// `resident` idle ones) in the sandbox's cgroup.
+    pub fn is_busy(&self, resident: usize) -> bool {
+        let Some((_, dir)) = self.dirs.first() else { return false };
+        if self.split {
+            // Everything below `user` is a command's.
+            subtree(&dir.join("user")).iter().map(|d| count_procs(d)).sum::<usize>() > resident
+        } else {
+            count_procs(dir) > 1 + resident
+        }
     }
 
     /// Whether freezing works here.
@@ -133,10 +219,13 @@ impl Cgroup {
         Ok(())
     }
 
-    /// Removes the cgroup directories (the processes must be gone).
+    /// Removes the cgroup directories, children first (the processes must
+    /// be gone).
     pub fn remove(&self) {
         for (_, dir) in &self.dirs {
-            remove_dir_retrying(dir);
+            for dir in subtree(dir) {
+                remove_dir_retrying(&dir);
+            }
         }
     }
 
@@ -144,13 +233,15 @@ impl Cgroup {
     pub fn remove_leftovers(id: &str) {
         let mut dirs = vec![Path::new(ROOT).join("moat").join(id)];
         dirs.extend(V1_CONTROLLERS.iter().map(|c| Path::new(ROOT).join(c).join("moat").join(id)));
-        for dir in dirs.iter().filter(|d| d.exists()) {
+        for dir in dirs.iter().filter(|d| d.exists()).flat_map(|d| subtree(d)) {
             if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
                 for pid in procs.lines().filter_map(|p| p.trim().parse::<i32>().ok()) {
                     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
                 }
             }
-            remove_dir_retrying(dir);
+        }
+        for dir in dirs.iter().filter(|d| d.exists()).flat_map(|d| subtree(d)) {
+            remove_dir_retrying(&dir);
         }
     }
 }
@@ -161,11 +252,41 @@ pub fn remove_if_empty(id: &str) {
     let mut dirs = vec![Path::new(ROOT).join("moat").join(id)];
     dirs.extend(V1_CONTROLLERS.iter().map(|c| Path::new(ROOT).join(c).join("moat").join(id)));
     for dir in dirs.iter().filter(|d| d.exists()) {
-        let empty = std::fs::read_to_string(dir.join("cgroup.procs")).is_ok_and(|p| p.trim().is_empty());
-        if empty {
-            let _ = std::fs::remove_dir(dir);
+        let tree = subtree(dir);
+        if tree.iter().all(|d| count_procs(d) == 0) {
+            for dir in tree {
+                let _ = std::fs::remove_dir(dir);
+            }
         }
     }
+}
+
+/// How deep beneath a sandbox's cgroup moat looks (the agent makes two
+/// levels; the sandbox's root may make more, which are still removed).
+const MAX_DEPTH: usize = 16;
+
+/// `dir` and every cgroup beneath it, the deepest first (the order to
+/// remove them in).
+fn subtree(dir: &Path) -> Vec<PathBuf> {
+    fn walk(dir: &Path, depth: usize, found: &mut Vec<PathBuf>) {
+        if depth < MAX_DEPTH
+            && let Ok(entries) = std::fs::read_dir(dir)
+        {
+            for entry in entries.filter_map(Result::ok) {
+                if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                    walk(&entry.path(), depth + 1, found);
+                }
+            }
+        }
+        found.push(dir.to_path_buf());
+    }
+    let mut found = Vec::new();
+    walk(dir, 0, &mut found);
+    found
+}
+
+fn count_procs(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("cgroup.procs")).map_or(0, |procs| procs.lines().count())
 }
 
 /// Ids of every sandbox cgroup on this host.

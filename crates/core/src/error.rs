@@ -13,6 +13,9 @@ pub enum CoreError {
     Expired(String),
     #[error("The limit of {max} live sandboxes is reached; destroy one first (or raise max_sandboxes)")]
     LimitReached { max: usize },
+    /// The live sandboxes' `memory_mib` would pass `MOAT_MAX_MEMORY_MIB`.
+    #[error("The host's memory for sandboxes is taken: {0}")]
+    HostMemory(String),
     #[error("No task {id:?}; tasks: {}", if known.is_empty() { "none".to_owned() } else { known.join(", ") })]
     UnknownTask { id: String, known: Vec<String> },
     #[error("Cannot import the project: {0}")]

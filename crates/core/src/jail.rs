@@ -160,15 +160,26 @@ impl Backend for JailBackend {
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
         let mut monitor = command.spawn().map_err(io(&format!("starting {}", self.agent.display())))?;
         state.record_monitor(monitor.id()).map_err(io("recording its monitor"))?;
-        let cgroup = match Cgroup::create(&self.cgroups, id, limits) {
-            Ok(cgroup) => cgroup,
-            Err(e) => {
-                tracing::warn!(%id, "running without cgroup limits: {e}");
+        let cgroup = match Cgroup::create(&self.cgroups, id, limits, JAIL_ID_BASE) {
+            Ok(Some(cgroup)) => Some(cgroup),
+            Ok(None) if crate::limits::allow_unlimited() => None,
+            Ok(None) => return Err(self.unlimited_refused(id, monitor, state, "this host has no cgroups")),
+            Err(e) if crate::limits::allow_unlimited() => {
+                tracing::warn!(%id, "running without cgroup limits (MOAT_ALLOW_UNLIMITED=1): {e}");
+                Cgroup::remove_leftovers(id);
                 None
+            }
+            Err(e) => {
+                Cgroup::remove_leftovers(id);
+                return Err(self.unlimited_refused(id, monitor, state, &e.to_string()));
             }
         };
         let mut procs: String =
             cgroup.iter().flat_map(Cgroup::procs_files).map(|p| format!("{}\n", p.display())).collect();
+        // The `user` cgroups the monitor binds into the sandbox for the agent.
+        for (name, dir) in cgroup.iter().flat_map(Cgroup::user_dirs) {
+            procs.push_str(&format!("user {name} {}\n", dir.display()));
+        }
         procs.push('\n');
         if let Some(mut stdin) = monitor.stdin.take() {
             use std::io::Write;
@@ -192,6 +203,25 @@ impl Backend for JailBackend {
     }
 }
 
+impl JailBackend {
+    /// Stops a monitor started for a jail whose cgroups could not be made,
+    /// and says why the jail is refused and what allows it.
+    fn unlimited_refused(&self, id: &str, mut monitor: Child, state: StateDir, why: &str) -> CoreError {
+        let _ = monitor.kill();
+        let _ = monitor.wait();
+        state.remove();
+        CoreError::StartFailed {
+            id: id.into(),
+            reason: format!(
+                "its cgroups (memory, pids and CPU limits) cannot be set up: {why}. Without them a sandbox \
+                 could exhaust the host's memory and processes. Run moat as root or with a delegated cgroup \
+                 (`moat doctor` says what this host offers), or set MOAT_ALLOW_UNLIMITED=1 to run sandboxes \
+                 without limits"
+            ),
+        }
+    }
+}
+
 impl Instance for Jail {
     fn client(&self) -> AgentClient<UnixConnector> {
         AgentClient::unix(&self.socket)
@@ -203,7 +233,7 @@ impl Instance for Jail {
 
     fn is_busy(&self, resident: usize) -> bool {
         // The agent is one process; anything more is a command still running.
-        self.cgroup.as_ref().is_some_and(|c| c.process_count() > 1 + resident)
+        self.cgroup.as_ref().is_some_and(|c| c.is_busy(resident))
     }
 
     fn set_suspended(&self, suspended: bool) -> Result<(), CoreError> {

@@ -9,6 +9,7 @@
 //! a host is chosen by [`backend`].
 
 pub mod backend;
+pub mod capped_log;
 pub mod cgroup;
 pub mod egress;
 pub mod error;
@@ -17,6 +18,7 @@ pub mod hostfs;
 pub mod image;
 pub mod interpreter;
 pub mod jail;
+pub mod limits;
 pub mod machine;
 pub mod moat;
 pub mod passt;

@@ -168,6 +168,9 @@ struct Inner {
     tasks: Mutex<BTreeMap<String, (Task, Vec<LogEntry>)>>,
     /// Started sandboxes waiting to be handed out, by id.
     pool: Mutex<Vec<(String, Machine)>>,
+    /// The most the live sandboxes' `memory_mib` may add up to
+    /// (`MOAT_MAX_MEMORY_MIB`; see [`crate::limits`]).
+    max_memory_mib: u64,
     refill: Arc<tokio::sync::Notify>,
 }
 
@@ -203,6 +206,7 @@ impl Moat {
         if config.pool_size > 0 {
             config.grants.check(&config.pool_spec, &config.egress)?;
         }
+        let max_memory_mib = crate::limits::max_memory_mib_from_env()?;
         let backend = choose_backend(&config)?;
         tracing::info!(backend = %backend.kind(), "sandboxes run in this backend");
         if backend.kind() == BackendKind::Jail && !config.agent.is_file() {
@@ -221,6 +225,7 @@ impl Moat {
             expired: Mutex::new(Vec::new()),
             tasks: Mutex::new(BTreeMap::new()),
             pool: Mutex::new(Vec::new()),
+            max_memory_mib,
             refill: Arc::new(tokio::sync::Notify::new()),
         });
         if inner.config.pool_size > 0 {
@@ -282,6 +287,8 @@ impl Moat {
         if self.inner.lock().len() >= max {
             return Err(CoreError::LimitReached { max });
         }
+        let from_pool = spec == self.inner.config.pool_spec && self.pooled() > 0;
+        self.inner.check_memory(spec.memory_mib, from_pool)?;
         let pooled = if spec == self.inner.config.pool_spec { self.inner.take_pooled() } else { None };
         let (id, name, jail) = match pooled {
             Some((id, jail)) => (id.clone(), id, jail),
@@ -321,8 +328,10 @@ impl Moat {
         };
         let rejected = {
             let mut sandboxes = self.inner.lock();
-            if sandboxes.len() >= max {
-                Some(jail)
+            // Checked again: other creates may have finished meanwhile.
+            let memory = self.inner.memory_check(&sandboxes, info.spec.memory_mib, false);
+            if sandboxes.len() >= max || memory.is_err() {
+                Some((jail, memory.err()))
             } else {
                 if let Machine::Vm(vm) = &jail {
                     // How busy the guest is, for idle suspend: asked of its
@@ -340,9 +349,9 @@ impl Moat {
                 None
             }
         };
-        if let Some(jail) = rejected {
+        if let Some((jail, memory)) = rejected {
             let _ = tokio::task::spawn_blocking(move || drop(jail)).await;
-            return Err(CoreError::LimitReached { max });
+            return Err(memory.unwrap_or(CoreError::LimitReached { max }));
         }
         Ok(info)
     }
@@ -769,6 +778,28 @@ async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::sync::Notif
 }
 
 impl Inner {
+    /// Refuses a sandbox of `asked` MiB that would bring the live
+    /// sandboxes' `memory_mib` over [`Inner::max_memory_mib`]. Pooled
+    /// sandboxes count too, unless `pooled_counted` says the new one is
+    /// already among them.
+    fn check_memory(&self, asked: u64, pooled_counted: bool) -> Result<(), CoreError> {
+        let sandboxes = self.lock();
+        self.memory_check(&sandboxes, asked, pooled_counted)
+    }
+
+    fn memory_check(
+        &self,
+        sandboxes: &BTreeMap<String, Entry>,
+        asked: u64,
+        pooled_counted: bool,
+    ) -> Result<(), CoreError> {
+        let pooled = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
+        let pooled_mib = self.config.pool_spec.memory_mib.saturating_mul(pooled as u64);
+        let live: u64 = sandboxes.values().map(|e| e.info.spec.memory_mib).sum::<u64>().saturating_add(pooled_mib);
+        let asked = if pooled_counted { 0 } else { asked };
+        crate::limits::check_memory(live, sandboxes.len() + pooled, asked, self.max_memory_mib)
+    }
+
     /// A started sandbox from the pool, if one is ready; the pool refills.
     fn take_pooled(&self) -> Option<(String, Machine)> {
         let taken = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();

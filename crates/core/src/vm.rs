@@ -31,6 +31,7 @@ use moat_proto::{AgentClient, UnixConnector};
 use serde::Serialize;
 
 use crate::backend::{Backend, BackendKind, Instance};
+use crate::capped_log::{CappedLog, LOG_CAP};
 use crate::error::CoreError;
 use crate::image::Image;
 use crate::passt::Passt;
@@ -44,6 +45,10 @@ pub const AGENT_VSOCK_PORT: u32 = 1024;
 /// The guest's vsock context id; each VM has its own device, so all can
 /// use the first id available to guests.
 const GUEST_CID: u32 = 3;
+
+/// The descriptor moat-vmm inherits the serial console's pipe as (passt's
+/// socket is [`crate::passt::CHILD_FD`]).
+const CONSOLE_FD: i32 = 101;
 
 /// moat-vmm's boot-timer page (see docs/vmm.md): the agent writes to it
 /// when ready, and the VMM records the time.
@@ -79,6 +84,8 @@ pub struct Vm {
     passt: Option<Passt>,
     /// Processes in the guest besides the agent, as last reported by it.
     processes: Arc<AtomicU32>,
+    /// The serial console and moat-vmm's own output, each capped.
+    logs: Vec<CappedLog>,
 }
 
 /// moat-vmm's configuration file (docs/vmm.md).
@@ -230,23 +237,26 @@ impl Backend for VmBackend {
             net: vmm_net_end
                 .as_ref()
                 .map(|_| NetConfig { passt_fd: crate::passt::CHILD_FD, mac: crate::passt::GUEST_MAC }),
-            console: format!("file:{}", console.display()),
+            console: format!("fd:{CONSOLE_FD}"),
             control_socket: &control,
         };
         let config_path = state.path.join("vm.json");
         let text = serde_json::to_vec_pretty(&config).map_err(|e| io("writing its configuration")(e.into()))?;
         std::fs::write(&config_path, text).map_err(io("writing its configuration"))?;
-        let log = std::fs::File::create(state.path.join("vmm.log")).map_err(io("creating its log"))?;
+        let (console_end, console_log) = CappedLog::start(&console, LOG_CAP).map_err(io("creating its console log"))?;
+        let (log, vmm_log) = CappedLog::start(&state.path.join("vmm.log"), LOG_CAP).map_err(io("creating its log"))?;
         let mut command = Command::new(&self.vmm);
         // Jailed (docs/vmm.md): its own namespaces, a root holding only the
-        // image's kernel, initramfs and disk, this sandbox's overlay,
-        // console and socket directory; no capabilities.
+        // image's kernel, initramfs and disk, this sandbox's overlay and
+        // socket directory; no capabilities. The console is an inherited pipe.
         command.arg("--config").arg(&config_path).arg("--jail").arg(state.path.join("jail"));
-        command.stdin(Stdio::null()).stdout(log.try_clone().map_err(io("opening its log"))?).stderr(log);
+        let stdout = log.try_clone().map_err(io("opening its log"))?;
+        command.stdin(Stdio::null()).stdout(stdout).stderr(log);
         // Its own process group, so a terminal's Ctrl-C reaches only the host
         // process, which then destroys the sandbox in order.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
         let net_fd = vmm_net_end.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+        let console_fd = std::os::fd::AsRawFd::as_raw_fd(&console_end);
         // SAFETY: prctl(2) is async-signal-safe and touches no memory of
         // the parent; the closure runs in the child between fork and exec.
         // dup2 and fcntl (passing passt's socket) are async-signal-safe too.
@@ -255,16 +265,22 @@ impl Backend for VmBackend {
                 if let Some(fd) = net_fd {
                     crate::passt::inherit(fd, crate::passt::CHILD_FD)?;
                 }
+                crate::passt::inherit(console_fd, CONSOLE_FD)?;
                 // Die with the process that started it: a SIGKILLed owner
                 // leaves no VM running.
                 nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).map_err(std::io::Error::from)
             });
         }
         let vmm = command.spawn().map_err(io(&format!("starting {}", self.vmm.display())))?;
-        // The children hold their ends now.
+        // The children hold their ends now (and the command its copies of
+        // the log's: gone with it, so that the logs end with moat-vmm).
         drop(vmm_net_end);
+        drop(console_end);
+        drop(command);
         state.record_monitor(vmm.id()).map_err(io("recording its VMM"))?;
-        let mut vm = Vm { id: id.into(), vmm, state: Some(state), vsock, control, passt, processes: Arc::default() };
+        let logs = vec![console_log, vmm_log];
+        let mut vm =
+            Vm { id: id.into(), vmm, state: Some(state), vsock, control, passt, processes: Arc::default(), logs };
         let ready = match vm.wait_ready().await {
             Ok(()) => vm.check_passt(),
             Err(e) => Err(e),
@@ -349,6 +365,8 @@ impl Vm {
                 }
             }
             if let Ok(Some(status)) = self.vmm.try_wait() {
+                // Its last words are in the logs once their copies are done.
+                self.logs.iter_mut().for_each(CappedLog::finish);
                 return Err(self.start_failed(&format!("moat-vmm exited ({status})")));
             }
             if started.elapsed() > BOOT_GUARD {
@@ -441,6 +459,7 @@ impl Vm {
             let _ = self.vmm.kill();
         }
         let _ = self.vmm.wait();
+        self.logs.iter_mut().for_each(CappedLog::finish);
         // The VM is gone: its network's other end goes too.
         drop(self.passt.take());
         if let Some(state) = self.state.take() {

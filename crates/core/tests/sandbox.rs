@@ -444,12 +444,25 @@ async fn escapes_fail() {
 
         // Threat: a host file reachable through the agent's socket directory or
         // an inherited descriptor (the monitor binds the socket outside and hands
-        // over only the listening descriptor; stdio is /dev/null).
+        // over only the listening descriptor; stdio is /dev/null). Where the
+        // sandbox has per-command cgroups, /.moat/cgroup holds its own `user`
+        // cgroups, for its root only.
         let out = moat
             .run(id, as_root("ls -A /.moat; ls -l /proc/1/fd | grep -c -e jail.log -e sandboxes || true"))
             .await
             .expect("runs");
-        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "agent\n0", "host paths visible inside");
+        let listed = String::from_utf8_lossy(&out.stdout).trim().replace("\ncgroup", "");
+        assert_eq!(listed, "agent\n0", "host paths visible inside");
+        let out = moat.run(id, ExecRequest::shell("ls /.moat/cgroup 2>&1; echo $?")).await.expect("runs");
+        assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"), "user reaches the cgroups");
+        let out = moat
+            .run(
+                id,
+                as_root("ls /.moat/cgroup 2>/dev/null | grep -v -x -e memory -e pids -e freezer -e unified | wc -l"),
+            )
+            .await
+            .expect("runs");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0", "only the sandbox's user cgroups are bound");
 
         // Threat: bypassing the seccomp deny list through x32 system call numbers.
         let out = moat
@@ -839,4 +852,171 @@ exit $code"#
         out.stderr_text(),
         console[console.len().saturating_sub(40)..].join("\n")
     );
+}
+
+/// Runs `script` with `bash -c` in sandbox `id` under `timeout_ms`: stdout,
+/// stderr, the exit code and whether it timed out.
+async fn bash(moat: &Moat, id: &str, script: &str, timeout_ms: u64) -> (String, String, Option<i32>, bool) {
+    let mut request = ExecRequest::argv(["bash", "-c", script]);
+    request.timeout_ms = Some(timeout_ms);
+    let out = moat.run(id, request).await.expect("runs");
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (text(&out.stdout), text(&out.stderr), out.status.code, out.status.timed_out)
+}
+
+/// The sandbox still runs commands and Python after a bomb.
+async fn assert_recovered(moat: &Moat, id: &str) {
+    let (out, err, code, _) = bash(moat, id, "echo ok", 60_000).await;
+    assert_eq!((out.as_str(), code), ("ok\n", Some(0)), "the next command fails: {err}");
+    let cell =
+        moat.run_code(id, Language::Python, "6 * 7", Duration::from_secs(60), std::future::pending(), &|_, _| {});
+    let cell = cell.await.expect("the next cell runs");
+    assert_eq!(cell.text, "42", "{cell:?}");
+}
+
+/// How many processes of the sandbox have `pattern` in their command line.
+async fn count_processes(moat: &Moat, id: &str, pattern: &str) -> usize {
+    let (out, _, _, _) = bash(moat, id, &format!("pgrep -c -f '{pattern}' || true"), 60_000).await;
+    out.trim().parse().unwrap_or(usize::MAX)
+}
+
+/// A fork bomb fills the command's share of the pids limit; the command's
+/// result says which limit, what held it and that moat killed it, and the
+/// sandbox runs the next command and cell.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_fork_bomb_is_reported_and_the_sandbox_recovers() {
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let (out, err, _, timed_out) = bash(&moat, &id, "bash -c ':(){ :|:& };:'; sleep 2; echo survived", 120_000).await;
+    assert!(!timed_out, "{err}");
+    assert!(out.contains("survived"), "{out}{err}");
+    for words in ["moat: this command reached the sandbox's process limit", "Held by: bash ×", "moat killed its"] {
+        assert!(err.contains(words), "{words:?} missing from the command's stderr: {err}");
+    }
+    assert_recovered(&moat, &id).await;
+    moat.destroy_all().await;
+}
+
+/// A fork bomb left running in the background is killed before the next
+/// command starts, and that command says so.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_background_fork_bomb_is_reclaimed_by_the_next_command() {
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    // The bomb starts once the command has ended.
+    let script = "setsid bash -c 'sleep 1; :(){ :|:& };:' >/dev/null 2>&1 & echo started";
+    let (out, err, _, _) = bash(&moat, &id, script, 120_000).await;
+    assert!(out.contains("started"), "{out}{err}");
+    // Until the bomb reaches the limit, commands run without a note; the
+    // first one after it reclaims the sandbox. (A guard against a hang.)
+    let mut reclaimed = false;
+    for _ in 0..600 {
+        let (out, err, code, _) = bash(&moat, &id, "echo ok", 60_000).await;
+        assert_eq!((out.as_str(), code), ("ok\n", Some(0)), "{err}");
+        if err.contains("earlier command that reached a limit") {
+            reclaimed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(reclaimed, "the background bomb was never reclaimed");
+    assert_recovered(&moat, &id).await;
+    moat.destroy_all().await;
+}
+
+/// Memory bombs end at the sandbox's memory limit, in the command, never
+/// in the agent: the result says so and the next command and cell run.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_memory_bomb_is_reported_and_the_sandbox_recovers() {
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let grow = "python3 -c 'x = []\nwhile True: x.append(bytearray(1 << 20))'";
+    let (_, err, code, _) = bash(&moat, &id, grow, 120_000).await;
+    assert_ne!(code, Some(0));
+    for words in ["moat: this command reached the sandbox's memory limit", "OOM killer ended"] {
+        assert!(err.contains(words), "{words:?} missing from the command's stderr: {err}");
+    }
+    assert_recovered(&moat, &id).await;
+    // One allocation far past the limit: refused or killed, never the sandbox.
+    let (_, err, code, _) = bash(&moat, &id, "python3 -c 'x = bytearray(10**10)'", 120_000).await;
+    assert_ne!(code, Some(0), "{err}");
+    assert_recovered(&moat, &id).await;
+    // Reached by the sandbox's memory as a whole: files an earlier command
+    // left in tmpfs count too.
+    let (_, err, code, _) = bash(&moat, &id, "head -c 120M /dev/zero > /dev/shm/ballast", 120_000).await;
+    assert_eq!(code, Some(0), "{err}");
+    let (_, err, code, _) = bash(&moat, &id, grow, 120_000).await;
+    assert_ne!(code, Some(0));
+    assert!(err.contains("moat: this command reached the sandbox's memory limit"), "{err}");
+    assert_recovered(&moat, &id).await;
+    // In the Python session itself.
+    let cell = "x = []\nwhile True: x.append(bytearray(1 << 20))";
+    let _ =
+        moat.run_code(&id, Language::Python, cell, Duration::from_secs(120), std::future::pending(), &|_, _| {}).await;
+    assert_recovered(&moat, &id).await;
+    moat.destroy_all().await;
+}
+
+/// A command that times out is killed with everything it started, even a
+/// process that left its process group and session.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_timed_out_command_is_killed_with_what_left_its_group() {
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let (_, err, _, timed_out) = bash(&moat, &id, "setsid sleep 1001 & sleep 1000", 1000).await;
+    assert!(timed_out, "{err}");
+    assert_eq!(count_processes(&moat, &id, "^sleep 100[01]").await, 0, "a sleep outlived the timeout");
+    moat.destroy_all().await;
+}
+
+/// A command whose caller goes away (a cancelled tool call) is killed with
+/// everything it started.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_cancelled_command_is_killed_with_what_left_its_group() {
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let handle =
+        moat.exec(&id, ExecRequest::argv(["bash", "-c", "setsid sleep 1003 & sleep 1002"])).await.expect("starts");
+    // A guard against a hang, not a threshold: both start in milliseconds.
+    for _ in 0..600 {
+        if count_processes(&moat, &id, "^sleep 100[23]").await == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(count_processes(&moat, &id, "^sleep 100[23]").await, 2, "the command started both");
+    drop(handle);
+    let mut left = usize::MAX;
+    for _ in 0..600 {
+        left = count_processes(&moat, &id, "^sleep 100[23]").await;
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(left, 0, "a process of the cancelled command is still running");
+    moat.destroy_all().await;
+}
+
+/// What a command leaves running in the background without reaching a
+/// limit (a server started with `&`) keeps running through later commands.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn background_processes_of_a_well_behaved_command_keep_running() {
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let (out, err, code, _) = bash(&moat, &id, "setsid sleep 1004 >/dev/null 2>&1 & echo started", 60_000).await;
+    assert_eq!((out.as_str(), code), ("started\n", Some(0)), "{err}");
+    for _ in 0..20 {
+        let (out, err, code, _) = bash(&moat, &id, "echo ok", 60_000).await;
+        assert_eq!((out.as_str(), code), ("ok\n", Some(0)), "{err}");
+        assert!(err.is_empty(), "{err}");
+    }
+    assert_eq!(count_processes(&moat, &id, "^sleep 1004").await, 1, "the background process was killed");
+    moat.destroy_all().await;
 }

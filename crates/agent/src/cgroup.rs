@@ -1,0 +1,575 @@
+//! One cgroup per command, beneath the sandbox's `user` cgroup.
+//!
+//! The host splits a sandbox's cgroup in two: `agent`, which holds this
+//! agent, and `user`, which holds every process the agent starts and whose
+//! limits are the sandbox's minus a reserve. The jail monitor binds the
+//! `user` cgroup of each hierarchy at [`USER_CGROUPS`]`/<controller>` (or
+//! `unified` on cgroup v2). Each command gets its own cgroup there
+//! (`exec-<n>`), joined between fork and exec, so that:
+//!
+//! - a command that times out or is cancelled is killed with everything it
+//!   started, even what left its process group (`setsid cmd &`);
+//! - a command that reaches the pids or memory limit is found out (its own
+//!   counters), reported, and its runaway processes are killed, so that the
+//!   next command starts;
+//! - the agent itself, outside `user`, always has the reserve to act with.
+//!
+//! Without [`USER_CGROUPS`] (a microVM, a host without cgroups) commands run
+//! as before: their process group is what a timeout kills.
+
+use std::collections::HashSet;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Where the jail monitor binds the sandbox's `user` cgroup directories.
+pub const USER_CGROUPS: &str = "/.moat/cgroup";
+
+/// The name a cgroup v2 hierarchy is bound under.
+pub const UNIFIED: &str = "unified";
+
+/// How long killing a command's cgroup may take before the agent stops
+/// waiting for it to empty (the processes are SIGKILLed; the kernel only
+/// needs a moment to reap them).
+const KILL_GUARD: Duration = Duration::from_secs(5);
+
+/// What [`ExecCgroup::top_processes`] says of an empty cgroup.
+const NOTHING_LEFT: &str = "no process left";
+
+/// How many processes a limit report names.
+const REPORTED: usize = 3;
+
+/// The sandbox's `user` cgroups, as the agent sees them.
+#[derive(Debug)]
+pub struct UserCgroups {
+    hierarchies: Vec<Hierarchy>,
+    next: AtomicU64,
+    /// Which command cgroups are in use and which wait, empty, for reuse.
+    names: Mutex<Names>,
+}
+
+/// The command cgroups the agent tracks. Neither kind is swept: an active
+/// one may be empty because its child has not joined yet.
+#[derive(Debug, Default)]
+struct Names {
+    active: HashSet<String>,
+    /// Empty cgroups of finished commands, for the next ones: making and
+    /// removing a cgroup in each hierarchy costs more than the rest of an
+    /// exec.
+    free: Vec<String>,
+}
+
+/// How many empty command cgroups are kept for reuse.
+const KEPT_FREE: usize = 8;
+
+#[derive(Debug, Clone)]
+struct Hierarchy {
+    /// `memory`, `pids`, `freezer`, `cpu` (v1) or [`UNIFIED`].
+    name: String,
+    dir: PathBuf,
+}
+
+impl Hierarchy {
+    fn is(&self, controller: &str) -> bool {
+        self.name == controller || self.name == UNIFIED
+    }
+}
+
+/// The `user` cgroups bound into this sandbox, found once.
+pub fn user_cgroups() -> Option<&'static UserCgroups> {
+    static FOUND: OnceLock<Option<UserCgroups>> = OnceLock::new();
+    FOUND.get_or_init(|| UserCgroups::discover(Path::new(USER_CGROUPS))).as_ref()
+}
+
+impl UserCgroups {
+    /// Finds the hierarchies bound under `root`; `None` when there are none.
+    pub fn discover(root: &Path) -> Option<Self> {
+        let mut hierarchies: Vec<Hierarchy> = std::fs::read_dir(root)
+            .ok()?
+            .filter_map(Result::ok)
+            .filter(|e| e.path().join("cgroup.procs").exists())
+            .map(|e| Hierarchy { name: e.file_name().to_string_lossy().into_owned(), dir: e.path() })
+            .collect();
+        if hierarchies.is_empty() {
+            return None;
+        }
+        // The freezer goes first: a frozen command cannot fork while the
+        // other hierarchies are joined or emptied.
+        hierarchies.sort_by_key(|h| (h.name != "freezer", h.name.clone()));
+        Some(Self { hierarchies, next: AtomicU64::new(1), names: Mutex::default() })
+    }
+
+    fn names(&self) -> MutexGuard<'_, Names> {
+        // Each critical section is a few set operations: a panic leaves it whole.
+        self.names.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// An empty cgroup of an earlier command, now active, if one waits.
+    fn take_free(&self) -> Option<String> {
+        let mut names = self.names();
+        let name = names.free.pop()?;
+        names.active.insert(name.clone());
+        Some(name)
+    }
+
+    /// Makes the cgroup of one command. Its pids and memory limits are the
+    /// `user` cgroup's own, so that a command that alone exhausts them is
+    /// counted in its own cgroup's events.
+    pub fn create_exec(&'static self) -> std::io::Result<ExecCgroup> {
+        while let Some(name) = self.take_free() {
+            let mut exec = ExecCgroup::existing(&self.hierarchies, &name);
+            exec.owner = Some(self);
+            let opened: std::io::Result<Vec<OwnedFd>> = exec
+                .dirs
+                .iter()
+                .map(|h| std::fs::OpenOptions::new().write(true).open(h.dir.join("cgroup.procs")).map(OwnedFd::from))
+                .collect();
+            match opened {
+                Ok(procs) if exec.process_count() == 0 => {
+                    exec.procs = procs;
+                    exec.baseline = exec.counters();
+                    return Ok(exec);
+                }
+                // Gone or taken over: made afresh below.
+                _ => exec.remove(),
+            }
+        }
+        self.sweep();
+        let name = loop {
+            let name = format!("exec-{}", self.next.fetch_add(1, Ordering::Relaxed));
+            match self.hierarchies.first().map(|h| std::fs::create_dir(h.dir.join(&name))) {
+                Some(Err(e)) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Some(Err(e)) => return Err(e),
+                _ => break name,
+            }
+        };
+        self.names().active.insert(name.clone());
+        let mut exec = ExecCgroup::existing(&self.hierarchies, &name);
+        exec.owner = Some(self);
+        let mut procs = Vec::new();
+        for h in &self.hierarchies {
+            let dir = h.dir.join(&name);
+            if let Err(e) = std::fs::create_dir(&dir)
+                && e.kind() != std::io::ErrorKind::AlreadyExists
+            {
+                exec.remove();
+                return Err(e);
+            }
+            for file in limit_files(h) {
+                if let Ok(value) = std::fs::read_to_string(h.dir.join(file)) {
+                    let _ = std::fs::write(dir.join(file), value.trim());
+                }
+            }
+            match std::fs::OpenOptions::new().write(true).open(dir.join("cgroup.procs")) {
+                Ok(file) => procs.push(OwnedFd::from(file)),
+                Err(e) => {
+                    exec.remove();
+                    return Err(e);
+                }
+            }
+        }
+        exec.procs = procs;
+        exec.baseline = exec.counters();
+        Ok(exec)
+    }
+
+    /// Removes the cgroups of earlier commands that have no process left,
+    /// and kills those that still run after reaching a limit (a fork bomb
+    /// sent to the background): their processes hold the sandbox's limit.
+    /// Returns what it did, for the next command's output.
+    pub fn reclaim(&self) -> Option<String> {
+        let mut killed = Vec::new();
+        for dir in self.idle_exec_dirs() {
+            let exec = ExecCgroup::existing(&self.hierarchies, &dir);
+            if exec.process_count() > 0 && exec.reached_limit().is_some() {
+                let top = exec.top_processes();
+                let count = exec.kill();
+                killed.push(format!("{count} processes of an earlier command that reached a limit ({top})"));
+            }
+            exec.remove_if_empty();
+        }
+        (!killed.is_empty()).then(|| format!("moat: killed {} to free the sandbox.\n", killed.join("; ")))
+    }
+
+    fn sweep(&self) {
+        for dir in self.idle_exec_dirs() {
+            ExecCgroup::existing(&self.hierarchies, &dir).remove_if_empty();
+        }
+    }
+
+    /// Names of the command cgroups in the first hierarchy.
+    fn exec_dirs(&self) -> Vec<String> {
+        let Some(first) = self.hierarchies.first() else { return Vec::new() };
+        std::fs::read_dir(&first.dir)
+            .map(|entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with("exec-"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Names of the command cgroups no running exec uses: earlier
+    /// commands' (their background processes may still run in them).
+    fn idle_exec_dirs(&self) -> Vec<String> {
+        let mut dirs = self.exec_dirs();
+        let names = self.names();
+        dirs.retain(|d| !names.active.contains(d) && !names.free.contains(d));
+        dirs
+    }
+
+    /// How many processes run in the sandbox's `user` cgroup, all commands together.
+    pub fn process_count(&self) -> usize {
+        self.exec_dirs().iter().map(|dir| ExecCgroup::existing(&self.hierarchies, dir).process_count()).sum()
+    }
+}
+
+/// The files that carry a limit a command's cgroup copies from `user`.
+fn limit_files(h: &Hierarchy) -> &'static [&'static str] {
+    match h.name.as_str() {
+        UNIFIED => &["pids.max", "memory.max"],
+        "pids" => &["pids.max"],
+        "memory" => &["memory.limit_in_bytes"],
+        _ => &[],
+    }
+}
+
+/// Which limit a command reached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LimitHit {
+    /// Forks failed at the pids limit (`limit` processes).
+    Pids { limit: String },
+    /// The kernel's OOM killer ended `kills` processes at the memory limit.
+    Memory { limit_bytes: Option<u64>, kills: u64 },
+}
+
+/// The cgroup of one command: one directory per hierarchy.
+#[derive(Debug)]
+pub struct ExecCgroup {
+    name: String,
+    /// Set for a command's own cgroup, to release its name when done.
+    owner: Option<&'static UserCgroups>,
+    dirs: Vec<Hierarchy>,
+    /// Its `cgroup.procs` files, open for the child to join between fork
+    /// and exec (writing `0` moves the writer).
+    procs: Vec<OwnedFd>,
+    /// Its counters when the command started (a reused cgroup keeps those
+    /// of the commands before).
+    baseline: Counters,
+    /// Handed back by [`ExecCgroup::release`].
+    released: std::sync::atomic::AtomicBool,
+}
+
+/// The events a limit report is made from.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counters {
+    /// Forks refused at the pids limit.
+    pids_max: u64,
+    /// Processes the OOM killer ended.
+    oom_kills: u64,
+    /// Processes the OOM killer ended at the `user` cgroup's limit, which
+    /// all commands share (what earlier ones left in tmpfs counts there).
+    user_oom_kills: u64,
+}
+
+impl ExecCgroup {
+    fn existing(hierarchies: &[Hierarchy], name: &str) -> Self {
+        let dirs = hierarchies.iter().map(|h| Hierarchy { name: h.name.clone(), dir: h.dir.join(name) }).collect();
+        Self {
+            name: name.to_owned(),
+            owner: None,
+            dirs,
+            procs: Vec::new(),
+            baseline: Counters::default(),
+            released: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// The memory controller's events file and its limit file.
+    fn memory_files(dir: &Path) -> (&'static str, &'static str) {
+        if dir.join("memory.events").exists() {
+            ("memory.events", "memory.max")
+        } else {
+            ("memory.oom_control", "memory.limit_in_bytes")
+        }
+    }
+
+    fn counters(&self) -> Counters {
+        Counters {
+            pids_max: self.dir("pids").map_or(0, |dir| counter(&dir.join("pids.events"), "max")),
+            oom_kills: self.dir("memory").map_or(0, |dir| counter(&dir.join(Self::memory_files(dir).0), "oom_kill")),
+            user_oom_kills: self
+                .dir("memory")
+                .and_then(Path::parent)
+                .map_or(0, |user| counter(&user.join(Self::memory_files(user).0), "oom_kill")),
+        }
+    }
+
+    /// The raw descriptors of its `cgroup.procs` files, for [`join`].
+    pub fn procs_fds(&self) -> Vec<i32> {
+        self.procs.iter().map(AsRawFd::as_raw_fd).collect()
+    }
+
+    /// Closes the `cgroup.procs` files once the child has joined.
+    pub fn joined(&mut self) {
+        self.procs.clear();
+    }
+
+    fn dir(&self, controller: &str) -> Option<&Path> {
+        self.dirs.iter().find(|h| h.is(controller)).map(|h| h.dir.as_path())
+    }
+
+    /// Pids of every process in the command's cgroup, as this pid namespace numbers them.
+    pub fn pids(&self) -> Vec<i32> {
+        self.dirs
+            .first()
+            .and_then(|h| std::fs::read_to_string(h.dir.join("cgroup.procs")).ok())
+            .map(|procs| procs.lines().filter_map(|p| p.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    }
+
+    pub fn process_count(&self) -> usize {
+        self.pids().len()
+    }
+
+    /// The limit the command reached, if any, from its cgroup's counters.
+    pub fn reached_limit(&self) -> Option<LimitHit> {
+        let now = self.counters();
+        if let Some(dir) = self.dir("pids")
+            && now.pids_max > self.baseline.pids_max
+        {
+            let limit = std::fs::read_to_string(dir.join("pids.max")).unwrap_or_default().trim().to_owned();
+            return Some(LimitHit::Pids { limit });
+        }
+        if let Some(dir) = self.dir("memory") {
+            let limit = Self::memory_files(dir).1;
+            let mut kills = now.oom_kills.saturating_sub(self.baseline.oom_kills);
+            // The limit shared by all commands, reached while this one ran
+            // (only for a running command's own cgroup, whose baseline was
+            // read when it started).
+            if kills == 0 && self.owner.is_some() {
+                kills = now.user_oom_kills.saturating_sub(self.baseline.user_oom_kills);
+            }
+            if kills > 0 {
+                let limit_bytes = std::fs::read_to_string(dir.join(limit)).ok().and_then(|l| l.trim().parse().ok());
+                return Some(LimitHit::Memory { limit_bytes, kills });
+            }
+        }
+        None
+    }
+
+    /// The processes that hold the most, in words: by count for pids
+    /// (`bash ×957`), by resident memory otherwise.
+    pub fn top_processes(&self) -> String {
+        let mut by_name: std::collections::BTreeMap<String, (usize, u64)> = std::collections::BTreeMap::new();
+        for pid in self.pids() {
+            let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default().trim().to_owned();
+            let rss = rss_kib(pid);
+            let entry = by_name.entry(if name.is_empty() { "?".into() } else { name }).or_default();
+            entry.0 += 1;
+            entry.1 += rss;
+        }
+        let mut top: Vec<_> = by_name.into_iter().collect();
+        top.sort_by_key(|(_, held)| std::cmp::Reverse(*held));
+        let words: Vec<String> = top
+            .iter()
+            .take(REPORTED)
+            .map(|(name, (count, kib))| format!("{name} ×{count}, {} MiB resident", kib / 1024))
+            .collect();
+        if words.is_empty() { NOTHING_LEFT.into() } else { words.join(", ") }
+    }
+
+    /// Kills every process in the command's cgroup; returns how many there
+    /// were. Once released, the cgroup may be another command's: nothing.
+    pub fn kill(&self) -> usize {
+        if self.released.load(Ordering::SeqCst) {
+            return 0;
+        }
+        let count = self.process_count();
+        if let Some(dir) = self.dir(UNIFIED)
+            && std::fs::write(dir.join("cgroup.kill"), "1").is_ok()
+        {
+            self.wait_empty();
+            return count;
+        }
+        // cgroup v1: freeze, so that nothing forks while being killed, kill
+        // every member, thaw so that the kills land.
+        let freezer = self.dir("freezer").filter(|d| std::fs::write(d.join("freezer.state"), "FROZEN").is_ok());
+        let give_up = Instant::now() + KILL_GUARD;
+        loop {
+            let pids = self.pids();
+            if pids.is_empty() || Instant::now() > give_up {
+                break;
+            }
+            for pid in pids {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            }
+            if let Some(dir) = freezer {
+                let _ = std::fs::write(dir.join("freezer.state"), "THAWED");
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if let Some(dir) = freezer {
+            let _ = std::fs::write(dir.join("freezer.state"), "THAWED");
+        }
+        self.wait_empty();
+        count
+    }
+
+    fn wait_empty(&self) {
+        let give_up = Instant::now() + KILL_GUARD;
+        while self.process_count() > 0 && Instant::now() < give_up {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Removes the command's directories (only empty ones go).
+    pub fn remove_if_empty(&self) {
+        if self.process_count() == 0 {
+            self.remove();
+        }
+    }
+
+    /// Hands a command's cgroup back once the command is done: kept for
+    /// the next command when empty (up to [`KEPT_FREE`]), removed when
+    /// empty beyond that, left to the sweep while background processes run
+    /// in it.
+    pub fn release(&self) {
+        let Some(owner) = self.owner else { return };
+        if self.released.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let empty = self.process_count() == 0;
+        // One that counted a limit is not reused: the counters of a cgroup
+        // left with background processes must be its last command's alone,
+        // for [`UserCgroups::reclaim`].
+        let counted = self.counters();
+        let clean = counted.pids_max == 0 && counted.oom_kills == 0;
+        let mut names = owner.names();
+        names.active.remove(&self.name);
+        if empty && clean && names.free.len() < KEPT_FREE {
+            names.free.push(self.name.clone());
+        } else if empty {
+            drop(names);
+            self.remove();
+        }
+    }
+
+    fn remove(&self) {
+        for h in &self.dirs {
+            let _ = std::fs::remove_dir(&h.dir);
+        }
+    }
+}
+
+impl Drop for ExecCgroup {
+    fn drop(&mut self) {
+        // Not released (the command never started): its name is free to be
+        // swept once empty.
+        if let Some(owner) = self.owner
+            && !self.released.load(Ordering::SeqCst)
+        {
+            owner.names().active.remove(&self.name);
+        }
+    }
+}
+
+/// Writes the report of a limit reached: which limit, what held it (`top`,
+/// from [`ExecCgroup::top_processes`]), what moat did (`killed` processes).
+pub fn describe(hit: &LimitHit, top: &str, killed: usize) -> String {
+    let plural = |n: u64| if n == 1 { "" } else { "es" };
+    let (what, advice) = match hit {
+        LimitHit::Pids { limit } => {
+            (format!("the sandbox's process limit ({limit} processes): forks failed"), "start fewer processes at once")
+        }
+        LimitHit::Memory { limit_bytes, kills } => (
+            format!(
+                "the sandbox's memory limit ({}): the kernel's OOM killer ended {kills} process{} (the largest)",
+                limit_bytes.map_or_else(|| "its size".to_owned(), |b| format!("{} MiB", b >> 20)),
+                plural(*kills)
+            ),
+            "use less memory, or create a sandbox with more memory_mib",
+        ),
+    };
+    let held = if top == NOTHING_LEFT { String::new() } else { format!(" Held by: {top}.") };
+    let done = if killed == 0 {
+        "Nothing of it is left running".to_owned()
+    } else {
+        format!("moat killed its {killed} remaining process{}", plural(killed as u64))
+    };
+    format!(
+        "\nmoat: this command reached {what}.{held} {done}; the sandbox is ready for the next command ({advice}).\n"
+    )
+}
+
+/// Reads `key N` from a flat-keyed cgroup file; 0 when absent.
+fn counter(file: &Path, key: &str) -> u64 {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(key).and_then(|rest| rest.trim().parse().ok()))
+        .unwrap_or(0)
+}
+
+fn rss_kib(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:").and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()))
+        .unwrap_or(0)
+}
+
+/// Moves the calling process into the cgroups whose `cgroup.procs` files
+/// `fds` are. Runs between fork and exec: one `write(2)` per file, nothing
+/// that allocates or locks.
+pub fn join(fds: &[i32]) -> std::io::Result<()> {
+    for &fd in fds {
+        // SAFETY: `fd` is an open descriptor the parent opened for this
+        // child (kept open across the fork); write(2) reads the one static
+        // byte and is async-signal-safe.
+        if unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_are_read_by_key() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let file = dir.path().join("memory.oom_control");
+        std::fs::write(&file, "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n").expect("write");
+        assert_eq!(counter(&file, "oom_kill"), 2);
+        assert_eq!(counter(&file, "max"), 0);
+    }
+
+    #[test]
+    fn a_limit_report_says_which_limit_what_held_it_and_what_was_done() {
+        let pids = describe(&LimitHit::Pids { limit: "960".into() }, "bash ×957, 3 MiB resident", 957);
+        for words in
+            ["process limit (960 processes)", "Held by: bash ×957", "killed its 957 remaining processes", "ready"]
+        {
+            assert!(pids.contains(words), "{words:?} missing from {pids}");
+        }
+        let memory = describe(&LimitHit::Memory { limit_bytes: Some(512 << 20), kills: 1 }, NOTHING_LEFT, 0);
+        assert!(!memory.contains("Held by"), "{memory}");
+        for words in ["memory limit (512 MiB)", "OOM killer ended 1 process (the largest)", "Nothing of it is left"] {
+            assert!(memory.contains(words), "{words:?} missing from {memory}");
+        }
+    }
+
+    #[test]
+    fn no_bound_directory_means_no_command_cgroups() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        assert!(UserCgroups::discover(&dir.path().join("absent")).is_none());
+        assert!(UserCgroups::discover(dir.path()).is_none());
+    }
+}

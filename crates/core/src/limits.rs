@@ -1,0 +1,119 @@
+//! What all sandboxes together may cost the host, set by the operator.
+//!
+//! - `MOAT_MAX_MEMORY_MIB`: the most the `memory_mib` of live sandboxes may
+//!   add up to; by default [`DEFAULT_SHARE_PERCENT`] % of the host's
+//!   `MemTotal`. [`Moat::create`](crate::Moat::create) refuses a sandbox that
+//!   would pass it, naming the figures.
+//! - `MOAT_ALLOW_UNLIMITED=1`: start jails even where their cgroups (the
+//!   memory, pids and CPU limits) cannot be set up; refused otherwise.
+
+use crate::error::CoreError;
+
+/// The share of the host's memory the sandboxes' `memory_mib` may add up to
+/// by default: the rest is the host's own (page cache, the server, moat-vmm).
+pub const DEFAULT_SHARE_PERCENT: u64 = 75;
+
+/// Whether the operator allows sandboxes without cgroup limits
+/// (`MOAT_ALLOW_UNLIMITED=1`).
+pub fn allow_unlimited() -> bool {
+    parse_allow_unlimited(std::env::var("MOAT_ALLOW_UNLIMITED").ok().as_deref())
+}
+
+fn parse_allow_unlimited(value: Option<&str>) -> bool {
+    matches!(value.map(str::trim), Some("1" | "true" | "yes"))
+}
+
+/// The most the live sandboxes' `memory_mib` may add up to, from
+/// `MOAT_MAX_MEMORY_MIB` or the host's `/proc/meminfo`.
+pub fn max_memory_mib_from_env() -> Result<u64, CoreError> {
+    let total = std::fs::read_to_string("/proc/meminfo").ok().as_deref().and_then(mem_total_mib);
+    parse_max_memory(std::env::var("MOAT_MAX_MEMORY_MIB").ok().as_deref(), total)
+}
+
+/// [`max_memory_mib_from_env`] with its inputs given: the variable's value
+/// and the host's `MemTotal` in MiB.
+fn parse_max_memory(value: Option<&str>, mem_total_mib: Option<u64>) -> Result<u64, CoreError> {
+    match value {
+        Some(text) => match text.trim().parse::<u64>() {
+            Ok(mib) if mib >= 128 => Ok(mib),
+            _ => Err(CoreError::Config(format!(
+                "MOAT_MAX_MEMORY_MIB={text:?} is not a size in MiB of at least 128 (the most the memory_mib of live \
+                 sandboxes may add up to; unset, it is {DEFAULT_SHARE_PERCENT}% of the host's memory)"
+            ))),
+        },
+        // A host whose memory cannot be read keeps no sum: the per-sandbox
+        // limits still hold.
+        None => Ok(mem_total_mib.map_or(u64::MAX, |total| total * DEFAULT_SHARE_PERCENT / 100)),
+    }
+}
+
+/// `MemTotal` of a `/proc/meminfo` text, in MiB.
+fn mem_total_mib(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.trim_start_matches("MemTotal:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib / 1024)
+}
+
+/// Refuses a sandbox of `asked` MiB when the live ones already hold `live`
+/// MiB of at most `max`; the error names the figures and what to do.
+pub fn check_memory(live: u64, live_count: usize, asked: u64, max: u64) -> Result<(), CoreError> {
+    if live.saturating_add(asked) <= max {
+        return Ok(());
+    }
+    Err(CoreError::HostMemory(format!(
+        "memory_mib {asked} would bring the live sandboxes' memory to {} MiB, over the host's limit of {max} MiB \
+         ({live_count} live sandbox{} hold {live} MiB); destroy a sandbox, ask for less memory_mib, or raise \
+         MOAT_MAX_MEMORY_MIB (by default {DEFAULT_SHARE_PERCENT}% of the host's memory)",
+        live.saturating_add(asked),
+        if live_count == 1 { "" } else { "es" },
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_memory_sum_is_checked_with_the_figures_in_the_refusal() {
+        assert!(check_memory(0, 0, 1024, 1024).is_ok());
+        assert!(check_memory(3072, 3, 1024, 4096).is_ok());
+        let refused = check_memory(3072, 3, 2048, 4096).expect_err("5120 MiB is over 4096").to_string();
+        for words in [
+            "memory_mib 2048",
+            "5120 MiB",
+            "limit of 4096 MiB",
+            "3 live sandboxes hold 3072 MiB",
+            "MOAT_MAX_MEMORY_MIB",
+        ] {
+            assert!(refused.contains(words), "{words:?} missing from {refused}");
+        }
+        assert!(check_memory(u64::MAX, 1, 128, u64::MAX).is_ok(), "no overflow");
+    }
+
+    #[test]
+    fn the_memory_limit_defaults_to_a_share_of_the_host_and_rejects_nonsense() {
+        assert_eq!(parse_max_memory(None, Some(24_000)).expect("default"), 18_000);
+        assert_eq!(parse_max_memory(None, None).expect("unknown host"), u64::MAX);
+        assert_eq!(parse_max_memory(Some(" 8192 "), Some(24_000)).expect("set"), 8192);
+        for bad in ["", "lots", "-1", "64", "8G"] {
+            let e = parse_max_memory(Some(bad), Some(24_000)).expect_err(bad).to_string();
+            assert!(e.contains("MOAT_MAX_MEMORY_MIB"), "{e}");
+        }
+    }
+
+    #[test]
+    fn mem_total_is_read_from_meminfo() {
+        let meminfo = "MemTotal:       24683520 kB\nMemFree:         4402768 kB\n";
+        assert_eq!(mem_total_mib(meminfo), Some(24_105));
+        assert_eq!(mem_total_mib("MemFree: 1 kB\n"), None);
+    }
+
+    #[test]
+    fn unlimited_sandboxes_need_an_explicit_yes() {
+        assert!(parse_allow_unlimited(Some("1")));
+        assert!(parse_allow_unlimited(Some("true")));
+        for no in [None, Some(""), Some("0"), Some("no")] {
+            assert!(!parse_allow_unlimited(no), "{no:?}");
+        }
+    }
+}
