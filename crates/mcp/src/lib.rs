@@ -93,8 +93,9 @@ impl MoatServer {
     }
 }
 
-/// The error for a request of `method` that is not one moat-mcp serves,
-/// or whose params do not have the shape the MCP specification gives.
+/// The error for a request of `method` that is not one moat-mcp serves
+/// (-32601, which streamable HTTP of 2026-07-28 turns into a 404), or a
+/// `tools/call` whose params do not have the shape the specification gives.
 fn unknown_request(method: &str) -> McpError {
     match method {
         "tools/call" => McpError::invalid_params(
@@ -102,14 +103,11 @@ fn unknown_request(method: &str) -> McpError {
              arguments}; tools/list shows each tool's inputSchema",
             None,
         ),
-        "initialize" | "ping" | "tools/list" => McpError::invalid_params(
-            format!("Invalid params for {method}: they do not have the shape the MCP specification gives"),
-            None,
-        ),
         _ => McpError::new(
             rmcp::model::ErrorCode::METHOD_NOT_FOUND,
             format!(
-                "Method not found: {:?}; moat-mcp offers tools only: initialize, ping, tools/list and tools/call",
+                "Method not found: {:?} (or not in this protocol version); moat-mcp offers tools only: tools/list \
+                 and tools/call, after initialize (or server/discover from protocol 2026-07-28), and ping",
                 method.chars().take(100).collect::<String>()
             ),
             None,
