@@ -83,7 +83,12 @@ fn check_value(name: &str, schema: &Value, value: &Value) -> Result<(), String> 
                 && !allowed.iter().any(|a| a.as_str() == Some(text))
             {
                 let allowed: Vec<&str> = allowed.iter().filter_map(Value::as_str).collect();
-                return Err(format!("{} must be one of {}, not {:?}", clip(name), allowed.join(", "), clip(text)));
+                let list = match allowed.split_last() {
+                    Some((last, [])) => (*last).to_owned(),
+                    Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+                    None => "nothing".to_owned(),
+                };
+                return Err(format!("{} must be {list}, not {:?}", clip(name), clip(text)));
             }
         }
         Some("integer") => {
@@ -175,7 +180,10 @@ mod tests {
         );
         assert!(error("create_sandbox", json!({"cpus": 0})).contains("from 1 to 16, got 0"));
         assert!(error("create_sandbox", json!({"cpus": 1.5})).contains("not a fractional number"));
-        assert!(error("create_sandbox", json!({"network": "wide"})).contains("one of none, filtered, open"));
+        assert!(
+            error("create_sandbox", json!({"network": "wide"}))
+                .contains("must be none, filtered or open, not \"wide\"")
+        );
         assert_eq!(
             error("create_sandbox", json!({"allow_hosts": [1]})),
             "allow_hosts[0] must be a string, not an integer"
