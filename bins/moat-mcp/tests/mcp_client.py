@@ -468,6 +468,46 @@ def resumed_after_a_drop(server):
         assert time.monotonic() < deadline, f"the result was never replayed; last: {events!r}"
 
 
+def resumed_stateless(server):
+    """The same for a request of protocol 2026-07-28, which has no session:
+    without the event log the call would be cancelled with its stream."""
+    import http.client
+    host, port = server.url.split("/")[2].split(":")
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json",
+               "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2026-07-28"}
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "0"},
+            "io.modelcontextprotocol/clientCapabilities": {}}
+    body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+        "name": "run_command", "arguments": {"cmd": "sleep 3; echo stateless-result"}, "_meta": meta}}
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/mcp", json.dumps(body), {**headers, "Mcp-Method": "tools/call", "Mcp-Name": "run_command"})
+    response = conn.getresponse()
+    assert response.status == 200, (response.status, response.read())
+    last = None
+    while last is None:
+        line = response.readline().decode()
+        assert line, "the stream ended before its first event id"
+        if line.startswith("id:"):
+            last = line[3:].strip()
+    conn.close()
+    deadline = time.monotonic() + 90
+    while True:
+        time.sleep(2)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("GET", "/mcp", headers={**headers, "Accept": "text/event-stream", "Last-Event-ID": last})
+        response = conn.getresponse()
+        events = response.read().decode()
+        conn.close()
+        assert response.status == 200, (response.status, events)
+        for line in events.splitlines():
+            if line.startswith("id:"):
+                last = line[3:].strip()
+        if "stateless-result" in events:
+            return
+        assert time.monotonic() < deadline, f"the result was never replayed; last: {events!r}"
+
+
 async def started_from_root(binary, env, era):
     """Issue 15, item 2: a server started from / with MOAT_ROOTS unset (as
     several desktop hosts start servers) shares no host directory."""
@@ -500,6 +540,7 @@ async def http_only(binary, env, server):
     assert status == 200, status
     raw_http_answered(server)
     resumed_after_a_drop(server)
+    resumed_stateless(server)
 
     # Two sessions: neither sees nor touches the other's sandboxes, and a
     # session's sandboxes end with it.
