@@ -29,6 +29,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 TOKEN = "moat-test-token-0123456789abcdef"
+LIMIT = 16 * 1024 * 1024  # moat_mcp::limits::MAX_MESSAGE_BYTES
 SDK_MAJOR = int(importlib.metadata.version("mcp").split(".")[0])
 
 
@@ -122,7 +123,7 @@ async def main(binary, contract_path, project, transport, era):
     try:
         async with connect(binary, env, transport, era, server) as session:
             await every_tool(session, contract, project)
-            await mistakes_answered(session)
+            await mistakes_answered(session, transport)
         if transport == "stdio":
             raw_stdio_answered(binary, env)
         if transport == "stdio":
@@ -337,12 +338,18 @@ def raw_post(url, headers):
         return e.code, e.headers, e.read().decode(errors="replace")
 
 
-LIMIT = 16 * 1024 * 1024
-
-
-async def mistakes_answered(session):
-    """Issue 16: wrong arguments, huge arrays and unknown tools each get a
-    clear error, and the session goes on."""
+async def mistakes_answered(session, transport):
+    """Issue 16: wrong arguments, huge arrays, unknown tools and (over
+    stdio, where the SDK shows JSON-RPC errors of any request) a message
+    over the size limit each get a clear error, and the session goes on."""
+    if transport == "stdio":
+        try:
+            await session.call_tool("write_file", {"path": "big.txt", "content": "x" * (LIMIT + 1)})
+            raise AssertionError("a message over the limit was not refused")
+        except AssertionError:
+            raise
+        except Exception as e:  # McpError
+            assert str(LIMIT) in str(e) and "copy_to_sandbox" in str(e), e
     message = await call(session, "run_command", {"cmd": 5}, expect_error=True)
     assert "cmd must be a string" in message, message
     message = await call(session, "run_command", {"command": "ls"}, expect_error=True)
