@@ -160,7 +160,7 @@ async fn serve(config: ServerConfig, http: Option<(std::net::IpAddr, u16)>) -> E
             return ExitCode::FAILURE;
         }
     };
-    let running = match server.serve(rmcp::transport::stdio()).await {
+    let running = match server.serve(moat_mcp::stdio::StdioTransport::stdio()).await {
         Ok(running) => running,
         Err(e) => {
             eprintln!("moat-mcp: the MCP session did not start: {e}");

@@ -29,6 +29,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 TOKEN = "moat-test-token-0123456789abcdef"
+LIMIT = 16 * 1024 * 1024  # moat_mcp::limits::MAX_MESSAGE_BYTES
 SDK_MAJOR = int(importlib.metadata.version("mcp").split(".")[0])
 
 
@@ -122,6 +123,9 @@ async def main(binary, contract_path, project, transport, era):
     try:
         async with connect(binary, env, transport, era, server) as session:
             await every_tool(session, contract, project)
+            await mistakes_answered(session, transport)
+        if transport == "stdio":
+            raw_stdio_answered(binary, env)
         if transport == "stdio":
             await started_from_root(binary, env, era)
         if server:
@@ -334,6 +338,183 @@ def raw_post(url, headers):
         return e.code, e.headers, e.read().decode(errors="replace")
 
 
+async def mistakes_answered(session, transport):
+    """Issue 16: wrong arguments, huge arrays, unknown tools and (over
+    stdio, where the SDK shows JSON-RPC errors of any request) a message
+    over the size limit each get a clear error, and the session goes on."""
+    if transport == "stdio":
+        try:
+            await session.call_tool("write_file", {"path": "big.txt", "content": "x" * (LIMIT + 1)})
+            raise AssertionError("a message over the limit was not refused")
+        except AssertionError:
+            raise
+        except Exception as e:  # McpError
+            assert str(LIMIT) in str(e) and "copy_to_sandbox" in str(e), e
+    message = await call(session, "run_command", {"cmd": 5}, expect_error=True)
+    assert "cmd must be a string" in message, message
+    message = await call(session, "run_command", {"command": "ls"}, expect_error=True)
+    assert 'no argument "command"' in message and "cmd" in message, message
+    hosts = [f"h{i}.example" for i in range(100_000)]
+    message = await call(session, "create_sandbox", {"allow_hosts": hosts}, expect_error=True)
+    assert "at most 256" in message, message
+    try:
+        await session.call_tool("no_such_tool", {})
+        raise AssertionError("an unknown tool was not refused")
+    except Exception as e:  # McpError
+        assert "unknown tool" in str(e) and "run_command" in str(e), e
+    out = await call(session, "run_command", {"cmd": "echo still-here"})
+    assert out["stdout"] == "still-here\n", out
+
+
+def raw_stdio_answered(binary, env):
+    """Issue 16: over stdio, a message over the limit, one that is not
+    JSON, a batch and an unknown method each get an error; none is dropped
+    and the server stays up."""
+    process = subprocess.Popen([binary], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    def send(obj):
+        process.stdin.write((obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n")
+        process.stdin.flush()
+    def answer():
+        line = process.stdout.readline()
+        assert line, "moat-mcp closed stdout"
+        return json.loads(line)
+    try:
+        send({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}})
+        assert "result" in answer()
+        send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        big = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+               "params": {"name": "write_file", "arguments": {"path": "big", "content": "x" * (LIMIT + 1000)}}}
+        send(big)
+        got = answer()
+        assert got["id"] == 2 and got["error"]["code"] == -32600, str(got)[:300]
+        assert str(LIMIT) in got["error"]["message"] and "copy_to_sandbox" in got["error"]["message"], got
+        send(b"this is not json")
+        got = answer()
+        assert got["id"] is None and got["error"]["code"] == -32700, got
+        send([{"jsonrpc": "2.0", "id": 3, "method": "ping"}])
+        got = answer()
+        assert got["error"]["code"] == -32600 and "batch" in got["error"]["message"], got
+        send({"jsonrpc": "2.0", "id": 4, "method": "no/such/method"})
+        got = answer()
+        assert got["id"] == 4 and got["error"]["code"] == -32601 and "tools/call" in got["error"]["message"], got
+        send({"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {"name": "run_command", "arguments": [1]}})
+        got = answer()
+        assert got["id"] == 5 and got["error"]["code"] == -32602 and "arguments" in got["error"]["message"], got
+        send({"jsonrpc": "2.0", "id": 6, "method": "ping"})
+        assert answer() == {"jsonrpc": "2.0", "id": 6, "result": {}}
+    finally:
+        process.stdin.close()
+        assert process.wait(timeout=60) == 0
+
+
+def raw_http_answered(server):
+    """Issue 16 over HTTP: a body over the limit is a 413 with a JSON-RPC
+    error (with the request's id), a body that is not JSON a 400 with one."""
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream"}
+    body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+        "name": "write_file", "arguments": {"path": "big", "content": "x" * (LIMIT + 1000)}}}).encode()
+    for data, status, code, id in [(body, 413, -32600, 7), (b"{not json", 400, -32700, None)]:
+        request = urllib.request.Request(server.url, data=data, method="POST", headers=auth)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                raise AssertionError(f"answered {response.status}")
+        except urllib.error.HTTPError as e:
+            got = json.loads(e.read())
+            assert e.code == status and e.headers.get("Content-Type") == "application/json", (e.code, got)
+            assert got["id"] == id and got["error"]["code"] == code, got
+            if status == 413:
+                assert str(LIMIT) in got["error"]["message"] and "copy_to_sandbox" in got["error"]["message"], got
+
+
+def resumed_after_a_drop(server):
+    """Issue 16: a result that finishes while the client's SSE stream is
+    down is replayed when it reconnects with Last-Event-ID."""
+    import http.client
+    host, port = server.url.split("/")[2].split(":")
+    base = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream"}
+    def post(body, headers):
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/mcp", json.dumps(body), {**base, **headers})
+        return conn, conn.getresponse()
+    conn, response = post({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "0"}}}, {})
+    session = response.getheader("Mcp-Session-Id")
+    response.read()
+    conn.close()
+    headers = {"Mcp-Session-Id": session, "MCP-Protocol-Version": "2025-11-25"}
+    conn, response = post({"jsonrpc": "2.0", "method": "notifications/initialized"}, headers)
+    response.read()
+    conn.close()
+    conn, response = post({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+        "name": "run_command", "arguments": {"cmd": "sleep 3; echo resumed-result"}}}, headers)
+    last = None
+    while last is None:
+        line = response.readline().decode()
+        assert line, "the stream ended before its first event id"
+        if line.startswith("id:"):
+            last = line[3:].strip()
+    conn.close()  # the network blip: the call goes on without a stream
+    deadline = time.monotonic() + 90
+    while True:
+        time.sleep(2)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("GET", "/mcp", headers={**base, **headers, "Last-Event-ID": last,
+                                             "Accept": "text/event-stream"})
+        response = conn.getresponse()
+        assert response.status == 200, (response.status, response.read())
+        events = response.read().decode()
+        conn.close()
+        for line in events.splitlines():
+            if line.startswith("id:"):
+                last = line[3:].strip()
+        if "resumed-result" in events:
+            return
+        assert time.monotonic() < deadline, f"the result was never replayed; last: {events!r}"
+
+
+def resumed_stateless(server):
+    """The same for a request of protocol 2026-07-28, which has no session:
+    without the event log the call would be cancelled with its stream."""
+    import http.client
+    host, port = server.url.split("/")[2].split(":")
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json",
+               "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2026-07-28"}
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "0"},
+            "io.modelcontextprotocol/clientCapabilities": {}}
+    body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+        "name": "run_command", "arguments": {"cmd": "sleep 3; echo stateless-result"}, "_meta": meta}}
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/mcp", json.dumps(body), {**headers, "Mcp-Method": "tools/call", "Mcp-Name": "run_command"})
+    response = conn.getresponse()
+    assert response.status == 200, (response.status, response.read())
+    last = None
+    while last is None:
+        line = response.readline().decode()
+        assert line, "the stream ended before its first event id"
+        if line.startswith("id:"):
+            last = line[3:].strip()
+    conn.close()
+    deadline = time.monotonic() + 90
+    while True:
+        time.sleep(2)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("GET", "/mcp", headers={**headers, "Accept": "text/event-stream", "Last-Event-ID": last})
+        response = conn.getresponse()
+        events = response.read().decode()
+        conn.close()
+        assert response.status == 200, (response.status, events)
+        for line in events.splitlines():
+            if line.startswith("id:"):
+                last = line[3:].strip()
+        if "stateless-result" in events:
+            return
+        assert time.monotonic() < deadline, f"the result was never replayed; last: {events!r}"
+
+
 async def started_from_root(binary, env, era):
     """Issue 15, item 2: a server started from / with MOAT_ROOTS unset (as
     several desktop hosts start servers) shares no host directory."""
@@ -364,6 +545,9 @@ async def http_only(binary, env, server):
     assert status == 403 and authority in body, (status, body)
     status, _, _ = raw_post(server.url, {**auth, "Origin": f"http://{authority}"})
     assert status == 200, status
+    raw_http_answered(server)
+    resumed_after_a_drop(server)
+    resumed_stateless(server)
 
     # Two sessions: neither sees nor touches the other's sandboxes, and a
     # session's sandboxes end with it.

@@ -12,6 +12,13 @@
 //!   when that is unset one generated at start and written to a file only
 //!   its owner can read ([`TokenFile`]), whose path is printed on stderr.
 //!
+//! Every POST body is read here first, at most
+//! [`MAX_MESSAGE_BYTES`](crate::limits::MAX_MESSAGE_BYTES) of it: one over
+//! that is answered 413 with a JSON-RPC error naming the limit, one that is
+//! not a JSON-RPC message 400 with a JSON-RPC error. Responses are kept in
+//! an [`EventLog`] so that a client whose SSE stream dropped gets them when
+//! it reconnects with `Last-Event-ID`.
+//!
 //! Each MCP session gets its own [`MoatServer`] and so its own [`Scope`]:
 //! sessions cannot see each other's sandboxes, and a session's sandboxes
 //! are destroyed when it closes or expires. Requests without a session
@@ -34,7 +41,10 @@ use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use tokio_util::sync::CancellationToken;
 
 use crate::MoatServer;
+use crate::event_log::EventLog;
+use crate::limits::{IdScanner, MAX_MESSAGE_BYTES, too_large_response};
 use crate::scope::Scope;
+use crate::stdio::Parsed;
 
 /// Where and how `moat-mcp --http` serves.
 #[derive(Debug, Clone)]
@@ -211,10 +221,14 @@ impl HttpServer {
         let keep_alive = Duration::from_secs(defaults.timeout_seconds);
         let mut sessions = LocalSessionManager::default();
         sessions.session_config.keep_alive = Some(keep_alive);
+        // A response that finishes while its client's SSE stream is down is
+        // replayed when the client reconnects with Last-Event-ID.
+        let sessions = sessions.with_event_store(Arc::new(EventLog::default()));
         let transport = StreamableHttpServerConfig::default()
             .with_allowed_hosts([authority.clone()])
             .with_allowed_origins([origin.clone()])
             .enforce_origin_validation()
+            .with_max_request_body_bytes(MAX_MESSAGE_BYTES)
             .with_cancellation_token(shutdown.child_token());
         let service = StreamableHttpService::new(
             move || Ok(MoatServer::for_http(moat.clone(), defaults.clone(), tools.clone(), sessionless.clone())),
@@ -270,12 +284,75 @@ async fn check_request(State(gate): State<Arc<Gate>>, request: Request, next: Ne
         return response;
     }
     let closing = request.method() == axum::http::Method::DELETE;
+    let request = if request.method() == axum::http::Method::POST {
+        match bounded_message(request).await {
+            Ok(request) => request,
+            Err(answer) => return answer,
+        }
+    } else {
+        request
+    };
     let mut response = next.run(request).await;
     // rmcp acknowledges a session's DELETE with 202; the Python SDK
     // expects 200 and warns on anything else. The session is gone either way.
     if closing && response.status() == StatusCode::ACCEPTED {
         *response.status_mut() = StatusCode::OK;
     }
+    response
+}
+
+/// How much of an oversized body is read to find its id before the
+/// answer goes without one (the client is authenticated; this only bounds
+/// the time spent on it).
+const MAX_SKIPPED_BYTES: usize = 64 * MAX_MESSAGE_BYTES;
+
+/// Reads a POST's body, at most [`MAX_MESSAGE_BYTES`] of it: one over the
+/// limit is answered 413 with a JSON-RPC error naming the limit (and the
+/// request's id, found while the rest is skipped), one that is not a
+/// JSON-RPC message 400 with a JSON-RPC error saying what is wrong.
+/// rmcp would answer both in plain text, which clients do not show.
+async fn bounded_message(request: Request) -> Result<Request, Response> {
+    use futures_util::StreamExt;
+    let (parts, body) = request.into_parts();
+    let mut chunks = body.into_data_stream();
+    let mut collected = Vec::new();
+    let mut skipping: Option<(IdScanner, usize)> = None;
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|e| {
+            refuse(
+                StatusCode::BAD_REQUEST,
+                format!("Bad Request: the request body could not be read ({e}); send it again"),
+            )
+        })?;
+        if let Some((scanner, seen)) = skipping.as_mut() {
+            scanner.feed(&chunk);
+            *seen = seen.saturating_add(chunk.len());
+            if *seen > MAX_SKIPPED_BYTES {
+                break;
+            }
+        } else if collected.len().saturating_add(chunk.len()) > MAX_MESSAGE_BYTES {
+            let mut scanner = IdScanner::new();
+            scanner.feed(&collected);
+            scanner.feed(&chunk);
+            skipping = Some((scanner, collected.len() + chunk.len()));
+            collected = Vec::new();
+        } else {
+            collected.extend_from_slice(&chunk);
+        }
+    }
+    if let Some((scanner, seen)) = skipping {
+        tracing::warn!(bytes = seen, limit = MAX_MESSAGE_BYTES, "answered a request body over the size limit with 413");
+        return Err(json_rpc_answer(StatusCode::PAYLOAD_TOO_LARGE, &too_large_response(scanner.id(), seen)));
+    }
+    if let Parsed::Reply(answer) = crate::stdio::parse(&collected) {
+        return Err(json_rpc_answer(StatusCode::BAD_REQUEST, &answer));
+    }
+    Ok(Request::from_parts(parts, axum::body::Body::from(collected)))
+}
+
+fn json_rpc_answer(status: StatusCode, answer: &serde_json::Value) -> Response {
+    let mut response = (status, answer.to_string()).into_response();
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
 }
 

@@ -1,6 +1,7 @@
 //! The MCP server of moat: the tools contract in `testdata/tools.json`
 //! mapped onto `moat-core`, served with `rmcp` over stdio or streamable
-//! HTTP ([`http`]).
+//! HTTP ([`http`]). Every message gets an answer: one over the size limit
+//! or malformed included ([`limits`], [`stdio`]).
 //!
 //! `tools/list` answers with the contract itself, so what clients see is
 //! exactly what `testdata/tools.json` says. Each stdio connection or HTTP
@@ -10,11 +11,17 @@
 //! credentials kept out of every command line and output; `preview_link`
 //! hands out token-guarded loopback links to sandbox ports.
 
+mod arguments;
 pub mod config;
+pub mod event_log;
 mod git;
 pub mod hosts;
 pub mod http;
+pub mod limits;
+#[cfg(test)]
+mod property_tests;
 pub mod scope;
+pub mod stdio;
 mod tools;
 
 pub use config::{ConfigError, ServerConfig};
@@ -86,6 +93,28 @@ impl MoatServer {
     }
 }
 
+/// The error for a request of `method` that is not one moat-mcp serves
+/// (-32601, which streamable HTTP of 2026-07-28 turns into a 404), or a
+/// `tools/call` whose params do not have the shape the specification gives.
+fn unknown_request(method: &str) -> McpError {
+    match method {
+        "tools/call" => McpError::invalid_params(
+            "Invalid params for tools/call: give {\"name\": a tool's name, \"arguments\": an object of its \
+             arguments}; tools/list shows each tool's inputSchema",
+            None,
+        ),
+        _ => McpError::new(
+            rmcp::model::ErrorCode::METHOD_NOT_FOUND,
+            format!(
+                "Method not found: {:?} (or not in this protocol version); moat-mcp offers tools only: tools/list \
+                 and tools/call, after initialize (or server/discover from protocol 2026-07-28), and ping",
+                method.chars().take(100).collect::<String>()
+            ),
+            None,
+        ),
+    }
+}
+
 impl ServerHandler for MoatServer {
     fn get_info(&self) -> InitializeResult {
         InitializeResult::new(ServerCapabilities::builder().enable_tools().build())
@@ -104,6 +133,16 @@ impl ServerHandler for MoatServer {
         Ok(ListToolsResult { tools: self.tools.as_ref().clone(), ..Default::default() })
     }
 
+    /// Requests rmcp could not type: unknown methods, and known ones whose
+    /// params have the wrong shape (rmcp's own answer names only the method).
+    async fn on_custom_request(
+        &self,
+        request: rmcp::model::CustomRequest,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::CustomResult, McpError> {
+        Err(unknown_request(&request.method))
+    }
+
     async fn call_tool(
         &self,
         request: CallToolRequestParams,
@@ -117,6 +156,13 @@ impl ServerHandler for MoatServer {
             ));
         }
         let args = serde_json::Value::Object(request.arguments.unwrap_or_default());
+        if let Some(tool) = self.tools.iter().find(|t| t.name == request.name)
+            && let Err(mistake) = arguments::check(&request.name, &tool.input_schema, &args)
+        {
+            return Ok(CallToolResponse::from(rmcp::model::CallToolResult::error(vec![
+                rmcp::model::ContentBlock::text(format!("Invalid arguments: {mistake}")),
+            ])));
+        }
         let parts = context.extensions.get::<::http::request::Parts>();
         let scope = match (parts, &self.sessionless) {
             (Some(parts), Some(shared)) if !parts.headers.contains_key("mcp-session-id") => shared.clone(),
