@@ -4,7 +4,8 @@
 //!   `bwrap --unshare-all --ro-bind / / --proc /proc --dev /dev true`;
 //! - host memory of idle sandboxes (proportional set size of every process
 //!   of each sandbox: monitor, agent), at 1, 10 and 50 sandboxes (and
-//!   `MOAT_BENCH_IDLE` of them, when set). Files a
+//!   `MOAT_BENCH_IDLE` of them, when set; their `memory_mib` together must
+//!   fit `MOAT_MAX_MEMORY_MIB`, so 500 need it set to 128000 or more). Files a
 //!   sandbox writes live in its tmpfs and are not counted: an idle sandbox
 //!   that wrote nothing has none.
 //!
