@@ -601,11 +601,24 @@ pub fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .write_all(bytes)
 }
 
+/// The names in the directory `dir` (an open descriptor of it), without
+/// `.` and `..`.
+pub(crate) fn names_in(dir: &impl AsFd) -> nix::Result<Vec<OsString>> {
+    use std::os::unix::ffi::OsStrExt;
+    let listing = openat(dir, ".", OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())?;
+    let mut listing = nix::dir::Dir::from_fd(listing)?;
+    Ok(listing
+        .iter()
+        .filter_map(Result::ok)
+        .map(|e| OsStr::from_bytes(e.file_name().to_bytes()).to_os_string())
+        .filter(|n| n != "." && n != "..")
+        .collect())
+}
+
 /// Removes `name` in `dir` and everything beneath it, never following a
 /// symlink.
 pub(crate) fn remove_beneath(dir: &impl AsFd, name: &OsStr, depth: usize) -> nix::Result<()> {
     use nix::unistd::{UnlinkatFlags, unlinkat};
-    use std::os::unix::ffi::OsStrExt;
     let stat = match fstatat(dir, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
         Err(Errno::ENOENT) => return Ok(()),
         other => other?,
@@ -620,16 +633,7 @@ pub(crate) fn remove_beneath(dir: &impl AsFd, name: &OsStr, depth: usize) -> nix
     }
     let fd =
         openat(dir, name, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())?;
-    let children: Vec<OsString> = {
-        let mut listing = nix::dir::Dir::from_fd(fd.try_clone().map_err(|_| Errno::EMFILE)?)?;
-        listing
-            .iter()
-            .filter_map(Result::ok)
-            .map(|e| OsStr::from_bytes(e.file_name().to_bytes()).to_os_string())
-            .filter(|n| n != "." && n != "..")
-            .collect()
-    };
-    for child in children {
+    for child in names_in(&fd)? {
         remove_beneath(&fd, &child, depth + 1)?;
     }
     unlinkat(dir, name, UnlinkatFlags::RemoveDir)

@@ -64,17 +64,7 @@ impl Walk<'_> {
     ) -> Result<(), CoreError> {
         let failed = |what: &str, e: Errno| CoreError::HostPath(format!("{}: {what}: {}", rel.display(), e.desc()));
         let is_home = self.roots.home.is_some_and(|h| fstat(dir).is_ok_and(|s| FileId::of(&s) == h));
-        let mut names: Vec<OsString> = {
-            let listing = openat(dir, ".", OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
-                .map_err(|e| failed("cannot list it", e))?;
-            let mut listing = nix::dir::Dir::from_fd(listing).map_err(|e| failed("cannot list it", e))?;
-            listing
-                .iter()
-                .filter_map(Result::ok)
-                .map(|e| OsStr::from_bytes(e.file_name().to_bytes()).to_os_string())
-                .filter(|n| n != "." && n != "..")
-                .collect()
-        };
+        let mut names = super::names_in(dir).map_err(|e| failed("cannot list it", e))?;
         names.sort();
         for name in names {
             let path = rel.join(&name);
