@@ -15,15 +15,18 @@
 //!   home directory, so neither the data directory nor a dot directory of
 //!   the home directory (`~/.ssh`, `~/.config`) is reachable through any
 //!   root, bind mounts and hard links included.
-//! - **Create, never replace.** A destination must not exist; files are
-//!   created with `O_CREAT | O_EXCL | O_NOFOLLOW`, directories with `mkdirat`.
+//! - **Create, never replace.** A destination must not exist. A copy is
+//!   written under a hidden name beside it (`O_CREAT | O_EXCL | O_NOFOLLOW`,
+//!   `mkdirat`) and renamed with `RENAME_NOREPLACE` once everything in it
+//!   has been checked; a failed or dropped copy is removed.
 //! - **Untrusted archives.** [`unpack`] writes a sandbox's tar stream beneath
 //!   the new directory's descriptor, refusing unsafe names, keeping sparse
 //!   files sparse, dropping set-id bits, and keeping a symlink only when the
 //!   kernel resolves it beneath the copy (`openat2` with `RESOLVE_BENEATH`);
 //!   every entry left out is listed in the result.
 //! - **Bounded.** Copies stream through a pipe (never the whole tree in
-//!   memory) and stop before writing past `MOAT_COPY_MAX_MIB`.
+//!   memory) and stop before writing past `MOAT_COPY_MAX_MIB`; the archive's
+//!   own metadata is read under a budget, trees are cut at [`MAX_DEPTH`].
 
 mod pack;
 mod unpack;
