@@ -224,6 +224,14 @@ impl Cgroup {
     pub fn remove(&self) {
         for (_, dir) in &self.dirs {
             for dir in subtree(dir) {
+                if std::fs::remove_dir(&dir).is_ok() {
+                    continue;
+                }
+                // Something is left (a process the pid namespace's end has
+                // not taken yet, or one frozen by a command's kill that never
+                // finished): thawed and killed, it cannot hold the cgroup.
+                let _ = write(&dir, "freezer.state", "THAWED");
+                kill_procs(&dir);
                 remove_dir_retrying(&dir);
             }
         }
@@ -234,11 +242,7 @@ impl Cgroup {
         let mut dirs = vec![Path::new(ROOT).join("moat").join(id)];
         dirs.extend(V1_CONTROLLERS.iter().map(|c| Path::new(ROOT).join(c).join("moat").join(id)));
         for dir in dirs.iter().filter(|d| d.exists()).flat_map(|d| subtree(d)) {
-            if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
-                for pid in procs.lines().filter_map(|p| p.trim().parse::<i32>().ok()) {
-                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-                }
-            }
+            kill_procs(&dir);
         }
         for dir in dirs.iter().filter(|d| d.exists()).flat_map(|d| subtree(d)) {
             remove_dir_retrying(&dir);
@@ -311,6 +315,15 @@ fn write(dir: &Path, file: &str, value: &str) -> std::io::Result<()> {
     std::fs::write(dir.join(file), value).map_err(|e| {
         std::io::Error::new(e.kind(), format!("writing {value:?} to the sandbox's cgroup file {file}: {e}"))
     })
+}
+
+/// SIGKILLs every process in the cgroup `dir`.
+fn kill_procs(dir: &Path) {
+    if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
+        for pid in procs.lines().filter_map(|p| p.trim().parse::<i32>().ok()) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        }
+    }
 }
 
 /// A cgroup can be removed only once its last process is gone, which takes

@@ -32,14 +32,17 @@ for i in $(seq 240); do
   sleep 1
 done
 # While the guest sleeps after writing: how moat-vmm holds the base.
-base=$(readlink -f "$data/images/default/rootfs.ext4")
+# moat-vmm runs jailed (a supervisor and the VMM in its own mount
+# namespace): the descriptor is found by the base's device and inode.
+base=$(stat -L -c %d:%i "$data/images/default/rootfs.ext4")
 held=none
-pid=$(pidof moat-vmm)
+for pid in $(pidof moat-vmm); do
 for fd in /proc/$pid/fd/*; do
-  if [ "$(readlink "$fd")" = "$base" ]; then
+  if [ "$(stat -L -c %d:%i "$fd" 2>/dev/null)" = "$base" ]; then
     flags=$(sed -n 's/^flags:[[:space:]]*//p' "/proc/$pid/fdinfo/${fd##*/}")
     if [ $(( flags & 3 )) -eq 0 ]; then held=read-only; else held="writable ($flags)"; fi
   fi
+done
 done
 wait $! || { echo "moat run failed" >&2; cat /tmp/err >&2; exit 1; }
 echo "overlay grew: $grown"
