@@ -150,6 +150,11 @@ pub fn reserve_beyond(root: &Path, allowed_mib: u64) -> std::io::Result<u64> {
 
     use nix::fcntl::{FallocateFlags, fallocate};
     let path = root.join(DISK_RESERVE);
+    // Emptied before it is unlinked: a process that still holds it open (a
+    // child forked while it was) would otherwise keep its blocks taken.
+    if let Ok(old) = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NOFOLLOW).open(&path) {
+        let _ = old.set_len(0);
+    }
     match std::fs::remove_file(&path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
         _ => {}
