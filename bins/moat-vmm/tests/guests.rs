@@ -405,14 +405,7 @@ fn forced_shutdown_and_sigterm_stop_the_vm() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 
     let vm = Vm::start(&dots(), true, &["--shutdown-timeout-ms", "100"]);
-    wait_until("console output", || !vm.console().is_empty());
-    let pid = i32::try_from(vm.child.id()).expect("pid fits");
-    // SAFETY: signalling our own child process.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-    let (out, _) = vm.wait();
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(0), "{err}");
-    assert!(err.contains("Signal 15 received"), "{err}");
+    sigterm_shuts_down(vm);
 }
 
 #[test]
@@ -791,14 +784,7 @@ fn a_jailed_vmm_has_no_privileges_its_own_namespaces_and_only_its_files() {
 fn a_jailed_vmm_ends_as_its_supervisor_is_told() {
     // SIGTERM to the supervisor reaches the VMM, which shuts down: status 0.
     let vm = Vm::jailed(&dots(), &["--shutdown-timeout-ms", "100"]);
-    wait_until("console output", || !vm.console().is_empty());
-    let pid = i32::try_from(vm.child.id()).expect("pid fits");
-    // SAFETY: signalling our own child process.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-    let (out, _) = vm.wait();
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(0), "{err}");
-    assert!(err.contains("Signal 15 received"), "{err}");
+    sigterm_shuts_down(vm);
 
     // SIGKILL to the supervisor takes the jailed VMM with it.
     let vm = Vm::jailed(&dots(), &[]);
@@ -844,4 +830,17 @@ fn a_jailed_guest_reaches_a_listed_host_port_over_vsock() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert_eq!(&host.join().expect("host side"), b"hi");
     assert_eq!(console.as_bytes(), [2, b'y', b'o'], "RESPONSE, then the host's bytes");
+}
+
+/// Once `vm` prints, SIGTERM to its process makes it shut down cleanly
+/// (status 0, the signal named in its log).
+fn sigterm_shuts_down(vm: Vm) {
+    wait_until("console output", || !vm.console().is_empty());
+    let pid = i32::try_from(vm.child.id()).expect("pid fits");
+    // SAFETY: signalling our own child process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let (out, _) = vm.wait();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("Signal 15 received"), "{err}");
 }
