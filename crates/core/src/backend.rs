@@ -12,8 +12,8 @@ use crate::error::CoreError;
 use crate::image::Image;
 use crate::sandbox::SandboxSpec;
 
-/// Something that starts sandboxes: the jail backend (`crate::jail`) now,
-/// the microVM backend later.
+/// Something that starts sandboxes: the jail backend (`crate::jail`) and
+/// the microVM backend (`crate::vm`).
 pub trait Backend: Send + Sync + 'static {
     type Instance: Instance;
 
@@ -45,6 +45,15 @@ pub trait Instance: Send + 'static {
     fn is_busy(&self, resident: usize) -> bool;
     /// Stops every process of the sandbox and removes its state.
     fn destroy(&mut self);
+    /// The host process the sandbox lives in (the jail's monitor, or
+    /// moat-vmm): when it ends, the sandbox has ended.
+    fn host_pid(&self) -> u32;
+    /// A descriptor of [`Instance::host_pid`] that becomes readable when
+    /// it ends, to wait on.
+    fn exit_watch(&self) -> std::io::Result<crate::process::Pidfd>;
+    /// How the sandbox ended, in words, once its host process has ended
+    /// without being asked to (`None` while it runs).
+    fn ended(&mut self) -> Option<String>;
 }
 
 /// An isolation backend, or `auto` to let the host decide.

@@ -40,6 +40,13 @@ pub enum CoreError {
     VmmMissing,
     #[error("Cannot find the moat-agent binary ({0}); build it with `cargo xtask build` or set MOAT_AGENT")]
     AgentMissing(String),
+    /// The sandbox ended on its own (its agent, jail or microVM died); it
+    /// is listed as `failed` and its resources are released.
+    #[error(
+        "Sandbox {id} failed: {reason}. Its processes and files are gone and its resources were released; \
+         create another sandbox (destroying this one removes it from the list)"
+    )]
+    Failed { id: String, reason: String },
     #[error("Sandbox {id} failed to start: {reason}")]
     StartFailed { id: String, reason: String },
     #[error("Sandbox {id}: {what}")]

@@ -12,12 +12,16 @@ use crate::backend::{Backend, BackendKind, Instance};
 use crate::cgroup::{Cgroup, CgroupSupport, Limits};
 use crate::error::CoreError;
 use crate::image::{Image, JAIL_ID_BASE, JAIL_ID_COUNT};
+use crate::process::Pidfd;
 use crate::sandbox::SandboxSpec;
 use crate::state::StateDir;
 
 /// How long a jail may take to answer its first handshake. A guard against
 /// a wedged start, far above the milliseconds a start takes.
 const START_GUARD: Duration = Duration::from_secs(30);
+
+/// How long a monitor asked to stop (SIGTERM) has before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// Processes one sandbox may run at once.
 const PIDS_MAX: u32 = 1024;
@@ -34,6 +38,8 @@ pub struct JailBackend {
 pub struct Jail {
     id: String,
     monitor: Child,
+    /// Readable once `monitor` has ended.
+    exit: Pidfd,
     state: Option<StateDir>,
     cgroup: Option<Cgroup>,
     socket: PathBuf,
@@ -159,6 +165,19 @@ impl Backend for JailBackend {
         // which then destroys the sandbox in order.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
         let mut monitor = command.spawn().map_err(io(&format!("starting {}", self.agent.display())))?;
+        let exit = match Pidfd::of(&monitor) {
+            Ok(exit) => exit,
+            Err(e) => {
+                let _ = monitor.kill();
+                let _ = monitor.wait();
+                state.remove();
+                return Err(CoreError::Io {
+                    id: id.into(),
+                    what: "watching its monitor (pidfd_open needs Linux 5.3)".into(),
+                    source: e,
+                });
+            }
+        };
         state.record_monitor(monitor.id()).map_err(io("recording its monitor"))?;
         let cgroup = match Cgroup::create(&self.cgroups, id, limits, JAIL_ID_BASE) {
             Ok(Some(cgroup)) => Some(cgroup),
@@ -187,7 +206,7 @@ impl Backend for JailBackend {
             let _ = stdin.write_all(procs.as_bytes());
         }
         let socket = state.path.join(moat_agent_socket());
-        let mut jail = Jail { id: id.into(), monitor, state: Some(state), cgroup, socket };
+        let mut jail = Jail { id: id.into(), monitor, exit, state: Some(state), cgroup, socket };
         if let Err(e) = jail.wait_ready().await {
             // Stopping blocks (it waits for processes to die): not on an async thread.
             let _ = tokio::task::spawn_blocking(move || jail.stop()).await;
@@ -250,6 +269,26 @@ impl Instance for Jail {
     fn destroy(&mut self) {
         self.stop();
     }
+
+    fn host_pid(&self) -> u32 {
+        self.monitor.id()
+    }
+
+    fn exit_watch(&self) -> std::io::Result<Pidfd> {
+        self.exit.try_clone()
+    }
+
+    fn ended(&mut self) -> Option<String> {
+        let status = self.monitor.try_wait().ok()??;
+        // The monitor ends as the sandbox's init (the agent) ended: 128 + a
+        // signal's number when it was killed.
+        let how = match status.code() {
+            Some(code) if code > 128 => format!("its agent was killed by signal {}", code - 128),
+            Some(code) => format!("its agent exited with status {code}"),
+            None => format!("its jail's monitor was killed ({status})"),
+        };
+        Some(format!("the sandbox's processes ended unexpectedly: {how}"))
+    }
 }
 
 impl Jail {
@@ -292,11 +331,9 @@ impl Jail {
         if let Ok(None) = self.monitor.try_wait() {
             let pid = nix::unistd::Pid::from_raw(i32::try_from(self.monitor.id()).unwrap_or(i32::MAX));
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while matches!(self.monitor.try_wait(), Ok(None)) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(1));
+            if !self.exit.wait_timeout(STOP_GRACE) {
+                let _ = self.monitor.kill();
             }
-            let _ = self.monitor.kill();
         }
         let _ = self.monitor.wait();
         if let Some(cgroup) = self.cgroup.take() {

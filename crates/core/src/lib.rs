@@ -23,6 +23,7 @@ pub mod machine;
 pub mod moat;
 pub mod passt;
 pub mod preview;
+pub mod process;
 pub mod rootdisk;
 pub mod sandbox;
 pub mod state;

@@ -58,8 +58,27 @@ impl Machine {
         }
     }
 
+    fn instance_mut(&mut self) -> &mut dyn Instance {
+        match self {
+            Self::Jail(jail) => jail,
+            Self::Vm(vm) => vm,
+        }
+    }
+
     pub fn client(&self) -> AgentClient<UnixConnector> {
         self.instance().client()
+    }
+
+    pub fn host_pid(&self) -> u32 {
+        self.instance().host_pid()
+    }
+
+    pub fn exit_watch(&self) -> std::io::Result<crate::process::Pidfd> {
+        self.instance().exit_watch()
+    }
+
+    pub fn ended(&mut self) -> Option<String> {
+        self.instance_mut().ended()
     }
 
     pub fn can_suspend(&self) -> bool {

@@ -34,6 +34,15 @@ pub const RUN_OUTPUT_LIMIT: usize = 64 << 20;
 /// waiting forever.
 pub const ANSWER_GRACE: Duration = Duration::from_secs(30);
 
+/// How long a call whose agent connection broke waits for the sandbox's
+/// host process to be seen ending, to tell a dead sandbox from a dropped
+/// connection. A dead sandbox's process ends within milliseconds of its
+/// connection; this only bounds the wait.
+const FAILURE_SETTLE: Duration = Duration::from_secs(3);
+
+/// Failed sandboxes kept for `list` at most; the oldest go first.
+const FAILED_KEPT: usize = 64;
+
 /// `work`, given up as [`CoreError::Unresponsive`] when it has not finished
 /// [`ANSWER_GRACE`] after `timeout` (never without a timeout).
 pub async fn answered_within<T>(
@@ -164,6 +173,12 @@ struct Inner {
     backend: Runner,
     sandboxes: Mutex<BTreeMap<String, Entry>>,
     expired: Mutex<Vec<String>>,
+    /// Sandboxes that ended on their own, listed as `failed` (their
+    /// `failure` says why) until destroyed or their expiry; at most
+    /// [`FAILED_KEPT`].
+    failed: Mutex<BTreeMap<String, Sandbox>>,
+    /// Woken each time a sandbox fails.
+    failures: tokio::sync::Notify,
     /// Tasks in progress, by task id, with their execution logs.
     tasks: Mutex<BTreeMap<String, (Task, Vec<LogEntry>)>>,
     /// Started sandboxes waiting to be handed out, by id.
@@ -223,6 +238,8 @@ impl Moat {
             config,
             sandboxes: Mutex::new(BTreeMap::new()),
             expired: Mutex::new(Vec::new()),
+            failed: Mutex::new(BTreeMap::new()),
+            failures: tokio::sync::Notify::new(),
             tasks: Mutex::new(BTreeMap::new()),
             pool: Mutex::new(Vec::new()),
             max_memory_mib,
@@ -324,6 +341,7 @@ impl Moat {
             created_at: created,
             last_used_at: created,
             expires_at: created + spec.timeout_seconds,
+            failure: None,
             spec,
         };
         let rejected = {
@@ -343,6 +361,7 @@ impl Moat {
                         })
                     });
                 }
+                self.watch_exit(&id, &jail);
                 let entry =
                     Entry { info: info.clone(), egress, previews: BTreeMap::new(), jail, python: Arc::default() };
                 sandboxes.insert(id, entry);
@@ -356,26 +375,132 @@ impl Moat {
         Ok(info)
     }
 
+    /// The live sandboxes and the failed ones (state `failed`, with why).
     pub fn list(&self) -> Vec<Sandbox> {
-        self.inner.lock().values().map(|e| e.info.clone()).collect()
+        let mut all: Vec<Sandbox> = self.inner.lock().values().map(|e| e.info.clone()).collect();
+        all.extend(self.inner.failed().values().cloned());
+        all.sort_by(|a, b| a.created_at.cmp(&b.created_at).then_with(|| a.id.cmp(&b.id)));
+        all
     }
 
+    /// A live sandbox; a failed one is [`CoreError::Failed`].
     pub fn get(&self, id: &str) -> Result<Sandbox, CoreError> {
         let sandboxes = self.inner.lock();
         sandboxes.get(id).map(|e| e.info.clone()).ok_or_else(|| self.inner.unknown(id, &sandboxes))
     }
 
+    /// Destroys a sandbox, or forgets a failed one.
     pub async fn destroy(&self, id: &str) -> Result<(), CoreError> {
         let entry = {
             let mut sandboxes = self.inner.lock();
-            sandboxes.remove(id).ok_or_else(|| self.inner.unknown(id, &sandboxes))?
+            match sandboxes.remove(id) {
+                Some(entry) => entry,
+                None if self.inner.failed().remove(id).is_some() => return Ok(()),
+                None => return Err(self.inner.unknown(id, &sandboxes)),
+            }
         };
         tokio::task::spawn_blocking(move || drop(entry)).await.ok();
         Ok(())
     }
 
-    /// Destroys every sandbox, pooled ones included.
+    /// The host process sandbox `id` lives in (its jail's monitor, or
+    /// moat-vmm), for tests that kill it.
+    #[doc(hidden)]
+    pub fn host_pid(&self, id: &str) -> Result<u32, CoreError> {
+        let sandboxes = self.inner.lock();
+        sandboxes.get(id).map(|e| e.jail.host_pid()).ok_or_else(|| self.inner.unknown(id, &sandboxes))
+    }
+
+    /// Runs `op` with a client of sandbox `id`'s agent (see [`Moat::client`]);
+    /// its errors as [`Moat::agent_error`] says.
+    pub async fn with_agent<T, F>(
+        &self,
+        id: &str,
+        op: impl FnOnce(AgentClient<UnixConnector>) -> F,
+    ) -> Result<T, CoreError>
+    where
+        F: Future<Output = Result<T, moat_proto::ProtoError>>,
+    {
+        let client = self.client(id)?;
+        match op(client).await {
+            Ok(value) => Ok(value),
+            Err(source) => Err(self.agent_error(id, source).await),
+        }
+    }
+
+    /// What an error of sandbox `id`'s agent means: when the connection was
+    /// lost because the sandbox died (its agent, jail or microVM ended),
+    /// [`CoreError::Failed`], once its host process is seen ending (within
+    /// [`FAILURE_SETTLE`]); otherwise [`CoreError::Agent`].
+    pub async fn agent_error(&self, id: &str, source: moat_proto::ProtoError) -> CoreError {
+        if !source.is_lost_connection() {
+            return CoreError::Agent { id: id.into(), source };
+        }
+        self.settled_failure(id).await.unwrap_or(CoreError::Agent { id: id.into(), source })
+    }
+
+    /// [`CoreError::Failed`] (or the error of a sandbox destroyed
+    /// meanwhile) when sandbox `id` is seen to have ended within
+    /// [`FAILURE_SETTLE`]; `None` while it runs on.
+    async fn settled_failure(&self, id: &str) -> Option<CoreError> {
+        let settle = async {
+            loop {
+                let failed = self.inner.failures.notified();
+                tokio::pin!(failed);
+                // Registered before looking, so that a failure between the
+                // look and the wait still wakes it.
+                failed.as_mut().enable();
+                if let Some(sandbox) = self.inner.failed().get(id) {
+                    return Some(CoreError::Failed {
+                        id: id.into(),
+                        reason: sandbox.failure.clone().unwrap_or_default(),
+                    });
+                }
+                if !self.inner.lock().contains_key(id) {
+                    // Destroyed or expired meanwhile: say that.
+                    let sandboxes = self.inner.lock();
+                    return Some(self.inner.unknown(id, &sandboxes));
+                }
+                failed.await;
+            }
+        };
+        tokio::time::timeout(FAILURE_SETTLE, settle).await.ok().flatten()
+    }
+
+    /// `result`, with a lost agent connection explained by [`Moat::agent_error`].
+    async fn explained<T>(&self, id: &str, result: Result<T, CoreError>) -> Result<T, CoreError> {
+        match result {
+            Err(CoreError::Agent { source, .. }) if source.is_lost_connection() => {
+                Err(self.agent_error(id, source).await)
+            }
+            Err(error @ CoreError::CodeSession { .. }) => Err(self.settled_failure(id).await.unwrap_or(error)),
+            other => other,
+        }
+    }
+
+    /// Watches the host process of sandbox `id`: when it ends on its own,
+    /// the sandbox is moved to the failed list and its resources released.
+    fn watch_exit(&self, id: &str, machine: &Machine) {
+        let exit = match machine.exit_watch() {
+            Ok(exit) => exit,
+            Err(e) => {
+                tracing::warn!(%id, "cannot watch the sandbox's process; a failure shows only on use: {e}");
+                return;
+            }
+        };
+        let (inner, id) = (Arc::downgrade(&self.inner), id.to_owned());
+        tokio::spawn(async move {
+            if exit.exited().await.is_ok()
+                && let Some(inner) = inner.upgrade()
+            {
+                inner.fail(&id);
+            }
+        });
+    }
+
+    /// Destroys every sandbox, pooled ones included, and forgets failed ones.
     pub async fn destroy_all(&self) {
+        self.inner.failed().clear();
         let entries: Vec<Entry> = std::mem::take(&mut *self.inner.lock()).into_values().collect();
         let pooled = std::mem::take(&mut *self.inner.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         tokio::task::spawn_blocking(move || drop((entries, pooled))).await.ok();
@@ -461,7 +586,10 @@ impl Moat {
             request.env = spec_env.into_iter().chain(std::mem::take(&mut request.env)).collect();
         }
         let client = self.client(id)?;
-        client.exec(request).await.map_err(|source| CoreError::Agent { id: id.into(), source })
+        match client.exec(request).await {
+            Ok(handle) => Ok(handle),
+            Err(source) => Err(self.agent_error(id, source).await),
+        }
     }
 
     /// Runs a process to completion and collects its output. In a task's
@@ -479,7 +607,7 @@ impl Moat {
                 .await
                 .map_err(|source| CoreError::Agent { id: id.into(), source })
         };
-        let output = answered_within(id, timeout, work).await?;
+        let output = self.explained(id, answered_within(id, timeout, work).await).await?;
         self.log_command(id, &command, started_at, &output);
         Ok(output)
     }
@@ -500,7 +628,33 @@ impl Moat {
         on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
     ) -> Result<CodeOutput, CoreError> {
         let started_at = now();
-        let output = match language {
+        let output = self.explained(id, self.run_cell(id, language, code, timeout, cancelled, on_stream).await).await?;
+        let as_command = Output {
+            stdout: output.stdout.clone(),
+            stderr: output.stderr.clone(),
+            status: moat_proto::ExitStatus {
+                code: Some(i32::from(output.error.is_some())),
+                signal: None,
+                timed_out: output.error.as_ref().is_some_and(|e| e.name == "TimeoutError"),
+                duration_ms: now().saturating_sub(started_at) * 1000,
+            },
+            truncated: output.truncated,
+        };
+        self.log_command(id, &format!("run_code {language:?}: {code}"), started_at, &as_command);
+        Ok(output)
+    }
+
+    /// One cell of [`Moat::run_code`], before its errors are explained.
+    async fn run_cell(
+        &self,
+        id: &str,
+        language: Language,
+        code: &str,
+        timeout: Duration,
+        cancelled: impl Future<Output = ()>,
+        on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
+    ) -> Result<CodeOutput, CoreError> {
+        Ok(match language {
             Language::Python => {
                 let session = {
                     let sandboxes = self.inner.lock();
@@ -527,6 +681,10 @@ impl Moat {
                 let (output, alive) = running.execute(code, timeout, cancelled, RUN_OUTPUT_LIMIT, on_stream).await;
                 if !alive {
                     *session = None;
+                    // The session's end may be the sandbox's.
+                    if let Some(failed) = self.settled_failure(id).await {
+                        return Err(failed);
+                    }
                 }
                 output
             }
@@ -544,20 +702,7 @@ impl Moat {
                 .await?;
                 CodeOutput::from_process(streamed, timeout)
             }
-        };
-        let as_command = Output {
-            stdout: output.stdout.clone(),
-            stderr: output.stderr.clone(),
-            status: moat_proto::ExitStatus {
-                code: Some(i32::from(output.error.is_some())),
-                signal: None,
-                timed_out: output.error.as_ref().is_some_and(|e| e.name == "TimeoutError"),
-                duration_ms: now().saturating_sub(started_at) * 1000,
-            },
-            truncated: output.truncated,
-        };
-        self.log_command(id, &format!("run_code {language:?}: {code}"), started_at, &as_command);
-        Ok(output)
+        })
     }
 
     /// Records a finished command in the execution log of the task that
@@ -675,7 +820,10 @@ impl Moat {
         let script = "cd /workspace && git add -A && git -c core.quotepath=off diff --cached --no-color HEAD && \
             echo '@@moat-numstat@@' && git diff --cached --numstat HEAD";
         let out = self.exec(&task.sandbox_id, ExecRequest::shell(script)).await?.output_limited(RUN_OUTPUT_LIMIT).await;
-        let out = out.map_err(|source| CoreError::Agent { id: task.sandbox_id.clone(), source })?;
+        let out = match out {
+            Ok(out) => out,
+            Err(source) => return Err(self.agent_error(&task.sandbox_id, source).await),
+        };
         if !out.status.success() {
             return Err(CoreError::StartFailed {
                 id: task.sandbox_id,
@@ -802,8 +950,26 @@ impl Inner {
 
     /// A started sandbox from the pool, if one is ready; the pool refills.
     fn take_pooled(&self) -> Option<(String, Machine)> {
-        let taken = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
+        let mut pool = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut dead = Vec::new();
+        let taken = loop {
+            match pool.pop() {
+                // One that ended while it waited is not handed out.
+                Some((id, mut machine)) => match machine.ended() {
+                    Some(reason) => {
+                        tracing::warn!(%id, %reason, "a pooled sandbox ended; dropped");
+                        dead.push(machine);
+                    }
+                    None => break Some((id, machine)),
+                },
+                None => break None,
+            }
+        };
+        drop(pool);
         self.refill.notify_one();
+        if !dead.is_empty() {
+            tokio::task::spawn_blocking(move || drop(dead));
+        }
         taken
     }
 
@@ -812,7 +978,41 @@ impl Inner {
         self.sandboxes.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    fn failed(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Sandbox>> {
+        self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Sandbox `id`'s host process has ended: unless it was being
+    /// destroyed (then it is no longer listed), the sandbox failed. It
+    /// moves to the failed list, and what it held (cgroups, state
+    /// directory, network, previews) is released.
+    fn fail(&self, id: &str) {
+        let entry = {
+            let mut sandboxes = self.lock();
+            let Some(reason) = sandboxes.get_mut(id).and_then(|e| e.jail.ended()) else { return };
+            let Some(mut entry) = sandboxes.remove(id) else { return };
+            entry.info.state = SandboxState::Failed;
+            entry.info.failure = Some(reason);
+            entry
+        };
+        tracing::warn!(%id, reason = entry.info.failure.as_deref().unwrap_or_default(), "sandbox failed");
+        {
+            let mut failed = self.failed();
+            failed.insert(id.to_owned(), entry.info.clone());
+            while failed.len() > FAILED_KEPT {
+                let oldest = failed.values().min_by_key(|s| s.created_at).map(|s| s.id.clone());
+                oldest.map(|oldest| failed.remove(&oldest));
+            }
+        }
+        self.failures.notify_waiters();
+        // Releasing waits for what is left to die: off the async threads.
+        tokio::task::spawn_blocking(move || drop(entry));
+    }
+
     fn unknown(&self, id: &str, sandboxes: &BTreeMap<String, Entry>) -> CoreError {
+        if let Some(sandbox) = self.failed().get(id) {
+            return CoreError::Failed { id: id.into(), reason: sandbox.failure.clone().unwrap_or_default() };
+        }
         let expired = self.expired.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if expired.iter().any(|e| e == id) {
             return CoreError::Expired(id.into());
@@ -823,6 +1023,7 @@ impl Inner {
     /// Expires and suspends sandboxes; runs every second.
     fn lifecycle(&self) {
         let now = now();
+        self.failed().retain(|_, s| s.expires_at > now);
         let mut dead = Vec::new();
         {
             let mut sandboxes = self.lock();

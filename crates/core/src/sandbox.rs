@@ -154,6 +154,9 @@ pub struct Sandbox {
     pub created_at: u64,
     pub last_used_at: u64,
     pub expires_at: u64,
+    /// Why a `failed` sandbox ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
 }
 
 impl Sandbox {

@@ -35,6 +35,7 @@ use crate::capped_log::{CappedLog, LOG_CAP};
 use crate::error::CoreError;
 use crate::image::Image;
 use crate::passt::Passt;
+use crate::process::Pidfd;
 use crate::rootdisk::RootDisk;
 use crate::sandbox::{NetworkPolicy, SandboxSpec};
 use crate::state::StateDir;
@@ -77,6 +78,8 @@ pub struct VmBackend {
 pub struct Vm {
     id: String,
     vmm: Child,
+    /// Readable once `vmm` has ended.
+    exit: Pidfd,
     state: Option<StateDir>,
     vsock: PathBuf,
     control: PathBuf,
@@ -277,10 +280,20 @@ impl Backend for VmBackend {
         drop(vmm_net_end);
         drop(console_end);
         drop(command);
+        let exit = match Pidfd::of(&vmm) {
+            Ok(exit) => exit,
+            Err(e) => {
+                let mut vmm = vmm;
+                let _ = vmm.kill();
+                let _ = vmm.wait();
+                state.remove();
+                return Err(io("watching its VMM (pidfd_open needs Linux 5.3)")(e));
+            }
+        };
         state.record_monitor(vmm.id()).map_err(io("recording its VMM"))?;
         let logs = vec![console_log, vmm_log];
         let mut vm =
-            Vm { id: id.into(), vmm, state: Some(state), vsock, control, passt, processes: Arc::default(), logs };
+            Vm { id: id.into(), vmm, exit, state: Some(state), vsock, control, passt, processes: Arc::default(), logs };
         let ready = match vm.wait_ready().await {
             Ok(()) => vm.check_passt(),
             Err(e) => Err(e),
@@ -317,6 +330,29 @@ impl Instance for Vm {
 
     fn destroy(&mut self) {
         self.stop();
+    }
+
+    fn host_pid(&self) -> u32 {
+        self.vmm.id()
+    }
+
+    fn exit_watch(&self) -> std::io::Result<Pidfd> {
+        self.exit.try_clone()
+    }
+
+    fn ended(&mut self) -> Option<String> {
+        let status = self.vmm.try_wait().ok()??;
+        // The console's last lines say why a guest ended (a kernel panic
+        // when its agent, PID 1, died); read before the state goes.
+        let console = self
+            .state
+            .as_ref()
+            .and_then(|s| std::fs::read_to_string(s.path.join("console.log")).ok())
+            .unwrap_or_default();
+        let lines: Vec<&str> = console.lines().filter(|l| !l.trim().is_empty()).collect();
+        let tail = lines[lines.len().saturating_sub(3)..].join("\n");
+        let console = if tail.is_empty() { String::new() } else { format!("; its console ended with:\n{tail}") };
+        Some(format!("the microVM ended unexpectedly (moat-vmm {status}){console}"))
     }
 }
 
@@ -452,11 +488,9 @@ impl Vm {
                 let pid = nix::unistd::Pid::from_raw(i32::try_from(self.vmm.id()).unwrap_or(i32::MAX));
                 let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
             }
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while matches!(self.vmm.try_wait(), Ok(None)) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(2));
+            if !self.exit.wait_timeout(Duration::from_secs(5)) {
+                let _ = self.vmm.kill();
             }
-            let _ = self.vmm.kill();
         }
         let _ = self.vmm.wait();
         self.logs.iter_mut().for_each(CappedLog::finish);

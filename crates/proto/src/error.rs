@@ -96,4 +96,10 @@ impl ProtoError {
             _ => None,
         }
     }
+
+    /// Whether the connection to the agent was lost or never made (as when
+    /// the sandbox died), rather than an answer the agent gave.
+    pub fn is_lost_connection(&self) -> bool {
+        matches!(self, Self::Connect(_) | Self::Frame(_) | Self::Closed(_) | Self::Io(_))
+    }
 }

@@ -55,6 +55,11 @@ impl Moat {
     /// top-level `.git`; symlinks as links) to `sandbox_path`, owned by
     /// `user`.
     pub async fn copy_to_sandbox(&self, id: &str, host: &Path, sandbox_path: &str) -> Result<CopySummary, CoreError> {
+        let result = self.copy_in(id, host, sandbox_path).await;
+        self.explained(id, result).await
+    }
+
+    async fn copy_in(&self, id: &str, host: &Path, sandbox_path: &str) -> Result<CopySummary, CoreError> {
         let source = self.inner.host.open_source(host)?;
         let client = self.client(id)?;
         if source.kind == SourceKind::Dir {
@@ -131,6 +136,11 @@ impl Moat {
     /// root. Entries left out (unsafe names, links leading out of the copy,
     /// devices) are listed in the result; on failure nothing is left behind.
     pub async fn copy_from_sandbox(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<CopySummary, CoreError> {
+        let result = self.copy_out(id, sandbox_path, host).await;
+        self.explained(id, result).await
+    }
+
+    async fn copy_out(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<CopySummary, CoreError> {
         let dest = self.inner.host.destination(host)?;
         let client = self.client(id)?;
         let agent = |source| CoreError::Agent { id: id.into(), source };
