@@ -124,6 +124,7 @@ async def main(binary, contract_path, project, transport, era):
         async with connect(binary, env, transport, era, server) as session:
             await every_tool(session, contract, project)
             await mistakes_answered(session, transport)
+            await a_killed_sandbox_fails(session, env)
         if transport == "stdio":
             raw_stdio_answered(binary, env)
         if transport == "stdio":
@@ -323,6 +324,34 @@ async def cancellation_kills(session):
         await asyncio.sleep(0.1)
     else:
         raise AssertionError(f"cancelled command still runs: {probe}")
+
+
+async def a_killed_sandbox_fails(session, env):
+    """The agent of a jail is killed mid-command: the call answers that the
+    sandbox failed, list_sandboxes shows it failed with why, and
+    destroy_sandbox forgets it."""
+    box = await call(session, "create_sandbox", {})
+    sid = box["sandbox_id"]
+    running = asyncio.ensure_future(
+        session.call_tool("run_command", {"cmd": "touch /tmp/started; sleep 600", "sandbox_id": sid}))
+    for _ in range(200):
+        probe = await call(session, "run_command", {"cmd": "test -e /tmp/started", "sandbox_id": sid})
+        if probe["exit_code"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the command did not start")
+    monitor = open(os.path.join(data_dir_of(env), "sandboxes", sid, "monitor")).read().strip()
+    agent = open(f"/proc/{monitor}/task/{monitor}/children").read().split()[0]
+    os.kill(int(agent), signal.SIGKILL)
+    result = await asyncio.wait_for(running, 120)
+    assert is_error(result) and "failed" in text(result) and "create another" in text(result), text(result)
+    listed = await call(session, "list_sandboxes", {})
+    mine = [s for s in listed["sandboxes"] if s["sandbox_id"] == sid]
+    assert mine and mine[0]["state"] == "failed" and "ended unexpectedly" in mine[0]["failure"], listed
+    await call(session, "destroy_sandbox", {"sandbox_id": sid})
+    listed = await call(session, "list_sandboxes", {})
+    assert all(s["sandbox_id"] != sid for s in listed["sandboxes"]), listed
 
 
 def raw_post(url, headers):

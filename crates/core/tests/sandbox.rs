@@ -738,6 +738,97 @@ async fn copies_hold_the_host_boundary_against_a_hostile_sandbox() {
     moat.destroy(id).await.expect("destroys");
 }
 
+/// The processes a sandbox lives in are killed in the middle of a call:
+/// its agent (jail) or the VMM (microVM) during a command and during a
+/// Python cell, its jail's monitor or moat-vmm's supervisor during a file
+/// transfer. Each call returns [`CoreError::Failed`] (not a hang, not a
+/// bare I/O error), the sandbox is listed `failed` with why, its state
+/// directory and cgroups are released, it can be destroyed, and another
+/// sandbox and the `Moat` carry on.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_sandbox_killed_mid_call_fails_alone_and_is_released() {
+    let moat = moat(16).await;
+    let bystander = moat.create(small()).await.expect("created").id;
+    let base = tempfile::Builder::new().prefix("faults-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let big = base.path().join("big.bin");
+    std::fs::write(&big, vec![7u8; 256 << 20]).expect("a file to transfer");
+    let spec = SandboxSpec { disk_mib: 512, ..small() };
+    for case in ["command", "transfer", "cell"] {
+        let id = moat.create(spec.clone()).await.expect("created").id;
+        let outer = moat.host_pid(&id).expect("its host process");
+        // The jail's init (the agent), or the VMM under its supervisor.
+        let inner: i32 = std::fs::read_to_string(format!("/proc/{outer}/task/{outer}/children"))
+            .expect("children")
+            .split_whitespace()
+            .next()
+            .expect("one child")
+            .parse()
+            .expect("a pid");
+        let victim = if case == "transfer" { i32::try_from(outer).expect("pid") } else { inner };
+        let call = async {
+            match case {
+                "command" => moat.run(&id, ExecRequest::shell("touch /tmp/started; sleep 600")).await.map(drop),
+                "transfer" => moat.copy_to_sandbox(&id, &big, "/home/user/big.bin").await.map(drop),
+                _ => {
+                    let cell = "open('/tmp/started', 'w').close()\nimport time\ntime.sleep(600)";
+                    let timeout = Duration::from_secs(600);
+                    moat.run_code(&id, Language::Python, cell, timeout, std::future::pending(), &|_, _| {})
+                        .await
+                        .map(drop)
+                }
+            }
+        };
+        let kill = async {
+            // Killed once the call is under way in the sandbox.
+            let started = if case == "transfer" {
+                "find /home/user -type f -size +64k | grep -q . && echo yes"
+            } else {
+                "test -e /tmp/started && echo yes"
+            };
+            while sh(&moat, &id, started).await.0.trim() != "yes" {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let pid = nix::unistd::Pid::from_raw(victim);
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).expect("kills");
+            std::time::Instant::now()
+        };
+        // A guard against a hang only; the time taken is printed.
+        let (result, killed) = tokio::join!(tokio::time::timeout(Duration::from_secs(120), call), kill);
+        let err = result.unwrap_or_else(|_| panic!("{case}: the call hung after the kill")).expect_err(case);
+        eprintln!("{case}: answered {:?} after the kill: {err}", killed.elapsed());
+        assert!(matches!(err, CoreError::Failed { .. }), "{case}: {err}");
+        assert!(err.to_string().contains("create another sandbox"), "{err}");
+        let listed = moat.list().into_iter().find(|s| s.id == id).expect("still listed");
+        assert_eq!(listed.state, SandboxState::Failed, "{case}");
+        assert!(listed.failure.as_deref().is_some_and(|f| f.contains("ended unexpectedly")), "{listed:?}");
+        // Released off the async threads: soon, not necessarily yet.
+        let state = moat_core::image::data_dir().join("sandboxes").join(&id);
+        let cgroups = || {
+            std::fs::read_dir("/sys/fs/cgroup")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .any(|c| c.path().join("moat").join(&id).exists() || c.path().join(&id).exists())
+        };
+        for _ in 0..1000 {
+            if !state.exists() && !cgroups() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!state.exists(), "{case}: its state directory is left");
+        assert!(!cgroups(), "{case}: its cgroups are left");
+        assert!(!std::path::Path::new(&format!("/proc/{outer}")).exists(), "{case}: its host process is left");
+        let again = moat.run(&id, ExecRequest::shell("true")).await.expect_err("a failed sandbox runs nothing");
+        assert!(matches!(again, CoreError::Failed { .. }), "{again}");
+        moat.destroy(&id).await.expect("a failed sandbox is destroyed (forgotten)");
+        assert!(moat.list().iter().all(|s| s.id != id), "{case}: still listed after destroy");
+        assert_eq!(sh(&moat, &bystander, "echo ok").await.0, "ok\n", "{case}: another sandbox is affected");
+    }
+    moat.destroy_all().await;
+}
+
 #[tokio::test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {

@@ -247,28 +247,39 @@ pub async fn git_clone(server: &Session<'_>, args: &Value) -> Outcome {
     request.stdin = true;
     request.timeout_ms = Some(CLONE_TIMEOUT_MS);
     let started_at = moat_core::sandbox::now();
-    let client = server.moat.client(&id)?;
-    let agent = |source| moat_core::CoreError::Agent { id: id.clone(), source };
-    let mut handle = client.exec(request).await.map_err(agent)?;
-    if let Some(mut stdin) = handle.take_stdin() {
-        let secret = format!("{username}\n{token}\n");
-        stdin.write(secret.into_bytes().into()).await.map_err(agent)?;
-        stdin.close().await.map_err(agent)?;
-    }
-    let mut out = handle.output_limited(1 << 20).await.map_err(agent)?;
-    if out.status.success() {
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let stage = text.lines().next().unwrap_or_default().trim().to_owned();
-        let mut place = ExecRequest::argv(["bash", "-c", PLACE_SCRIPT]);
-        place.env = vec![("MOAT_GIT_STAGE".into(), stage), ("MOAT_GIT_DEST".into(), path.clone())];
-        place.user = Some("user".into());
-        place.timeout_ms = Some(CLONE_TIMEOUT_MS);
-        let placed = client.exec(place).await.map_err(agent)?.output_limited(1 << 20).await.map_err(agent)?;
-        if !placed.status.success() {
-            out.status = placed.status;
-            out.stderr = placed.stderr;
+    let clone = async {
+        let client = server.moat.client(&id)?;
+        let lost = |source| moat_core::CoreError::Agent { id: id.clone(), source };
+        let mut handle = client.exec(request).await.map_err(lost)?;
+        if let Some(mut stdin) = handle.take_stdin() {
+            let secret = format!("{username}\n{token}\n");
+            stdin.write(secret.into_bytes().into()).await.map_err(lost)?;
+            stdin.close().await.map_err(lost)?;
         }
-    }
+        let mut out = handle.output_limited(1 << 20).await.map_err(lost)?;
+        if out.status.success() {
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            let stage = text.lines().next().unwrap_or_default().trim().to_owned();
+            let mut place = ExecRequest::argv(["bash", "-c", PLACE_SCRIPT]);
+            place.env = vec![("MOAT_GIT_STAGE".into(), stage), ("MOAT_GIT_DEST".into(), path.clone())];
+            place.user = Some("user".into());
+            place.timeout_ms = Some(CLONE_TIMEOUT_MS);
+            let placed = client.exec(place).await.map_err(lost)?.output_limited(1 << 20).await.map_err(lost)?;
+            if !placed.status.success() {
+                out.status = placed.status;
+                out.stderr = placed.stderr;
+            }
+        }
+        Ok::<_, moat_core::CoreError>(out)
+    };
+    let mut out = match clone.await {
+        Ok(out) => out,
+        // A lost connection may be the sandbox's end: say so.
+        Err(moat_core::CoreError::Agent { source, .. }) => {
+            return Err(server.moat.agent_error(&id, source).await.into());
+        }
+        Err(e) => return Err(e.into()),
+    };
     out.stdout = scrub(&String::from_utf8_lossy(&out.stdout), &secrets).into_bytes();
     out.stderr = scrub(&String::from_utf8_lossy(&out.stderr), &secrets).into_bytes();
     let described = format!("git_clone {url} into {path}");

@@ -174,6 +174,18 @@ pub(crate) async fn target(server: &Session<'_>, args: &Value) -> Result<String,
 
 /// Checks that sandbox `id` is this session's and still alive.
 fn owned(server: &Session<'_>, id: &str) -> Result<(), ToolError> {
+    in_scope(server, id)?;
+    server.moat.get(id).map(drop).map_err(|e| {
+        // A failed sandbox stays listed (and in scope) until destroyed.
+        if !matches!(e, CoreError::Failed { .. }) {
+            server.scope.forget(id);
+        }
+        e.into()
+    })
+}
+
+/// Checks that sandbox `id` is this session's.
+fn in_scope(server: &Session<'_>, id: &str) -> Result<(), ToolError> {
     if !server.scope.owns(id) {
         let mine = server.scope.sandboxes();
         let mine = if mine.is_empty() { "none".to_owned() } else { mine.join(", ") };
@@ -181,10 +193,7 @@ fn owned(server: &Session<'_>, id: &str) -> Result<(), ToolError> {
             "No sandbox {id:?} in this session; this session's sandboxes: {mine} (see list_sandboxes, or create one with create_sandbox)"
         )));
     }
-    server.moat.get(id).map(drop).map_err(|e| {
-        server.scope.forget(id);
-        e.into()
-    })
+    Ok(())
 }
 
 /// Checks that task `id` was started in this session.
@@ -198,7 +207,7 @@ fn own_task(server: &Session<'_>, id: &str) -> Result<(), ToolError> {
 
 fn sandbox_json(server: &Session<'_>, sandbox: &moat_core::Sandbox) -> Value {
     let current = server.scope.current().as_deref() == Some(&sandbox.id);
-    json!({
+    let mut value = json!({
         "sandbox_id": sandbox.id,
         "name": sandbox.name,
         "state": sandbox.state,
@@ -211,7 +220,11 @@ fn sandbox_json(server: &Session<'_>, sandbox: &moat_core::Sandbox) -> Value {
         "created_at": rfc3339(sandbox.created_at),
         "expires_at": rfc3339(sandbox.expires_at),
         "current": current,
-    })
+    });
+    if let Some(failure) = &sandbox.failure {
+        value["failure"] = json!(failure);
+    }
+    value
 }
 
 async fn create_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
@@ -259,8 +272,9 @@ async fn create_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
 
 async fn destroy_sandbox(server: &Session<'_>, args: &Value) -> Outcome {
     let id = required(args, "sandbox_id")?;
-    owned(server, id)?;
-    server.moat.destroy(id).await?;
+    // Ownership only: a failed sandbox is destroyed (forgotten) as well.
+    in_scope(server, id)?;
+    server.moat.destroy(id).await.inspect_err(|_| server.scope.forget(id))?;
     server.scope.forget(id);
     Ok(json!({ "ok": true, "message": format!("sandbox {id} destroyed") }))
 }
@@ -383,7 +397,11 @@ async fn run_command(server: &Session<'_>, args: &Value, context: &CallContext) 
     let answered = moat_core::moat::answered_within(&id, Some(Duration::from_secs(timeout)), async {
         Ok(with_progress(streamed, context, &tail).await)
     });
-    let Some(out) = answered.await?? else {
+    let streamed = match answered.await? {
+        Ok(streamed) => streamed,
+        Err(source) => return Err(server.moat.agent_error(&id, source).await.into()),
+    };
+    let Some(out) = streamed else {
         return Err(ToolError("cancelled: the command and everything it started were killed".into()));
     };
     // Streamed, so logged here for a task's execution log.
@@ -631,10 +649,16 @@ async fn read_file(server: &Session<'_>, args: &Value) -> Outcome {
     let offset = int_arg(args, "offset", 0, u64::MAX >> 1)?.unwrap_or(0);
     let length = int_arg(args, "length", 1, 10 << 20)?;
     let id = target(server, args).await?;
-    let client = server.moat.client(&id)?;
-    let info = client.stat(path.clone()).await?;
     let length = length.unwrap_or(10 << 20);
-    let bytes = client.read_file(ReadFileRequest { path: path.clone(), offset, length: Some(length) }).await?;
+    let read = |client: moat_proto::AgentClient<moat_proto::UnixConnector>| {
+        let path = path.clone();
+        async move {
+            let info = client.stat(path.clone()).await?;
+            let bytes = client.read_file(ReadFileRequest { path, offset, length: Some(length) }).await?;
+            Ok((info, bytes))
+        }
+    };
+    let (info, bytes) = server.moat.with_agent(&id, read).await?;
     let truncated = offset + (bytes.len() as u64) < info.size;
     let content = if base64 {
         base64::engine::general_purpose::STANDARD.encode(&bytes)
@@ -668,9 +692,11 @@ async fn write_file(server: &Session<'_>, args: &Value) -> Outcome {
         ),
     };
     let id = target(server, args).await?;
-    let client = server.moat.client(&id)?;
     let req = WriteFileRequest { path: path.clone(), mode, create_parents: true, owner: Some("user".into()) };
-    let written = client.write_file(req, &mut bytes.as_slice()).await?;
+    let written = server
+        .moat
+        .with_agent(&id, |client| async move { client.write_file(req, &mut bytes.as_slice()).await })
+        .await?;
     Ok(json!({ "path": path, "bytes": written }))
 }
 
@@ -678,8 +704,9 @@ async fn list_files(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(str_arg(args, "path")?.unwrap_or("/home/user"));
     let depth = int_arg(args, "depth", 1, 5)?.unwrap_or(1);
     let id = target(server, args).await?;
-    let client = server.moat.client(&id)?;
-    let (entries, truncated) = client.list_dir(path, u8::try_from(depth).unwrap_or(1)).await?;
+    let depth = u8::try_from(depth).unwrap_or(1);
+    let (entries, truncated) =
+        server.moat.with_agent(&id, |client| async move { client.list_dir(path, depth).await }).await?;
     let entries: Vec<Value> = entries
         .iter()
         .map(|e| {
@@ -697,7 +724,8 @@ async fn list_files(server: &Session<'_>, args: &Value) -> Outcome {
 async fn make_dir(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(required(args, "path")?);
     let id = target(server, args).await?;
-    server.moat.client(&id)?.make_dir(path.clone(), Some("user".into())).await?;
+    let made = path.clone();
+    server.moat.with_agent(&id, |client| async move { client.make_dir(made, Some("user".into())).await }).await?;
     Ok(json!({ "ok": true, "message": format!("{path} exists") }))
 }
 
@@ -706,7 +734,8 @@ async fn move_file(server: &Session<'_>, args: &Value) -> Outcome {
     let to = sandbox_path(required(args, "destination")?);
     let overwrite = bool_arg(args, "overwrite")?;
     let id = target(server, args).await?;
-    server.moat.client(&id)?.move_path(from.clone(), to.clone(), overwrite).await?;
+    let (source, destination) = (from.clone(), to.clone());
+    server.moat.with_agent(&id, |client| async move { client.move_path(source, destination, overwrite).await }).await?;
     Ok(json!({ "ok": true, "message": format!("moved {from} to {to}") }))
 }
 
@@ -714,7 +743,8 @@ async fn delete_file(server: &Session<'_>, args: &Value) -> Outcome {
     let path = sandbox_path(required(args, "path")?);
     let recursive = bool_arg(args, "recursive")?;
     let id = target(server, args).await?;
-    server.moat.client(&id)?.remove(path.clone(), recursive).await?;
+    let removed = path.clone();
+    server.moat.with_agent(&id, |client| async move { client.remove(removed, recursive).await }).await?;
     Ok(json!({ "ok": true, "message": format!("deleted {path}") }))
 }
 
