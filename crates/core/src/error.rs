@@ -49,7 +49,7 @@ pub enum CoreError {
     Failed { id: String, reason: String },
     #[error("Sandbox {id} failed to start: {reason}")]
     StartFailed { id: String, reason: String },
-    #[error("Sandbox {id}: {what}")]
+    #[error("Sandbox {id}: {what}{}", full_disk_hint(source))]
     Io {
         id: String,
         what: String,
@@ -71,4 +71,16 @@ pub enum CoreError {
         #[source]
         source: moat_proto::ProtoError,
     },
+}
+
+/// Words for an I/O error that a full disk caused: what moat writes on
+/// its own (sandbox state, task records) lives in its data directory.
+fn full_disk_hint(source: &std::io::Error) -> &'static str {
+    match source.raw_os_error() {
+        Some(libc::ENOSPC | libc::EDQUOT) => {
+            " (the disk holding moat's data directory is full: free space there, e.g. remove old task records, \
+             and try again; what moat saved before is unchanged)"
+        }
+        _ => "",
+    }
 }

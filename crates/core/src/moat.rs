@@ -839,22 +839,14 @@ impl Moat {
     /// the sandbox (unless `keep_sandbox`).
     pub async fn task_finish(&self, task_id: &str, keep_sandbox: bool) -> Result<TaskRecord, CoreError> {
         let (diff, summary) = self.task_diff(task_id).await?;
-        let (task, log) = self
-            .inner
-            .tasks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(task_id)
-            .ok_or_else(|| CoreError::UnknownTask { id: task_id.into(), known: Vec::new() })?;
-        let dir = task::tasks_dir(&self.inner.config.data_dir).join(&task.id);
-        let task_key = task.id.clone();
-        let io = |what: &'static str| {
-            let id = task_key.clone();
-            move |source| CoreError::Io { id, what: what.into(), source }
+        let (task, log) = {
+            let tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            tasks
+                .get(task_id)
+                .cloned()
+                .ok_or_else(|| CoreError::UnknownTask { id: task_id.into(), known: Vec::new() })?
         };
-        std::fs::create_dir_all(task::tasks_dir(&self.inner.config.data_dir))
-            .map_err(io("creating the task record"))?;
-        std::fs::create_dir(&dir).map_err(io("creating the task record"))?;
+        let dir = task::tasks_dir(&self.inner.config.data_dir).join(&task.id);
         let record = TaskRecord {
             patch_path: dir.join("patch.diff"),
             log_path: dir.join("log.json"),
@@ -863,15 +855,37 @@ impl Moat {
             sandbox_kept: keep_sandbox,
             task,
         };
-        hostfs::write_new(&record.patch_path, diff.as_bytes()).map_err(io("writing the patch"))?;
-        let log_json = serde_json::to_string_pretty(&log).unwrap_or_default();
-        hostfs::write_new(&record.log_path, log_json.as_bytes()).map_err(io("writing the log"))?;
-        let record_json = serde_json::to_string_pretty(&record).unwrap_or_default();
-        hostfs::write_new(&dir.join("record.json"), record_json.as_bytes()).map_err(io("writing the record"))?;
+        // The task stays in progress until its whole record is saved: a
+        // record that cannot be written (a full disk) is removed, and the
+        // call can be repeated once there is room.
+        if let Err(e) = self.save_record(&record, &dir, &diff, &log) {
+            if dir.exists() {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            return Err(e);
+        }
+        self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(task_id);
         if !keep_sandbox {
             let _ = self.destroy(&record.task.sandbox_id).await;
         }
         Ok(record)
+    }
+
+    /// Writes a task's record directory: patch, log, then `record.json`,
+    /// which makes it a record ([`task::records`]).
+    fn save_record(&self, record: &TaskRecord, dir: &Path, diff: &str, log: &[LogEntry]) -> Result<(), CoreError> {
+        let io = |what: &'static str| {
+            let id = record.task.id.clone();
+            move |source| CoreError::Io { id, what: what.into(), source }
+        };
+        std::fs::create_dir_all(task::tasks_dir(&self.inner.config.data_dir))
+            .map_err(io("creating the task record"))?;
+        std::fs::create_dir(dir).map_err(io("creating the task record"))?;
+        hostfs::write_new(&record.patch_path, diff.as_bytes()).map_err(io("writing the patch"))?;
+        let log_json = serde_json::to_string_pretty(log).unwrap_or_default();
+        hostfs::write_new(&record.log_path, log_json.as_bytes()).map_err(io("writing the log"))?;
+        let record_json = serde_json::to_string_pretty(record).unwrap_or_default();
+        hostfs::write_new(&dir.join("record.json"), record_json.as_bytes()).map_err(io("writing the record"))
     }
 
     /// Retained task records.

@@ -829,6 +829,106 @@ async fn a_sandbox_killed_mid_call_fails_alone_and_is_released() {
     moat.destroy_all().await;
 }
 
+/// The disk of the data directory fills up (here: a small tmpfs, the
+/// image bound in read-only): finishing a task and creating a sandbox
+/// fail, and so does copying out to a root on a full disk, with an error that says the
+/// disk is full; the task stays in progress, the record saved before is
+/// unchanged, no half-written record or copy is left, and everything works
+/// again once there is room. Jails only: a microVM's state is the same
+/// directory, and the nested host's minutes are spent elsewhere.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_full_data_disk_fails_clearly_and_damages_nothing() {
+    use nix::mount::{MsFlags, mount, umount2};
+    if backend() != moat_core::BackendKind::Jail {
+        return;
+    }
+    struct Unmount(Vec<std::path::PathBuf>);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            for path in self.0.iter().rev() {
+                let _ = umount2(path, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+    }
+    let top = tempfile::Builder::new().prefix("full-disk-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let data = top.path().join("data");
+    std::fs::create_dir(&data).expect("mkdir");
+    mount(Some("tmpfs"), &data, Some("tmpfs"), MsFlags::empty(), Some("size=16m,mode=0755")).expect("tmpfs");
+    let mut mounts = Unmount(vec![data.clone()]);
+    let image = data.join("images/default");
+    std::fs::create_dir_all(&image).expect("mkdir");
+    let real = moat_core::image::data_dir().join("images/default");
+    mount(Some(&real), &image, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>).expect("bind");
+    mounts.0.push(image.clone());
+    let readonly = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY;
+    mount(None::<&str>, &image, None::<&str>, readonly, None::<&str>).expect("read-only");
+    // A shared root on a disk as small (its own tmpfs: a root may not be
+    // inside the data directory).
+    let root = top.path().join("root");
+    std::fs::create_dir(&root).expect("mkdir");
+    mount(Some("tmpfs"), &root, Some("tmpfs"), MsFlags::empty(), Some("size=1m,mode=0755")).expect("tmpfs");
+    mounts.0.push(root.clone());
+    let project = top.path().join("project");
+    std::fs::create_dir(&project).expect("mkdir");
+    std::fs::write(project.join("a.txt"), "a\n").expect("write");
+    let config = MoatConfig {
+        data_dir: data.clone(),
+        roots: vec![project.clone(), root.clone()],
+        ..common::config(backend(), 16, moat_core::EgressConfig::default())
+    };
+    let moat = Moat::new(config).await.expect("moat starts");
+
+    let first = moat.task_start(&project, small()).await.expect("task starts");
+    sh(&moat, &first.sandbox_id, "echo b > /workspace/b.txt").await;
+    let saved = moat.task_finish(&first.id, false).await.expect("finishes");
+    let saved_patch = std::fs::read(&saved.patch_path).expect("patch");
+    let record_dir = saved.patch_path.parent().expect("record dir").to_owned();
+    let saved_record = std::fs::read(record_dir.join("record.json")).expect("record");
+
+    let second = moat.task_start(&project, small()).await.expect("task starts");
+    let (_, code) =
+        sh(&moat, &second.sandbox_id, "head -c 2M /dev/urandom > /workspace/big.bin && echo c > /workspace/c.txt")
+            .await;
+    assert_eq!(code, Some(0));
+    let filler = data.join("filler");
+    let mut file = std::fs::File::create(&filler).expect("filler");
+    let chunk = vec![1u8; 64 << 10];
+    while std::io::Write::write_all(&mut file, &chunk).is_ok() {}
+    drop(file);
+
+    let full = |e: &CoreError| {
+        eprintln!("{e}");
+        e.to_string().contains("the disk holding moat's data directory is full")
+    };
+    let err = moat.task_finish(&second.id, false).await.expect_err("no room for the record");
+    assert!(full(&err), "{err}");
+    let records: Vec<_> = std::fs::read_dir(data.join("tasks")).expect("tasks").flatten().collect();
+    assert_eq!(records.len(), 1, "a half-written record is left: {records:?}");
+    assert_eq!(std::fs::read(&saved.patch_path).expect("patch"), saved_patch, "the saved patch changed");
+    assert_eq!(std::fs::read(record_dir.join("record.json")).expect("record"), saved_record);
+    assert!(moat.task_diff(&second.id).await.is_ok(), "the task is still in progress");
+
+    let err = moat.create(small()).await.expect_err("no room for a sandbox's state");
+    assert!(full(&err), "{err}");
+    assert_eq!(moat.list().len(), 1, "the refused sandbox is listed");
+    let err = moat
+        .copy_from_sandbox(&second.sandbox_id, "/workspace/big.bin", &root.join("big.bin"))
+        .await
+        .expect_err("no room for the copy");
+    eprintln!("{err}");
+    assert!(err.to_string().contains("No space left on device"), "{err}");
+    assert_eq!(std::fs::read_dir(&root).expect("root").count(), 0, "a failed copy leaves something");
+
+    std::fs::remove_file(&filler).expect("frees the disk");
+    let record = moat.task_finish(&second.id, false).await.expect("finishes once there is room");
+    assert!(std::fs::read_to_string(&record.patch_path).expect("patch").contains("c.txt"));
+    moat.create(small()).await.expect("creates once there is room");
+    moat.destroy_all().await;
+    drop(moat);
+    drop(mounts);
+}
+
 #[tokio::test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {

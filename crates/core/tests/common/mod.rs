@@ -17,7 +17,14 @@ pub fn agent() -> PathBuf {
 /// A `Moat` on `backend` with the default data directory, tasks importing
 /// from the target's temporary directory, and no pool.
 pub async fn moat(backend: BackendKind, max_sandboxes: usize, egress: EgressConfig) -> Moat {
-    let config = MoatConfig {
+    Moat::new(config(backend, max_sandboxes, egress))
+        .await
+        .expect("moat starts (image built, agent built, running as root)")
+}
+
+/// The configuration [`moat`] starts with.
+pub fn config(backend: BackendKind, max_sandboxes: usize, egress: EgressConfig) -> MoatConfig {
+    MoatConfig {
         data_dir: moat_core::image::data_dir(),
         backend,
         agent: agent(),
@@ -29,8 +36,7 @@ pub async fn moat(backend: BackendKind, max_sandboxes: usize, egress: EgressConf
         egress,
         // The test is the operator: it grants what it asks for.
         grants: moat_core::Grants::everything(),
-    };
-    Moat::new(config).await.expect("moat starts (image built, agent built, running as root)")
+    }
 }
 
 /// Runs `script` with `bash -c` in sandbox `id`: stdout then stderr, and
