@@ -102,6 +102,11 @@ fn main() -> ExitCode {
             if let Some(port) = config.port {
                 listen = ListenAddr::Vsock(port);
             }
+            // Limits the agent's commands cannot take from it: recovery
+            // from a fork or memory bomb, as in a jail.
+            if let Err(e) = moat_agent::cgroup::setup_guest() {
+                boot::stage(&format!("commands run without their own cgroups: {e}"));
+            }
         }
         init::setup(hostname.as_deref());
     }

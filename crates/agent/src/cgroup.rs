@@ -14,8 +14,10 @@
 //!   next command starts;
 //! - the agent itself, outside `user`, always has the reserve to act with.
 //!
-//! Without [`USER_CGROUPS`] (a microVM, a host without cgroups) commands run
-//! as before: their process group is what a timeout kills.
+//! In a microVM the agent is the guest kernel's PID 1 and makes the `user`
+//! cgroup itself ([`setup_guest`]: cgroup v2, the guest's memory less the
+//! reserve). Without either (a host without cgroups) commands run as
+//! before: their process group is what a timeout kills.
 
 use std::collections::HashSet;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -40,6 +42,67 @@ const NOTHING_LEFT: &str = "no process left";
 
 /// How many processes a limit report names.
 const REPORTED: usize = 3;
+
+/// Where a microVM's agent mounts cgroup v2.
+const GUEST_ROOT: &str = "/sys/fs/cgroup";
+
+/// What a microVM's agent keeps beyond its commands' reach, as the host
+/// keeps for a jail's agent (`RESERVE_PIDS` and `RESERVE_MEMORY` in
+/// moat-core's `cgroup.rs`).
+const GUEST_RESERVE_PIDS: u64 = 64;
+const GUEST_RESERVE_MIB: u64 = 64;
+
+/// The processes one sandbox may run at once (a jail's `PIDS_MAX`).
+const GUEST_PIDS_MAX: u64 = 1024;
+
+/// The `user` cgroup [`setup_guest`] made, when it did.
+static GUEST_USER: OnceLock<PathBuf> = OnceLock::new();
+
+/// In a microVM: mounts cgroup v2 and makes the `user` cgroup every
+/// command runs beneath, limited to the guest's available memory less
+/// [`GUEST_RESERVE_MIB`] and to [`GUEST_PIDS_MAX`] less
+/// [`GUEST_RESERVE_PIDS`] processes. The agent stays in the root cgroup,
+/// outside those limits. Call before the first command.
+pub fn setup_guest() -> std::io::Result<()> {
+    let root = Path::new(GUEST_ROOT);
+    std::fs::create_dir_all(root)?;
+    let flags = nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV | nix::mount::MsFlags::MS_NOEXEC;
+    match nix::mount::mount(Some("cgroup2"), root, Some("cgroup2"), flags, None::<&str>) {
+        Ok(()) | Err(nix::errno::Errno::EBUSY) => {}
+        Err(e) => return Err(e.into()),
+    }
+    std::fs::write(root.join("cgroup.subtree_control"), "+memory +pids")?;
+    let user = root.join("user");
+    match std::fs::create_dir(&user) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+        _ => {}
+    }
+    let meminfo = std::fs::read_to_string("/proc/meminfo")?;
+    let available_kib = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .ok_or_else(|| std::io::Error::other("no MemAvailable in /proc/meminfo"))?;
+    let memory = (available_kib << 10).saturating_sub(GUEST_RESERVE_MIB << 20).max(GUEST_RESERVE_MIB << 20);
+    std::fs::write(user.join("memory.max"), memory.to_string())?;
+    // No swap in a microVM; said so that a kernel with swap accounting
+    // does not let a command's memory spill past the limit.
+    let _ = std::fs::write(user.join("memory.swap.max"), "0");
+    std::fs::write(user.join("pids.max"), (GUEST_PIDS_MAX - GUEST_RESERVE_PIDS).to_string())?;
+    std::fs::write(user.join("cgroup.subtree_control"), "+memory +pids")?;
+    // The pids limit must be what stops a fork bomb, where moat sees and
+    // reports it: a small guest's kernel defaults are below it (threads-max
+    // from its memory, RLIMIT_NPROC half of that, inherited from PID 1).
+    let threads_max = Path::new("/proc/sys/kernel/threads-max");
+    let threads = std::fs::read_to_string(threads_max).ok().and_then(|t| t.trim().parse::<u64>().ok()).unwrap_or(0);
+    if threads < 4 * GUEST_PIDS_MAX {
+        std::fs::write(threads_max, (4 * GUEST_PIDS_MAX).to_string())?;
+    }
+    let unlimited = nix::sys::resource::RLIM_INFINITY;
+    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NPROC, unlimited, unlimited)?;
+    let _ = GUEST_USER.set(user);
+    Ok(())
+}
 
 /// The sandbox's `user` cgroups, as the agent sees them.
 #[derive(Debug)]
@@ -80,7 +143,12 @@ impl Hierarchy {
 /// The `user` cgroups bound into this sandbox, found once.
 pub fn user_cgroups() -> Option<&'static UserCgroups> {
     static FOUND: OnceLock<Option<UserCgroups>> = OnceLock::new();
-    FOUND.get_or_init(|| UserCgroups::discover(Path::new(USER_CGROUPS))).as_ref()
+    FOUND
+        .get_or_init(|| match GUEST_USER.get() {
+            Some(user) => Some(UserCgroups::unified(user.clone())),
+            None => UserCgroups::discover(Path::new(USER_CGROUPS)),
+        })
+        .as_ref()
 }
 
 impl UserCgroups {
@@ -99,6 +167,12 @@ impl UserCgroups {
         // other hierarchies are joined or emptied.
         hierarchies.sort_by_key(|h| (h.name != "freezer", h.name.clone()));
         Some(Self { hierarchies, next: AtomicU64::new(1), names: Mutex::default() })
+    }
+
+    /// The `user` cgroup `dir` of a cgroup v2 hierarchy.
+    fn unified(dir: PathBuf) -> Self {
+        let hierarchies = vec![Hierarchy { name: UNIFIED.into(), dir }];
+        Self { hierarchies, next: AtomicU64::new(1), names: Mutex::default() }
     }
 
     fn names(&self) -> MutexGuard<'_, Names> {
