@@ -55,6 +55,19 @@ const GUEST_RESERVE_MIB: u64 = 64;
 /// The processes one sandbox may run at once (a jail's `PIDS_MAX`).
 const GUEST_PIDS_MAX: u64 = 1024;
 
+/// The `user` cgroup's CPU weight: a hundredth of the default (100) that
+/// the agent, in the root cgroup, competes with.
+const GUEST_USER_CPU_WEIGHT: u64 = 1;
+
+/// How many processes a microVM's commands may run: [`GUEST_PIDS_MAX`]
+/// less the reserve, and no more than one per MiB of their memory, so
+/// that in a small guest a fork bomb stops at the pids limit (reported,
+/// its processes killed) before it drives the guest into reclaiming
+/// memory for minutes.
+fn guest_pids(memory_bytes: u64) -> u64 {
+    (GUEST_PIDS_MAX - GUEST_RESERVE_PIDS).min((memory_bytes >> 20).max(GUEST_RESERVE_PIDS))
+}
+
 /// The `user` cgroup [`setup_guest`] made, when it did.
 static GUEST_USER: OnceLock<PathBuf> = OnceLock::new();
 
@@ -72,6 +85,9 @@ pub fn setup_guest() -> std::io::Result<()> {
         Err(e) => return Err(e.into()),
     }
     std::fs::write(root.join("cgroup.subtree_control"), "+memory +pids")?;
+    // CPU weight too, when the kernel has it: commands busy on every vCPU
+    // (a fork bomb churning at its limit) leave the agent its share.
+    let cpu = std::fs::write(root.join("cgroup.subtree_control"), "+cpu").is_ok();
     let user = root.join("user");
     match std::fs::create_dir(&user) {
         Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
@@ -85,10 +101,13 @@ pub fn setup_guest() -> std::io::Result<()> {
         .ok_or_else(|| std::io::Error::other("no MemAvailable in /proc/meminfo"))?;
     let memory = (available_kib << 10).saturating_sub(GUEST_RESERVE_MIB << 20).max(GUEST_RESERVE_MIB << 20);
     std::fs::write(user.join("memory.max"), memory.to_string())?;
+    if cpu {
+        std::fs::write(user.join("cpu.weight"), GUEST_USER_CPU_WEIGHT.to_string())?;
+    }
     // No swap in a microVM; said so that a kernel with swap accounting
     // does not let a command's memory spill past the limit.
     let _ = std::fs::write(user.join("memory.swap.max"), "0");
-    std::fs::write(user.join("pids.max"), (GUEST_PIDS_MAX - GUEST_RESERVE_PIDS).to_string())?;
+    std::fs::write(user.join("pids.max"), guest_pids(memory).to_string())?;
     std::fs::write(user.join("cgroup.subtree_control"), "+memory +pids")?;
     // The pids limit must be what stops a fork bomb, where moat sees and
     // reports it: a small guest's kernel defaults are below it (threads-max
@@ -615,6 +634,13 @@ pub fn join(fds: &[i32]) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_guests_process_limit_follows_its_memory() {
+        assert_eq!(guest_pids(4 << 30), 960, "a large guest: the jail's figure");
+        assert_eq!(guest_pids(190 << 20), 190, "a small guest: one per MiB");
+        assert_eq!(guest_pids(1 << 20), 64, "never below the reserve's size");
+    }
 
     #[test]
     fn counters_are_read_by_key() {
