@@ -369,7 +369,11 @@ impl RouteWatch {
         // SAFETY: socket(2) with constant arguments; it returns a new
         // descriptor or -1.
         let fd = unsafe {
-            libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, libc::NETLINK_ROUTE)
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                libc::NETLINK_ROUTE,
+            )
         };
         let made = std::io::Error::last_os_error();
         nix::sched::setns(&own, CloneFlags::CLONE_NEWNET)?;

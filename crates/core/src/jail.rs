@@ -81,11 +81,7 @@ async fn read_ready(stdout: std::process::ChildStdout) -> Result<(), String> {
             Err(e) => return Err(format!("cannot read the monitor's readiness: {e}")),
         }
     }
-    if line == READY.as_bytes() {
-        Ok(())
-    } else {
-        Err("the jail's monitor ended before its sandbox started".into())
-    }
+    if line == READY.as_bytes() { Ok(()) } else { Err("the jail's monitor ended before its sandbox started".into()) }
 }
 
 /// The line the monitor writes when the sandbox's socket takes connections
