@@ -113,6 +113,12 @@ pub fn bench() -> Result<()> {
     let agent = build::static_agent()?;
     image::build("default", false)?;
     run(cargo().args(["bench", "--package", "moat-core", "--bench", "jail"]).env("MOAT_AGENT", &agent))?;
+    // A sandbox's whole life: `moat run` as a process, and churn in one.
+    run(cargo().args(["build", "--release", "--bin", "moat"]))?;
+    run(cargo()
+        .args(["bench", "--package", "moat-core", "--bench", "churn"])
+        .env("MOAT_AGENT", &agent)
+        .env("MOAT_BIN", crate::host::root().join("target/release/moat")))?;
     // microVMs in the nested test host, with release host binaries (the
     // VMM's own memory is measured).
     ensure_packages(nested::NESTED_PACKAGES)?;

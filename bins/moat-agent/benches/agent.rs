@@ -53,6 +53,8 @@ async fn start_agent() -> (Agent, AgentClient<UnixConnector>) {
         if client.info().await.is_ok() {
             return (Agent { child, dir }, client);
         }
+        // A benchmark's setup, not a sandbox's path: retried until the
+        // agent it just spawned binds its socket.
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("agent did not come up");

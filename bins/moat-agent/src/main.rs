@@ -65,6 +65,9 @@ struct JailArgs {
     /// Also read cgroup.procs paths from stdin, one a line, until an empty line.
     #[arg(long)]
     cgroups_on_stdin: bool,
+    /// Write `ready` to stdout once the sandbox's socket takes connections.
+    #[arg(long)]
+    ready_on_stdout: bool,
     /// Network policy open: attach this pasta binary to the sandbox's network.
     #[arg(long)]
     pasta: Option<std::path::PathBuf>,
@@ -141,6 +144,7 @@ fn run_jail(args: &JailArgs) -> ExitCode {
         disk_mib: args.disk_mib,
         cgroups: args.cgroup.clone(),
         cgroups_on_stdin: args.cgroups_on_stdin,
+        ready_on_stdout: args.ready_on_stdout,
         pasta: args.pasta.clone(),
     };
     match moat_agent::jail::run(&spec) {

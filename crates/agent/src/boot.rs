@@ -263,6 +263,10 @@ pub fn wait_for_device(device: &Path, timeout: Duration) -> Result<(), BootError
         if Instant::now() > deadline {
             return Err(BootError::NoRootDevice(device.to_path_buf()));
         }
+        // Exception to "wait on events": a microVM's boot only, never a
+        // jail's create, exec or destroy. The event would be the kernel's
+        // uevent (NETLINK_KOBJECT_UEVENT); this bounded check runs a few
+        // times at most, while the guest kernel probes the disk.
         std::thread::sleep(Duration::from_millis(5));
     }
     Ok(())

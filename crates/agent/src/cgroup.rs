@@ -130,6 +130,10 @@ pub struct UserCgroups {
     next: AtomicU64,
     /// Which command cgroups are in use and which wait, empty, for reuse.
     names: Mutex<Names>,
+    /// Held while a command cgroup is made: a command that finds none free
+    /// waits for one being made (by [`UserCgroups::prepare`]) rather than
+    /// making a second.
+    making: Mutex<()>,
 }
 
 /// The command cgroups the agent tracks. Neither kind is swept: an active
@@ -185,7 +189,7 @@ impl UserCgroups {
         // The freezer goes first: a frozen command cannot fork while the
         // other hierarchies are joined or emptied.
         hierarchies.sort_by_key(|h| (h.name != "freezer", h.name.clone()));
-        Some(Self { hierarchies, next: AtomicU64::new(1), names: Mutex::default() })
+        Some(Self { hierarchies, next: AtomicU64::new(1), names: Mutex::default(), making: Mutex::default() })
     }
 
     /// The `user` cgroup `dir` of a cgroup v2 hierarchy.
@@ -211,6 +215,20 @@ impl UserCgroups {
     /// `user` cgroup's own, so that a command that alone exhausts them is
     /// counted in its own cgroup's events.
     pub fn create_exec(&'static self) -> std::io::Result<ExecCgroup> {
+        if let Some(exec) = self.reuse_free() {
+            return Ok(exec);
+        }
+        // A poisoned lock guards nothing but the order of makers.
+        let _making = self.making.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // One made meanwhile (the agent makes one ahead at start) is taken.
+        if let Some(exec) = self.reuse_free() {
+            return Ok(exec);
+        }
+        self.make_exec()
+    }
+
+    /// A free command cgroup, checked empty and opened, if one waits.
+    fn reuse_free(&'static self) -> Option<ExecCgroup> {
         while let Some(name) = self.take_free() {
             let mut exec = ExecCgroup::existing(&self.hierarchies, &name);
             exec.owner = Some(self);
@@ -223,12 +241,17 @@ impl UserCgroups {
                 Ok(procs) if exec.process_count() == 0 => {
                     exec.procs = procs;
                     exec.baseline = exec.counters();
-                    return Ok(exec);
+                    return Some(exec);
                 }
-                // Gone or taken over: made afresh below.
+                // Gone or taken over: made afresh.
                 _ => exec.remove(),
             }
         }
+        None
+    }
+
+    /// Makes a new command cgroup in every hierarchy.
+    fn make_exec(&'static self) -> std::io::Result<ExecCgroup> {
         self.sweep();
         let name = loop {
             let name = format!("exec-{}", self.next.fetch_add(1, Ordering::Relaxed));
@@ -266,6 +289,16 @@ impl UserCgroups {
         exec.procs = procs;
         exec.baseline = exec.counters();
         Ok(exec)
+    }
+
+    /// Makes one command cgroup ahead of the first command and keeps it
+    /// free: the agent does it while the host's first request is on its
+    /// way, instead of on that command's path.
+    pub fn prepare(&'static self) {
+        match self.create_exec() {
+            Ok(exec) => exec.release(),
+            Err(e) => tracing::debug!("no command cgroup made ahead: {e}"),
+        }
     }
 
     /// Removes the cgroups of earlier commands that have no process left,
@@ -494,17 +527,17 @@ impl ExecCgroup {
         let freezer = self.dir("freezer").filter(|d| std::fs::write(d.join("freezer.state"), "FROZEN").is_ok());
         let give_up = Instant::now() + KILL_GUARD;
         loop {
-            let pids = self.pids();
-            if pids.is_empty() || Instant::now() > give_up {
+            let members = self.members();
+            if members.is_empty() || Instant::now() > give_up {
                 break;
             }
-            for pid in pids {
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            for member in &members {
+                let _ = member.kill();
             }
             if let Some(dir) = freezer {
                 let _ = std::fs::write(dir.join("freezer.state"), "THAWED");
             }
-            std::thread::sleep(Duration::from_millis(2));
+            crate::pidfd::wait_all(&members, give_up);
         }
         if let Some(dir) = freezer {
             let _ = std::fs::write(dir.join("freezer.state"), "THAWED");
@@ -513,10 +546,28 @@ impl ExecCgroup {
         count
     }
 
+    /// Pidfds of every process in the command's cgroup, each opened while
+    /// the process was listed there (a pid reused meanwhile is never named).
+    fn members(&self) -> Vec<crate::pidfd::Pidfd> {
+        let opened: Vec<(i32, crate::pidfd::Pidfd)> = self
+            .pids()
+            .into_iter()
+            .filter_map(|pid| crate::pidfd::Pidfd::of_pid(pid).ok().map(|fd| (pid, fd)))
+            .collect();
+        let still = self.pids();
+        opened.into_iter().filter(|(pid, _)| still.contains(pid)).map(|(_, fd)| fd).collect()
+    }
+
+    /// Waits, on their pidfds, until the processes in the command's cgroup
+    /// have ended (a process leaves `cgroup.procs` as it ends, before its
+    /// pidfd reads ready), or [`KILL_GUARD`].
     fn wait_empty(&self) {
         let give_up = Instant::now() + KILL_GUARD;
-        while self.process_count() > 0 && Instant::now() < give_up {
-            std::thread::sleep(Duration::from_millis(2));
+        loop {
+            let members = self.members();
+            if members.is_empty() || !crate::pidfd::wait_all(&members, give_up) {
+                return;
+            }
         }
     }
 

@@ -250,22 +250,18 @@ pub async fn serve<S>(reaper: Arc<Reaper>, req: ExecRequest, mut conn: Connectio
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let cgroups = crate::cgroup::user_cgroups();
-    // Runaway processes of earlier commands go before this one starts.
-    let reclaimed = match cgroups {
-        Some(cgroups) => tokio::task::spawn_blocking(|| cgroups.reclaim()).await.ok().flatten(),
-        None => None,
-    };
-    let mut cgroup = match cgroups {
-        Some(cgroups) => match tokio::task::spawn_blocking(|| cgroups.create_exec()).await {
-            Ok(Ok(cgroup)) => Some(cgroup),
-            Ok(Err(e)) => {
+    // Runaway processes of earlier commands go before this one starts;
+    // then its own cgroup. One trip to a blocking thread for both.
+    let (reclaimed, mut cgroup) = match crate::cgroup::user_cgroups() {
+        Some(cgroups) => match tokio::task::spawn_blocking(|| (cgroups.reclaim(), cgroups.create_exec())).await {
+            Ok((reclaimed, Ok(cgroup))) => (reclaimed, Some(cgroup)),
+            Ok((reclaimed, Err(e))) => {
                 tracing::warn!("running a command without its own cgroup: {e}");
-                None
+                (reclaimed, None)
             }
-            Err(_) => None,
+            Err(_) => (None, None),
         },
-        None => None,
+        None => (None, None),
     };
     let join = cgroup.as_ref().map(crate::cgroup::ExecCgroup::procs_fds).unwrap_or_default();
     let spawned = prepare(&req, join).and_then(|mut prepared| {

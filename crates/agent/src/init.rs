@@ -133,10 +133,7 @@ pub async fn stop_children(reaper: &Reaper, grace: std::time::Duration, pid1: bo
     for pid in &running {
         let _ = kill(Pid::from_raw(-pid), Signal::SIGTERM);
     }
-    let deadline = tokio::time::Instant::now() + grace;
-    while !reaper.running().is_empty() && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    reaper.all_ended(tokio::time::Instant::now() + grace).await;
     for pid in reaper.running() {
         let _ = kill(Pid::from_raw(-pid), Signal::SIGKILL);
     }

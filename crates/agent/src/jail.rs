@@ -56,6 +56,11 @@ pub struct JailSpec {
     /// [`crate::cgroup`]). (Paths, never secrets, travel this way or on the
     /// command line, which every host user can read.)
     pub cgroups_on_stdin: bool,
+    /// Write [`READY`] to stdout once the sandbox's init is released (its
+    /// id maps written, pasta attached): from then on the agent's socket
+    /// exists and takes connections, which its backlog holds until the
+    /// agent accepts them. The host waits on this line instead of polling.
+    pub ready_on_stdout: bool,
     /// Network policy `open`: the `pasta` binary to attach to the sandbox's
     /// network namespace (see [`PASTA_ARGS`]).
     pub pasta: Option<PathBuf>,
@@ -114,6 +119,10 @@ fn step<T, E: Into<std::io::Error>>(what: &str, result: Result<T, E>) -> Result<
 /// listening descriptor: nothing of the host's file system is writable from
 /// inside, and the sandbox cannot replace the socket the host connects to.
 pub const SOCKET: &str = "sock/agent.sock";
+
+/// The line the monitor writes to stdout when the sandbox's socket takes
+/// connections (see [`JailSpec::ready_on_stdout`]).
+pub const READY: &str = "ready\n";
 
 /// The descriptor number the agent inherits its listening socket as.
 const LISTEN_FD: i32 = 3;
@@ -226,6 +235,9 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     let mut ready = File::from(ready_tx);
     step("releasing the sandbox's init", ready.write_all(b"1"))?;
     drop(ready);
+    if spec.ready_on_stdout {
+        report_ready()?;
+    }
     // SIGTERM from the host: kill the sandbox's init (the kernel then kills
     // and reaps the whole pid namespace), reap it, and exit, so that the
     // host finds the sandbox's cgroups empty once this process is gone.
@@ -246,6 +258,20 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
             Err(e) => return Err(JailError { step: "waiting for the sandbox".into(), source: e.into() }),
         }
     }
+}
+
+/// Tells the host on stdout that the socket takes connections, then points
+/// stdout at stderr (the log): the host reads one line, and nothing else
+/// the monitor prints can be mistaken for it.
+fn report_ready() -> Result<(), JailError> {
+    let mut stdout = std::io::stdout().lock();
+    step("reporting readiness", stdout.write_all(READY.as_bytes()).and_then(|()| stdout.flush()))?;
+    // SAFETY: dup2 of this process's own stderr onto its stdout; the
+    // monitor is single-threaded and holds stdout's lock meanwhile.
+    if unsafe { libc::dup2(2, 1) } < 0 {
+        return Err(JailError { step: "closing the readiness pipe".into(), source: std::io::Error::last_os_error() });
+    }
+    Ok(())
 }
 
 /// Where pasta's stderr goes, relative to the state directory: read back
@@ -298,25 +324,98 @@ fn start_pasta(pasta: &Path, pid: Pid, owner: u32, log: &Path) -> Result<std::pr
             Ok(())
         });
     }
+    // Route changes in the sandbox's namespace, heard before pasta starts:
+    // none can be missed between the check and the wait below.
+    let routes = step("watching the sandbox's routes", RouteWatch::open(&netns))?;
     let mut child = step(&format!("starting {}", pasta.display()), command.spawn())?;
     drop((netns, userns));
-    let started = std::time::Instant::now();
+    let exited = step("watching pasta", crate::pidfd::Pidfd::of_pid(crate::reaper::pid_of(&child)))?;
+    let deadline = std::time::Instant::now() + PASTA_GUARD;
     loop {
-        let routes = std::fs::read_to_string(format!("/proc/{pid}/net/route")).unwrap_or_default();
-        // A default route: destination 00000000 in the second column.
-        if routes.lines().skip(1).any(|l| l.split_whitespace().nth(1) == Some("00000000")) {
+        if has_default_route(pid) {
             return Ok(child);
         }
         if let Ok(Some(status)) = child.try_wait() {
             let what = format!("pasta exited ({status}) before configuring the network");
             return Err(pasta_failed(&what, log));
         }
-        if started.elapsed() > PASTA_GUARD {
+        if !routes.wait(&exited, deadline) {
             let _ = child.kill();
             let _ = child.wait();
             return Err(pasta_failed("pasta did not configure the network within 10 s", log));
         }
-        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Whether the network namespace of `pid` has a default route:
+/// destination 00000000 in the second column of its IPv4 route table.
+fn has_default_route(pid: Pid) -> bool {
+    let routes = std::fs::read_to_string(format!("/proc/{pid}/net/route")).unwrap_or_default();
+    routes.lines().skip(1).any(|l| l.split_whitespace().nth(1) == Some("00000000"))
+}
+
+/// A netlink socket in a network namespace that hears its IPv4 route
+/// changes (`RTMGRP_IPV4_ROUTE`): what pasta's configuring is waited on.
+struct RouteWatch(OwnedFd);
+
+impl RouteWatch {
+    /// Opens the socket inside the namespace `netns` (a netlink socket
+    /// belongs to the namespace it was made in) and returns to this one.
+    /// The monitor is single-threaded: no other thread sees the switch.
+    fn open(netns: &File) -> std::io::Result<Self> {
+        use std::os::fd::FromRawFd;
+        let own = File::open("/proc/self/ns/net")?;
+        nix::sched::setns(netns, CloneFlags::CLONE_NEWNET)?;
+        // SAFETY: socket(2) with constant arguments; it returns a new
+        // descriptor or -1.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                libc::NETLINK_ROUTE,
+            )
+        };
+        let made = std::io::Error::last_os_error();
+        nix::sched::setns(&own, CloneFlags::CLONE_NEWNET)?;
+        if fd < 0 {
+            return Err(made);
+        }
+        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: sockaddr_nl is plain data; all zeroes is its empty value.
+        let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+        addr.nl_family = libc::sa_family_t::try_from(libc::AF_NETLINK).unwrap_or_default();
+        addr.nl_groups = libc::c_uint::try_from(libc::RTMGRP_IPV4_ROUTE).unwrap_or_default();
+        let len = libc::socklen_t::try_from(std::mem::size_of::<libc::sockaddr_nl>()).unwrap_or_default();
+        use std::os::fd::AsRawFd;
+        // SAFETY: `addr` is a sockaddr_nl of `len` bytes on this stack.
+        if unsafe { libc::bind(fd.as_raw_fd(), (&raw const addr).cast(), len) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self(fd))
+    }
+
+    /// Waits until a route changes, `pasta` ends, or `deadline`; false at
+    /// the deadline. Heard messages are drained: the route table is read
+    /// again by the caller.
+    fn wait(&self, pasta: &crate::pidfd::Pidfd, deadline: std::time::Instant) -> bool {
+        use std::os::fd::AsRawFd;
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        let mut fds = [
+            libc::pollfd { fd: self.0.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: pasta.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        let ms = libc::c_int::try_from(left.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
+        // SAFETY: two pollfds that live on this stack for the call.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+        let mut buf = [0u8; 8192];
+        // SAFETY: recv into a buffer of its length; the socket does not block.
+        while unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) } > 0 {}
+        // An interrupted poll is a wakeup like any other: the caller checks.
+        ready != 0
     }
 }
 

@@ -25,6 +25,7 @@ pub mod info;
 pub mod init;
 pub mod jail;
 pub mod netconf;
+pub mod pidfd;
 pub mod reaper;
 pub mod seccomp;
 pub mod server;

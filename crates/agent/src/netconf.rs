@@ -79,6 +79,8 @@ pub fn configure(config: &NetConfig) -> Result<(), NetError> {
         if started.elapsed() > APPEAR_TIMEOUT {
             return Err(NetError::NoInterface);
         }
+        // Exception to "wait on events", as in `boot::wait_for_device`: a
+        // microVM's boot only, bounded, while the kernel probes the device.
         std::thread::sleep(Duration::from_millis(5));
     }
     let socket = std::net::UdpSocket::bind("0.0.0.0:0")

@@ -29,6 +29,8 @@ pub enum Exit {
 #[derive(Debug, Default)]
 pub struct Reaper {
     waiting: Mutex<HashMap<i32, oneshot::Sender<Exit>>>,
+    /// Told whenever a reap leaves no spawned child running.
+    emptied: tokio::sync::Notify,
 }
 
 impl Reaper {
@@ -79,6 +81,28 @@ impl Reaper {
                 }
             }
         }
+        self.tell_if_empty(&waiting);
+    }
+
+    fn tell_if_empty(&self, waiting: &HashMap<i32, oneshot::Sender<Exit>>) {
+        if waiting.is_empty() {
+            self.emptied.notify_waiters();
+        }
+    }
+
+    /// Waits until no child the agent spawned is running, or `deadline`;
+    /// true when none is.
+    pub async fn all_ended(&self, deadline: tokio::time::Instant) -> bool {
+        loop {
+            // Registered before the check: a reap in between still wakes it.
+            let emptied = self.emptied.notified();
+            if self.lock().is_empty() {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, emptied).await.is_err() {
+                return self.lock().is_empty();
+            }
+        }
     }
 
     /// Process ids of the children still running that the agent spawned.
@@ -100,4 +124,38 @@ fn deliver(waiting: &mut HashMap<i32, oneshot::Sender<Exit>>, pid: Pid, exit: Ex
 pub fn pid_of(child: &Child) -> i32 {
     // Linux pids are at most 2^22 (PID_MAX_LIMIT), so they fit in an i32.
     i32::try_from(child.id()).unwrap_or(i32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // No real children: a reaping loop (`waitpid(-1)`) in the test process
+    // would take other tests' children. A delivery is what a reap does.
+    fn deliver_now(reaper: &Reaper, pid: i32) {
+        let mut waiting = reaper.lock();
+        deliver(&mut waiting, Pid::from_raw(pid), Exit::Code(0));
+        reaper.tell_if_empty(&waiting);
+    }
+
+    #[tokio::test]
+    async fn the_end_of_the_last_child_is_awaited_not_polled() {
+        let reaper = Arc::new(Reaper::default());
+        let soon = || tokio::time::Instant::now() + std::time::Duration::from_millis(50);
+        let later = || tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        assert!(reaper.all_ended(soon()).await, "no child: nothing to wait for");
+        let (one, _r1) = oneshot::channel();
+        let (two, _r2) = oneshot::channel();
+        reaper.lock().extend([(-2, one), (-3, two)]);
+        assert!(!reaper.all_ended(soon()).await, "two children run at the deadline");
+        let waiter = tokio::spawn({
+            let reaper = reaper.clone();
+            async move { reaper.all_ended(later()).await }
+        });
+        deliver_now(&reaper, -2);
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "one child still runs");
+        deliver_now(&reaper, -3);
+        assert!(waiter.await.expect("joins"), "the last end wakes the waiter");
+    }
 }

@@ -146,6 +146,9 @@ impl Agent {
 
     /// Serves connections on `listener` until the process ends.
     pub async fn serve(self: Arc<Self>, listener: Listener) -> std::io::Result<()> {
+        if let Some(cgroups) = crate::cgroup::user_cgroups() {
+            tokio::task::spawn_blocking(|| cgroups.prepare());
+        }
         match listener {
             Listener::Unix(listener) => loop {
                 let (stream, _) = listener.accept().await?;

@@ -120,6 +120,16 @@ impl HostVirtualization {
         self.kvm_usable && self.cpu_flag.is_some()
     }
 
+    /// The backend `requested` resolves to, probing this host only when
+    /// the choice depends on it (`auto`): a sandbox's whole life in
+    /// `moat run --backend jail` need not open /dev/kvm or read cpuinfo.
+    pub fn resolve(requested: BackendKind) -> BackendChoice {
+        match requested {
+            BackendKind::Auto => Self::probe().choose(requested),
+            explicit => Self { kvm_usable: false, kvm_problem: None, cpu_flag: None }.choose(explicit),
+        }
+    }
+
     /// The backend `requested` resolves to on this host, with the reason.
     pub fn choose(&self, requested: BackendKind) -> BackendChoice {
         let (kind, reason) = match requested {
@@ -193,6 +203,14 @@ mod tests {
         assert_eq!(cpu_virt_flag("processor: 0\nflags\t\t: fpu vme sse2 vmx ept\n"), Some("vmx"));
         assert_eq!(cpu_virt_flag("flags : fpu svm\n"), Some("svm"));
         assert_eq!(cpu_virt_flag("flags : fpu sse2 hypervisor\n"), None);
+    }
+
+    #[test]
+    fn an_explicit_backend_is_taken_as_asked() {
+        for kind in [BackendKind::Jail, BackendKind::Vm] {
+            let choice = HostVirtualization::resolve(kind);
+            assert_eq!((choice.kind, choice.reason.as_str()), (kind, "requested explicitly"));
+        }
     }
 
     #[test]

@@ -13,6 +13,9 @@
 //! and makes one cgroup per command beneath it (`moat_agent::cgroup`).
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::process::Pidfd;
 
 const ROOT: &str = "/sys/fs/cgroup";
 
@@ -219,33 +222,24 @@ impl Cgroup {
         Ok(())
     }
 
-    /// Removes the cgroup directories, children first (the processes must
-    /// be gone).
+    /// Removes the cgroup directories, children first. What is still in
+    /// them (a process the pid namespace's end has not taken yet, or one
+    /// frozen by a command's kill that never finished) is thawed, killed
+    /// and waited for.
     pub fn remove(&self) {
+        let deadline = Instant::now() + REMOVE_GUARD;
         for (_, dir) in &self.dirs {
-            for dir in subtree(dir) {
-                if std::fs::remove_dir(&dir).is_ok() {
-                    continue;
-                }
-                // Something is left (a process the pid namespace's end has
-                // not taken yet, or one frozen by a command's kill that never
-                // finished): thawed and killed, it cannot hold the cgroup.
-                let _ = write(&dir, "freezer.state", "THAWED");
-                kill_procs(&dir);
-                remove_dir_retrying(&dir);
-            }
+            remove_tree(dir, deadline);
         }
     }
 
     /// Removes the cgroups of sandbox `id` left by a dead owner.
     pub fn remove_leftovers(id: &str) {
+        let deadline = Instant::now() + REMOVE_GUARD;
         let mut dirs = vec![Path::new(ROOT).join("moat").join(id)];
         dirs.extend(V1_CONTROLLERS.iter().map(|c| Path::new(ROOT).join(c).join("moat").join(id)));
-        for dir in dirs.iter().filter(|d| d.exists()).flat_map(|d| subtree(d)) {
-            kill_procs(&dir);
-        }
-        for dir in dirs.iter().filter(|d| d.exists()).flat_map(|d| subtree(d)) {
-            remove_dir_retrying(&dir);
+        for dir in dirs.iter().filter(|d| d.exists()) {
+            remove_tree(dir, deadline);
         }
     }
 }
@@ -255,6 +249,12 @@ impl Cgroup {
 pub fn remove_if_empty(id: &str) {
     let mut dirs = vec![Path::new(ROOT).join("moat").join(id)];
     dirs.extend(V1_CONTROLLERS.iter().map(|c| Path::new(ROOT).join(c).join("moat").join(id)));
+    // A live sandbox has its monitor and agent in `agent` (or, not split,
+    // at the top): one read each tells, before any walk of its tree. Every
+    // `moat` start sweeps, and other data directories' sandboxes are many.
+    if dirs.iter().any(|d| count_procs(&d.join("agent")) > 0 || count_procs(d) > 0) {
+        return;
+    }
     for dir in dirs.iter().filter(|d| d.exists()) {
         let tree = subtree(dir);
         if tree.iter().all(|d| count_procs(d) == 0) {
@@ -302,7 +302,8 @@ pub fn sandbox_ids() -> Vec<String> {
         .filter_map(|p| std::fs::read_dir(p).ok())
         .flatten()
         .filter_map(Result::ok)
-        .filter(|e| e.path().is_dir())
+        // The entry's own type: no stat of each.
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|name| name.starts_with("sbx-"))
         .collect();
@@ -317,29 +318,140 @@ fn write(dir: &Path, file: &str, value: &str) -> std::io::Result<()> {
     })
 }
 
-/// SIGKILLs every process in the cgroup `dir`.
-fn kill_procs(dir: &Path) {
-    if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
-        for pid in procs.lines().filter_map(|p| p.trim().parse::<i32>().ok()) {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+/// How long removing a sandbox's cgroups may wait for what is left in them
+/// to die. SIGKILLed processes end in microseconds; a loaded machine may
+/// take longer.
+const REMOVE_GUARD: Duration = Duration::from_secs(10);
+
+/// Removes the cgroup `dir` and every cgroup beneath it, deepest first.
+fn remove_tree(dir: &Path, deadline: Instant) {
+    for dir in subtree(dir) {
+        remove_emptied(&dir, deadline);
+    }
+}
+
+/// Removes the cgroup `dir`, whose children are gone. While it holds
+/// processes, they are thawed, SIGKILLed through pidfds and waited for on
+/// those pidfds (the kernel counts a process out of its cgroup before its
+/// pidfd reads ready): an event, not a sleep. Gives up at `deadline`.
+fn remove_emptied(dir: &Path, deadline: Instant) {
+    loop {
+        let busy = match std::fs::remove_dir(dir) {
+            Ok(()) => return,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) => e.raw_os_error() == Some(libc::EBUSY),
+        };
+        if !busy || Instant::now() >= deadline {
+            tracing::warn!(dir = %dir.display(), "could not remove a sandbox cgroup");
+            return;
+        }
+        // A child made meanwhile (the sandbox's agent makes them) goes first.
+        let children: Vec<PathBuf> = subtree(dir).into_iter().filter(|d| d != dir).collect();
+        if !children.is_empty() {
+            children.iter().for_each(|child| remove_emptied(child, deadline));
+            continue;
+        }
+        let _ = write(dir, "freezer.state", "THAWED");
+        let killed = kill_procs(dir);
+        if killed.is_empty() {
+            wait_unpopulated(dir, deadline);
+        } else {
+            crate::process::wait_all(&killed, deadline);
         }
     }
 }
 
-/// A cgroup can be removed only once its last process is gone, which takes
-/// the kernel a moment after a SIGKILL, and longer on a loaded machine.
-fn remove_dir_retrying(dir: &Path) {
-    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let mut pause = std::time::Duration::from_millis(2);
-    while std::time::Instant::now() < give_up {
-        match std::fs::remove_dir(dir) {
-            Ok(()) => return,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
-            Err(_) => {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(std::time::Duration::from_millis(100));
-            }
+/// Waits until cgroup `dir`, which lists no process but cannot be removed
+/// yet, counts none, or `deadline`. On cgroup v2 that is an event: the
+/// kernel signals `cgroup.events` (`populated 0`) to poll(2). cgroup v1 has
+/// no such file and no other event a process may wait on (its
+/// `notify_on_release` runs a host-wide helper program), so there this is
+/// a bounded fallback: one millisecond's pause before the next try. It is
+/// reached only in the moment between a process leaving `cgroup.procs` and
+/// the kernel's count; the usual path (processes listed, waited for on
+/// their pidfds) never sleeps.
+fn wait_unpopulated(dir: &Path, deadline: Instant) {
+    use std::io::{Read, Seek};
+    let Ok(mut events) = std::fs::File::open(dir.join("cgroup.events")) else {
+        // The bounded v1 fallback described above.
+        std::thread::sleep(V1_PAUSE.min(deadline.saturating_duration_since(Instant::now())));
+        return;
+    };
+    loop {
+        let mut text = String::new();
+        if events.rewind().and_then(|()| events.read_to_string(&mut text)).is_err() || !populated(&text) {
+            return;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        let ms = libc::c_int::try_from(left.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
+        let mut pollfd = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&events),
+            events: libc::POLLPRI | libc::POLLERR,
+            revents: 0,
+        };
+        // SAFETY: one pollfd that lives on this stack for the call.
+        if unsafe { libc::poll(&raw mut pollfd, 1, ms) } == 0 {
+            return;
         }
     }
-    tracing::warn!(dir = %dir.display(), "could not remove a sandbox cgroup");
+}
+
+/// The cgroup v1 fallback's pause (see [`wait_unpopulated`]).
+const V1_PAUSE: Duration = Duration::from_millis(1);
+
+/// Whether a `cgroup.events` text says the cgroup holds processes.
+fn populated(events: &str) -> bool {
+    events.lines().any(|l| l.split_whitespace().eq(["populated", "1"]))
+}
+
+/// SIGKILLs every process in the cgroup `dir`, each through a pidfd opened
+/// while it was listed there (a pid reused meanwhile is never hit); the
+/// pidfds of those killed, to wait on.
+fn kill_procs(dir: &Path) -> Vec<Pidfd> {
+    let listed = |dir: &Path| -> Vec<i32> {
+        std::fs::read_to_string(dir.join("cgroup.procs"))
+            .map(|procs| procs.lines().filter_map(|p| p.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    };
+    let opened: Vec<(i32, Pidfd)> =
+        listed(dir).into_iter().filter_map(|pid| Pidfd::of_pid(pid).ok().map(|fd| (pid, fd))).collect();
+    // Listed again after the pidfds were opened: a pid still there names the
+    // process its pidfd was opened on.
+    let still = listed(dir);
+    opened.into_iter().filter(|(pid, _)| still.contains(pid)).map(|(_, fd)| fd).filter(|fd| fd.kill().is_ok()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cgroup_events_say_whether_processes_are_left() {
+        assert!(populated("populated 1\nfrozen 0\n"));
+        assert!(!populated("populated 0\nfrozen 0\n"));
+        assert!(!populated(""));
+    }
+
+    /// A cgroup that still holds a process is removed all the same: the
+    /// process is killed and waited for, with no sleeping in between.
+    #[test]
+    fn a_cgroup_with_a_process_left_is_emptied_and_removed() {
+        let hierarchy = match CgroupSupport::probe() {
+            CgroupSupport::V2 => Path::new(ROOT).to_path_buf(),
+            CgroupSupport::V1 { controllers } if controllers.contains(&"pids") => Path::new(ROOT).join("pids"),
+            _ => return eprintln!("skipping: no cgroup hierarchy to test in"),
+        };
+        let dir = hierarchy.join("moat").join(format!("test-remove-{}", std::process::id()));
+        if let Err(e) = std::fs::create_dir_all(dir.join("child")) {
+            return eprintln!("skipping: cannot make a cgroup ({e}); needs root");
+        }
+        let mut sleeper = std::process::Command::new("sleep").arg("30").spawn().expect("spawns sleep");
+        std::fs::write(dir.join("child/cgroup.procs"), sleeper.id().to_string()).expect("moves sleep into the cgroup");
+        remove_tree(&dir, Instant::now() + Duration::from_secs(10));
+        assert!(!dir.exists(), "the cgroup is removed");
+        assert!(sleeper.wait().expect("reaps sleep").code().is_none(), "sleep was killed");
+    }
 }

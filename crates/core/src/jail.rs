@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use moat_proto::{AgentClient, UnixConnector};
 
@@ -19,6 +19,10 @@ use crate::state::StateDir;
 /// How long a jail may take to answer its first handshake. A guard against
 /// a wedged start, far above the milliseconds a start takes.
 const START_GUARD: Duration = Duration::from_secs(30);
+
+/// How long a jail whose start failed has to exit, so that the error
+/// can say how it ended.
+const EXIT_GUARD: Duration = Duration::from_secs(1);
 
 /// How long a monitor asked to stop (SIGTERM) has before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(5);
@@ -60,6 +64,29 @@ impl JailBackend {
 fn moat_agent_socket() -> &'static str {
     "sock/agent.sock"
 }
+
+/// Reads the monitor's readiness line (`moat_agent::jail::READY`) from its
+/// stdout; an error says what came instead.
+async fn read_ready(stdout: std::process::ChildStdout) -> Result<(), String> {
+    use tokio::io::AsyncReadExt;
+    let mut pipe = tokio::net::unix::pipe::Receiver::from_owned_fd(stdout.into())
+        .map_err(|e| format!("cannot read the monitor's readiness: {e}"))?;
+    let mut line = Vec::with_capacity(READY.len());
+    let mut byte = [0u8; 1];
+    // Byte by byte: nothing past the line is ever read, and it is short.
+    while line.last() != Some(&b'\n') && line.len() < READY.len() {
+        match pipe.read(&mut byte).await {
+            Ok(0) => break,
+            Ok(_) => line.push(byte[0]),
+            Err(e) => return Err(format!("cannot read the monitor's readiness: {e}")),
+        }
+    }
+    if line == READY.as_bytes() { Ok(()) } else { Err("the jail's monitor ended before its sandbox started".into()) }
+}
+
+/// The line the monitor writes when the sandbox's socket takes connections
+/// (`moat_agent::jail::READY`; moat-core does not depend on the agent crate).
+const READY: &str = "ready\n";
 
 /// The `pasta` binary (Debian package `passt`), if installed.
 pub fn find_pasta() -> Option<PathBuf> {
@@ -160,7 +187,9 @@ impl Backend for JailBackend {
         // The cgroups to join come on stdin, made while the monitor builds the
         // root file system: the two overlap instead of adding up.
         command.arg("--cgroups-on-stdin");
-        command.stdin(Stdio::piped()).stdout(log.try_clone().map_err(io("opening its log"))?).stderr(log);
+        // Readiness comes as a line on stdout: waited on, never polled.
+        command.arg("--ready-on-stdout");
+        command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(log);
         // Its own process group: a terminal's Ctrl-C reaches the host process,
         // which then destroys the sandbox in order.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
@@ -206,8 +235,13 @@ impl Backend for JailBackend {
             let _ = stdin.write_all(procs.as_bytes());
         }
         let socket = state.path.join(moat_agent_socket());
+        let ready = monitor.stdout.take();
         let mut jail = Jail { id: id.into(), monitor, exit, state: Some(state), cgroup, socket };
-        if let Err(e) = jail.wait_ready().await {
+        let started = match ready {
+            Some(ready) => jail.wait_ready(ready).await,
+            None => Err(jail.start_failed("its monitor has no stdout")),
+        };
+        if let Err(e) = started {
             // Stopping blocks (it waits for processes to die): not on an async thread.
             let _ = tokio::task::spawn_blocking(move || jail.stop()).await;
             // pasta's own words are in the log; say also what on the host stops it.
@@ -292,22 +326,48 @@ impl Instance for Jail {
 }
 
 impl Jail {
-    async fn wait_ready(&mut self) -> Result<(), CoreError> {
-        let started = Instant::now();
+    /// Waits, by events only, until the agent answers a handshake: the
+    /// monitor's line on `ready` (its socket then takes connections, held in
+    /// the backlog until the agent accepts), then the handshake itself;
+    /// meanwhile the monitor's pidfd tells of a jail that died, and
+    /// [`START_GUARD`] bounds the whole.
+    async fn wait_ready(&mut self, ready: std::process::ChildStdout) -> Result<(), CoreError> {
+        let watch = || {
+            self.exit.try_clone().map_err(|source| CoreError::Io {
+                id: self.id.clone(),
+                what: "watching its monitor".into(),
+                source,
+            })
+        };
+        let (exited, ended) = (watch()?, watch()?);
         let client = self.client();
-        loop {
-            if self.socket.exists() && client.info().await.is_ok() {
-                return Ok(());
+        let answered = async {
+            read_ready(ready).await?;
+            client.info().await.map(drop).map_err(|e| format!("the agent did not answer: {e}"))
+        };
+        let died = async {
+            // Without a reactor registration, the handshake's own failure
+            // and the guard still end the wait.
+            if exited.exited().await.is_err() {
+                std::future::pending::<()>().await;
             }
-            if let Ok(Some(status)) = self.monitor.try_wait() {
-                return Err(self.start_failed(&format!("the jail exited ({status})")));
+        };
+        let outcome = tokio::select! {
+            outcome = tokio::time::timeout(START_GUARD, answered) => outcome,
+            () = died => Ok(Err("the jail's monitor exited".into())),
+        };
+        match outcome {
+            Ok(Ok(())) => Ok(()),
+            Err(_) => Err(self.start_failed("the agent did not answer within 30 s")),
+            Ok(Err(why)) => {
+                // A monitor that failed exits: say how, with its log.
+                if let Ok(Ok(())) = tokio::time::timeout(EXIT_GUARD, ended.exited()).await
+                    && let Ok(Some(status)) = self.monitor.try_wait()
+                {
+                    return Err(self.start_failed(&format!("the jail exited ({status})")));
+                }
+                Err(self.start_failed(&why))
             }
-            if started.elapsed() > START_GUARD {
-                return Err(self.start_failed("the agent did not answer within 30 s"));
-            }
-            // A jail starts in a few milliseconds; tokio's timer cannot sleep
-            // less than one, so poll at a finer step off the async threads.
-            let _ = tokio::task::spawn_blocking(|| std::thread::sleep(Duration::from_micros(200))).await;
         }
     }
 

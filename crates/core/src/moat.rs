@@ -118,7 +118,7 @@ impl MoatConfig {
 /// microVM where the host has hardware virtualization and `moat-vmm` is
 /// found, a jail otherwise (see [`HostVirtualization::choose`]).
 fn choose_backend(config: &MoatConfig) -> Result<Runner, CoreError> {
-    let choice = crate::backend::HostVirtualization::probe().choose(config.backend);
+    let choice = crate::backend::HostVirtualization::resolve(config.backend);
     match choice.kind {
         BackendKind::Vm => match find_vmm() {
             Some(vmm) => Ok(Runner::Vm(VmBackend::new(vmm))),
@@ -227,10 +227,14 @@ impl Moat {
         if backend.kind() == BackendKind::Jail && !config.agent.is_file() {
             return Err(CoreError::AgentMissing(config.agent.display().to_string()));
         }
-        let swept = crate::state::sweep(&config.data_dir);
-        if !swept.is_empty() {
-            tracing::info!(count = swept.len(), "cleaned up sandboxes of dead owners");
-        }
+        // Beside the first creates, not before them (see `state::sweep`).
+        let data_dir = config.data_dir.clone();
+        tokio::task::spawn_blocking(move || {
+            let swept = crate::state::sweep(&data_dir);
+            if !swept.is_empty() {
+                tracing::info!(count = swept.len(), "cleaned up sandboxes of dead owners");
+            }
+        });
         let inner = Arc::new(Inner {
             host,
             backend,
@@ -933,6 +937,7 @@ async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::sync::Notif
             Err(e) => {
                 tracing::warn!("cannot fill the sandbox pool: {e}");
                 drop(strong);
+                // A back-off after a failed start, not a wait for an event.
                 tokio::time::sleep(Duration::from_secs(5)).await;
             }
         }

@@ -30,6 +30,32 @@ impl Pidfd {
         Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
     }
 
+    /// A pidfd of process `pid`, which need not be a child. The pid may
+    /// have been reused by the time this returns: callers check that the
+    /// process is still the one they meant (see [`crate::cgroup`]).
+    pub fn of_pid(pid: i32) -> io::Result<Self> {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new
+        // descriptor or -1; no memory is shared.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let fd = i32::try_from(fd).map_err(|_| io::Error::other("descriptor out of range"))?;
+        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Sends SIGKILL to the process this pidfd names (never to a process
+    /// that reused its pid).
+    pub fn kill(&self) -> io::Result<()> {
+        // SAFETY: pidfd_send_signal on a descriptor this value owns, with no
+        // siginfo (null) and no flags.
+        let done = unsafe {
+            libc::syscall(libc::SYS_pidfd_send_signal, self.0.as_raw_fd(), libc::SIGKILL, std::ptr::null::<u8>(), 0)
+        };
+        if done < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+    }
+
     /// Another descriptor of the same process, for a second waiter.
     pub fn try_clone(&self) -> io::Result<Self> {
         self.0.try_clone().map(Self)
@@ -71,6 +97,31 @@ impl Pidfd {
     }
 }
 
+/// Blocks until every process of `pidfds` has ended or `deadline` has
+/// passed; true when all have ended.
+pub fn wait_all(pidfds: &[Pidfd], deadline: Instant) -> bool {
+    let mut pending: Vec<&Pidfd> = pidfds.iter().collect();
+    while !pending.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut polled: Vec<libc::pollfd> =
+            pending.iter().map(|p| libc::pollfd { fd: p.0.as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
+        let ms = libc::c_int::try_from(left.as_millis().max(u128::from(!left.is_zero()))).unwrap_or(libc::c_int::MAX);
+        let count = libc::nfds_t::try_from(polled.len()).unwrap_or(libc::nfds_t::MAX);
+        // SAFETY: `polled` holds `count` pollfds and lives across the call.
+        let ready = unsafe { libc::poll(polled.as_mut_ptr(), count, ms) };
+        match ready {
+            1.. => {
+                let mut ended = polled.iter().map(|p| p.revents != 0);
+                pending.retain(|_| !ended.next().unwrap_or(false));
+            }
+            0 => return false,
+            _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
+            _ => return false,
+        }
+    }
+    true
+}
+
 impl AsFd for Pidfd {
     fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         self.0.as_fd()
@@ -89,6 +140,20 @@ mod tests {
         assert!(pidfd.wait_timeout(Duration::from_secs(10)), "sleep ends");
         assert!(pidfd.has_exited());
         child.wait().expect("reaps");
+    }
+
+    #[test]
+    fn many_pidfds_are_waited_on_together_and_killed_by_descriptor() {
+        let mut short = std::process::Command::new("sleep").arg("0.1").spawn().expect("spawns sleep");
+        let mut long = std::process::Command::new("sleep").arg("30").spawn().expect("spawns sleep");
+        let pid = |c: &std::process::Child| i32::try_from(c.id()).expect("a pid fits");
+        let pidfds = [Pidfd::of_pid(pid(&short)).expect("pidfd_open"), Pidfd::of_pid(pid(&long)).expect("pidfd_open")];
+        assert!(!wait_all(&pidfds, Instant::now() + Duration::from_millis(300)), "sleep 30 outlives the wait");
+        assert!(pidfds[0].has_exited() && !pidfds[1].has_exited());
+        pidfds[1].kill().expect("pidfd_send_signal");
+        assert!(wait_all(&pidfds, Instant::now() + Duration::from_secs(10)), "both have ended");
+        short.wait().expect("reaps");
+        assert!(long.wait().expect("reaps").code().is_none(), "killed by a signal");
     }
 
     #[tokio::test]

@@ -31,6 +31,10 @@ impl StateDir {
     /// Creates and locks `<data>/sandboxes/<id>/`, recording the owner's pid.
     pub fn create(data_dir: &Path, id: &str) -> std::io::Result<Self> {
         let path = sandboxes_dir(data_dir).join(id);
+        // Until its lock is held, the directory looks like a dead owner's to
+        // a sweep: this process's own sweep (which runs beside its first
+        // creates) passes it by.
+        let _creating = Creating::mark(&path);
         std::fs::create_dir_all(&path)?;
         let file = File::create(path.join("lock"))?;
         let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| std::io::Error::from(e))?;
@@ -51,8 +55,33 @@ impl StateDir {
     }
 }
 
+/// State directories this process is creating and has not locked yet.
+static CREATING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// Marks a state directory as being created, for as long as it lives.
+struct Creating(PathBuf);
+
+impl Creating {
+    fn mark(path: &Path) -> Self {
+        creating().push(path.to_path_buf());
+        Self(path.to_path_buf())
+    }
+}
+
+impl Drop for Creating {
+    fn drop(&mut self) {
+        creating().retain(|p| *p != self.0);
+    }
+}
+
+fn creating() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    // Each critical section is one push, retain or search: a panic leaves it whole.
+    CREATING.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Removes every sandbox whose owner is dead: kills its monitor (and so its
 /// processes), removes its cgroups and its directory. Returns the ids swept.
+/// A directory this process is still creating is not a dead owner's.
 pub fn sweep(data_dir: &Path) -> Vec<String> {
     let mut swept = Vec::new();
     // Empty cgroups whose sandbox has no state directory here (a crash
@@ -67,6 +96,11 @@ pub fn sweep(data_dir: &Path) -> Vec<String> {
     for entry in entries.filter_map(Result::ok) {
         let dir = entry.path();
         let id = entry.file_name().to_string_lossy().into_owned();
+        // Marked before its directory is made: a directory seen here and
+        // not marked is not this process's.
+        if creating().contains(&dir) {
+            continue;
+        }
         let lock = File::options().read(true).write(true).open(dir.join("lock"));
         let owner_alive = match lock {
             Ok(file) => Flock::lock(file, FlockArg::LockExclusiveNonblock).is_err(),
@@ -124,5 +158,19 @@ mod tests {
         assert!(live.path.exists());
         assert!(!dead.exists());
         live.remove();
+    }
+
+    /// The sweep runs beside this process's first creates: a directory made
+    /// but not locked yet is theirs, not a dead owner's.
+    #[test]
+    fn a_directory_being_created_here_is_not_swept() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let half_made = sandboxes_dir(data.path()).join("sbx-new");
+        let marked = Creating::mark(&half_made);
+        std::fs::create_dir_all(&half_made).expect("mkdir");
+        assert!(sweep(data.path()).is_empty(), "no lock file yet, but it is being created");
+        assert!(half_made.exists());
+        drop(marked);
+        assert_eq!(sweep(data.path()), ["sbx-new"], "unmarked and unlocked: a dead owner's");
     }
 }

@@ -408,6 +408,11 @@ impl Vm {
             if started.elapsed() > BOOT_GUARD {
                 return Err(self.start_failed(&format!("the agent did not answer within {} s", BOOT_GUARD.as_secs())));
             }
+            // Exception to "wait on events": nothing on the host tells
+            // when the guest's agent listens on vsock (the muxer refuses a
+            // CONNECT until then), so a microVM's boot retries, bounded by
+            // BOOT_GUARD and cut short by moat-vmm's exit. Jails never
+            // come here.
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }

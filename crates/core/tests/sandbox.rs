@@ -253,6 +253,13 @@ async fn sandboxes_never_outlive_a_killed_owner() {
     assert!(!std::path::Path::new(&format!("/proc/{monitor}")).exists(), "the sandbox outlived its owner");
     assert!(state.exists(), "nothing swept yet");
     let _moat = moat(16).await;
+    // The sweep runs beside the new Moat's first creates, not before them.
+    for _ in 0..1000 {
+        if !state.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert!(!state.exists(), "the next Moat must sweep the dead owner's state");
 }
 
