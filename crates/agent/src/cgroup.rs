@@ -189,13 +189,16 @@ impl UserCgroups {
         // The freezer goes first: a frozen command cannot fork while the
         // other hierarchies are joined or emptied.
         hierarchies.sort_by_key(|h| (h.name != "freezer", h.name.clone()));
-        Some(Self { hierarchies, next: AtomicU64::new(1), names: Mutex::default(), making: Mutex::default() })
+        Some(Self::of(hierarchies))
     }
 
     /// The `user` cgroup `dir` of a cgroup v2 hierarchy.
     fn unified(dir: PathBuf) -> Self {
-        let hierarchies = vec![Hierarchy { name: UNIFIED.into(), dir }];
-        Self { hierarchies, next: AtomicU64::new(1), names: Mutex::default() }
+        Self::of(vec![Hierarchy { name: UNIFIED.into(), dir }])
+    }
+
+    fn of(hierarchies: Vec<Hierarchy>) -> Self {
+        Self { hierarchies, next: AtomicU64::new(1), names: Mutex::default(), making: Mutex::default() }
     }
 
     fn names(&self) -> MutexGuard<'_, Names> {
