@@ -186,11 +186,13 @@ class Stats:
 
     def __init__(self):
         self.latency = {}  # kind -> [seconds]
+        self.timeline = []  # (monotonic when done, seconds), in order
         self.errors = []  # (kind, message)
         self.start = self.end = None
 
     def add(self, kind, seconds):
         self.latency.setdefault(kind, []).append(seconds)
+        self.timeline.append((time.monotonic(), seconds))
 
     def all(self, kinds=None):
         return [v for k, values in self.latency.items() if kinds is None or k in kinds for v in values]
@@ -285,10 +287,10 @@ async def good_session(url, calls, phases, ready, sandboxes, setup):
         await timed(setup, "destroy_sandbox", session, "destroy_sandbox", {"sandbox_id": box["sandbox_id"]})
 
 
-async def bad_session(url, n, stop, sandboxes, record):
+async def bad_session(url, n, kinds, stop, sandboxes, record):
     """Misbehaves in its own way until `stop` is set; `record` collects
     (what, seconds, outcome) of each misdeed."""
-    what = BAD_KINDS[n % len(BAD_KINDS)]
+    what = kinds[n % len(kinds)]
     commands = {
         # Bash's fork bomb: it fills the pids limit, and is killed at its
         # timeout or when moat notices the limit.
@@ -435,7 +437,8 @@ async def load(server, sampler, args, report):
         bad_tasks, stop = [], asyncio.Event()
         if n == 1:
             bad_tasks = [
-                asyncio.create_task(bad_session(server.url, b, stop, sandboxes, bad_record)) for b in range(args.bad)
+                asyncio.create_task(bad_session(server.url, b, args.bad_kinds, stop, sandboxes, bad_record))
+                for b in range(args.bad)
             ]
             # Let them get going (sandboxes made, bombs lit) first.
             await asyncio.sleep(args.bad_lead)
@@ -519,6 +522,7 @@ async def soak(server, sampler, args, report):
                         await asyncio.sleep(pause)
                         continue
                     sandboxes.append(box["sandbox_id"])
+                    await timed(stats, "python start", session, "run_code", {"code": "1", "sandbox_id": box["sandbox_id"]})
                     for i in range(args.calls):
                         if time.monotonic() >= end:
                             break
@@ -532,20 +536,15 @@ async def soak(server, sampler, args, report):
     minutes = []
     print(f"soak: {args.sessions} sessions at a time, about {args.rate} calls/s, {args.minutes} min")
     print(f"  {'min':>3} {'calls':>6} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8} {'RSS MiB':>8} {'fds':>5} {'threads':>7}")
-    minute = 0
-    while time.monotonic() < end or not all(w.done() for w in workers):
-        await asyncio.sleep(min(60, max(0.1, stats.start + (minute + 1) * 60 - time.monotonic())))
-        if time.monotonic() < stats.start + (minute + 1) * 60 and not all(w.done() for w in workers):
-            continue
-        values = stats.all()
+    for minute in range(1, math.ceil(args.minutes) + 1):
+        await asyncio.sleep(max(0, stats.start + minute * 60 - time.monotonic()))
+        since = stats.start + (minute - 1) * 60
+        recent = [seconds for done, seconds in stats.timeline if done >= since]
         sample = process_sample(server.pid) or (0, 0, 0)
-        done = len(values) - sum(m["calls_total"] for m in minutes[-1:])
-        recent = values[len(values) - done :]
         minutes.append(
             {
-                "minute": minute + 1,
-                "calls": done,
-                "calls_total": len(values),
+                "minute": minute,
+                "calls": len(recent),
                 "errors": len(stats.errors),
                 "rss_mib": round(sample[0] / 1024, 1),
                 "fds": sample[1],
@@ -553,14 +552,21 @@ async def soak(server, sampler, args, report):
             }
         )
         print(
-            f"  {minute + 1:>3} {done:>6} {len(stats.errors):>6} {ms(pct(recent, 0.5))} {ms(pct(recent, 0.99))} "
+            f"  {minute:>3} {len(recent):>6} {len(stats.errors):>6} {ms(pct(recent, 0.5))} {ms(pct(recent, 0.99))} "
             f"{sample[0] / 1024:>8.1f} {sample[1]:>5} {sample[2]:>7}"
         )
-        minute += 1
+    await asyncio.gather(*workers)
     stats.end = time.monotonic()
-    latency_table("soak", stats, ["create_sandbox"] + KINDS)
-    window = max(1, min(10, len(minutes) // 3))
-    first, last = minutes[:window], minutes[-window:]
+    latency_table("soak", stats, ["create_sandbox", "python start"] + KINDS)
+    # The server keeps every response event for 10 minutes (up to 64 MiB,
+    # for clients that reconnect: moat_mcp::event_log), so its RSS rises
+    # for the first ten minutes by design. The verdict compares the ten
+    # minutes after those with the last ten (a 30-minute soak), or, in a
+    # shorter one, the halves after its first third.
+    warmup = 10 if len(minutes) >= 20 else len(minutes) // 3
+    steady = minutes[warmup:]
+    window = max(1, min(10, len(steady) // 2))
+    first, last = steady[:window], steady[-window:]
 
     def mean(rows, key):
         return sum(r[key] for r in rows) / len(rows)
@@ -569,8 +575,9 @@ async def soak(server, sampler, args, report):
     fds_first, fds_last = mean(first, "fds"), mean(last, "fds")
     flat = rss_last <= rss_first * 1.10 + 2 and fds_last <= fds_first * 1.10 + 4
     print(
-        f"\nsoak verdict: RSS {rss_first:.1f} MiB (first {window} min) -> {rss_last:.1f} MiB (last {window} min), "
-        f"descriptors {fds_first:.0f} -> {fds_last:.0f}: {'flat' if flat else 'GROWING'}"
+        f"\nsoak verdict: RSS {rss_first:.1f} MiB (minutes {first[0]['minute']}-{first[-1]['minute']}) -> "
+        f"{rss_last:.1f} MiB (minutes {last[0]['minute']}-{last[-1]['minute']}), descriptors {fds_first:.0f} -> "
+        f"{fds_last:.0f}: {'flat' if flat else 'GROWING'}"
     )
     report["soak"] = {"minutes": minutes, "window": window, "flat": flat}
     report["phases"] = {"soak": {"calls": len(stats.all()), "errors": len(stats.errors)}}
@@ -588,10 +595,19 @@ def main():
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--bad", type=int, default=0)
     parser.add_argument("--bad-lead", type=float, default=5.0, help="seconds the bad sessions run before phase 2")
+    parser.add_argument(
+        "--bad-kinds",
+        type=lambda v: v.split(","),
+        default=BAD_KINDS,
+        help="comma-separated: which misdeeds the bad sessions take in turn (" + ", ".join(BAD_KINDS) + ")",
+    )
     parser.add_argument("--soak", action="store_true")
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--rate", type=float, default=5.0, help="calls per second in a soak, all sessions together")
     args = parser.parse_args()
+    unknown = [k for k in args.bad_kinds if k not in BAD_KINDS]
+    if unknown:
+        parser.error(f"--bad-kinds: unknown {', '.join(unknown)}; known: {', '.join(BAD_KINDS)}")
     os.makedirs(args.out_dir, exist_ok=True)
     # Each session holds a few connections; the server gets the same limit.
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]

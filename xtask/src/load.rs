@@ -32,6 +32,10 @@ pub struct LoadArgs {
     /// p99 is compared with their first phase, alone.
     #[arg(long, default_value_t = 0)]
     bad: u32,
+    /// Which misdeeds the bad sessions take in turn, comma-separated
+    /// (default all: `fork bomb,output flood,memory bomb,disconnect mid-call`).
+    #[arg(long)]
+    bad_kinds: Option<String>,
     /// Sessions that come and go at a steady rate for `--minutes`, with
     /// RSS and descriptors printed each minute.
     #[arg(long)]
@@ -62,6 +66,8 @@ pub fn bench_load(args: &LoadArgs) -> Result<()> {
     let _ = std::fs::remove_dir_all(&out);
     let mut command = Command::new(python);
     command
+        // Unbuffered: a soak prints a line a minute.
+        .arg("-u")
         .arg(root().join("xtask/src/bench_load.py"))
         .arg(root().join("target/release/moat-mcp"))
         .arg(&out)
@@ -71,6 +77,9 @@ pub fn bench_load(args: &LoadArgs) -> Result<()> {
         .args(["--bad", &args.bad.to_string(), "--minutes", &args.minutes.to_string()])
         .args(["--rate", &args.rate.to_string()])
         .env("MOAT_AGENT", &agent);
+    if let Some(kinds) = &args.bad_kinds {
+        command.args(["--bad-kinds", kinds]);
+    }
     if args.soak {
         command.arg("--soak");
     }
