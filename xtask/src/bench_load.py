@@ -232,7 +232,7 @@ async def timed(stats, kind, session, tool, args, check=None):
 
 def exited_zero(value):
     if value is None or value.get("exit_code") != 0:
-        return f"exit {value and value.get('exit_code')}: {value and value.get('stderr', '')[-200:]}"
+        return f"exit {value and value.get('exit_code')}: {value and value.get('stderr', '')[-200:].strip()}"
     return None
 
 
@@ -581,8 +581,6 @@ async def soak(server, sampler, args, report):
     )
     report["soak"] = {"minutes": minutes, "window": window, "flat": flat}
     report["phases"] = {"soak": {"calls": len(stats.all()), "errors": len(stats.errors)}}
-    for kind, message in stats.errors[:5]:
-        print(f"  error ({kind}): {message}")
     return len(stats.errors)
 
 
