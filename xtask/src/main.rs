@@ -9,6 +9,7 @@ mod build;
 mod demo;
 mod host;
 mod image;
+mod load;
 mod nested;
 mod test;
 
@@ -29,8 +30,12 @@ enum Task {
     Build,
     /// The whole gate: host packages, fmt check, clippy -D warnings, all tests.
     Test,
-    /// Benchmarks, with ratios against baselines measured in the same run.
-    Bench,
+    /// Benchmarks, with ratios against baselines measured in the same run;
+    /// `bench load` puts many MCP sessions on one server.
+    Bench {
+        #[command(subcommand)]
+        kind: Option<BenchKind>,
+    },
     /// Show moat working end to end.
     Demo,
     /// Build (or verify) a sandbox image under the data directory.
@@ -49,6 +54,13 @@ enum Task {
     },
 }
 
+#[derive(Debug, Subcommand)]
+enum BenchKind {
+    /// Many MCP sessions at once over streamable HTTP (Python SDK): latency
+    /// per call, errors, server RSS and descriptors, leftovers.
+    Load(load::LoadArgs),
+}
+
 fn main() -> ExitCode {
     // Debian's depmod, mkfs.ext4 and friends live in sbin, which a non-login
     // root shell may not have on PATH.
@@ -60,7 +72,8 @@ fn main() -> ExitCode {
     let result = match Cli::parse().task {
         Task::Build => build::build_all(),
         Task::Test => test::gate(),
-        Task::Bench => test::bench(),
+        Task::Bench { kind: None } => test::bench(),
+        Task::Bench { kind: Some(BenchKind::Load(args)) } => load::bench_load(&args),
         Task::Demo => demo::run_demo(),
         Task::Image { name, force } => image::build(&name, force).map(|_| ()),
         // It exits with the status of the command run in level 1.

@@ -12,6 +12,9 @@
 //! - a command that reaches the pids or memory limit is found out (its own
 //!   counters), reported, and its runaway processes are killed, so that the
 //!   next command starts;
+//! - a command whose forks keep failing at the pids limit (a fork bomb) is
+//!   killed while it runs ([`ForkWatch`]): churning at the limit, it would
+//!   spend the host's kernel time on forks and exits until its timeout;
 //! - the agent itself, outside `user`, always has the reserve to act with.
 //!
 //! In a microVM the agent is the guest kernel's PID 1 and makes the `user`
@@ -36,6 +39,14 @@ pub const UNIFIED: &str = "unified";
 /// waiting for it to empty (the processes are SIGKILLed; the kernel only
 /// needs a moment to reap them).
 const KILL_GUARD: Duration = Duration::from_secs(5);
+
+/// How often a running command's failed forks are counted.
+pub const FORK_WATCH_PERIOD: Duration = Duration::from_millis(100);
+
+/// How many periods in a row forks must fail for a command to be stopped:
+/// a burst that meets the limit once and recovers (a parallel build)
+/// keeps running; a fork bomb fails thousands of forks a second.
+const FORK_FAILING_PERIODS: u32 = 3;
 
 /// What [`ExecCgroup::top_processes`] says of an empty cgroup.
 const NOTHING_LEFT: &str = "no process left";
@@ -134,6 +145,8 @@ pub struct UserCgroups {
     /// waits for one being made (by [`UserCgroups::prepare`]) rather than
     /// making a second.
     making: Mutex<()>,
+    /// What [`UserCgroups::reclaim_for_later`] did, for the next command to say.
+    reclaimed: Mutex<Vec<String>>,
 }
 
 /// The command cgroups the agent tracks. Neither kind is swept: an active
@@ -198,7 +211,13 @@ impl UserCgroups {
     }
 
     fn of(hierarchies: Vec<Hierarchy>) -> Self {
-        Self { hierarchies, next: AtomicU64::new(1), names: Mutex::default(), making: Mutex::default() }
+        Self {
+            hierarchies,
+            next: AtomicU64::new(1),
+            names: Mutex::default(),
+            making: Mutex::default(),
+            reclaimed: Mutex::default(),
+        }
     }
 
     fn names(&self) -> MutexGuard<'_, Names> {
@@ -309,6 +328,21 @@ impl UserCgroups {
     /// sent to the background): their processes hold the sandbox's limit.
     /// Returns what it did, for the next command's output.
     pub fn reclaim(&self) -> Option<String> {
+        let mut killed = std::mem::take(&mut *self.reclaimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        killed.extend(self.kill_runaways());
+        (!killed.is_empty()).then(|| format!("moat: killed {} to free the sandbox.\n", killed.join("; ")))
+    }
+
+    /// [`UserCgroups::reclaim`] between commands (a fork bomb left in the
+    /// background); the next command's output says what it did.
+    pub fn reclaim_for_later(&self) {
+        let killed = self.kill_runaways();
+        self.reclaimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend(killed);
+    }
+
+    /// Kills what is left of earlier commands that reached a limit; says
+    /// what, one line each.
+    fn kill_runaways(&self) -> Vec<String> {
         let mut killed = Vec::new();
         for dir in self.idle_exec_dirs() {
             let exec = ExecCgroup::existing(&self.hierarchies, &dir);
@@ -319,7 +353,7 @@ impl UserCgroups {
             }
             exec.remove_if_empty();
         }
-        (!killed.is_empty()).then(|| format!("moat: killed {} to free the sandbox.\n", killed.join("; ")))
+        killed
     }
 
     fn sweep(&self) {
@@ -429,7 +463,7 @@ impl ExecCgroup {
 
     fn counters(&self) -> Counters {
         Counters {
-            pids_max: self.dir("pids").map_or(0, |dir| counter(&dir.join("pids.events"), "max")),
+            pids_max: self.failed_forks(),
             oom_kills: self.dir("memory").map_or(0, |dir| counter(&dir.join(Self::memory_files(dir).0), "oom_kill")),
             user_oom_kills: self
                 .dir("memory")
@@ -489,6 +523,12 @@ impl ExecCgroup {
             }
         }
         None
+    }
+
+    /// Forks refused at the pids limit in this cgroup so far (its
+    /// `pids.events` `max`); 0 without a pids controller.
+    pub fn failed_forks(&self) -> u64 {
+        self.dir("pids").map_or(0, |dir| counter(&dir.join("pids.events"), "max"))
     }
 
     /// The processes that hold the most, in words: by count for pids
@@ -625,6 +665,30 @@ impl Drop for ExecCgroup {
     }
 }
 
+/// Tells a command whose forks keep failing at the pids limit from one that
+/// met it once: fed the failed-fork counter every [`FORK_WATCH_PERIOD`],
+/// it says to stop the command once the count rose [`FORK_FAILING_PERIODS`]
+/// times in a row.
+#[derive(Debug)]
+pub struct ForkWatch {
+    last: u64,
+    rising: u32,
+}
+
+impl ForkWatch {
+    /// Starts from the counter's value when the command started.
+    pub fn new(baseline: u64) -> Self {
+        Self { last: baseline, rising: 0 }
+    }
+
+    /// Takes the counter's value now; `true` when the command is to be stopped.
+    pub fn observe(&mut self, failed_forks: u64) -> bool {
+        self.rising = if failed_forks > self.last { self.rising + 1 } else { 0 };
+        self.last = failed_forks;
+        self.rising >= FORK_FAILING_PERIODS
+    }
+}
+
 /// Writes the report of a limit reached: which limit, what held it (`top`,
 /// from [`ExecCgroup::top_processes`]), what moat did (`killed` processes).
 pub fn describe(hit: &LimitHit, top: &str, killed: usize) -> String {
@@ -717,6 +781,21 @@ mod tests {
         assert!(!memory.contains("Held by"), "{memory}");
         for words in ["memory limit (512 MiB)", "OOM killer ended 1 process (the largest)", "Nothing of it is left"] {
             assert!(memory.contains(words), "{words:?} missing from {memory}");
+        }
+    }
+
+    #[test]
+    fn a_fork_bomb_is_stopped_and_a_burst_at_the_limit_is_not() {
+        // Forks failing in three periods in a row: a fork bomb.
+        let mut bomb = ForkWatch::new(5);
+        assert!(!bomb.observe(5), "nothing failed since the start");
+        assert!(!bomb.observe(900));
+        assert!(!bomb.observe(2400));
+        assert!(bomb.observe(4100));
+        // A build that meets the limit now and then keeps running.
+        let mut burst = ForkWatch::new(0);
+        for failed in [0, 3, 3, 7, 9, 9, 9, 12, 12] {
+            assert!(!burst.observe(failed), "stopped at {failed}");
         }
     }
 

@@ -252,7 +252,8 @@ where
 {
     // Runaway processes of earlier commands go before this one starts;
     // then its own cgroup. One trip to a blocking thread for both.
-    let (reclaimed, mut cgroup) = match crate::cgroup::user_cgroups() {
+    let cgroups = crate::cgroup::user_cgroups();
+    let (reclaimed, mut cgroup) = match cgroups {
         Some(cgroups) => match tokio::task::spawn_blocking(|| (cgroups.reclaim(), cgroups.create_exec())).await {
             Ok((reclaimed, Ok(cgroup))) => (reclaimed, Some(cgroup)),
             Ok((reclaimed, Err(e))) => {
@@ -305,19 +306,52 @@ where
         })
     });
 
+    // A fork bomb is stopped at the pids limit, not left to churn there.
+    let stopped = Arc::new(std::sync::Mutex::new(None));
+    let (watch_done, mut watch_until) = oneshot::channel::<()>();
+    let fork_watch = tree.cgroup.clone().map(|cgroup| {
+        let (tree, stopped) = (tree.clone(), stopped.clone());
+        tokio::spawn(async move {
+            let mut watch = crate::cgroup::ForkWatch::new(cgroup.failed_forks());
+            loop {
+                tokio::select! {
+                    _ = &mut watch_until => return,
+                    () = tokio::time::sleep(crate::cgroup::FORK_WATCH_PERIOD) => {}
+                }
+                if watch.observe(cgroup.failed_forks()) {
+                    let report = tree.stop_at_limit().await;
+                    *stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = report;
+                    return;
+                }
+            }
+        })
+    });
+
     let result = pump_output(&mut sink, stdout, stderr, exit).await;
     control.abort();
     if let Some(timer) = timer {
         timer.abort();
     }
+    // A stop under way finishes first: its kill and report are this command's.
+    drop(watch_done);
+    if let Some(fork_watch) = fork_watch {
+        let _ = fork_watch.await;
+    }
+    let stopped = stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
     if timed_out.load(Ordering::SeqCst) || abandoned.load(Ordering::SeqCst) || result.is_err() {
         // Everything the command started goes with it, even what left its
         // process group.
         tree.kill().await;
+    } else if let Some(report) = stopped {
+        let _ = sink.send_data(StreamId::Error, Bytes::from(report)).await;
+        tree.finish().await;
     } else if let Some(report) = tree.limit_report().await {
         let _ = sink.send_data(StreamId::Error, Bytes::from(report)).await;
     } else {
         tree.finish().await;
+        if let (Some(cgroups), Some(cgroup)) = (cgroups, tree.cgroup.clone()) {
+            watch_background(cgroups, cgroup);
+        }
     }
     match result {
         Ok(exit) => {
@@ -340,6 +374,28 @@ where
             // so the process tree went too (above).
         }
     }
+}
+
+/// Watches what a finished command left running (`cmd &`) until it ends:
+/// a fork bomb sent to the background is stopped at the pids limit as one
+/// in the foreground is, and the next command says so.
+fn watch_background(cgroups: &'static crate::cgroup::UserCgroups, cgroup: Arc<crate::cgroup::ExecCgroup>) {
+    if cgroup.process_count() == 0 {
+        return;
+    }
+    tokio::spawn(async move {
+        let mut watch = crate::cgroup::ForkWatch::new(cgroup.failed_forks());
+        loop {
+            tokio::time::sleep(crate::cgroup::FORK_WATCH_PERIOD).await;
+            if cgroup.process_count() == 0 {
+                return;
+            }
+            if watch.observe(cgroup.failed_forks()) {
+                let _ = tokio::task::spawn_blocking(move || cgroups.reclaim_for_later()).await;
+                return;
+            }
+        }
+    });
 }
 
 /// What a command started: its process group and, where the sandbox has
@@ -380,6 +436,24 @@ impl Tree {
             let top = cgroup.top_processes();
             let killed = cgroup.kill();
             cgroup.release();
+            Some(crate::cgroup::describe(&hit, &top, killed))
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+
+    /// While the command runs: kills it and everything it started, since
+    /// its forks keep failing at the pids limit; returns the report for
+    /// its stderr. The cgroup is kept until the command's end hands it back.
+    async fn stop_at_limit(&self) -> Option<String> {
+        let _acting = self.acting.lock().await;
+        let cgroup = self.cgroup.clone()?;
+        // The cgroup holds the process group and what left it.
+        tokio::task::spawn_blocking(move || {
+            let hit = cgroup.reached_limit()?;
+            let top = cgroup.top_processes();
+            let killed = cgroup.kill();
             Some(crate::cgroup::describe(&hit, &top, killed))
         })
         .await

@@ -11,6 +11,10 @@
 //! [`RESERVE_MEMORY`]: whatever the commands do, the agent keeps that much
 //! to act with. The agent owns the `user` directory (not its limit files)
 //! and makes one cgroup per command beneath it (`moat_agent::cgroup`).
+//! In the CPU hierarchy the `agent` cgroup weighs [`AGENT_CPU_SHARES`]
+//! against the commands' 1024: a sandbox whose commands spin (a fork bomb
+//! spinning at the pids limit) still has an agent that answers, times out
+//! and kills.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -82,9 +86,16 @@ pub const RESERVE_PIDS: u32 = 64;
 /// Memory the sandbox's commands cannot take from the agent.
 pub const RESERVE_MEMORY: u64 = 64 << 20;
 
+/// The agent's CPU weight (`cpu.shares`) within its sandbox, against the
+/// 1024 (the kernel's default) of all the sandbox's commands together. The
+/// agent spends little CPU, but must get it at once: 960 spinning commands
+/// in its own cgroup would leave it one share in 961.
+pub const AGENT_CPU_SHARES: u32 = 4096;
+
 /// The controllers whose `user` cgroup the agent gets, to make per-command
-/// cgroups in: the limits it reports on, and the freezer it kills with.
-const USER_CONTROLLERS: &[&str] = &["memory", "pids", "freezer"];
+/// cgroups in: the limits it reports on, the freezer it kills with, and the
+/// CPU hierarchy that keeps the commands out of the agent's CPU share.
+const USER_CONTROLLERS: &[&str] = &["memory", "pids", "freezer", "cpu"];
 
 /// Limits for one sandbox.
 #[derive(Debug, Clone, Copy)]
@@ -140,28 +151,18 @@ impl Cgroup {
             }
             CgroupSupport::V1 { controllers } => {
                 let mut group = Self { dirs: Vec::new(), v2: false, split: true };
-                let (user_memory, user_pids) = limits.user();
                 for controller in controllers {
                     let dir = Path::new(ROOT).join(controller).join("moat").join(id);
                     std::fs::create_dir_all(&dir)?;
                     group.dirs.push((Some(*controller), dir.clone()));
-                    match *controller {
-                        "memory" => write(&dir, "memory.limit_in_bytes", &limits.memory_bytes.to_string())?,
-                        "pids" => write(&dir, "pids.max", &limits.pids.to_string())?,
-                        "cpu" => {
-                            let _ = write(&dir, "cpu.cfs_period_us", "100000");
-                            let _ =
-                                write(&dir, "cpu.cfs_quota_us", &(u64::from(limits.cpus.max(1)) * 100_000).to_string());
-                        }
-                        _ => {}
-                    }
                     let user = dir.join("user");
                     std::fs::create_dir_all(dir.join("agent"))?;
                     std::fs::create_dir_all(&user)?;
-                    match *controller {
-                        "memory" => write(&user, "memory.limit_in_bytes", &user_memory.to_string())?,
-                        "pids" => write(&user, "pids.max", &user_pids.to_string())?,
-                        _ => {}
+                    for setting in v1_settings(controller, limits) {
+                        let result = write(&dir.join(setting.child), setting.file, &setting.value);
+                        if setting.required {
+                            result?;
+                        }
                     }
                     // The agent makes its per-command cgroups here; the
                     // limit files stay root's.
@@ -241,6 +242,44 @@ impl Cgroup {
         for dir in dirs.iter().filter(|d| d.exists()) {
             remove_tree(dir, deadline);
         }
+    }
+}
+
+/// One file a v1 sandbox cgroup is set up with.
+#[derive(Debug, PartialEq, Eq)]
+struct Setting {
+    /// `""` for the sandbox's cgroup, else its `agent` or `user` child.
+    child: &'static str,
+    file: &'static str,
+    value: String,
+    /// Whether the sandbox is refused when it cannot be written (a limit),
+    /// or runs without it (a refinement the host may not offer).
+    required: bool,
+}
+
+/// What a sandbox's cgroup in the v1 hierarchy `controller` is set up with:
+/// the sandbox's limits on the whole, the commands' (the reserve taken
+/// off) on `user`, and the agent's CPU weight.
+fn v1_settings(controller: &str, limits: Limits) -> Vec<Setting> {
+    let set = |child, file, value: String, required| Setting { child, file, value, required };
+    let (user_memory, user_pids) = limits.user();
+    match controller {
+        "memory" => vec![
+            set("", "memory.limit_in_bytes", limits.memory_bytes.to_string(), true),
+            set("user", "memory.limit_in_bytes", user_memory.to_string(), true),
+        ],
+        "pids" => {
+            vec![
+                set("", "pids.max", limits.pids.to_string(), true),
+                set("user", "pids.max", user_pids.to_string(), true),
+            ]
+        }
+        "cpu" => vec![
+            set("", "cpu.cfs_period_us", "100000".into(), false),
+            set("", "cpu.cfs_quota_us", (u64::from(limits.cpus.max(1)) * 100_000).to_string(), false),
+            set("agent", "cpu.shares", AGENT_CPU_SHARES.to_string(), false),
+        ],
+        _ => Vec::new(),
     }
 }
 
@@ -453,5 +492,34 @@ mod tests {
         remove_tree(&dir, Instant::now() + Duration::from_secs(10));
         assert!(!dir.exists(), "the cgroup is removed");
         assert!(sleeper.wait().expect("reaps sleep").code().is_none(), "sleep was killed");
+    }
+
+    const LIMITS: Limits = Limits { memory_bytes: 3072 << 20, pids: 1024, cpus: 2 };
+
+    fn value(settings: &[Setting], child: &str, file: &str) -> Option<String> {
+        settings.iter().find(|s| s.child == child && s.file == file).map(|s| s.value.clone())
+    }
+
+    #[test]
+    fn commands_get_the_sandbox_limits_less_the_agents_reserve() {
+        let memory = v1_settings("memory", LIMITS);
+        assert_eq!(value(&memory, "", "memory.limit_in_bytes"), Some((3072u64 << 20).to_string()));
+        assert_eq!(value(&memory, "user", "memory.limit_in_bytes"), Some((3008u64 << 20).to_string()));
+        let pids = v1_settings("pids", LIMITS);
+        assert_eq!(value(&pids, "", "pids.max").as_deref(), Some("1024"));
+        assert_eq!(value(&pids, "user", "pids.max").as_deref(), Some("960"));
+        assert!(memory.iter().chain(&pids).all(|s| s.required), "a limit that cannot be set refuses the sandbox");
+    }
+
+    #[test]
+    fn the_agent_outweighs_its_commands_for_cpu_within_the_sandbox_quota() {
+        let cpu = v1_settings("cpu", LIMITS);
+        assert_eq!(value(&cpu, "", "cpu.cfs_quota_us").as_deref(), Some("200000"));
+        assert_eq!(value(&cpu, "agent", "cpu.shares").as_deref(), Some("4096"));
+        assert_eq!(value(&cpu, "user", "cpu.shares"), None, "the commands keep the kernel's default, 1024");
+        // The commands leave the agent's CPU cgroup only if the agent gets
+        // the CPU hierarchy's `user` to put them in.
+        assert!(USER_CONTROLLERS.contains(&"cpu"));
+        assert!(v1_settings("freezer", LIMITS).is_empty());
     }
 }
