@@ -336,6 +336,29 @@ fn clip(text: &str) -> (String, bool) {
     }
 }
 
+/// The most of a command's stderr that [`clip_keeping_report`] keeps as
+/// moat's report (one report is a few hundred characters).
+const REPORT_KEPT: usize = 4096;
+
+/// A command's stderr clipped as [`clip`] does, except moat's report at its
+/// end (which limit the command reached, what held it, what moat did;
+/// `moat_agent::cgroup::describe`), which is kept whole after the cut: a
+/// fork bomb's thousands of `fork: retry` lines must not hide why it
+/// stopped.
+fn clip_keeping_report(text: &str) -> (String, bool) {
+    let (body, report) = match text.rfind("\nmoat: this command reached") {
+        Some(at) if text.len() - at <= REPORT_KEPT => text.split_at(at),
+        _ => (text, ""),
+    };
+    let (mut clipped, cut) = clip(body);
+    if cut {
+        clipped.push_str(report);
+        (clipped, true)
+    } else {
+        clip(text)
+    }
+}
+
 async fn run_command(server: &Session<'_>, args: &Value, context: &CallContext) -> Outcome {
     let cmd = required(args, "cmd")?;
     let timeout = int_arg(args, "timeout", 1, 3600)?.unwrap_or(60);
@@ -410,7 +433,7 @@ async fn run_command(server: &Session<'_>, args: &Value, context: &CallContext) 
     let stdout_full = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr_full = String::from_utf8_lossy(&out.stderr).into_owned();
     let (stdout, cut_out) = clip(&stdout_full);
-    let (stderr, cut_err) = clip(&stderr_full);
+    let (stderr, cut_err) = clip_keeping_report(&stderr_full);
     let mut result = json!({
         "stdout": stdout, "stderr": stderr, "exit_code": out.status.code, "timed_out": out.status.timed_out,
         "duration_ms": out.status.duration_ms, "truncated": cut_out || cut_err || out.truncated,
@@ -808,6 +831,19 @@ fn remove_task(server: &Session<'_>, args: &Value) -> Outcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_limit_report_survives_the_cut_of_a_long_stderr() {
+        let report = "\nmoat: this command reached the sandbox's process limit (960 processes): forks failed.\n";
+        let flood = "bash: fork: retry: Resource temporarily unavailable\n".repeat(5000);
+        let (kept, cut) = clip_keeping_report(&format!("{flood}{report}"));
+        assert!(cut && kept.contains("[truncated: ") && kept.ends_with(report), "{}", &kept[kept.len() - 300..]);
+        assert!(kept.chars().count() < MAX_TEXT + REPORT_KEPT);
+        let short = format!("a few lines{report}");
+        assert_eq!(clip_keeping_report(&short), (short.clone(), false), "short output is not touched");
+        let (plain, cut) = clip_keeping_report(&flood);
+        assert_eq!((plain, cut), clip(&flood), "without a report, a plain cut");
+    }
 
     #[test]
     fn only_plain_commands_skip_bash() {
