@@ -761,9 +761,14 @@ async fn a_sandbox_killed_mid_call_fails_alone_and_is_released() {
     let bystander = moat.create(small()).await.expect("created").id;
     let base = tempfile::Builder::new().prefix("faults-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let big = base.path().join("big.bin");
-    std::fs::write(&big, vec![7u8; 256 << 20]).expect("a file to transfer");
+    if !nested() {
+        std::fs::write(&big, vec![7u8; 256 << 20]).expect("a file to transfer");
+    }
     let spec = SandboxSpec { disk_mib: 512, ..small() };
-    for case in ["command", "transfer", "cell"] {
+    // In the nested host, the VMM killed mid-command: how each call learns
+    // of a death is the same code in both backends.
+    let cases: &[&str] = if nested() { &["command"] } else { &["command", "transfer", "cell"] };
+    for &case in cases {
         let id = moat.create(spec.clone()).await.expect("created").id;
         let outer = moat.host_pid(&id).expect("its host process");
         // The jail's init (the agent), or the VMM under its supervisor.
@@ -1073,6 +1078,15 @@ fn recovers() -> bool {
     backend() == moat_core::BackendKind::Vm || !std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists()
 }
 
+/// Whether this run is the microVM contract in the nested host, whose
+/// minutes go to what differs from a jail (the guest's own limits and
+/// `cgroup.kill`), not to agent logic the jail run has already covered:
+/// each microVM there boots under TCG, and a longer run meets more of level
+/// 1's own crashes.
+fn nested() -> bool {
+    backend() == moat_core::BackendKind::Vm
+}
+
 async fn assert_recovered(moat: &Moat, id: &str) {
     let (out, err, code, _) = bash(moat, id, "echo ok", 60_000).await;
     assert_eq!((out.as_str(), code), ("ok\n", Some(0)), "the next command fails: {err}");
@@ -1115,7 +1129,8 @@ async fn a_fork_bomb_is_reported_and_the_sandbox_recovers() {
 #[tokio::test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_background_fork_bomb_is_reclaimed_by_the_next_command() {
-    if !recovers() {
+    // The fork watch is the agent's, the same in both backends.
+    if !recovers() || nested() {
         return;
     }
     let moat = moat(16).await;
@@ -1164,6 +1179,11 @@ async fn a_memory_bomb_is_reported_and_the_sandbox_recovers() {
         assert!(err.contains(words), "{words:?} missing from the command's stderr: {err}");
     }
     assert_recovered(&moat, &id).await;
+    if nested() {
+        // The guest's limit works; the rest is the jail run's.
+        moat.destroy_all().await;
+        return;
+    }
     // One allocation far past the limit: refused or killed, never the sandbox.
     let (_, err, code, _) = bash(&moat, &id, "python3 -c 'x = bytearray(10**10)'", 120_000).await;
     assert_ne!(code, Some(0), "{err}");
@@ -1205,7 +1225,8 @@ async fn a_timed_out_command_is_killed_with_what_left_its_group() {
 #[tokio::test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_cancelled_command_is_killed_with_what_left_its_group() {
-    if !recovers() {
+    // The kill is the timed-out test's, which runs in both backends.
+    if !recovers() || nested() {
         return;
     }
     let moat = moat(16).await;
