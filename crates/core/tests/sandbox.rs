@@ -747,28 +747,29 @@ async fn copies_hold_the_host_boundary_against_a_hostile_sandbox() {
     moat.destroy(id).await.expect("destroys");
 }
 
-/// The processes a sandbox lives in are killed in the middle of a call:
-/// its agent (jail) or the VMM (microVM) during a command and during a
-/// Python cell, its jail's monitor or moat-vmm's supervisor during a file
-/// transfer. Each call returns [`CoreError::Failed`] (not a hang, not a
+/// The processes a jail lives in are killed in the middle of a call: its
+/// agent during a command and during a Python cell, its monitor during a
+/// file transfer. Each call returns [`CoreError::Failed`] (not a hang, not a
 /// bare I/O error), the sandbox is listed `failed` with why, its state
 /// directory and cgroups are released, it can be destroyed, and another
 /// sandbox and the `Moat` carry on.
 #[tokio::test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_sandbox_killed_mid_call_fails_alone_and_is_released() {
+    // Not in the nested host: SIGKILL to a VMM whose vCPU runs a guest
+    // under level 1's emulated SVM hung level 1 itself, twice in two runs
+    // (no heartbeat, vCPU halted); the failure path after a host process
+    // ends is the same code for both backends, tested here on jails.
+    if nested() {
+        return;
+    }
     let moat = moat(16).await;
     let bystander = moat.create(small()).await.expect("created").id;
     let base = tempfile::Builder::new().prefix("faults-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let big = base.path().join("big.bin");
-    if !nested() {
-        std::fs::write(&big, vec![7u8; 256 << 20]).expect("a file to transfer");
-    }
+    std::fs::write(&big, vec![7u8; 256 << 20]).expect("a file to transfer");
     let spec = SandboxSpec { disk_mib: 512, ..small() };
-    // In the nested host, the VMM killed mid-command: how each call learns
-    // of a death is the same code in both backends.
-    let cases: &[&str] = if nested() { &["command"] } else { &["command", "transfer", "cell"] };
-    for &case in cases {
+    for case in ["command", "transfer", "cell"] {
         let id = moat.create(spec.clone()).await.expect("created").id;
         let outer = moat.host_pid(&id).expect("its host process");
         // The jail's init (the agent), or the VMM under its supervisor.
