@@ -429,31 +429,29 @@ impl Tree {
     /// After the command exited: when it reached a pids or memory limit,
     /// kills what is left of it and says so (the report for its stderr).
     async fn limit_report(&self) -> Option<String> {
-        let _acting = self.acting.lock().await;
-        let cgroup = self.cgroup.clone()?;
-        tokio::task::spawn_blocking(move || {
-            let hit = cgroup.reached_limit()?;
-            let top = cgroup.top_processes();
-            let killed = cgroup.kill();
-            cgroup.release();
-            Some(crate::cgroup::describe(&hit, &top, killed))
-        })
-        .await
-        .ok()
-        .flatten()
+        self.kill_at_limit(true).await
     }
 
     /// While the command runs: kills it and everything it started, since
     /// its forks keep failing at the pids limit; returns the report for
     /// its stderr. The cgroup is kept until the command's end hands it back.
     async fn stop_at_limit(&self) -> Option<String> {
+        self.kill_at_limit(false).await
+    }
+
+    /// When the command's cgroup reached a limit: kills everything in it
+    /// (the process group and what left it), hands the cgroup back when
+    /// `release`, and returns the report.
+    async fn kill_at_limit(&self, release: bool) -> Option<String> {
         let _acting = self.acting.lock().await;
         let cgroup = self.cgroup.clone()?;
-        // The cgroup holds the process group and what left it.
         tokio::task::spawn_blocking(move || {
             let hit = cgroup.reached_limit()?;
             let top = cgroup.top_processes();
             let killed = cgroup.kill();
+            if release {
+                cgroup.release();
+            }
             Some(crate::cgroup::describe(&hit, &top, killed))
         })
         .await
