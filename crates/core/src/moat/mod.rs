@@ -5,34 +5,32 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use moat_proto::{AgentClient, ExecHandle, ExecRequest, Output, UnixConnector};
+use moat_proto::{AgentClient, UnixConnector};
 
 use crate::backend::BackendKind;
 use crate::egress::{EgressConfig, EgressDecision, EgressProxy, SandboxEgress};
 use crate::error::CoreError;
 use crate::grants::Grants;
-use crate::hostfs::{self, HostRoots, SourceKind};
-use crate::image::{self, Image};
-use crate::interpreter::{CodeOutput, Language, PythonSession, StreamName, snippet_request};
-use crate::jail::JailBackend;
+use crate::hostfs::HostRoots;
+use crate::image::Image;
+use crate::interpreter::PythonSession;
 use crate::machine::{Machine, Runner, find_vmm};
 use crate::preview::{Preview, PreviewLink};
 use crate::sandbox::{NetworkPolicy, Sandbox, SandboxSpec, SandboxState, now};
-use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
-use crate::vm::VmBackend;
+use crate::task::{LogEntry, Task};
 
+mod config;
 mod copy;
+mod exec;
+mod ids;
+mod pool;
+mod tasks;
 
-/// The most [`Moat::run`] collects of each of stdout and stderr; what a
-/// sandbox prints beyond is dropped (stream with [`Moat::exec`] for more).
-pub const RUN_OUTPUT_LIMIT: usize = 64 << 20;
-
-/// How long past a command's own timeout the host waits for the agent to
-/// report it ended. The agent kills a command at its timeout and answers
-/// at once; silence this long after means the agent or the guest's kernel
-/// is stuck, and the caller gets [`CoreError::Unresponsive`] instead of
-/// waiting forever.
-pub const ANSWER_GRACE: Duration = Duration::from_secs(30);
+use config::choose_backend;
+pub use config::{MoatConfig, find_agent};
+pub use exec::{ANSWER_GRACE, RUN_OUTPUT_LIMIT, answered_within, command_line, stream_output};
+use ids::new_id;
+use pool::fill_pool;
 
 /// How long a call whose agent connection broke waits for the sandbox's
 /// host process to be seen ending, to tell a dead sandbox from a dropped
@@ -42,116 +40,6 @@ const FAILURE_SETTLE: Duration = Duration::from_secs(3);
 
 /// Failed sandboxes kept for `list` at most; the oldest go first.
 const FAILED_KEPT: usize = 64;
-
-/// `work`, given up as [`CoreError::Unresponsive`] when it has not finished
-/// [`ANSWER_GRACE`] after `timeout` (never without a timeout).
-pub async fn answered_within<T>(
-    id: &str,
-    timeout: Option<Duration>,
-    work: impl Future<Output = Result<T, CoreError>>,
-) -> Result<T, CoreError> {
-    let Some(timeout) = timeout else { return work.await };
-    let waited = timeout.saturating_add(ANSWER_GRACE);
-    tokio::time::timeout(waited, work)
-        .await
-        .map_err(|_| CoreError::Unresponsive { id: id.into(), waited_s: waited.as_secs() })?
-}
-
-/// How a [`Moat`] runs.
-#[derive(Debug, Clone)]
-pub struct MoatConfig {
-    pub data_dir: PathBuf,
-    pub backend: BackendKind,
-    /// The `moat-agent` binary (static) that jails run.
-    pub agent: PathBuf,
-    pub max_sandboxes: usize,
-    /// Host directories the copy and task tools may read and write (see
-    /// [`hostfs::roots_from_env`]); empty shares none.
-    pub roots: Vec<PathBuf>,
-    /// The most one copy or import may move, in bytes (`MOAT_COPY_MAX_MIB`).
-    pub copy_limit: u64,
-    /// Sandboxes kept started ahead of need, for `create` calls whose spec
-    /// equals `pool_spec`: those return at once. 0 turns the pool off.
-    pub pool_size: usize,
-    pub pool_spec: SandboxSpec,
-    /// What `filtered` sandboxes may reach beyond their runtime's registries
-    /// (and a task's repository host).
-    pub egress: EgressConfig,
-    /// The most a spec may ask for ([`Grants::check`]): `MOAT_ALLOW_NETWORK`,
-    /// and for `allow_hosts`, the hosts of `egress` and the registries.
-    pub grants: Grants,
-}
-
-impl MoatConfig {
-    /// The data directory from the environment, backend `auto`, the agent
-    /// from `$MOAT_AGENT` or beside the running executable, 16 sandboxes,
-    /// and the grants of `MOAT_ALLOW_NETWORK` (none unless set).
-    pub fn from_env() -> Result<Self, CoreError> {
-        Ok(Self { grants: Grants::from_env()?, ..Self::operator_from_env()? })
-    }
-
-    /// [`MoatConfig::from_env`] for the operator's own tools (the `moat`
-    /// CLI): everything is granted, and `MOAT_ALLOW_NETWORK` is not read.
-    pub fn operator_from_env() -> Result<Self, CoreError> {
-        // The operator's errors (exit 2) before the machine's.
-        let roots = hostfs::roots_from_env()?;
-        let copy_limit = hostfs::copy_limit_from_env()?;
-        Ok(Self {
-            data_dir: image::data_dir(),
-            backend: BackendKind::Auto,
-            agent: find_agent()?,
-            max_sandboxes: 16,
-            roots,
-            copy_limit,
-            pool_size: 0,
-            pool_spec: SandboxSpec::default(),
-            egress: EgressConfig::from_env(),
-            grants: Grants::everything(),
-        })
-    }
-}
-
-/// Where the agent binary is: `$MOAT_AGENT`, else the static build
-/// (`target/x86_64-unknown-linux-gnu/release/moat-agent`, as `cargo xtask
-/// build` makes it) near the current executable, else `moat-agent` beside it.
-/// The backend `config.backend` resolves to on this host: `auto` is a
-/// microVM where the host has hardware virtualization and `moat-vmm` is
-/// found, a jail otherwise (see [`HostVirtualization::choose`]).
-fn choose_backend(config: &MoatConfig) -> Result<Runner, CoreError> {
-    let choice = crate::backend::HostVirtualization::resolve(config.backend);
-    match choice.kind {
-        BackendKind::Vm => match find_vmm() {
-            Some(vmm) => Ok(Runner::Vm(VmBackend::new(vmm))),
-            None if config.backend == BackendKind::Vm => Err(CoreError::VmmMissing),
-            None => {
-                tracing::info!("{}, but moat-vmm is not found: using jails", choice.reason);
-                Ok(Runner::Jail(JailBackend::new(config.agent.clone())))
-            }
-        },
-        _ => Ok(Runner::Jail(JailBackend::new(config.agent.clone()))),
-    }
-}
-
-pub fn find_agent() -> Result<PathBuf, CoreError> {
-    if let Some(path) = std::env::var_os("MOAT_AGENT") {
-        let path = PathBuf::from(path);
-        return if path.is_file() {
-            Ok(path)
-        } else {
-            Err(CoreError::AgentMissing(format!("MOAT_AGENT={}", path.display())))
-        };
-    }
-    let exe = std::env::current_exe().map_err(|e| CoreError::AgentMissing(e.to_string()))?;
-    let dirs: Vec<&Path> = exe.ancestors().skip(1).take(3).collect();
-    let static_builds = dirs.iter().map(|d| d.join("x86_64-unknown-linux-gnu/release/moat-agent"));
-    let candidates: Vec<PathBuf> = static_builds.chain(dirs.iter().take(2).map(|d| d.join("moat-agent"))).collect();
-    candidates.iter().find(|p| p.is_file()).cloned().ok_or_else(|| {
-        CoreError::AgentMissing(format!(
-            "looked at {}",
-            candidates.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
-        ))
-    })
-}
 
 struct Entry {
     info: Sandbox,
@@ -510,11 +398,6 @@ impl Moat {
         tokio::task::spawn_blocking(move || drop((entries, pooled))).await.ok();
     }
 
-    /// How many started sandboxes wait in the pool.
-    pub fn pooled(&self) -> usize {
-        self.inner.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len()
-    }
-
     /// A client of the sandbox's agent, after marking it used and resuming
     /// it if it was suspended.
     pub fn client(&self, id: &str) -> Result<AgentClient<UnixConnector>, CoreError> {
@@ -576,331 +459,6 @@ impl Moat {
         Ok(entry.previews.entry(port).or_insert(preview).link())
     }
 
-    /// Starts a process as `user` in `/home/user` unless the request says otherwise.
-    /// A `filtered` sandbox's proxy variables come first, then the sandbox's
-    /// `env`; the request's own variables override both.
-    pub async fn exec(&self, id: &str, mut request: ExecRequest) -> Result<ExecHandle, CoreError> {
-        request.user.get_or_insert_with(|| "user".into());
-        let spec = self.get(id)?.spec;
-        let mut spec_env = spec.env;
-        if spec.network == NetworkPolicy::Filtered {
-            spec_env = crate::egress::proxy_env().into_iter().chain(spec_env).collect();
-        }
-        if !spec_env.is_empty() {
-            request.env = spec_env.into_iter().chain(std::mem::take(&mut request.env)).collect();
-        }
-        let client = self.client(id)?;
-        match client.exec(request).await {
-            Ok(handle) => Ok(handle),
-            Err(source) => Err(self.agent_error(id, source).await),
-        }
-    }
-
-    /// Runs a process to completion and collects its output. In a task's
-    /// sandbox, the command goes into the task's execution log.
-    /// With a `timeout_ms`, an agent that has not answered
-    /// [`ANSWER_GRACE`] past it is [`CoreError::Unresponsive`].
-    pub async fn run(&self, id: &str, request: ExecRequest) -> Result<Output, CoreError> {
-        let command = command_line(&request);
-        let started_at = now();
-        let timeout = request.timeout_ms.map(Duration::from_millis);
-        let work = async {
-            self.exec(id, request)
-                .await?
-                .output_limited(RUN_OUTPUT_LIMIT)
-                .await
-                .map_err(|source| CoreError::Agent { id: id.into(), source })
-        };
-        let output = self.explained(id, answered_within(id, timeout, work).await).await?;
-        self.log_command(id, &command, started_at, &output);
-        Ok(output)
-    }
-
-    /// Runs `code` in sandbox `id` like a notebook cell (see
-    /// [`interpreter`](crate::interpreter)): Python in the sandbox's
-    /// persistent session, bash and node as one process each. Output text
-    /// reaches `on_stream` as it comes. When `cancelled` completes, the
-    /// code is interrupted (Python) or killed. Errors of the code are
-    /// data in the output; `Err` means the sandbox could not run it.
-    pub async fn run_code(
-        &self,
-        id: &str,
-        language: Language,
-        code: &str,
-        timeout: Duration,
-        cancelled: impl Future<Output = ()>,
-        on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
-    ) -> Result<CodeOutput, CoreError> {
-        let started_at = now();
-        let output = self.explained(id, self.run_cell(id, language, code, timeout, cancelled, on_stream).await).await?;
-        let as_command = Output {
-            stdout: output.stdout.clone(),
-            stderr: output.stderr.clone(),
-            status: moat_proto::ExitStatus {
-                code: Some(i32::from(output.error.is_some())),
-                signal: None,
-                timed_out: output.error.as_ref().is_some_and(|e| e.name == "TimeoutError"),
-                duration_ms: now().saturating_sub(started_at) * 1000,
-            },
-            truncated: output.truncated,
-        };
-        self.log_command(id, &format!("run_code {language:?}: {code}"), started_at, &as_command);
-        Ok(output)
-    }
-
-    /// One cell of [`Moat::run_code`], before its errors are explained.
-    async fn run_cell(
-        &self,
-        id: &str,
-        language: Language,
-        code: &str,
-        timeout: Duration,
-        cancelled: impl Future<Output = ()>,
-        on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
-    ) -> Result<CodeOutput, CoreError> {
-        Ok(match language {
-            Language::Python => {
-                let session = {
-                    let sandboxes = self.inner.lock();
-                    sandboxes.get(id).map(|e| e.python.clone()).ok_or_else(|| self.inner.unknown(id, &sandboxes))?
-                };
-                let mut session = session.lock().await;
-                let running = match session.as_mut() {
-                    Some(running) => {
-                        // Resumes a suspended sandbox and marks it used.
-                        self.client(id)?;
-                        running
-                    }
-                    None => {
-                        // Bounded as a command is: the runner is given the
-                        // cell's timeout and the grace after it to be ready.
-                        let handle =
-                            answered_within(id, Some(timeout), self.exec(id, PythonSession::request())).await?;
-                        let started = PythonSession::start(handle, timeout.saturating_add(ANSWER_GRACE))
-                            .await
-                            .map_err(|e| CoreError::CodeSession { id: id.into(), reason: e.to_string() })?;
-                        session.insert(started)
-                    }
-                };
-                let (output, alive) = running.execute(code, timeout, cancelled, RUN_OUTPUT_LIMIT, on_stream).await;
-                if !alive {
-                    *session = None;
-                    // The session's end may be the sandbox's.
-                    if let Some(failed) = self.settled_failure(id).await {
-                        return Err(failed);
-                    }
-                }
-                output
-            }
-            snippet => {
-                let mut request = snippet_request(snippet, code);
-                request.timeout_ms = Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
-                // (Python's session bounds its own wait: interrupted at the
-                // timeout, dropped when that is not answered.)
-                let streamed = answered_within(id, Some(timeout), async {
-                    let handle = self.exec(id, request).await?;
-                    stream_output(handle, RUN_OUTPUT_LIMIT, cancelled, on_stream)
-                        .await
-                        .map_err(|source| CoreError::Agent { id: id.into(), source })
-                })
-                .await?;
-                CodeOutput::from_process(streamed, timeout)
-            }
-        })
-    }
-
-    /// Records a finished command in the execution log of the task that
-    /// owns sandbox `id`, if one does (for callers that stream with `exec`).
-    pub fn log_command(&self, id: &str, command: &str, started_at: u64, output: &Output) {
-        let mut tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some((_, log)) = tasks.values_mut().find(|(task, _)| task.sandbox_id == id) {
-            let (stdout, cut_out) = task::clip(&output.stdout);
-            let (stderr, cut_err) = task::clip(&output.stderr);
-            log.push(LogEntry {
-                command: command.to_owned(),
-                exit_code: output.status.code,
-                signal: output.status.signal,
-                started_at,
-                duration_ms: output.status.duration_ms,
-                stdout,
-                stderr,
-                truncated: cut_out || cut_err,
-            });
-        }
-    }
-
-    /// Imports the project at `path` (inside one of the configured roots)
-    /// into `/workspace` of a new sandbox and
-    /// commits it as the baseline.
-    pub async fn task_start(&self, path: &Path, spec: SandboxSpec) -> Result<Task, CoreError> {
-        if let Some(url) = path.to_str().filter(|p| task::is_git_url(p)) {
-            return Err(CoreError::ImportRefused(format!(
-                "{url} is a Git URL: a task imports a local checkout, and cloning needs network access from the \
-                 sandbox; import a local checkout, or create a sandbox with network filtered and use git_clone"
-            )));
-        }
-        let source = self.inner.host.open_source(path)?;
-        if source.kind != SourceKind::Dir {
-            return Err(CoreError::HostPath(format!(
-                "{} is not a directory; give a project directory",
-                path.display()
-            )));
-        }
-        let shown = source.shown.clone();
-        let repository = hostfs::read_small(&source.fd, ".git/config").and_then(|c| crate::egress::repository_host(&c));
-        let sandbox = self.create(spec).await?;
-        let id = sandbox.id.clone();
-        let result = async {
-            let packed = self.send_tree(&id, source, "/workspace", true).await?;
-            let baseline = "cd /workspace && git init -q && git add -A && \
-                git -c user.name=moat -c user.email=moat@localhost commit -q --allow-empty -m baseline";
-            let out = self.exec(&id, ExecRequest::shell(baseline)).await?.output_limited(RUN_OUTPUT_LIMIT).await;
-            match out {
-                Ok(out) if out.status.success() => {}
-                Ok(out) => {
-                    return Err(CoreError::StartFailed {
-                        id: id.clone(),
-                        reason: format!("the baseline commit failed: {}", String::from_utf8_lossy(&out.stderr)),
-                    });
-                }
-                Err(source) => return Err(CoreError::Agent { id: id.clone(), source }),
-            }
-            Ok(packed)
-        }
-        .await;
-        let packed = match result {
-            Ok(packed) => packed,
-            Err(e) => {
-                let _ = self.destroy(&id).await;
-                return Err(e);
-            }
-        };
-        let runtime = task::Runtime::detect(&packed.top);
-        if let Some((policy, _)) = self.inner.lock().get(&id).and_then(|e| e.egress.as_ref()) {
-            policy.set_runtime(runtime);
-            // The checkout's remote is a file the model may have written
-            // (copy_from_sandbox into a root): its host is allowed only
-            // when the operator allows it anyway.
-            if let Some(host) = repository {
-                if Grants::hosts(&self.inner.egress).contains(&host) {
-                    policy.set_repository_host(host);
-                } else {
-                    tracing::info!(
-                        %host,
-                        "the task's repository host is not among the operator's hosts (MOAT_ALLOW_HOSTS, \
-                         MOAT_GIT_HOSTS); it stays unreachable"
-                    );
-                }
-            }
-        }
-        let task = Task {
-            id: new_id().replacen("sbx-", "task-", 1),
-            sandbox_id: id,
-            source: shown.display().to_string(),
-            runtime,
-            files: packed.files,
-            started_at: now(),
-        };
-        self.inner
-            .tasks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(task.id.clone(), (task.clone(), Vec::new()));
-        Ok(task)
-    }
-
-    fn task(&self, task_id: &str) -> Result<Task, CoreError> {
-        let tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        tasks
-            .get(task_id)
-            .map(|(t, _)| t.clone())
-            .ok_or_else(|| CoreError::UnknownTask { id: task_id.into(), known: tasks.keys().cloned().collect() })
-    }
-
-    /// The unified diff of everything changed since the baseline (new and
-    /// deleted files included, binary files marked), and its summary.
-    pub async fn task_diff(&self, task_id: &str) -> Result<(String, DiffSummary), CoreError> {
-        let task = self.task(task_id)?;
-        let script = "cd /workspace && git add -A && git -c core.quotepath=off diff --cached --no-color HEAD && \
-            echo '@@moat-numstat@@' && git diff --cached --numstat HEAD";
-        let out = self.exec(&task.sandbox_id, ExecRequest::shell(script)).await?.output_limited(RUN_OUTPUT_LIMIT).await;
-        let out = match out {
-            Ok(out) => out,
-            Err(source) => return Err(self.agent_error(&task.sandbox_id, source).await),
-        };
-        if !out.status.success() {
-            return Err(CoreError::StartFailed {
-                id: task.sandbox_id,
-                reason: format!("git diff failed: {}", String::from_utf8_lossy(&out.stderr)),
-            });
-        }
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let (diff, numstat) = text.split_once("@@moat-numstat@@\n").unwrap_or((text.as_str(), ""));
-        Ok((diff.to_owned(), DiffSummary::from_numstat(numstat)))
-    }
-
-    /// Saves the patch and execution log as a retained record and destroys
-    /// the sandbox (unless `keep_sandbox`).
-    pub async fn task_finish(&self, task_id: &str, keep_sandbox: bool) -> Result<TaskRecord, CoreError> {
-        let (diff, summary) = self.task_diff(task_id).await?;
-        let (task, log) = {
-            let tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            tasks
-                .get(task_id)
-                .cloned()
-                .ok_or_else(|| CoreError::UnknownTask { id: task_id.into(), known: Vec::new() })?
-        };
-        let dir = task::tasks_dir(&self.inner.config.data_dir).join(&task.id);
-        let record = TaskRecord {
-            patch_path: dir.join("patch.diff"),
-            log_path: dir.join("log.json"),
-            finished_at: now(),
-            summary,
-            sandbox_kept: keep_sandbox,
-            task,
-        };
-        // The task stays in progress until its whole record is saved: a
-        // record that cannot be written (a full disk) is removed, and the
-        // call can be repeated once there is room.
-        if let Err(e) = self.save_record(&record, &dir, &diff, &log) {
-            if dir.exists() {
-                let _ = std::fs::remove_dir_all(&dir);
-            }
-            return Err(e);
-        }
-        self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(task_id);
-        if !keep_sandbox {
-            let _ = self.destroy(&record.task.sandbox_id).await;
-        }
-        Ok(record)
-    }
-
-    /// Writes a task's record directory: patch, log, then `record.json`,
-    /// which makes it a record ([`task::records`]).
-    fn save_record(&self, record: &TaskRecord, dir: &Path, diff: &str, log: &[LogEntry]) -> Result<(), CoreError> {
-        let io = |what: &'static str| {
-            let id = record.task.id.clone();
-            move |source| CoreError::Io { id, what: what.into(), source }
-        };
-        std::fs::create_dir_all(task::tasks_dir(&self.inner.config.data_dir))
-            .map_err(io("creating the task record"))?;
-        std::fs::create_dir(dir).map_err(io("creating the task record"))?;
-        hostfs::write_new(&record.patch_path, diff.as_bytes()).map_err(io("writing the patch"))?;
-        let log_json = serde_json::to_string_pretty(log).unwrap_or_default();
-        hostfs::write_new(&record.log_path, log_json.as_bytes()).map_err(io("writing the log"))?;
-        let record_json = serde_json::to_string_pretty(record).unwrap_or_default();
-        hostfs::write_new(&dir.join("record.json"), record_json.as_bytes()).map_err(io("writing the record"))
-    }
-
-    /// Retained task records.
-    pub fn task_records(&self) -> Vec<TaskRecord> {
-        task::records(&self.inner.config.data_dir)
-    }
-
-    pub fn remove_task(&self, task_id: &str) -> Result<(), CoreError> {
-        task::remove_record(&self.inner.config.data_dir, task_id)
-    }
-
     /// Suspends a sandbox now (as idleness would).
     pub fn suspend(&self, id: &str) -> Result<(), CoreError> {
         let mut sandboxes = self.inner.lock();
@@ -910,37 +468,6 @@ impl Moat {
             entry.info.state = SandboxState::Paused;
         }
         Ok(())
-    }
-}
-
-/// Keeps `pool_size` sandboxes of `pool_spec` started.
-async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::sync::Notify>) {
-    loop {
-        let Some(strong) = inner.upgrade() else { return };
-        let pooled = strong.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
-        if pooled >= strong.config.pool_size {
-            // Not holding `strong` while waiting: a dropped Moat must drop.
-            drop(strong);
-            refill.notified().await;
-            continue;
-        }
-        let spec = strong.config.pool_spec.clone();
-        let started = match Image::open(&strong.config.data_dir, &spec.image) {
-            Ok(image) => {
-                let id = new_id();
-                strong.backend.start(&id, &id, &spec, &image, &strong.config.data_dir).await.map(|jail| (id, jail))
-            }
-            Err(e) => Err(e.into()),
-        };
-        match started {
-            Ok(entry) => strong.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(entry),
-            Err(e) => {
-                tracing::warn!("cannot fill the sandbox pool: {e}");
-                drop(strong);
-                // A back-off after a failed start, not a wait for an event.
-                tokio::time::sleep(Duration::from_secs(5)).await;
-            }
-        }
     }
 }
 
@@ -965,31 +492,6 @@ impl Inner {
         let live: u64 = sandboxes.values().map(|e| e.info.spec.memory_mib).sum::<u64>().saturating_add(pooled_mib);
         let asked = if pooled_counted { 0 } else { asked };
         crate::limits::check_memory(live, sandboxes.len() + pooled, asked, self.max_memory_mib)
-    }
-
-    /// A started sandbox from the pool, if one is ready; the pool refills.
-    fn take_pooled(&self) -> Option<(String, Machine)> {
-        let mut pool = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut dead = Vec::new();
-        let taken = loop {
-            match pool.pop() {
-                // One that ended while it waited is not handed out.
-                Some((id, mut machine)) => match machine.ended() {
-                    Some(reason) => {
-                        tracing::warn!(%id, %reason, "a pooled sandbox ended; dropped");
-                        dead.push(machine);
-                    }
-                    None => break Some((id, machine)),
-                },
-                None => break None,
-            }
-        };
-        drop(pool);
-        self.refill.notify_one();
-        if !dead.is_empty() {
-            tokio::task::spawn_blocking(move || drop(dead));
-        }
-        taken
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Entry>> {
@@ -1101,29 +603,6 @@ impl Drop for Inner {
     }
 }
 
-/// What a request runs, in words, for logs.
-pub fn command_line(request: &ExecRequest) -> String {
-    match &request.command {
-        moat_proto::Command::Shell(script) => script.clone(),
-        moat_proto::Command::Argv(argv) => argv.join(" "),
-    }
-}
-
-/// `sbx-` and 8 random hex digits.
-fn new_id() -> String {
-    let mut bytes = [0u8; 4];
-    if getrandom(&mut bytes).is_err() {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-        bytes = (nanos ^ std::process::id()).to_le_bytes();
-    }
-    format!("sbx-{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>())
-}
-
-fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
-    use std::io::Read;
-    std::fs::File::open("/dev/urandom")?.read_exact(buf)
-}
-
 /// For tests: makes sandbox `id` expire now and runs the lifecycle pass.
 #[doc(hidden)]
 pub fn expire_now(moat: &Moat, id: &str) {
@@ -1131,52 +610,4 @@ pub fn expire_now(moat: &Moat, id: &str) {
         entry.info.expires_at = now();
     }
     moat.inner.lifecycle();
-}
-
-/// Collects a process's output (at most `limit` bytes of each stream) while
-/// handing each chunk to `on_stream` as it comes. When `cancelled`
-/// completes first, the handle is dropped, which kills the process group,
-/// and the result is `None`.
-pub async fn stream_output(
-    mut handle: ExecHandle,
-    limit: usize,
-    cancelled: impl Future<Output = ()>,
-    on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
-) -> Result<Option<Output>, moat_proto::ProtoError> {
-    async fn next_chunk(rx: &mut Option<tokio::sync::mpsc::Receiver<bytes::Bytes>>) -> Option<bytes::Bytes> {
-        match rx {
-            Some(rx) => rx.recv().await,
-            None => std::future::pending().await,
-        }
-    }
-    fn append(buf: &mut Vec<u8>, bytes: &[u8], limit: usize) -> bool {
-        let room = limit.saturating_sub(buf.len());
-        buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
-        bytes.len() > room
-    }
-    let mut stdout = handle.take_stdout();
-    let mut stderr = handle.take_stderr();
-    let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
-    tokio::pin!(cancelled);
-    while stdout.is_some() || stderr.is_some() {
-        tokio::select! {
-            chunk = next_chunk(&mut stdout) => match chunk {
-                Some(bytes) => {
-                    on_stream(StreamName::Stdout, &bytes);
-                    truncated |= append(&mut out, &bytes, limit);
-                }
-                None => stdout = None,
-            },
-            chunk = next_chunk(&mut stderr) => match chunk {
-                Some(bytes) => {
-                    on_stream(StreamName::Stderr, &bytes);
-                    truncated |= append(&mut err, &bytes, limit);
-                }
-                None => stderr = None,
-            },
-            () = &mut cancelled => return Ok(None),
-        }
-    }
-    let status = handle.wait().await?;
-    Ok(Some(Output { stdout: out, stderr: err, status, truncated }))
 }

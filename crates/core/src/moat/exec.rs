@@ -1,0 +1,248 @@
+//! Running processes in a sandbox: `exec`, `run`, `run_code`, and the
+//! helpers that stream a process's output and bound the wait for its agent.
+
+use std::time::Duration;
+
+use moat_proto::{ExecHandle, ExecRequest, Output};
+
+use super::Moat;
+use crate::error::CoreError;
+use crate::interpreter::{CodeOutput, Language, PythonSession, StreamName, snippet_request};
+use crate::sandbox::{NetworkPolicy, now};
+use crate::task::{self, LogEntry};
+
+/// The most [`Moat::run`] collects of each of stdout and stderr; what a
+/// sandbox prints beyond is dropped (stream with [`Moat::exec`] for more).
+pub const RUN_OUTPUT_LIMIT: usize = 64 << 20;
+
+/// How long past a command's own timeout the host waits for the agent to
+/// report it ended. The agent kills a command at its timeout and answers
+/// at once; silence this long after means the agent or the guest's kernel
+/// is stuck, and the caller gets [`CoreError::Unresponsive`] instead of
+/// waiting forever.
+pub const ANSWER_GRACE: Duration = Duration::from_secs(30);
+
+/// `work`, given up as [`CoreError::Unresponsive`] when it has not finished
+/// [`ANSWER_GRACE`] after `timeout` (never without a timeout).
+pub async fn answered_within<T>(
+    id: &str,
+    timeout: Option<Duration>,
+    work: impl Future<Output = Result<T, CoreError>>,
+) -> Result<T, CoreError> {
+    let Some(timeout) = timeout else { return work.await };
+    let waited = timeout.saturating_add(ANSWER_GRACE);
+    tokio::time::timeout(waited, work)
+        .await
+        .map_err(|_| CoreError::Unresponsive { id: id.into(), waited_s: waited.as_secs() })?
+}
+
+impl Moat {
+    /// Starts a process as `user` in `/home/user` unless the request says otherwise.
+    /// A `filtered` sandbox's proxy variables come first, then the sandbox's
+    /// `env`; the request's own variables override both.
+    pub async fn exec(&self, id: &str, mut request: ExecRequest) -> Result<ExecHandle, CoreError> {
+        request.user.get_or_insert_with(|| "user".into());
+        let spec = self.get(id)?.spec;
+        let mut spec_env = spec.env;
+        if spec.network == NetworkPolicy::Filtered {
+            spec_env = crate::egress::proxy_env().into_iter().chain(spec_env).collect();
+        }
+        if !spec_env.is_empty() {
+            request.env = spec_env.into_iter().chain(std::mem::take(&mut request.env)).collect();
+        }
+        let client = self.client(id)?;
+        match client.exec(request).await {
+            Ok(handle) => Ok(handle),
+            Err(source) => Err(self.agent_error(id, source).await),
+        }
+    }
+
+    /// Runs a process to completion and collects its output. In a task's
+    /// sandbox, the command goes into the task's execution log.
+    /// With a `timeout_ms`, an agent that has not answered
+    /// [`ANSWER_GRACE`] past it is [`CoreError::Unresponsive`].
+    pub async fn run(&self, id: &str, request: ExecRequest) -> Result<Output, CoreError> {
+        let command = command_line(&request);
+        let started_at = now();
+        let timeout = request.timeout_ms.map(Duration::from_millis);
+        let work = async {
+            self.exec(id, request)
+                .await?
+                .output_limited(RUN_OUTPUT_LIMIT)
+                .await
+                .map_err(|source| CoreError::Agent { id: id.into(), source })
+        };
+        let output = self.explained(id, answered_within(id, timeout, work).await).await?;
+        self.log_command(id, &command, started_at, &output);
+        Ok(output)
+    }
+
+    /// Runs `code` in sandbox `id` like a notebook cell (see
+    /// [`interpreter`](crate::interpreter)): Python in the sandbox's
+    /// persistent session, bash and node as one process each. Output text
+    /// reaches `on_stream` as it comes. When `cancelled` completes, the
+    /// code is interrupted (Python) or killed. Errors of the code are
+    /// data in the output; `Err` means the sandbox could not run it.
+    pub async fn run_code(
+        &self,
+        id: &str,
+        language: Language,
+        code: &str,
+        timeout: Duration,
+        cancelled: impl Future<Output = ()>,
+        on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
+    ) -> Result<CodeOutput, CoreError> {
+        let started_at = now();
+        let output = self.explained(id, self.run_cell(id, language, code, timeout, cancelled, on_stream).await).await?;
+        let as_command = Output {
+            stdout: output.stdout.clone(),
+            stderr: output.stderr.clone(),
+            status: moat_proto::ExitStatus {
+                code: Some(i32::from(output.error.is_some())),
+                signal: None,
+                timed_out: output.error.as_ref().is_some_and(|e| e.name == "TimeoutError"),
+                duration_ms: now().saturating_sub(started_at) * 1000,
+            },
+            truncated: output.truncated,
+        };
+        self.log_command(id, &format!("run_code {language:?}: {code}"), started_at, &as_command);
+        Ok(output)
+    }
+
+    /// One cell of [`Moat::run_code`], before its errors are explained.
+    async fn run_cell(
+        &self,
+        id: &str,
+        language: Language,
+        code: &str,
+        timeout: Duration,
+        cancelled: impl Future<Output = ()>,
+        on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
+    ) -> Result<CodeOutput, CoreError> {
+        Ok(match language {
+            Language::Python => {
+                let session = {
+                    let sandboxes = self.inner.lock();
+                    sandboxes.get(id).map(|e| e.python.clone()).ok_or_else(|| self.inner.unknown(id, &sandboxes))?
+                };
+                let mut session = session.lock().await;
+                let running = match session.as_mut() {
+                    Some(running) => {
+                        // Resumes a suspended sandbox and marks it used.
+                        self.client(id)?;
+                        running
+                    }
+                    None => {
+                        // Bounded as a command is: the runner is given the
+                        // cell's timeout and the grace after it to be ready.
+                        let handle =
+                            answered_within(id, Some(timeout), self.exec(id, PythonSession::request())).await?;
+                        let started = PythonSession::start(handle, timeout.saturating_add(ANSWER_GRACE))
+                            .await
+                            .map_err(|e| CoreError::CodeSession { id: id.into(), reason: e.to_string() })?;
+                        session.insert(started)
+                    }
+                };
+                let (output, alive) = running.execute(code, timeout, cancelled, RUN_OUTPUT_LIMIT, on_stream).await;
+                if !alive {
+                    *session = None;
+                    // The session's end may be the sandbox's.
+                    if let Some(failed) = self.settled_failure(id).await {
+                        return Err(failed);
+                    }
+                }
+                output
+            }
+            snippet => {
+                let mut request = snippet_request(snippet, code);
+                request.timeout_ms = Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
+                // (Python's session bounds its own wait: interrupted at the
+                // timeout, dropped when that is not answered.)
+                let streamed = answered_within(id, Some(timeout), async {
+                    let handle = self.exec(id, request).await?;
+                    stream_output(handle, RUN_OUTPUT_LIMIT, cancelled, on_stream)
+                        .await
+                        .map_err(|source| CoreError::Agent { id: id.into(), source })
+                })
+                .await?;
+                CodeOutput::from_process(streamed, timeout)
+            }
+        })
+    }
+
+    /// Records a finished command in the execution log of the task that
+    /// owns sandbox `id`, if one does (for callers that stream with `exec`).
+    pub fn log_command(&self, id: &str, command: &str, started_at: u64, output: &Output) {
+        let mut tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, log)) = tasks.values_mut().find(|(task, _)| task.sandbox_id == id) {
+            let (stdout, cut_out) = task::clip(&output.stdout);
+            let (stderr, cut_err) = task::clip(&output.stderr);
+            log.push(LogEntry {
+                command: command.to_owned(),
+                exit_code: output.status.code,
+                signal: output.status.signal,
+                started_at,
+                duration_ms: output.status.duration_ms,
+                stdout,
+                stderr,
+                truncated: cut_out || cut_err,
+            });
+        }
+    }
+}
+
+/// What a request runs, in words, for logs.
+pub fn command_line(request: &ExecRequest) -> String {
+    match &request.command {
+        moat_proto::Command::Shell(script) => script.clone(),
+        moat_proto::Command::Argv(argv) => argv.join(" "),
+    }
+}
+
+/// Collects a process's output (at most `limit` bytes of each stream) while
+/// handing each chunk to `on_stream` as it comes. When `cancelled`
+/// completes first, the handle is dropped, which kills the process group,
+/// and the result is `None`.
+pub async fn stream_output(
+    mut handle: ExecHandle,
+    limit: usize,
+    cancelled: impl Future<Output = ()>,
+    on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
+) -> Result<Option<Output>, moat_proto::ProtoError> {
+    async fn next_chunk(rx: &mut Option<tokio::sync::mpsc::Receiver<bytes::Bytes>>) -> Option<bytes::Bytes> {
+        match rx {
+            Some(rx) => rx.recv().await,
+            None => std::future::pending().await,
+        }
+    }
+    fn append(buf: &mut Vec<u8>, bytes: &[u8], limit: usize) -> bool {
+        let room = limit.saturating_sub(buf.len());
+        buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
+        bytes.len() > room
+    }
+    let mut stdout = handle.take_stdout();
+    let mut stderr = handle.take_stderr();
+    let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
+    tokio::pin!(cancelled);
+    while stdout.is_some() || stderr.is_some() {
+        tokio::select! {
+            chunk = next_chunk(&mut stdout) => match chunk {
+                Some(bytes) => {
+                    on_stream(StreamName::Stdout, &bytes);
+                    truncated |= append(&mut out, &bytes, limit);
+                }
+                None => stdout = None,
+            },
+            chunk = next_chunk(&mut stderr) => match chunk {
+                Some(bytes) => {
+                    on_stream(StreamName::Stderr, &bytes);
+                    truncated |= append(&mut err, &bytes, limit);
+                }
+                None => stderr = None,
+            },
+            () = &mut cancelled => return Ok(None),
+        }
+    }
+    let status = handle.wait().await?;
+    Ok(Some(Output { stdout: out, stderr: err, status, truncated }))
+}

@@ -1,0 +1,73 @@
+//! The pool: sandboxes of `pool_spec` started ahead of need.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Inner, Moat, new_id};
+use crate::image::Image;
+use crate::machine::Machine;
+
+impl Moat {
+    /// How many started sandboxes wait in the pool.
+    pub fn pooled(&self) -> usize {
+        self.inner.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len()
+    }
+}
+
+/// Keeps `pool_size` sandboxes of `pool_spec` started.
+pub(super) async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::sync::Notify>) {
+    loop {
+        let Some(strong) = inner.upgrade() else { return };
+        let pooled = strong.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
+        if pooled >= strong.config.pool_size {
+            // Not holding `strong` while waiting: a dropped Moat must drop.
+            drop(strong);
+            refill.notified().await;
+            continue;
+        }
+        let spec = strong.config.pool_spec.clone();
+        let started = match Image::open(&strong.config.data_dir, &spec.image) {
+            Ok(image) => {
+                let id = new_id();
+                strong.backend.start(&id, &id, &spec, &image, &strong.config.data_dir).await.map(|jail| (id, jail))
+            }
+            Err(e) => Err(e.into()),
+        };
+        match started {
+            Ok(entry) => strong.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(entry),
+            Err(e) => {
+                tracing::warn!("cannot fill the sandbox pool: {e}");
+                drop(strong);
+                // A back-off after a failed start, not a wait for an event.
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+        }
+    }
+}
+
+impl Inner {
+    /// A started sandbox from the pool, if one is ready; the pool refills.
+    pub(super) fn take_pooled(&self) -> Option<(String, Machine)> {
+        let mut pool = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut dead = Vec::new();
+        let taken = loop {
+            match pool.pop() {
+                // One that ended while it waited is not handed out.
+                Some((id, mut machine)) => match machine.ended() {
+                    Some(reason) => {
+                        tracing::warn!(%id, %reason, "a pooled sandbox ended; dropped");
+                        dead.push(machine);
+                    }
+                    None => break Some((id, machine)),
+                },
+                None => break None,
+            }
+        };
+        drop(pool);
+        self.refill.notify_one();
+        if !dead.is_empty() {
+            tokio::task::spawn_blocking(move || drop(dead));
+        }
+        taken
+    }
+}

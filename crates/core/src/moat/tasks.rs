@@ -1,0 +1,187 @@
+//! Tasks: a project imported into a sandbox, its diff against the
+//! baseline, and the record kept when it finishes.
+
+use std::path::Path;
+
+use moat_proto::ExecRequest;
+
+use super::{Moat, RUN_OUTPUT_LIMIT, new_id};
+use crate::error::CoreError;
+use crate::grants::Grants;
+use crate::hostfs::{self, SourceKind};
+use crate::sandbox::{SandboxSpec, now};
+use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
+
+impl Moat {
+    /// Imports the project at `path` (inside one of the configured roots)
+    /// into `/workspace` of a new sandbox and
+    /// commits it as the baseline.
+    pub async fn task_start(&self, path: &Path, spec: SandboxSpec) -> Result<Task, CoreError> {
+        if let Some(url) = path.to_str().filter(|p| task::is_git_url(p)) {
+            return Err(CoreError::ImportRefused(format!(
+                "{url} is a Git URL: a task imports a local checkout, and cloning needs network access from the \
+                 sandbox; import a local checkout, or create a sandbox with network filtered and use git_clone"
+            )));
+        }
+        let source = self.inner.host.open_source(path)?;
+        if source.kind != SourceKind::Dir {
+            return Err(CoreError::HostPath(format!(
+                "{} is not a directory; give a project directory",
+                path.display()
+            )));
+        }
+        let shown = source.shown.clone();
+        let repository = hostfs::read_small(&source.fd, ".git/config").and_then(|c| crate::egress::repository_host(&c));
+        let sandbox = self.create(spec).await?;
+        let id = sandbox.id.clone();
+        let result = async {
+            let packed = self.send_tree(&id, source, "/workspace", true).await?;
+            let baseline = "cd /workspace && git init -q && git add -A && \
+                git -c user.name=moat -c user.email=moat@localhost commit -q --allow-empty -m baseline";
+            let out = self.exec(&id, ExecRequest::shell(baseline)).await?.output_limited(RUN_OUTPUT_LIMIT).await;
+            match out {
+                Ok(out) if out.status.success() => {}
+                Ok(out) => {
+                    return Err(CoreError::StartFailed {
+                        id: id.clone(),
+                        reason: format!("the baseline commit failed: {}", String::from_utf8_lossy(&out.stderr)),
+                    });
+                }
+                Err(source) => return Err(CoreError::Agent { id: id.clone(), source }),
+            }
+            Ok(packed)
+        }
+        .await;
+        let packed = match result {
+            Ok(packed) => packed,
+            Err(e) => {
+                let _ = self.destroy(&id).await;
+                return Err(e);
+            }
+        };
+        let runtime = task::Runtime::detect(&packed.top);
+        if let Some((policy, _)) = self.inner.lock().get(&id).and_then(|e| e.egress.as_ref()) {
+            policy.set_runtime(runtime);
+            // The checkout's remote is a file the model may have written
+            // (copy_from_sandbox into a root): its host is allowed only
+            // when the operator allows it anyway.
+            if let Some(host) = repository {
+                if Grants::hosts(&self.inner.egress).contains(&host) {
+                    policy.set_repository_host(host);
+                } else {
+                    tracing::info!(
+                        %host,
+                        "the task's repository host is not among the operator's hosts (MOAT_ALLOW_HOSTS, \
+                         MOAT_GIT_HOSTS); it stays unreachable"
+                    );
+                }
+            }
+        }
+        let task = Task {
+            id: new_id().replacen("sbx-", "task-", 1),
+            sandbox_id: id,
+            source: shown.display().to_string(),
+            runtime,
+            files: packed.files,
+            started_at: now(),
+        };
+        self.inner
+            .tasks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(task.id.clone(), (task.clone(), Vec::new()));
+        Ok(task)
+    }
+
+    fn task(&self, task_id: &str) -> Result<Task, CoreError> {
+        let tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        tasks
+            .get(task_id)
+            .map(|(t, _)| t.clone())
+            .ok_or_else(|| CoreError::UnknownTask { id: task_id.into(), known: tasks.keys().cloned().collect() })
+    }
+
+    /// The unified diff of everything changed since the baseline (new and
+    /// deleted files included, binary files marked), and its summary.
+    pub async fn task_diff(&self, task_id: &str) -> Result<(String, DiffSummary), CoreError> {
+        let task = self.task(task_id)?;
+        let script = "cd /workspace && git add -A && git -c core.quotepath=off diff --cached --no-color HEAD && \
+            echo '@@moat-numstat@@' && git diff --cached --numstat HEAD";
+        let out = self.exec(&task.sandbox_id, ExecRequest::shell(script)).await?.output_limited(RUN_OUTPUT_LIMIT).await;
+        let out = match out {
+            Ok(out) => out,
+            Err(source) => return Err(self.agent_error(&task.sandbox_id, source).await),
+        };
+        if !out.status.success() {
+            return Err(CoreError::StartFailed {
+                id: task.sandbox_id,
+                reason: format!("git diff failed: {}", String::from_utf8_lossy(&out.stderr)),
+            });
+        }
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (diff, numstat) = text.split_once("@@moat-numstat@@\n").unwrap_or((text.as_str(), ""));
+        Ok((diff.to_owned(), DiffSummary::from_numstat(numstat)))
+    }
+
+    /// Saves the patch and execution log as a retained record and destroys
+    /// the sandbox (unless `keep_sandbox`).
+    pub async fn task_finish(&self, task_id: &str, keep_sandbox: bool) -> Result<TaskRecord, CoreError> {
+        let (diff, summary) = self.task_diff(task_id).await?;
+        let (task, log) = {
+            let tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            tasks
+                .get(task_id)
+                .cloned()
+                .ok_or_else(|| CoreError::UnknownTask { id: task_id.into(), known: Vec::new() })?
+        };
+        let dir = task::tasks_dir(&self.inner.config.data_dir).join(&task.id);
+        let record = TaskRecord {
+            patch_path: dir.join("patch.diff"),
+            log_path: dir.join("log.json"),
+            finished_at: now(),
+            summary,
+            sandbox_kept: keep_sandbox,
+            task,
+        };
+        // The task stays in progress until its whole record is saved: a
+        // record that cannot be written (a full disk) is removed, and the
+        // call can be repeated once there is room.
+        if let Err(e) = self.save_record(&record, &dir, &diff, &log) {
+            if dir.exists() {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            return Err(e);
+        }
+        self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(task_id);
+        if !keep_sandbox {
+            let _ = self.destroy(&record.task.sandbox_id).await;
+        }
+        Ok(record)
+    }
+
+    /// Writes a task's record directory: patch, log, then `record.json`,
+    /// which makes it a record ([`task::records`]).
+    fn save_record(&self, record: &TaskRecord, dir: &Path, diff: &str, log: &[LogEntry]) -> Result<(), CoreError> {
+        let io = |what: &'static str| {
+            let id = record.task.id.clone();
+            move |source| CoreError::Io { id, what: what.into(), source }
+        };
+        std::fs::create_dir_all(task::tasks_dir(&self.inner.config.data_dir))
+            .map_err(io("creating the task record"))?;
+        std::fs::create_dir(dir).map_err(io("creating the task record"))?;
+        hostfs::write_new(&record.patch_path, diff.as_bytes()).map_err(io("writing the patch"))?;
+        let log_json = serde_json::to_string_pretty(log).unwrap_or_default();
+        hostfs::write_new(&record.log_path, log_json.as_bytes()).map_err(io("writing the log"))?;
+        let record_json = serde_json::to_string_pretty(record).unwrap_or_default();
+        hostfs::write_new(&dir.join("record.json"), record_json.as_bytes()).map_err(io("writing the record"))
+    }
+
+    /// Retained task records.
+    pub fn task_records(&self) -> Vec<TaskRecord> {
+        task::records(&self.inner.config.data_dir)
+    }
+
+    pub fn remove_task(&self, task_id: &str) -> Result<(), CoreError> {
+        task::remove_record(&self.inner.config.data_dir, task_id)
+    }
+}
