@@ -208,7 +208,7 @@ async fn serve_http(moat: &Moat, config: &ServerConfig, host: std::net::IpAddr, 
             }
         }
     };
-    moat_core::preview::never_forward(&token);
+    moat_core::net::preview::never_forward(&token);
     let server = server.with_token(token);
     // The URL on stderr, for people and for scripts that asked for port 0.
     eprintln!("moat-mcp: serving MCP over streamable HTTP at {}", server.url());

@@ -410,19 +410,19 @@ fn doctor(image_name: &str) -> ExitCode {
         Ok(agent) => println!("agent:                   {}", agent.display()),
         Err(e) => println!("agent:                   {e}"),
     }
-    match moat_core::jail::find_pasta() {
+    match moat_core::backend::jail::find_pasta() {
         Some(pasta) => println!("network open (jail):     pasta at {}", pasta.display()),
         None => println!("network open (jail):     unavailable: no pasta (apt-get install passt)"),
     }
-    match moat_core::jail::tun_problem() {
-        None => println!("{:<25}usable by pasta", format!("{}:", moat_core::jail::TUN)),
-        Some(problem) => println!("{:<25}not usable: {problem}", format!("{}:", moat_core::jail::TUN)),
+    match moat_core::backend::jail::tun_problem() {
+        None => println!("{:<25}usable by pasta", format!("{}:", moat_core::backend::jail::TUN)),
+        Some(problem) => println!("{:<25}not usable: {problem}", format!("{}:", moat_core::backend::jail::TUN)),
     }
-    match moat_core::passt::find_passt() {
+    match moat_core::backend::passt::find_passt() {
         Some(passt) => println!("network open (vm):       passt at {}", passt.display()),
         None => println!("network open (vm):       unavailable: no passt (apt-get install passt)"),
     }
-    let vmm = moat_core::machine::find_vmm();
+    let vmm = moat_core::backend::machine::find_vmm();
     match &vmm {
         Some(vmm) => println!("moat-vmm:                {}", vmm.display()),
         None => println!("moat-vmm:                not found (set MOAT_VMM, or put it beside moat or on PATH)"),

@@ -210,7 +210,7 @@ fn smaps(pid: u32) -> (u64, Vec<(u64, u64, String)>) {
 /// reached over vhost-vsock: the time from spawning QEMU to a first
 /// command finished, and QEMU's resident KiB then.
 async fn qemu_first_command(image: &moat_core::Image) -> (Duration, u64, Phases) {
-    let cmdline = moat_core::vm::kernel_cmdline("level2", spec().disk_mib);
+    let cmdline = moat_core::backend::vm::kernel_cmdline("level2", spec().disk_mib);
     let started = Instant::now();
     let mut qemu = Command::new("qemu-system-x86_64")
         .args(["-M", "microvm,acpi=on,rtc=on", "-accel", "kvm", "-cpu", "host", "-smp", "1"])
@@ -227,7 +227,7 @@ async fn qemu_first_command(image: &moat_core::Image) -> (Duration, u64, Phases)
         .stdin(Stdio::null())
         .spawn()
         .expect("qemu-system-x86_64 starts");
-    let client = AgentClient::new(Vsock { cid: QEMU_CID, port: moat_core::vm::AGENT_VSOCK_PORT });
+    let client = AgentClient::new(Vsock { cid: QEMU_CID, port: moat_core::backend::vm::AGENT_VSOCK_PORT });
     // Polled as the vm backend polls its VM's socket: the agent's
     // handshake, every 20 ms, then the command.
     loop {

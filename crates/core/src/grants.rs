@@ -3,7 +3,7 @@
 //! The person who starts moat decides how much network a sandbox may have
 //! (`MOAT_ALLOW_NETWORK=none|filtered|open`, default `none`) and which
 //! hosts a `filtered` sandbox may reach (`MOAT_ALLOW_HOSTS`, `MOAT_GIT_HOSTS`
-//! and the package registries built into [`crate::egress`]). A
+//! and the package registries built into [`crate::net::egress`]). A
 //! [`SandboxSpec`] — what a tool call asks for — may only ask for something
 //! inside that: [`Grants::check`] refuses the rest with a message naming
 //! the variable that would allow it. [`Moat::create`](crate::Moat::create)
@@ -13,7 +13,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::egress::{EgressConfig, registries};
+use crate::net::egress::{EgressConfig, registries};
 use crate::sandbox::{NetworkPolicy, SandboxSpec};
 use crate::task::Runtime;
 

@@ -15,7 +15,7 @@ pub enum NetworkPolicy {
     /// Loopback only.
     #[default]
     None,
-    /// Through the agent's proxy to allowed hosts only (see [`crate::egress`]).
+    /// Through the agent's proxy to allowed hosts only (see [`crate::net::egress`]).
     Filtered,
     /// Full outbound NAT through pasta (jails) or passt (microVMs; see docs/network.md).
     Open,
@@ -117,7 +117,7 @@ impl SandboxSpec {
                 "empty unless network is filtered (none reaches nothing, open reaches everything)",
             );
         }
-        if self.allow_hosts.len() > 64 || !self.allow_hosts.iter().all(|h| crate::egress::valid_host_name(h)) {
+        if self.allow_hosts.len() > 64 || !self.allow_hosts.iter().all(|h| crate::net::egress::valid_host_name(h)) {
             return bad("allow_hosts", "at most 64 host names such as pypi.org (letters, digits, '-' and '.')");
         }
         for (key, value) in &self.env {

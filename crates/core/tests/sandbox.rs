@@ -585,7 +585,7 @@ async fn escapes_fail() {
         let overlay = moat.data_dir().join("sandboxes").join(id).join("overlay.img");
         let held = std::fs::metadata(&overlay).expect("the overlay").blocks() * 512;
         let image = moat_core::Image::open(moat.data_dir(), "default").expect("the default image");
-        let disk = moat_core::rootdisk::RootDisk::read(&image.path("rootfs.ext4")).expect("its superblock");
+        let disk = moat_core::backend::rootdisk::RootDisk::read(&image.path("rootfs.ext4")).expect("its superblock");
         let bound = disk.overlay_limit_mib(64) << 20;
         assert!(held <= bound, "the overlay holds {held} bytes, past its {bound}: {out}");
     }

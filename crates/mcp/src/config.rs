@@ -39,7 +39,7 @@ pub struct ServerConfig {
 }
 
 /// The hosts `git_clone` may use unless `MOAT_GIT_HOSTS` says otherwise.
-pub const DEFAULT_GIT_HOSTS: &[&str] = moat_core::egress::DEFAULT_GIT_HOSTS;
+pub const DEFAULT_GIT_HOSTS: &[&str] = moat_core::net::egress::DEFAULT_GIT_HOSTS;
 
 /// A comma-separated list of host names; the error is the first bad one.
 fn host_list(value: &str) -> Result<Vec<String>, String> {

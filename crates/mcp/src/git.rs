@@ -227,7 +227,7 @@ pub async fn git_clone(server: &Session<'_>, args: &Value) -> Outcome {
         .cloned()
         .collect();
     if sandbox.spec.network == NetworkPolicy::Filtered {
-        env.extend(moat_core::egress::proxy_env());
+        env.extend(moat_core::net::egress::proxy_env());
     }
     env.extend([
         ("MOAT_GIT_URL".to_owned(), url.to_owned()),

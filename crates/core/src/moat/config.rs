@@ -3,16 +3,16 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::backend::jail::JailBackend;
+use crate::backend::machine::{Runner, find_vmm};
+use crate::backend::vm::VmBackend;
 use crate::backend::{BackendKind, HostVirtualization};
-use crate::egress::EgressConfig;
 use crate::error::CoreError;
 use crate::grants::Grants;
 use crate::hostfs;
 use crate::image;
-use crate::jail::JailBackend;
-use crate::machine::{Runner, find_vmm};
+use crate::net::egress::EgressConfig;
 use crate::sandbox::SandboxSpec;
-use crate::vm::VmBackend;
 
 /// How a [`Moat`](super::Moat) runs.
 #[derive(Debug, Clone)]

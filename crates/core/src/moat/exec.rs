@@ -45,7 +45,7 @@ impl Moat {
         let spec = self.get(id)?.spec;
         let mut spec_env = spec.env;
         if spec.network == NetworkPolicy::Filtered {
-            spec_env = crate::egress::proxy_env().into_iter().chain(spec_env).collect();
+            spec_env = crate::net::egress::proxy_env().into_iter().chain(spec_env).collect();
         }
         if !spec_env.is_empty() {
             request.env = spec_env.into_iter().chain(std::mem::take(&mut request.env)).collect();

@@ -8,14 +8,14 @@ use std::time::Duration;
 use moat_proto::{AgentClient, UnixConnector};
 
 use crate::backend::BackendKind;
-use crate::egress::{EgressConfig, EgressDecision, EgressProxy, SandboxEgress};
+use crate::backend::machine::{Machine, Runner, find_vmm};
 use crate::error::CoreError;
 use crate::grants::Grants;
 use crate::hostfs::HostRoots;
 use crate::image::Image;
 use crate::interpreter::PythonSession;
-use crate::machine::{Machine, Runner, find_vmm};
-use crate::preview::{Preview, PreviewLink};
+use crate::net::egress::{EgressConfig, EgressDecision, EgressProxy, SandboxEgress};
+use crate::net::preview::{Preview, PreviewLink};
 use crate::sandbox::{NetworkPolicy, Sandbox, SandboxSpec, SandboxState, now};
 use crate::task::{LogEntry, Task};
 

@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Inner, Moat, new_id};
+use crate::backend::machine::Machine;
 use crate::image::Image;
-use crate::machine::Machine;
 
 impl Moat {
     /// How many started sandboxes wait in the pool.

@@ -31,7 +31,8 @@ impl Moat {
             )));
         }
         let shown = source.shown.clone();
-        let repository = hostfs::read_small(&source.fd, ".git/config").and_then(|c| crate::egress::repository_host(&c));
+        let repository =
+            hostfs::read_small(&source.fd, ".git/config").and_then(|c| crate::net::egress::repository_host(&c));
         let sandbox = self.create(spec).await?;
         let id = sandbox.id.clone();
         let result = async {

@@ -6,12 +6,12 @@ use std::path::{Path, PathBuf};
 
 use moat_proto::{AgentClient, UnixConnector};
 
+use crate::backend::jail::{Jail, JailBackend};
+use crate::backend::vm::{Vm, VmBackend};
 use crate::backend::{Backend, BackendKind, Instance};
 use crate::error::CoreError;
 use crate::image::Image;
-use crate::jail::{Jail, JailBackend};
 use crate::sandbox::SandboxSpec;
-use crate::vm::{Vm, VmBackend};
 
 /// The backend in use.
 #[derive(Debug, Clone)]

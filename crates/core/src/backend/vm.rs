@@ -30,13 +30,13 @@ use std::time::{Duration, Instant};
 use moat_proto::{AgentClient, UnixConnector};
 use serde::Serialize;
 
+use crate::backend::passt::Passt;
+use crate::backend::rootdisk::RootDisk;
 use crate::backend::{Backend, BackendKind, Instance};
 use crate::capped_log::{CappedLog, LOG_CAP};
 use crate::error::CoreError;
 use crate::image::Image;
-use crate::passt::Passt;
 use crate::process::Pidfd;
-use crate::rootdisk::RootDisk;
 use crate::sandbox::{NetworkPolicy, SandboxSpec};
 use crate::state::StateDir;
 

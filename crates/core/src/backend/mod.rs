@@ -12,8 +12,14 @@ use crate::error::CoreError;
 use crate::image::Image;
 use crate::sandbox::SandboxSpec;
 
-/// Something that starts sandboxes: the jail backend (`crate::jail`) and
-/// the microVM backend (`crate::vm`).
+pub mod jail;
+pub mod machine;
+pub mod passt;
+pub mod rootdisk;
+pub mod vm;
+
+/// Something that starts sandboxes: the jail backend (`crate::backend::jail`) and
+/// the microVM backend (`crate::backend::vm`).
 pub trait Backend: Send + Sync + 'static {
     type Instance: Instance;
 
