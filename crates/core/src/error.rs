@@ -2,6 +2,7 @@
 
 use crate::grants::{GrantsError, NotGranted};
 use crate::image::ImageError;
+use crate::sandbox::InvalidSpec;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CoreError {
@@ -59,7 +60,7 @@ pub enum CoreError {
     #[error(
         "Sandbox {id} did not answer for {waited_s} s, {} s past its command's timeout: its agent or kernel is \
          stuck. Destroy it (destroy_sandbox) and create another",
-        crate::moat::ANSWER_GRACE.as_secs()
+        crate::timing::ANSWER_GRACE.as_secs()
     )]
     Unresponsive { id: String, waited_s: u64 },
     /// Python's session for `run_code` could not start or be reached.
@@ -71,6 +72,12 @@ pub enum CoreError {
         #[source]
         source: moat_proto::ProtoError,
     },
+}
+
+impl From<InvalidSpec> for CoreError {
+    fn from(e: InvalidSpec) -> Self {
+        Self::InvalidSpec(e.0)
+    }
 }
 
 /// Words for an I/O error that a full disk caused: what moat writes on

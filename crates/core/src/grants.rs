@@ -14,8 +14,8 @@
 use std::collections::BTreeSet;
 
 use crate::net::egress::{EgressConfig, registries};
+use crate::runtime::Runtime;
 use crate::sandbox::{NetworkPolicy, SandboxSpec};
-use crate::task::Runtime;
 
 /// The variable that sets the network ceiling.
 pub const NETWORK_VAR: &str = "MOAT_ALLOW_NETWORK";

@@ -20,9 +20,12 @@ pub mod limits;
 pub mod moat;
 pub mod net;
 pub mod process;
+pub mod programs;
+pub mod runtime;
 pub mod sandbox;
 pub mod state;
 pub mod task;
+pub mod timing;
 
 // `backend/vm.rs` names passt from the crate root (kept so that parallel
 // edits to it merge across its move into `backend/`).
@@ -36,5 +39,6 @@ pub use interpreter::{CodeError, CodeOutput, Language, StreamName};
 pub use moat::{Moat, MoatConfig};
 pub use net::egress::{EgressConfig, EgressDecision, IpNet};
 pub use net::preview::PreviewLink;
+pub use runtime::Runtime;
 pub use sandbox::{NetworkPolicy, Sandbox, SandboxSpec, SandboxState};
-pub use task::{DiffSummary, Runtime, Task, TaskRecord};
+pub use task::{DiffSummary, Task, TaskRecord};

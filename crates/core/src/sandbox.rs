@@ -1,11 +1,6 @@
 //! The sandbox model: what a sandbox is asked to be, and what it is.
 
-use std::time::SystemTime;
-
 use serde::{Deserialize, Serialize};
-
-use crate::backend::BackendKind;
-use crate::error::CoreError;
 
 /// What the network of a sandbox may reach, ordered from least to most
 /// (the order [`crate::grants::Grants`] caps).
@@ -83,8 +78,8 @@ impl Default for SandboxSpec {
 
 impl SandboxSpec {
     /// Checks every field; the error names the field and what is allowed.
-    pub fn validate(&self) -> Result<(), CoreError> {
-        let bad = |field: &str, allowed: &str| Err(CoreError::InvalidSpec(format!("{field} must be {allowed}")));
+    pub fn validate(&self) -> Result<(), InvalidSpec> {
+        let bad = |field: &str, allowed: &str| Err(InvalidSpec(format!("{field} must be {allowed}")));
         if let Some(name) = &self.name
             && (name.is_empty()
                 || name.len() > 63
@@ -159,16 +154,11 @@ pub struct Sandbox {
     pub failure: Option<String>,
 }
 
-impl Sandbox {
-    pub fn backend_kind(&self) -> BackendKind {
-        self.backend.parse().unwrap_or(BackendKind::Jail)
-    }
-}
-
-/// Seconds since the Unix epoch, now.
-pub fn now() -> u64 {
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs())
-}
+/// A spec field outside what is allowed: the field and what is allowed, in
+/// words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidSpec(pub String);
 
 #[cfg(test)]
 mod tests {

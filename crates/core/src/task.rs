@@ -13,42 +13,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::CoreError;
+use crate::runtime::Runtime;
 
 /// Output kept per command in the execution log.
 pub const LOG_OUTPUT_BYTES: usize = 4096;
-
-/// What a project is written in, guessed from its files.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Runtime {
-    Python,
-    Node,
-    Go,
-    Rust,
-    Shell,
-}
-
-impl Runtime {
-    /// Guesses from the names of the project's top-level files.
-    pub fn detect(names: &[String]) -> Self {
-        let has = |n: &str| names.iter().any(|name| name == n);
-        if has("Cargo.toml") {
-            Self::Rust
-        } else if has("go.mod") {
-            Self::Go
-        } else if has("package.json") {
-            Self::Node
-        } else if has("pyproject.toml")
-            || has("requirements.txt")
-            || has("setup.py")
-            || names.iter().any(|n| n.ends_with(".py"))
-        {
-            Self::Python
-        } else {
-            Self::Shell
-        }
-    }
-}
 
 /// One command run during a task.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -168,16 +136,6 @@ pub fn clip(bytes: &[u8]) -> (String, bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn runtimes_are_guessed_from_files() {
-        let names = |list: &[&str]| list.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
-        assert_eq!(Runtime::detect(&names(&["Cargo.toml", "src"])), Runtime::Rust);
-        assert_eq!(Runtime::detect(&names(&["package.json"])), Runtime::Node);
-        assert_eq!(Runtime::detect(&names(&["main.py"])), Runtime::Python);
-        assert_eq!(Runtime::detect(&names(&["go.mod"])), Runtime::Go);
-        assert_eq!(Runtime::detect(&names(&["run.sh"])), Runtime::Shell);
-    }
 
     #[test]
     fn numstat_summaries() {

@@ -246,7 +246,7 @@ pub async fn git_clone(server: &Session<'_>, args: &Value) -> Outcome {
     request.cwd = Some("/".into());
     request.stdin = true;
     request.timeout_ms = Some(CLONE_TIMEOUT_MS);
-    let started_at = moat_core::sandbox::now();
+    let started_at = moat_core::timing::now();
     let clone = async {
         let client = server.moat.client(&id)?;
         let lost = |source| moat_core::CoreError::Agent { id: id.clone(), source };

@@ -392,7 +392,7 @@ async fn run_command(server: &Session<'_>, args: &Value, context: &CallContext) 
     req.env = env;
     req.timeout_ms = Some(timeout * 1000);
     req.stdin = stdin.is_some();
-    let started_at = moat_core::sandbox::now();
+    let started_at = moat_core::timing::now();
     let command = moat_core::moat::command_line(&through_bash);
     let mut handle = match server.moat.exec(&id, req.clone()).await {
         Ok(handle) => handle,

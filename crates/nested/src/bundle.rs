@@ -21,8 +21,8 @@ use std::process::Command;
 use flate2::Compression;
 use flate2::write::GzEncoder;
 use moat_agent::boot::{ModuleDeps, module_name};
-use moat_core::backend::machine::find_program;
 use moat_core::image::{Image, data_dir};
+use moat_core::programs::find_program;
 use sha2::{Digest, Sha256};
 
 use crate::cpio::Cpio;

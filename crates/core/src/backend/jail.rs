@@ -90,7 +90,7 @@ const READY: &str = "ready\n";
 
 /// The `pasta` binary (Debian package `passt`), if installed.
 pub fn find_pasta() -> Option<PathBuf> {
-    crate::backend::machine::find_program("pasta")
+    crate::programs::find_program("pasta")
 }
 
 /// The tun device pasta opens inside an `open` jail's network namespace.

@@ -101,16 +101,5 @@ pub fn find_vmm() -> Option<PathBuf> {
         return Some(PathBuf::from(path)).filter(|p| p.is_file());
     }
     let beside = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join("moat-vmm")));
-    beside.filter(|p| p.is_file()).or_else(|| find_program("moat-vmm"))
-}
-
-/// The program `name` in a directory of `PATH`, else in `/usr/bin` or
-/// `/usr/sbin` (where Debian installs passt and pasta; a service's `PATH`
-/// may be minimal).
-pub fn find_program(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/bin".into(), "/usr/sbin".into()])
-        .map(|dir| dir.join(name))
-        .find(|p| p.is_file())
+    beside.filter(|p| p.is_file()).or_else(|| crate::programs::find_program("moat-vmm"))
 }

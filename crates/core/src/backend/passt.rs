@@ -45,7 +45,7 @@ pub fn guest_cmdline() -> String {
 
 /// The `passt` binary, if installed.
 pub fn find_passt() -> Option<PathBuf> {
-    crate::backend::machine::find_program("passt")
+    crate::programs::find_program("passt")
 }
 
 /// passt's arguments: outbound only. No port of the host is forwarded into

@@ -84,7 +84,7 @@ mod tests {
 
     #[test]
     fn a_fresh_file_system_reads_as_mkfs_made_it() {
-        let Some(mkfs) = crate::backend::machine::find_program("mkfs.ext4") else {
+        let Some(mkfs) = crate::programs::find_program("mkfs.ext4") else {
             eprintln!("skipping: no mkfs.ext4 (Debian's e2fsprogs)");
             return;
         };

@@ -8,19 +8,13 @@ use moat_proto::{ExecHandle, ExecRequest, Output};
 use super::Moat;
 use crate::error::CoreError;
 use crate::interpreter::{CodeOutput, Language, PythonSession, StreamName, snippet_request};
-use crate::sandbox::{NetworkPolicy, now};
+use crate::sandbox::NetworkPolicy;
 use crate::task::{self, LogEntry};
+use crate::timing::{ANSWER_GRACE, now};
 
 /// The most [`Moat::run`] collects of each of stdout and stderr; what a
 /// sandbox prints beyond is dropped (stream with [`Moat::exec`] for more).
 pub const RUN_OUTPUT_LIMIT: usize = 64 << 20;
-
-/// How long past a command's own timeout the host waits for the agent to
-/// report it ended. The agent kills a command at its timeout and answers
-/// at once; silence this long after means the agent or the guest's kernel
-/// is stuck, and the caller gets [`CoreError::Unresponsive`] instead of
-/// waiting forever.
-pub const ANSWER_GRACE: Duration = Duration::from_secs(30);
 
 /// `work`, given up as [`CoreError::Unresponsive`] when it has not finished
 /// [`ANSWER_GRACE`] after `timeout` (never without a timeout).

@@ -16,8 +16,9 @@ use crate::image::Image;
 use crate::interpreter::PythonSession;
 use crate::net::egress::{EgressConfig, EgressDecision, EgressProxy, SandboxEgress};
 use crate::net::preview::{Preview, PreviewLink};
-use crate::sandbox::{NetworkPolicy, Sandbox, SandboxSpec, SandboxState, now};
+use crate::sandbox::{NetworkPolicy, Sandbox, SandboxSpec, SandboxState};
 use crate::task::{LogEntry, Task};
+use crate::timing::now;
 
 mod config;
 mod copy;
@@ -28,7 +29,7 @@ mod tasks;
 
 use config::choose_backend;
 pub use config::{MoatConfig, find_agent};
-pub use exec::{ANSWER_GRACE, RUN_OUTPUT_LIMIT, answered_within, command_line, stream_output};
+pub use exec::{RUN_OUTPUT_LIMIT, answered_within, command_line, stream_output};
 use ids::new_id;
 use pool::fill_pool;
 
@@ -47,7 +48,7 @@ struct Entry {
     /// (filtered) and the preview links.
     egress: Option<(Arc<SandboxEgress>, EgressProxy)>,
     previews: BTreeMap<u16, Preview>,
-    jail: Machine,
+    machine: Machine,
     /// The sandbox's Python session for `run_code`, started on first use;
     /// the async lock queues calls on one sandbox.
     python: Arc<tokio::sync::Mutex<Option<PythonSession>>>,
@@ -199,24 +200,24 @@ impl Moat {
         let from_pool = spec == self.inner.config.pool_spec && self.pooled() > 0;
         self.inner.check_memory(spec.memory_mib, from_pool)?;
         let pooled = if spec == self.inner.config.pool_spec { self.inner.take_pooled() } else { None };
-        let (id, name, jail) = match pooled {
-            Some((id, jail)) => (id.clone(), id, jail),
+        let (id, name, machine) = match pooled {
+            Some((id, machine)) => (id.clone(), id, machine),
             None => {
                 let image = Image::open(&self.inner.config.data_dir, &spec.image)?;
                 let id = new_id();
                 let name = spec.name.clone().unwrap_or_else(|| id.clone());
-                let jail = self.inner.backend.start(&id, &name, &spec, &image, &self.inner.config.data_dir).await?;
-                (id, name, jail)
+                let machine = self.inner.backend.start(&id, &name, &spec, &image, &self.inner.config.data_dir).await?;
+                (id, name, machine)
             }
         };
         let egress = match spec.network {
             NetworkPolicy::Filtered => {
                 let log = Some(crate::state::sandboxes_dir(&self.inner.config.data_dir).join(&id).join("egress.log"));
                 let policy = Arc::new(SandboxEgress::new(self.inner.egress.clone(), spec.allow_hosts.clone(), log));
-                match EgressProxy::start(jail.client(), policy.clone()).await {
+                match EgressProxy::start(machine.client(), policy.clone()).await {
                     Ok(proxy) => Some((policy, proxy)),
                     Err(source) => {
-                        let _ = tokio::task::spawn_blocking(move || drop(jail)).await;
+                        let _ = tokio::task::spawn_blocking(move || drop(machine)).await;
                         return Err(CoreError::Agent { id, source });
                     }
                 }
@@ -241,9 +242,9 @@ impl Moat {
             // Checked again: other creates may have finished meanwhile.
             let memory = self.inner.memory_check(&sandboxes, info.spec.memory_mib, false);
             if sandboxes.len() >= max || memory.is_err() {
-                Some((jail, memory.err()))
+                Some((machine, memory.err()))
             } else {
-                if let Machine::Vm(vm) = &jail {
+                if let Machine::Vm(vm) = &machine {
                     // How busy the guest is, for idle suspend: asked of its
                     // agent while it runs.
                     let (inner, key) = (Arc::downgrade(&self.inner), id.clone());
@@ -253,15 +254,15 @@ impl Moat {
                         })
                     });
                 }
-                self.watch_exit(&id, &jail);
+                self.watch_exit(&id, &machine);
                 let entry =
-                    Entry { info: info.clone(), egress, previews: BTreeMap::new(), jail, python: Arc::default() };
+                    Entry { info: info.clone(), egress, previews: BTreeMap::new(), machine, python: Arc::default() };
                 sandboxes.insert(id, entry);
                 None
             }
         };
-        if let Some((jail, memory)) = rejected {
-            let _ = tokio::task::spawn_blocking(move || drop(jail)).await;
+        if let Some((machine, memory)) = rejected {
+            let _ = tokio::task::spawn_blocking(move || drop(machine)).await;
             return Err(memory.unwrap_or(CoreError::LimitReached { max }));
         }
         Ok(info)
@@ -300,7 +301,7 @@ impl Moat {
     #[doc(hidden)]
     pub fn host_pid(&self, id: &str) -> Result<u32, CoreError> {
         let sandboxes = self.inner.lock();
-        sandboxes.get(id).map(|e| e.jail.host_pid()).ok_or_else(|| self.inner.unknown(id, &sandboxes))
+        sandboxes.get(id).map(|e| e.machine.host_pid()).ok_or_else(|| self.inner.unknown(id, &sandboxes))
     }
 
     /// Runs `op` with a client of sandbox `id`'s agent (see [`Moat::client`]);
@@ -407,12 +408,12 @@ impl Moat {
         }
         let entry = sandboxes.get_mut(id).ok_or_else(|| CoreError::Expired(id.into()))?;
         if entry.info.state == SandboxState::Paused {
-            entry.jail.set_suspended(false)?;
+            entry.machine.set_suspended(false)?;
             entry.info.state = SandboxState::Running;
             tracing::debug!(%id, "resumed");
         }
         entry.info.last_used_at = now();
-        Ok(entry.jail.client())
+        Ok(entry.machine.client())
     }
 
     /// The newest egress decisions of a `filtered` sandbox (empty for others).
@@ -463,8 +464,8 @@ impl Moat {
     pub fn suspend(&self, id: &str) -> Result<(), CoreError> {
         let mut sandboxes = self.inner.lock();
         let Some(entry) = sandboxes.get_mut(id) else { return Err(self.inner.unknown(id, &sandboxes)) };
-        if entry.jail.can_suspend() {
-            entry.jail.set_suspended(true)?;
+        if entry.machine.can_suspend() {
+            entry.machine.set_suspended(true)?;
             entry.info.state = SandboxState::Paused;
         }
         Ok(())
@@ -510,7 +511,7 @@ impl Inner {
     fn fail(&self, id: &str) {
         let entry = {
             let mut sandboxes = self.lock();
-            let Some(reason) = sandboxes.get_mut(id).and_then(|e| e.jail.ended()) else { return };
+            let Some(reason) = sandboxes.get_mut(id).and_then(|e| e.machine.ended()) else { return };
             let Some(mut entry) = sandboxes.remove(id) else { return };
             entry.info.state = SandboxState::Failed;
             entry.info.failure = Some(reason);
@@ -562,7 +563,7 @@ impl Inner {
                 // A Python session waiting for its next cell is resident;
                 // one running a cell holds its lock.
                 let busy = match entry.python.try_lock() {
-                    Ok(session) => entry.jail.is_busy(usize::from(session.is_some())),
+                    Ok(session) => entry.machine.is_busy(usize::from(session.is_some())),
                     Err(_) => true,
                 };
                 if idle > 0 && entry.info.state == SandboxState::Running && busy {
@@ -573,9 +574,9 @@ impl Inner {
                 if idle > 0
                     && entry.info.state == SandboxState::Running
                     && now.saturating_sub(entry.info.last_used_at) >= idle
-                    && entry.jail.can_suspend()
+                    && entry.machine.can_suspend()
                 {
-                    match entry.jail.set_suspended(true) {
+                    match entry.machine.set_suspended(true) {
                         Ok(()) => {
                             entry.info.state = SandboxState::Paused;
                             tracing::debug!(%id, "suspended after being idle");

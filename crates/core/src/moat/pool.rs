@@ -29,7 +29,11 @@ pub(super) async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::
         let started = match Image::open(&strong.config.data_dir, &spec.image) {
             Ok(image) => {
                 let id = new_id();
-                strong.backend.start(&id, &id, &spec, &image, &strong.config.data_dir).await.map(|jail| (id, jail))
+                strong
+                    .backend
+                    .start(&id, &id, &spec, &image, &strong.config.data_dir)
+                    .await
+                    .map(|machine| (id, machine))
             }
             Err(e) => Err(e.into()),
         };

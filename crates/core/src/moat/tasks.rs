@@ -9,8 +9,10 @@ use super::{Moat, RUN_OUTPUT_LIMIT, new_id};
 use crate::error::CoreError;
 use crate::grants::Grants;
 use crate::hostfs::{self, SourceKind};
-use crate::sandbox::{SandboxSpec, now};
+use crate::runtime::Runtime;
+use crate::sandbox::SandboxSpec;
 use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
+use crate::timing::now;
 
 impl Moat {
     /// Imports the project at `path` (inside one of the configured roots)
@@ -60,7 +62,7 @@ impl Moat {
                 return Err(e);
             }
         };
-        let runtime = task::Runtime::detect(&packed.top);
+        let runtime = Runtime::detect(&packed.top);
         if let Some((policy, _)) = self.inner.lock().get(&id).and_then(|e| e.egress.as_ref()) {
             policy.set_runtime(runtime);
             // The checkout's remote is a file the model may have written

@@ -10,7 +10,7 @@
 //! configuration explicitly allows a test network; then it connects, and
 //! splices the connection to the client through an `egress_attach`
 //! connection. Everything runs over a [`Connector`], so the same loop
-//! serves a jail's Unix socket now and a microVM's vsock later.
+//! serves a jail's Unix socket and a microVM's vsock alike.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::io::Write;
@@ -25,8 +25,8 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use crate::sandbox::now;
-use crate::task::Runtime;
+use crate::runtime::Runtime;
+use crate::timing::now;
 
 /// The port of the proxy inside a `filtered` sandbox.
 pub const PROXY_PORT: u16 = 3128;
