@@ -36,7 +36,7 @@ pub use error::CoreError;
 pub use grants::Grants;
 pub use image::{Image, ImageError, Manifest};
 pub use interpreter::{CodeError, CodeOutput, Language, StreamName};
-pub use moat::{Moat, MoatConfig};
+pub use moat::{ExecOutcome, Moat, MoatConfig, StreamedCommand};
 pub use net::egress::{EgressConfig, EgressDecision, IpNet};
 pub use net::preview::PreviewLink;
 pub use runtime::Runtime;

@@ -2,10 +2,8 @@
 //! the contract says. Mistakes the model can fix are tool results with
 //! `isError: true` and a message saying what to do.
 
-use std::time::Duration;
-
 use base64::Engine;
-use moat_core::{CoreError, Language, NetworkPolicy, SandboxSpec};
+use moat_core::{CoreError, ExecOutcome, Language, NetworkPolicy, SandboxSpec, StreamedCommand};
 use moat_proto::{ExecRequest, FileKind, ReadFileRequest, WriteFileRequest};
 use rmcp::model::{CallToolResult, ContentBlock, ProgressNotificationParam, ProgressToken, ResourceContents};
 use rmcp::{Peer, RoleServer};
@@ -386,49 +384,20 @@ async fn run_command(server: &Session<'_>, args: &Value, context: &CallContext) 
             "truncated": false, "pid": pid, "log_path": log,
         }));
     }
-    let through_bash = ExecRequest::argv(["bash", "-c", cmd]);
-    let mut req = simple_argv(cmd).map_or_else(|| through_bash.clone(), ExecRequest::argv);
-    req.cwd = cwd;
-    req.env = env;
-    req.timeout_ms = Some(timeout * 1000);
-    req.stdin = stdin.is_some();
-    let started_at = moat_core::timing::now();
-    let command = moat_core::moat::command_line(&through_bash);
-    let mut handle = match server.moat.exec(&id, req.clone()).await {
-        Ok(handle) => handle,
-        // A direct start that failed (no such program, say): bash gives the
-        // answer a shell user knows ("command not found", status 127).
-        Err(_) if req.command != through_bash.command => {
-            server.moat.exec(&id, ExecRequest { command: through_bash.command, ..req }).await?
-        }
-        Err(e) => return Err(e.into()),
-    };
-    if let Some(input) = stdin
-        && let Some(mut pipe) = handle.take_stdin()
-    {
-        tokio::spawn(async move {
-            let _ = pipe.write(input.into_bytes().into()).await;
-            let _ = pipe.close().await;
-        });
-    }
+    let mut request = ExecRequest::argv(["bash", "-c", cmd]);
+    request.cwd = cwd;
+    request.env = env;
+    request.timeout_ms = Some(timeout * 1000);
+    let direct = simple_argv(cmd).map(|argv| argv.into_iter().map(str::to_owned).collect());
+    let command = StreamedCommand { request, direct, stdin: stdin.map(String::into_bytes) };
     let tail = Tail::default();
     let feed = |_, bytes: &[u8]| tail.feed(bytes);
-    let streamed =
-        moat_core::moat::stream_output(handle, moat_core::moat::RUN_OUTPUT_LIMIT, context.cancelled.cancelled(), &feed);
-    // A sandbox whose agent stops answering (a wedged guest kernel) must
-    // not hold the call forever: the agent ends the command at `timeout`.
-    let answered = moat_core::moat::answered_within(&id, Some(Duration::from_secs(timeout)), async {
-        Ok(with_progress(streamed, context, &tail).await)
-    });
-    let streamed = match answered.await? {
-        Ok(streamed) => streamed,
-        Err(source) => return Err(server.moat.agent_error(&id, source).await.into()),
-    };
-    let Some(out) = streamed else {
+    // Logged for a task's execution log, and given up when the agent stops
+    // answering past `timeout` (a wedged guest kernel), by core.
+    let run = server.moat.exec_streaming(&id, command, &feed, context.cancelled.cancelled());
+    let ExecOutcome::Finished(out) = with_progress(run, context, &tail).await? else {
         return Err(ToolError("cancelled: the command and everything it started were killed".into()));
     };
-    // Streamed, so logged here for a task's execution log.
-    server.moat.log_command(&id, &command, started_at, &out);
     let client = server.moat.client(&id)?;
     let stdout_full = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr_full = String::from_utf8_lossy(&out.stderr).into_owned();

@@ -1,5 +1,6 @@
-//! Running processes in a sandbox: `exec`, `run`, `run_code`, and the
-//! helpers that stream a process's output and bound the wait for its agent.
+//! Running processes in a sandbox: `exec`, `run`, `exec_streaming`,
+//! `run_code`, and the helpers that stream a process's output and bound the
+//! wait for its agent.
 
 use std::time::Duration;
 
@@ -16,9 +17,43 @@ use crate::timing::{ANSWER_GRACE, now};
 /// sandbox prints beyond is dropped (stream with [`Moat::exec`] for more).
 pub const RUN_OUTPUT_LIMIT: usize = 64 << 20;
 
+/// A command for [`Moat::exec_streaming`], with what goes with it.
+#[derive(Debug, Clone)]
+pub struct StreamedCommand {
+    /// What runs, and what the task's execution log records. Its
+    /// `timeout_ms`, when set, also bounds the wait for the agent: silence
+    /// [`ANSWER_GRACE`] past it is [`CoreError::Unresponsive`].
+    pub request: ExecRequest,
+    /// The same command as an argv that needs no shell, tried first; when
+    /// it cannot start (no such program), `request` runs instead, so that
+    /// the caller gets the shell's answer ("command not found", status 127).
+    pub direct: Option<Vec<String>>,
+    /// Written to the process's stdin, which is then closed; without it the
+    /// process gets no stdin.
+    pub stdin: Option<Vec<u8>>,
+}
+
+impl StreamedCommand {
+    /// `request` alone: no direct argv, no stdin.
+    pub fn new(request: ExecRequest) -> Self {
+        Self { request, direct: None, stdin: None }
+    }
+}
+
+/// How a command of [`Moat::exec_streaming`] ended.
+#[derive(Debug)]
+pub enum ExecOutcome {
+    /// The process exited or was killed at its timeout; its output holds at
+    /// most [`RUN_OUTPUT_LIMIT`] bytes of each stream.
+    Finished(Output),
+    /// The caller cancelled: the process and everything it started were
+    /// killed.
+    Cancelled,
+}
+
 /// `work`, given up as [`CoreError::Unresponsive`] when it has not finished
 /// [`ANSWER_GRACE`] after `timeout` (never without a timeout).
-pub async fn answered_within<T>(
+pub(crate) async fn answered_within<T>(
     id: &str,
     timeout: Option<Duration>,
     work: impl Future<Output = Result<T, CoreError>>,
@@ -69,6 +104,52 @@ impl Moat {
         let output = self.explained(id, answered_within(id, timeout, work).await).await?;
         self.log_command(id, &command, started_at, &output);
         Ok(output)
+    }
+
+    /// Runs a command in sandbox `id`, handing its output to `on_output` as
+    /// it comes, until it exits, reaches its timeout, or `cancelled`
+    /// completes (which kills it and everything it started). In a task's
+    /// sandbox, a finished command goes into the task's execution log.
+    /// An agent that has not answered [`ANSWER_GRACE`] past the request's
+    /// `timeout_ms` is [`CoreError::Unresponsive`]; a sandbox that died
+    /// meanwhile is [`CoreError::Failed`].
+    pub async fn exec_streaming(
+        &self,
+        id: &str,
+        command: StreamedCommand,
+        on_output: &(dyn Fn(StreamName, &[u8]) + Sync),
+        cancelled: impl Future<Output = ()>,
+    ) -> Result<ExecOutcome, CoreError> {
+        let StreamedCommand { mut request, direct, stdin } = command;
+        request.stdin = stdin.is_some();
+        let logged = command_line(&request);
+        let started_at = now();
+        let timeout = request.timeout_ms.map(Duration::from_millis);
+        let work = async {
+            let first = direct.map(|argv| ExecRequest { command: moat_proto::Command::Argv(argv), ..request.clone() });
+            let mut handle = match first {
+                Some(first) => match self.exec(id, first).await {
+                    Ok(handle) => handle,
+                    Err(_) => self.exec(id, request).await?,
+                },
+                None => self.exec(id, request).await?,
+            };
+            if let Some(input) = stdin
+                && let Some(mut pipe) = handle.take_stdin()
+            {
+                tokio::spawn(async move {
+                    let _ = pipe.write(input.into()).await;
+                    let _ = pipe.close().await;
+                });
+            }
+            stream_output(handle, RUN_OUTPUT_LIMIT, cancelled, on_output)
+                .await
+                .map_err(|source| CoreError::Agent { id: id.into(), source })
+        };
+        let streamed = self.explained(id, answered_within(id, timeout, work).await).await?;
+        let Some(output) = streamed else { return Ok(ExecOutcome::Cancelled) };
+        self.log_command(id, &logged, started_at, &output);
+        Ok(ExecOutcome::Finished(output))
     }
 
     /// Runs `code` in sandbox `id` like a notebook cell (see
@@ -165,7 +246,10 @@ impl Moat {
     }
 
     /// Records a finished command in the execution log of the task that
-    /// owns sandbox `id`, if one does (for callers that stream with `exec`).
+    /// owns sandbox `id`, if one does. [`Moat::run`],
+    /// [`Moat::exec_streaming`] and [`Moat::run_code`] record their own;
+    /// this is for commands run through [`Moat::client`] (`git_clone`,
+    /// whose output is scrubbed of its credentials first).
     pub fn log_command(&self, id: &str, command: &str, started_at: u64, output: &Output) {
         let mut tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((_, log)) = tasks.values_mut().find(|(task, _)| task.sandbox_id == id) {
@@ -186,7 +270,7 @@ impl Moat {
 }
 
 /// What a request runs, in words, for logs.
-pub fn command_line(request: &ExecRequest) -> String {
+pub(crate) fn command_line(request: &ExecRequest) -> String {
     match &request.command {
         moat_proto::Command::Shell(script) => script.clone(),
         moat_proto::Command::Argv(argv) => argv.join(" "),
@@ -197,7 +281,7 @@ pub fn command_line(request: &ExecRequest) -> String {
 /// handing each chunk to `on_stream` as it comes. When `cancelled`
 /// completes first, the handle is dropped, which kills the process group,
 /// and the result is `None`.
-pub async fn stream_output(
+pub(crate) async fn stream_output(
     mut handle: ExecHandle,
     limit: usize,
     cancelled: impl Future<Output = ()>,
