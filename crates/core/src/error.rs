@@ -59,7 +59,7 @@ pub enum CoreError {
     },
     #[error(
         "Sandbox {id} did not answer for {waited_s} s, {} s past its command's timeout: its agent or kernel is \
-         stuck. Destroy it (destroy_sandbox) and create another",
+         stuck. Destroy it and create another",
         crate::timing::ANSWER_GRACE.as_secs()
     )]
     Unresponsive { id: String, waited_s: u64 },

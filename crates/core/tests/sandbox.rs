@@ -131,7 +131,7 @@ async fn a_stuck_sandbox_is_reported_not_waited_on() {
     if moat.get(id).expect("listed").state == SandboxState::Paused {
         let err = result.expect_err("a frozen agent cannot answer");
         assert!(matches!(err, CoreError::Unresponsive { waited_s: 35, .. }), "{err}");
-        assert!(err.to_string().contains("destroy_sandbox"), "{err}");
+        assert!(err.to_string().contains("Destroy it and create another"), "{err}");
         let err = code_result.expect_err("nor run a cell");
         assert!(matches!(err, CoreError::Unresponsive { waited_s: 35, .. }), "{err}");
     } else {
@@ -162,7 +162,10 @@ async fn a_python_session_that_never_starts_is_given_up() {
     let err = python("1 + 1", 1).await.expect_err("the session never becomes ready");
     assert!(matches!(err, CoreError::CodeSession { .. }), "{err}");
     let text = err.to_string();
-    assert!(text.contains("python3 was not ready within 31 s") && text.contains("destroy_sandbox"), "{text}");
+    assert!(
+        text.contains("python3 was not ready within 31 s") && text.contains("destroy the sandbox and create another"),
+        "{text}"
+    );
     // The runner was stopped with its connection (the agent kills it).
     let mut left = String::new();
     for _ in 0..300 {

@@ -11,6 +11,7 @@
 //! credentials kept out of every command line and output; `preview_link`
 //! hands out token-guarded loopback links to sandbox ports.
 
+mod advice;
 mod arguments;
 pub mod config;
 pub mod event_log;

@@ -25,7 +25,7 @@ impl From<CoreError> for ToolError {
             message.push_str(&format!(": {cause}"));
             source = cause.source();
         }
-        Self(message)
+        Self(crate::advice::advise(&e, message))
     }
 }
 

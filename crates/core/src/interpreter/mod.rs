@@ -191,7 +191,7 @@ impl PythonSession {
             Ok(Err(e)) => Err(e),
             Err(_) => Err(SessionError::Start(format!(
                 "python3 was not ready within {} s{}; the sandbox is overloaded or stuck. Run the code \
-                     again, or destroy the sandbox (destroy_sandbox) and create another if it does not answer",
+                     again, or destroy the sandbox and create another if it does not answer",
                 within.as_secs(),
                 session.said()
             ))),

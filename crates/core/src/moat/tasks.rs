@@ -22,7 +22,7 @@ impl Moat {
         if let Some(url) = path.to_str().filter(|p| task::is_git_url(p)) {
             return Err(CoreError::ImportRefused(format!(
                 "{url} is a Git URL: a task imports a local checkout, and cloning needs network access from the \
-                 sandbox; import a local checkout, or create a sandbox with network filtered and use git_clone"
+                 sandbox; import a local checkout, or clone it in a sandbox with network filtered"
             )));
         }
         let source = self.inner.host.open_source(path)?;
