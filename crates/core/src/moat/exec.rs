@@ -33,13 +33,6 @@ pub struct StreamedCommand {
     pub stdin: Option<Vec<u8>>,
 }
 
-impl StreamedCommand {
-    /// `request` alone: no direct argv, no stdin.
-    pub fn new(request: ExecRequest) -> Self {
-        Self { request, direct: None, stdin: None }
-    }
-}
-
 /// How a command of [`Moat::exec_streaming`] ended.
 #[derive(Debug)]
 pub enum ExecOutcome {
