@@ -25,7 +25,9 @@ pub const MAX_COMMAND_SECONDS: u64 = 3600;
 /// in parts with `offset`.
 pub const MAX_READ_BYTES: u64 = 10 << 20;
 
-/// The deepest a directory listing goes (what the agent lists).
+/// The deepest a directory listing goes; the agent refuses deeper
+/// listings with its own bound of the same value (`moat-agent`'s
+/// `files::list_dir`, which does not depend on core).
 pub const MAX_LIST_DEPTH: u8 = 5;
 
 /// The most entries a list or map argument of a tool (`env`,

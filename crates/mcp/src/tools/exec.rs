@@ -26,6 +26,7 @@ const COMMAND_TIMEOUT: u64 = 60;
 /// A code cell's seconds when `timeout` is not given.
 const CODE_TIMEOUT: u64 = 300;
 
+/// The arguments of `run_command`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct RunCommand {
@@ -61,6 +62,7 @@ enum LanguageName {
     Node,
 }
 
+/// The arguments of `run_code`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct RunCode {

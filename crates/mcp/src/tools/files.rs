@@ -27,6 +27,7 @@ enum Encoding {
 /// The largest `offset` taken: file offsets are signed 64-bit numbers.
 const MAX_OFFSET: u64 = u64::MAX >> 1;
 
+/// The arguments of `read_file`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct ReadFile {
@@ -47,6 +48,7 @@ impl Tool for ReadFile {
     }
 }
 
+/// The arguments of `write_file`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct WriteFile {
@@ -67,6 +69,7 @@ impl Tool for WriteFile {
     }
 }
 
+/// The arguments of `list_files`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct ListFiles {
@@ -85,6 +88,7 @@ impl Tool for ListFiles {
     }
 }
 
+/// The arguments of `make_dir`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct MakeDir {
@@ -101,6 +105,7 @@ impl Tool for MakeDir {
     }
 }
 
+/// The arguments of `move_file`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct MoveFile {
@@ -119,6 +124,7 @@ impl Tool for MoveFile {
     }
 }
 
+/// The arguments of `delete_file`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct DeleteFile {

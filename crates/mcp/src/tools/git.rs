@@ -29,6 +29,7 @@ use serde_json::json;
 
 use super::{CallContext, Outcome, RichOutcome, SandboxRef, Session, Tool, ToolError, plain};
 
+/// The arguments of `git_clone`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct GitClone {

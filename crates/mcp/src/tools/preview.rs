@@ -6,6 +6,7 @@ use serde_json::json;
 
 use super::{CallContext, Outcome, RichOutcome, SandboxRef, Session, Tool, plain, rfc3339};
 
+/// The arguments of `preview_link`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct PreviewLink {

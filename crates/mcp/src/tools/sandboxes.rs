@@ -22,6 +22,7 @@ enum NetworkName {
     Open,
 }
 
+/// The arguments of `create_sandbox`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct CreateSandbox {
@@ -56,6 +57,7 @@ impl Tool for CreateSandbox {
     }
 }
 
+/// The arguments of `destroy_sandbox`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct DestroySandbox {
@@ -70,6 +72,7 @@ impl Tool for DestroySandbox {
     }
 }
 
+/// The arguments of `list_sandboxes`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("properties" = {}, "additionalProperties" = false))]
 pub(crate) struct ListSandboxes {}

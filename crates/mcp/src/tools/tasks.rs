@@ -9,6 +9,7 @@ use serde_json::json;
 
 use super::{CallContext, Outcome, RichOutcome, Session, Tool, ToolError, clip, plain};
 
+/// The arguments of `task_start`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct TaskStart {
@@ -24,6 +25,7 @@ impl Tool for TaskStart {
     }
 }
 
+/// The arguments of `task_diff`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct TaskDiff {
@@ -38,6 +40,7 @@ impl Tool for TaskDiff {
     }
 }
 
+/// The arguments of `task_finish`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct TaskFinish {
@@ -53,6 +56,7 @@ impl Tool for TaskFinish {
     }
 }
 
+/// The arguments of `remove_task`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct RemoveTask {

@@ -8,6 +8,7 @@ use serde_json::json;
 
 use super::{CallContext, Outcome, RichOutcome, SandboxRef, Session, Tool, plain, sandbox_path};
 
+/// The arguments of `copy_to_sandbox`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct CopyToSandbox {
@@ -25,6 +26,7 @@ impl Tool for CopyToSandbox {
     }
 }
 
+/// The arguments of `copy_from_sandbox`.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct CopyFromSandbox {
