@@ -94,9 +94,9 @@ pub struct Vm {
 }
 
 /// Where a VM's files are: its image's (in the image's directory), and its
-/// own in its state directory. The sockets have a directory of their own: the jailed VMM
-/// sees it (it makes its sockets there), and nothing else of the state
-/// directory but its console and overlay.
+/// own in its state directory. The sockets have a directory of their own:
+/// the jailed VMM sees it (it makes its sockets there), and nothing else of
+/// the state directory but its console and overlay.
 #[derive(Debug)]
 struct VmFiles {
     kernel: PathBuf,
