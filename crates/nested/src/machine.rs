@@ -194,6 +194,9 @@ fn payload_script(payload: &Payload) -> Result<String> {
 }
 
 /// Single-quotes `s` for a POSIX shell.
+// Not shlex::try_quote: it fails on a NUL, which the level-2 callers
+// cannot report, and quotes each word its own way, where here every word
+// reads the same in the script.
 pub(crate) fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
