@@ -7,7 +7,7 @@ use std::time::Instant;
 use clap::Parser;
 use moat_vmm::arch::x86_64::boot::BootError;
 use moat_vmm::builder::{BuildError, build_microvm_on};
-use moat_vmm::config::{ConfigError, DiskConfig, NetConfig, VmConfig, VsockConfig};
+use moat_vmm::config::{self, ConfigError, DiskConfig, NetConfig, VmConfig, VsockConfig};
 use moat_vmm::jail::{self, Ended, Jail, JailError, Side};
 use moat_vmm::vstate::vm::{Kvm, open_kvm};
 
@@ -178,7 +178,7 @@ fn configure(args: &Args) -> Result<VmConfig, ConfigError> {
         (Some(path), _) => {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| invalid("config", format!("cannot read {}: {e}", path.display())))?;
-            VmConfig::from_json(&text)?
+            config::from_json(&text)?
         }
         (None, Some(kernel)) => VmConfig::new(kernel),
         (None, None) => return Err(invalid("kernel", "required; pass --kernel PATH or --config FILE".into())),
@@ -234,7 +234,7 @@ fn configure(args: &Args) -> Result<VmConfig, ConfigError> {
     if let Some(ms) = args.shutdown_timeout_ms {
         config.shutdown_timeout_ms = ms;
     }
-    config.validate()?;
+    config::validate(&config)?;
     Ok(config)
 }
 

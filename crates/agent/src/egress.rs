@@ -26,6 +26,8 @@ use crate::error::io_error;
 
 /// The largest request head the proxy reads (request line and headers).
 pub const MAX_HEAD: usize = 16 * 1024;
+/// The most headers a request head may have.
+const MAX_HEADERS: usize = 128;
 /// Clients waiting for the host's decision at once; more get 503.
 pub const MAX_PENDING: usize = 64;
 /// Open tunnels (and clients waiting) at once; more get 503.
@@ -242,41 +244,57 @@ async fn serve_client(hub: &EgressHub, mut client: TcpStream, events: &mpsc::Sen
 async fn read_head(client: &mut TcpStream) -> Result<(Vec<u8>, Vec<u8>), String> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 4096];
+    let too_long = || format!("moat: the request head is longer than {MAX_HEAD} bytes");
     loop {
         let n = client.read(&mut chunk).await.map_err(|e| format!("moat: reading the request failed: {e}"))?;
         if n == 0 {
             return Err("moat: the connection closed before a complete request head".into());
         }
-        let searched_from = buf.len().saturating_sub(3);
         buf.extend_from_slice(&chunk[..n]);
-        if let Some(end) = find(&buf[searched_from..], b"\r\n\r\n") {
-            let end = searched_from + end + 4;
-            let rest = buf.split_off(end);
-            return Ok((buf, rest));
-        }
-        if buf.len() > MAX_HEAD {
-            return Err(format!("moat: the request head is longer than {MAX_HEAD} bytes"));
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        match parse_request(&mut httparse::Request::new(&mut headers), &buf)? {
+            Some(end) if end > MAX_HEAD => return Err(too_long()),
+            Some(end) => {
+                let rest = buf.split_off(end);
+                return Ok((buf, rest));
+            }
+            None if buf.len() >= MAX_HEAD => return Err(too_long()),
+            None => {}
         }
     }
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
+/// Parses the request head at the start of `buf` into `request`: its
+/// length through its blank line, or `None` while it is not complete. A
+/// line that is no header (an obsolete folded continuation, say) is
+/// dropped.
+fn parse_request<'b>(request: &mut httparse::Request<'_, 'b>, buf: &'b [u8]) -> Result<Option<usize>, String> {
+    let mut config = httparse::ParserConfig::default();
+    config.ignore_invalid_headers_in_requests(true);
+    match config.parse_request(request, buf) {
+        Ok(httparse::Status::Complete(len)) => Ok(Some(len)),
+        Ok(httparse::Status::Partial) => Ok(None),
+        Err(httparse::Error::Version) => Err("moat: unsupported HTTP version; send HTTP/1.0 or HTTP/1.1".into()),
+        Err(httparse::Error::TooManyHeaders) => Err(format!("moat: more than {MAX_HEADERS} request headers")),
+        Err(httparse::Error::Token | httparse::Error::NewLine) => {
+            let line = buf.split(|b| *b == b'\n').next().unwrap_or_default();
+            Err(format!("moat: not an HTTP request line: {:?}", clip(&String::from_utf8_lossy(line))))
+        }
+        Err(e) => Err(format!("moat: a malformed request head ({e})")),
+    }
 }
 
 /// Understands `CONNECT host:port HTTP/1.x` and absolute-form plain-HTTP
 /// requests (`GET http://host[:port]/path HTTP/1.x`).
 fn parse_head(head: &[u8]) -> Result<Target, String> {
-    let text = std::str::from_utf8(head).map_err(|_| "moat: the request head is not UTF-8".to_owned())?;
-    let (line, headers) = text.split_once("\r\n").unwrap_or((text, ""));
-    let mut words = line.split(' ');
-    let (Some(method), Some(target), Some(version), None) = (words.next(), words.next(), words.next(), words.next())
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut request = httparse::Request::new(&mut headers);
+    let complete = parse_request(&mut request, head)?;
+    let (Some(_), Some(method), Some(target), Some(version)) =
+        (complete, request.method, request.path, request.version)
     else {
-        return Err(format!("moat: not an HTTP request line: {:?}", clip(line)));
+        return Err("moat: the request head is not complete".into());
     };
-    if !version.starts_with("HTTP/1.") {
-        return Err(format!("moat: unsupported HTTP version {:?}", clip(version)));
-    }
     if method.eq_ignore_ascii_case("CONNECT") {
         let (host, port) = split_host_port(target, None)?;
         return Ok(Target { host, port, forward_head: None });
@@ -289,8 +307,13 @@ fn parse_head(head: &[u8]) -> Result<Target, String> {
     };
     let (authority, path) = rest.find('/').map_or((rest, "/"), |i| (&rest[..i], &rest[i..]));
     let (host, port) = split_host_port(authority, Some(80))?;
-    let forward_head = format!("{method} {path} {version}\r\n{headers}").into_bytes();
-    Ok(Target { host, port, forward_head: Some(forward_head) })
+    let mut forward_head = format!("{method} {path} HTTP/1.{version}\r\n");
+    for header in request.headers.iter() {
+        let value = std::str::from_utf8(header.value).map_err(|_| "moat: the request head is not UTF-8".to_owned())?;
+        forward_head.push_str(&format!("{}: {value}\r\n", header.name));
+    }
+    forward_head.push_str("\r\n");
+    Ok(Target { host, port, forward_head: Some(forward_head.into_bytes()) })
 }
 
 fn split_host_port(authority: &str, default_port: Option<u16>) -> Result<(String, u16), String> {
@@ -383,5 +406,49 @@ mod tests {
         assert!(hub.register().is_none(), "no room beyond MAX_PENDING");
         assert!(hub.take(held[0].0).is_some());
         assert!(hub.register().is_some(), "room again");
+    }
+
+    #[test]
+    fn heads_parse_whatever_their_line_endings_and_drop_folded_lines() {
+        let t =
+            parse_head(b"GET http://example.com/ HTTP/1.1\nHost: example.com\n folded\nAccept:*/*\n\n").expect("LF");
+        assert_eq!(t.forward_head.as_deref(), Some(&b"GET / HTTP/1.1\r\nHost: example.com\r\nAccept: */*\r\n\r\n"[..]));
+        let many = format!("CONNECT a.b:443 HTTP/1.1\r\n{}\r\n", "A: b\r\n".repeat(MAX_HEADERS + 1));
+        assert!(parse_head(many.as_bytes()).expect_err("too many").contains("headers"));
+        let err = parse_head(b"GET http://a.b/ HTTP/1.1\r\nX: \xff\r\n\r\n").expect_err("not UTF-8");
+        assert!(err.contains("UTF-8"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_head_is_read_across_reads_up_to_its_limit() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let addr = listener.local_addr().expect("address");
+        let send = |parts: Vec<Vec<u8>>| async move {
+            let mut client = TcpStream::connect(addr).await.expect("connects");
+            for part in parts {
+                client.write_all(&part).await.expect("sends");
+                client.flush().await.expect("flushes");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            client
+        };
+        let sent =
+            tokio::spawn(send(vec![b"CONNECT a.b:443 HTTP/1.1\r\nHo".to_vec(), b"st: a.b\r\n\r\nhello".to_vec()]));
+        let (mut server, _) = listener.accept().await.expect("accepts");
+        let (head, rest) = read_head(&mut server).await.expect("a head");
+        assert_eq!(
+            (head.as_slice(), rest.as_slice()),
+            (&b"CONNECT a.b:443 HTTP/1.1\r\nHost: a.b\r\n\r\n"[..], &b"hello"[..])
+        );
+        drop(sent.await);
+        let start = "CONNECT a.b:443 HTTP/1.1\r\nX-Pad: ";
+        for (len, fits) in [(MAX_HEAD, true), (MAX_HEAD + 1, false)] {
+            let head = format!("{start}{}\r\n\r\n", "a".repeat(len - start.len() - 4));
+            let sent = tokio::spawn(send(vec![head.into_bytes()]));
+            let (mut server, _) = listener.accept().await.expect("accepts");
+            let read = read_head(&mut server).await;
+            assert_eq!(read.is_ok(), fits, "{len} bytes: {:?}", read.err());
+            drop(sent.await);
+        }
     }
 }

@@ -6,12 +6,34 @@
 //!   would pass it, naming the figures.
 //! - `MOAT_ALLOW_UNLIMITED=1`: start jails even where their cgroups (the
 //!   memory, pids and CPU limits) cannot be set up; refused otherwise.
+//!
+//! It also holds the bounds of what one tool call may ask for (a command's
+//! time, a read's size); the sandbox's own bounds are on
+//! [`SandboxSpec`](crate::SandboxSpec).
 
 use crate::error::CoreError;
 
 /// The share of the host's memory the sandboxes' `memory_mib` may add up to
 /// by default: the rest is the host's own (page cache, the server, moat-vmm).
 pub const DEFAULT_SHARE_PERCENT: u64 = 75;
+
+/// The longest a command (`run_command`) or a code cell (`run_code`) may
+/// run, in seconds: an hour; longer work runs in the background.
+pub const MAX_COMMAND_SECONDS: u64 = 3600;
+
+/// The most bytes one `read_file` returns (10 MiB); larger files are read
+/// in parts with `offset`.
+pub const MAX_READ_BYTES: u64 = 10 << 20;
+
+/// The deepest a directory listing goes; the agent refuses deeper
+/// listings with its own bound of the same value (`moat-agent`'s
+/// `files::list_dir`, which does not depend on core).
+pub const MAX_LIST_DEPTH: u8 = 5;
+
+/// The most entries a list or map argument of a tool (`env`,
+/// `allow_hosts`) may hold: a bound on the request, checked before
+/// anything reads it.
+pub const MAX_ARGUMENT_ENTRIES: usize = 256;
 
 /// Whether the operator allows sandboxes without cgroup limits
 /// (`MOAT_ALLOW_UNLIMITED=1`).

@@ -76,7 +76,24 @@ impl Default for SandboxSpec {
     }
 }
 
+/// The bounds of a [`SandboxSpec`], here once: [`SandboxSpec::validate`]
+/// checks them and moat-mcp's argument types state them in the tools
+/// contract (its contract test fails when `testdata/tools.json` differs).
 impl SandboxSpec {
+    pub const MIN_CPUS: u32 = 1;
+    pub const MAX_CPUS: u32 = 16;
+    pub const MIN_MEMORY_MIB: u64 = 128;
+    pub const MAX_MEMORY_MIB: u64 = 65_536;
+    pub const MIN_DISK_MIB: u64 = 64;
+    pub const MAX_DISK_MIB: u64 = 262_144;
+    pub const MIN_TIMEOUT_SECONDS: u64 = 60;
+    /// Eight hours: the longest a sandbox lives.
+    pub const MAX_TIMEOUT_SECONDS: u64 = 28_800;
+    /// Idle suspension never comes later than the end of a sandbox's life.
+    pub const MAX_IDLE_SECONDS: u64 = Self::MAX_TIMEOUT_SECONDS;
+    /// The most extra host names a filtered sandbox may reach.
+    pub const MAX_ALLOW_HOSTS: usize = 64;
+
     /// Checks every field; the error names the field and what is allowed.
     pub fn validate(&self) -> Result<(), InvalidSpec> {
         let bad = |field: &str, allowed: &str| Err(InvalidSpec(format!("{field} must be {allowed}")));
@@ -91,17 +108,18 @@ impl SandboxSpec {
         if !crate::image::valid_name(&self.image) {
             return bad("image", crate::image::NAME_RULE);
         }
-        if !(1..=16).contains(&self.cpus) {
-            return bad("cpus", "between 1 and 16");
+        let between = |min: &dyn std::fmt::Display, max: &dyn std::fmt::Display| format!("between {min} and {max}");
+        if !(Self::MIN_CPUS..=Self::MAX_CPUS).contains(&self.cpus) {
+            return bad("cpus", &between(&Self::MIN_CPUS, &Self::MAX_CPUS));
         }
-        if !(128..=65_536).contains(&self.memory_mib) {
-            return bad("memory_mib", "between 128 and 65536");
+        if !(Self::MIN_MEMORY_MIB..=Self::MAX_MEMORY_MIB).contains(&self.memory_mib) {
+            return bad("memory_mib", &between(&Self::MIN_MEMORY_MIB, &Self::MAX_MEMORY_MIB));
         }
-        if !(64..=262_144).contains(&self.disk_mib) {
-            return bad("disk_mib", "between 64 and 262144");
+        if !(Self::MIN_DISK_MIB..=Self::MAX_DISK_MIB).contains(&self.disk_mib) {
+            return bad("disk_mib", &between(&Self::MIN_DISK_MIB, &Self::MAX_DISK_MIB));
         }
-        if !(60..=28_800).contains(&self.timeout_seconds) {
-            return bad("timeout_seconds", "between 60 and 28800");
+        if !(Self::MIN_TIMEOUT_SECONDS..=Self::MAX_TIMEOUT_SECONDS).contains(&self.timeout_seconds) {
+            return bad("timeout_seconds", &between(&Self::MIN_TIMEOUT_SECONDS, &Self::MAX_TIMEOUT_SECONDS));
         }
         if self.idle_seconds != 0 && !(60..self.timeout_seconds).contains(&self.idle_seconds) {
             return bad("idle_seconds", "0 (never suspend) or at least 60 and less than timeout_seconds");
@@ -112,8 +130,12 @@ impl SandboxSpec {
                 "empty unless network is filtered (none reaches nothing, open reaches everything)",
             );
         }
-        if self.allow_hosts.len() > 64 || !self.allow_hosts.iter().all(|h| crate::net::egress::valid_host_name(h)) {
-            return bad("allow_hosts", "at most 64 host names such as pypi.org (letters, digits, '-' and '.')");
+        if self.allow_hosts.len() > Self::MAX_ALLOW_HOSTS
+            || !self.allow_hosts.iter().all(|h| crate::net::egress::valid_host_name(h))
+        {
+            let allowed =
+                format!("at most {} host names such as pypi.org (letters, digits, '-' and '.')", Self::MAX_ALLOW_HOSTS);
+            return bad("allow_hosts", &allowed);
         }
         for (key, value) in &self.env {
             if key.is_empty() || key.contains('=') || key.contains('\0') || value.contains('\0') {

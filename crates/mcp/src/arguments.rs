@@ -1,8 +1,11 @@
-//! Tool arguments checked against the tool's `inputSchema` in the contract
-//! before the tool runs: unknown names, wrong types, values out of range
-//! and oversized arrays or maps each get a message naming the argument and
-//! what it takes. The tools still check what a schema cannot say (paths,
-//! names, grants).
+//! Tool arguments checked against the tool's `inputSchema` before the tool
+//! runs: unknown names, wrong types, values out of range and oversized
+//! arrays or maps each get a message naming the argument and what it
+//! takes. The schema is the one derived from the tool's argument type
+//! (`tools::schema`), which equals the contract's; checking here, by name,
+//! is also what refuses unknown arguments, which serde cannot do for the
+//! types that flatten `SandboxRef` in. The tools still check what a schema
+//! cannot say (paths, names, grants).
 //!
 //! Only the schema keywords the contract uses are read: `type`,
 //! `properties`, `required`, `enum`, `minimum`, `maximum`, `items`,

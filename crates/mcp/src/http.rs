@@ -38,6 +38,7 @@ use axum::response::{IntoResponse, Response};
 use moat_core::{Moat, SandboxSpec};
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
+use subtle::ConstantTimeEq;
 use tokio_util::sync::CancellationToken;
 
 use crate::MoatServer;
@@ -134,7 +135,7 @@ impl TokenFile {
             Ok(_) => return Err(fail("something that is not this user's file is in its place".into())),
             Err(_) => {}
         }
-        let token = new_token().map_err(|e| fail(format!("reading /dev/urandom: {e}")))?;
+        let token = new_token().map_err(|e| fail(format!("no random bytes from the kernel for a token: {e}")))?;
         let mut file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -148,10 +149,9 @@ impl TokenFile {
 }
 
 /// 64 random hex digits.
-fn new_token() -> std::io::Result<String> {
-    use std::io::Read;
+fn new_token() -> Result<String, getrandom::Error> {
     let mut bytes = [0u8; 32];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    getrandom::fill(&mut bytes)?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
@@ -363,7 +363,7 @@ fn refuse(status: StatusCode, message: String) -> Response {
 
 /// Compares secrets in time that does not depend on where they differ.
 fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    a.ct_eq(b).into()
 }
 
 #[cfg(test)]

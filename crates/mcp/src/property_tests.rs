@@ -94,6 +94,33 @@ fn every_argument_set_passes_or_gets_a_clear_error() {
     }
 }
 
+/// Arguments the check passes read into the tool's Rust type: a handler
+/// never meets arguments its type cannot hold.
+#[test]
+fn every_argument_set_the_check_passes_reads_into_its_type() {
+    let mut passed = 0;
+    let mut cases: Vec<(String, Value)> = CORPUS
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .map(|case| (case["tool"].as_str().unwrap_or_default().to_owned(), case["arguments"].clone()))
+        .collect();
+    let tools = tools();
+    for seed in 1..=20_000u64 {
+        let mut rng = Rng(seed.wrapping_mul(0xA076_1D64_78BD_642F) | 1);
+        let tool = &tools[rng.below(tools.len())];
+        cases.push((tool.name.to_string(), arguments(&mut rng, tool)));
+    }
+    for (name, args) in cases {
+        let index = crate::tools::HANDLERS.iter().position(|h| h.name == name).expect("a handler per tool");
+        if crate::arguments::check(&name, &crate::tools::SCHEMAS[index], &args).is_ok() {
+            passed += 1;
+            let read = (crate::tools::HANDLERS[index].read)(args.clone());
+            assert!(read.is_ok(), "{name} {args}: passed the check, but {read:?}");
+        }
+    }
+    assert!(passed > 100, "only {passed} argument sets passed the check");
+}
+
 #[test]
 fn the_corpus_keeps_its_verdicts() {
     let tools = tools();

@@ -18,6 +18,13 @@ pub struct Tails {
     /// second apart, when level 1 hung (empty otherwise): whether it was
     /// halted, looping, or stuck in a level-2 guest.
     pub cpu: String,
+    /// The lines the payload wrote to `$MOAT_NESTED_MARKS` before level 1
+    /// broke: what it had done, for a payload that resumes
+    /// ([`crate::run_steps`]).
+    pub marks: Vec<String>,
+    /// All the payload wrote to stdout before level 1 broke (the channel
+    /// above holds only its end).
+    pub stdout: Vec<u8>,
 }
 
 impl fmt::Display for Tails {
@@ -65,9 +72,9 @@ pub enum Error {
         source: std::io::Error,
     },
     #[error("No '{}' from level 1 within {waited:?} (stage reached: {stage}); raise the timeout if the host is busy, or read the consoles\n{tails}", next_stage(*stage))]
-    Timeout { stage: Stage, waited: Duration, tails: Tails },
+    Timeout { stage: Stage, waited: Duration, tails: Box<Tails> },
     #[error("Level 1 failed after stage '{stage}': {reason}\n{tails}")]
-    Failed { stage: Stage, reason: String, tails: Tails },
+    Failed { stage: Stage, reason: String, tails: Box<Tails> },
     /// Level 1 itself broke: its kernel crashed (an oops or a panic on its
     /// console), it stopped answering, or QEMU ended before the payload
     /// finished. The test host, not the payload: [`crate::run_in`] tries
@@ -76,7 +83,7 @@ pub enum Error {
         "Level 1 broke after stage '{stage}': {reason} (the nested test host itself: emulated SVM under TCG \
          is not flawless; rerun, and report it if it recurs)\n{tails}"
     )]
-    Crashed { stage: Stage, reason: String, tails: Tails },
+    Crashed { stage: Stage, reason: String, tails: Box<Tails> },
 }
 
 impl Error {

@@ -61,6 +61,50 @@ pub fn run_in(bundle: &Bundle, payload: &Payload) -> Result<Output> {
     }
 }
 
+/// Runs a payload made of named steps (a test binary's tests, one at a
+/// time), resuming where level 1 broke: `payload` makes the payload for
+/// the steps still to run, and that payload writes `done STEP` to
+/// `$MOAT_NESTED_MARKS` after each step, passed or not. When level 1 breaks
+/// ([`Error::Crashed`]), the steps it finished are not run again: the next
+/// level 1 (up to [`ATTEMPTS`] in all) gets the rest. A hang then costs the
+/// step it hit, not the whole run. The output is the last level 1's, its
+/// stdout preceded by what the broken ones printed, and its exit code
+/// nonzero when a broken level 1 had printed a step's failure
+/// (`failed STEP` on the marks).
+pub fn run_steps(bundle: &Bundle, steps: &[String], mut payload: impl FnMut(&[String]) -> Payload) -> Result<Output> {
+    let _turn = machine::one_at_a_time()?;
+    let mut left: Vec<String> = steps.to_vec();
+    let (mut earlier, mut failed) = (Vec::new(), false);
+    let mut attempt = 1;
+    loop {
+        match machine::run(bundle, &payload(&left)) {
+            Err(Error::Crashed { stage, reason, tails }) if attempt < ATTEMPTS => {
+                let done: Vec<&str> = tails.marks.iter().filter_map(|m| m.strip_prefix("done ")).collect();
+                failed |= tails.marks.iter().any(|m| m.starts_with("failed "));
+                left.retain(|step| !done.contains(&step.as_str()));
+                earlier.extend_from_slice(&tails.stdout);
+                let e = Error::Crashed { stage, reason, tails };
+                eprintln!(
+                    "moat-nested: {e}\nmoat-nested: {} of {} steps done; the other {} run again in a fresh level 1",
+                    steps.len() - left.len(),
+                    steps.len(),
+                    left.len()
+                );
+                attempt += 1;
+            }
+            Ok(mut out) => {
+                earlier.append(&mut out.stdout);
+                out.stdout = earlier;
+                if failed && out.code == 0 {
+                    out.code = 1;
+                }
+                return Ok(out);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Level 1s a payload gets when they break under it (a payload's own
 /// failures are never retried).
 pub const ATTEMPTS: u32 = 3;

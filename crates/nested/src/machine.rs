@@ -194,6 +194,9 @@ fn payload_script(payload: &Payload) -> Result<String> {
 }
 
 /// Single-quotes `s` for a POSIX shell.
+// Not shlex::try_quote: it fails on a NUL, which the level-2 callers
+// cannot report, and quotes each word its own way, where here every word
+// reads the same in the script.
 pub(crate) fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
@@ -328,14 +331,14 @@ pub fn run(bundle: &Bundle, payload: &Payload) -> Result<Output> {
         }
         let stage = last(&stages);
         if stage == Stage::PayloadStarted && alive.elapsed() > LIVENESS {
-            let tails = Tails { cpu: cpu_state(level1.dir.path()), ..watch.tails() };
+            let tails = Box::new(Tails { cpu: cpu_state(level1.dir.path()), ..*watch.tails() });
             stop(&mut level1);
             let reason = format!("it stopped answering (no heartbeat for {} s)", LIVENESS.as_secs());
             return Err(Error::Crashed { stage, reason, tails });
         }
         let limit = payload.timeouts.after(stage);
         if since.elapsed() > limit {
-            let tails = Tails { cpu: cpu_state(level1.dir.path()), ..watch.tails() };
+            let tails = Box::new(Tails { cpu: cpu_state(level1.dir.path()), ..*watch.tails() });
             stop(&mut level1);
             return Err(Error::Timeout { stage, waited: limit, tails });
         }
@@ -360,7 +363,7 @@ pub fn shell(bundle: &Bundle, machine: Machine) -> Result<i32> {
     code.ok_or_else(|| Error::Failed {
         stage: Stage::Launched,
         reason: format!("QEMU ended ({status}) without the shell's exit status"),
-        tails: Tails { console: String::new(), channel: control, cpu: String::new() },
+        tails: Box::new(Tails { channel: control, ..Tails::default() }),
     })
 }
 
@@ -511,7 +514,7 @@ impl Watch {
         Ok(())
     }
 
-    fn tails(&self) -> Tails {
+    fn tails(&self) -> Box<Tails> {
         let console = std::fs::read(self.dir.join("console")).unwrap_or_default();
         let console = String::from_utf8_lossy(&console);
         let lines: Vec<&str> = console.lines().collect();
@@ -526,7 +529,9 @@ impl Watch {
                 String::from_utf8_lossy(&tail)
             ));
         }
-        Tails { console, channel, cpu: String::new() }
+        let marks = self.marks.iter().map(|(_, m)| m.clone()).collect();
+        let stdout = std::fs::read(self.dir.join("stdout")).unwrap_or_default();
+        Box::new(Tails { console, channel, cpu: String::new(), marks, stdout })
     }
 }
 

@@ -17,8 +17,7 @@ use crate::arch::x86_64::layout::{
     SERIAL_PORT_LEN, VIRTIO_MMIO_SIZE, virtio_mmio_slot,
 };
 use crate::arch::x86_64::{boot, regs};
-use crate::config::{Console, VmConfig};
-use crate::config::{DiskConfig, NetConfig};
+use crate::config::{self, Console, DiskConfig, NetConfig, VmConfig};
 use crate::control::{ControlError, ControlServer};
 use crate::devices::acpi::{AcpiTables, SleepControl, VirtioMmioDevice};
 use crate::devices::boot_timer::BootTimer;
@@ -86,7 +85,7 @@ pub fn build_microvm(config: &VmConfig, started: Instant) -> Result<Vmm, BuildEr
 
 /// As [`build_microvm`], on `kvm` (`/dev/kvm` opened already) when given.
 pub fn build_microvm_on(kvm: Option<Kvm>, config: &VmConfig, started: Instant) -> Result<Vmm, BuildError> {
-    config.validate()?;
+    config::validate(config)?;
     let mut steps = Steps::new(started);
     // virtio-mmio devices first, in window order, so that a bad disk is
     // reported before anything else is set up: the entropy source, the disks
@@ -205,7 +204,7 @@ pub fn build_microvm_on(kvm: Option<Kvm>, config: &VmConfig, started: Instant) -
         reset_evt,
         poweroff_evt,
         control,
-        console_input: config.console().ok() == Some(Console::Stdout),
+        console_input: config::console(config).ok() == Some(Console::Stdout),
         ready,
         started,
         memory_mib: config.memory_mib,
@@ -274,7 +273,7 @@ fn open_disk(index: usize, disk: &DiskConfig) -> Result<Block, BuildError> {
 /// The network device on its passt stream, connected now so that a passt
 /// that is not there is reported before the guest starts.
 fn open_net(net: &NetConfig) -> Result<Net, BuildError> {
-    let mac = net.mac_bytes()?;
+    let mac = config::mac_bytes(net)?;
     let stream = match (&net.passt_socket, net.passt_fd) {
         (Some(path), _) => {
             UnixStream::connect(path).map_err(|source| BuildError::PasstConnect { path: path.clone(), source })?
@@ -301,7 +300,7 @@ fn open_net(net: &NetConfig) -> Result<Net, BuildError> {
 }
 
 fn console_writer(config: &VmConfig) -> Result<Box<dyn Write + Send>, BuildError> {
-    Ok(match config.console()? {
+    Ok(match config::console(config)? {
         // A private duplicate of fd 1, unbuffered: the console is a byte
         // stream and a partial line (a prompt) must show at once.
         Console::Stdout => {

@@ -1,15 +1,9 @@
 //! The control socket: a Unix stream socket speaking JSON lines.
 //!
 //! Each request is one JSON object on one line; each gets one JSON object
-//! on one line back, in order. Requests:
-//!
-//! | request | effect | reply |
-//! |---|---|---|
-//! | `{"op":"status"}` | none | `{"ok":true,"state":"running"\|"paused","vcpus":…,"memory_mib":…,"uptime_ms":…,"guest_ready_us":…\|null}` |
-//! | `{"op":"pause"}` | every vCPU parked outside `KVM_RUN` | status |
-//! | `{"op":"resume"}` | vCPUs run again | status |
-//! | `{"op":"shutdown"}` | Ctrl+Alt+Del to the guest; stopped after `timeout_ms` (default: the config's `shutdown_timeout_ms`) if it has not ended by then | `{"ok":true,"state":"stopping"}` |
-//! | `{"op":"shutdown","force":true}` | stopped now | `{"ok":true,"state":"stopping"}` |
+//! on one line back, in order. The requests and their answers are
+//! moat-vmm-api's [`Request`] and [`Reply`] (`status`, `pause`, `resume`,
+//! `shutdown`; the table is in [`moat_vmm_api::control`]).
 //!
 //! A request that cannot be parsed gets `{"ok":false,"error":"…"}` and the
 //! connection stays open; a line over 4 KiB closes it.
@@ -20,53 +14,32 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
+
+pub use moat_vmm_api::control::{Reply, Request, Shutdown, State, Status};
 
 /// Longest request line accepted.
 pub const MAX_LINE: usize = 4096;
-
-/// A control request.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
-pub enum Request {
-    Status,
-    Pause,
-    Resume,
-    Shutdown {
-        #[serde(default)]
-        force: bool,
-        #[serde(default)]
-        timeout_ms: Option<u64>,
-    },
-}
-
-/// The VM's state as `status` reports it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Status {
-    pub state: String,
-    pub vcpus: u8,
-    pub memory_mib: u32,
-    pub uptime_ms: u64,
-    pub guest_ready_us: Option<u64>,
-}
 
 /// Parses one request line.
 pub fn parse(line: &str) -> Result<Request, String> {
     serde_json::from_str(line.trim()).map_err(|e| format!("Bad request: {e}; send e.g. {{\"op\":\"status\"}}"))
 }
 
-/// A successful reply carrying `body`'s fields.
-pub fn ok<T: Serialize>(body: &T) -> String {
-    let mut value = serde_json::to_value(body).unwrap_or(serde_json::Value::Null);
-    if let Some(map) = value.as_object_mut() {
-        map.insert("ok".into(), true.into());
-    }
-    value.to_string()
+/// A successful reply carrying `answer`'s fields.
+pub fn ok<T: Serialize>(answer: &T) -> String {
+    line(&Reply::Done(answer))
 }
 
 /// A failure reply.
 pub fn error(message: &str) -> String {
-    serde_json::json!({"ok": false, "error": message}).to_string()
+    line(&Reply::<()>::Refused(message.into()))
+}
+
+fn line<T: Serialize>(reply: &Reply<T>) -> String {
+    // Encoding fails only for maps with non-string keys or a failing
+    // `Serialize`; no answer has either.
+    serde_json::to_string(reply).unwrap_or_default()
 }
 
 /// Why the control socket could not be opened.
@@ -273,7 +246,7 @@ mod tests {
 
     #[test]
     fn replies_are_single_json_lines() {
-        let status = Status { state: "running".into(), vcpus: 2, memory_mib: 128, uptime_ms: 5, guest_ready_us: None };
+        let status = Status { state: State::Running, vcpus: 2, memory_mib: 128, uptime_ms: 5, guest_ready_us: None };
         let line = ok(&status);
         assert!(!line.contains('\n'));
         let value: serde_json::Value = serde_json::from_str(&line).expect("JSON");

@@ -34,7 +34,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
-use crate::config::{Console, VmConfig};
+use crate::config::{self, Console, VmConfig};
 
 /// Why the jail could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -141,7 +141,7 @@ impl Jail {
         if let Some(path) = config.net.as_mut().and_then(|n| n.passt_socket.as_mut()) {
             file(path, Access::ReadWrite, false)?;
         }
-        if let Ok(Console::File(path)) = config.console() {
+        if let Ok(Console::File(path)) = config::console(config) {
             let mut path = path;
             file(&mut path, Access::ReadWrite, true)?;
             config.console = format!("file:{}", path.display());

@@ -14,7 +14,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
-use crate::control::{self, ControlServer, Incoming, Request, Status};
+use crate::control::{self, ControlServer, Incoming, Request, Shutdown, State, Status};
 use crate::devices::boot_timer::BootReady;
 use crate::devices::bus::lock;
 use crate::devices::legacy::{I8042, SerialConsole};
@@ -280,7 +280,7 @@ impl Vmm {
                 }
                 Ok(Request::Shutdown { force, timeout_ms }) => {
                     self.shutdown(r, force, timeout_ms.map(Duration::from_millis));
-                    serde_json::json!({"ok": true, "state": "stopping"}).to_string()
+                    control::ok(&Shutdown::Stopping)
                 }
             };
             if let Some(control) = self.parts.control.as_mut() {
@@ -291,12 +291,12 @@ impl Vmm {
 
     fn status(&self, r: &Running) -> Status {
         let state = match r.shared.target() {
-            Target::Run => "running",
-            Target::Pause => "paused",
-            Target::Stop => "stopping",
+            Target::Run => State::Running,
+            Target::Pause => State::Paused,
+            Target::Stop => State::Stopping,
         };
         Status {
-            state: state.into(),
+            state,
             vcpus: u8::try_from(r.handles.len()).unwrap_or(u8::MAX),
             memory_mib: self.parts.memory_mib,
             uptime_ms: u64::try_from(self.parts.started.elapsed().as_millis()).unwrap_or(u64::MAX),

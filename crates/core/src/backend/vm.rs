@@ -28,7 +28,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use moat_proto::{AgentClient, UnixConnector};
-use serde::Serialize;
+use moat_vmm_api::config::{DiskConfig, NetConfig, VmConfig, VsockConfig};
+use moat_vmm_api::control::{Reply, Request, Status};
+use serde::de::DeserializeOwned;
 
 use crate::backend::passt::Passt;
 use crate::backend::rootdisk::RootDisk;
@@ -91,45 +93,69 @@ pub struct Vm {
     logs: Vec<CappedLog>,
 }
 
-/// moat-vmm's configuration file (docs/vmm.md).
-#[derive(Debug, Serialize)]
-struct VmConfig<'a> {
-    kernel: &'a Path,
-    initramfs: &'a Path,
+/// Where a VM's files are: its image's (in the image's directory), and its
+/// own in its state directory. The sockets have a directory of their own:
+/// the jailed VMM sees it (it makes its sockets there), and nothing else of
+/// the state directory but its console and overlay.
+#[derive(Debug)]
+struct VmFiles {
+    kernel: PathBuf,
+    initramfs: PathBuf,
+    rootfs: PathBuf,
+    overlay: PathBuf,
+    console: PathBuf,
+    sockets: PathBuf,
+    vsock: PathBuf,
+    control: PathBuf,
+}
+
+impl VmFiles {
+    fn new(image: &Path, state: &Path) -> Self {
+        let sockets = state.join("sockets");
+        Self {
+            kernel: image.join("vmlinux"),
+            initramfs: image.join("initramfs.cpio.gz"),
+            rootfs: image.join("rootfs.ext4"),
+            overlay: state.join("overlay.img"),
+            console: state.join("console.log"),
+            vsock: sockets.join("vsock.sock"),
+            control: sockets.join("control.sock"),
+            sockets,
+        }
+    }
+}
+
+/// moat-vmm's configuration (docs/vmm.md) for the VM of `spec`: its root
+/// disk under a copy-on-write overlay of at most `overlay_limit_mib`, a
+/// vsock device, the console on an inherited pipe, and a network device
+/// when `passt` (an `open` VM's) is there.
+fn vmm_config(
+    files: &VmFiles,
+    spec: &SandboxSpec,
     cmdline: String,
-    vcpus: u32,
-    memory_mib: u64,
-    disks: Vec<DiskConfig<'a>>,
-    vsock: VsockConfig<'a>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    net: Option<NetConfig>,
-    console: String,
-    control_socket: &'a Path,
-}
-
-/// moat-vmm's network device: passt on an inherited descriptor.
-#[derive(Debug, Serialize)]
-struct NetConfig {
-    passt_fd: i32,
-    mac: &'static str,
-}
-
-#[derive(Debug, Serialize)]
-struct DiskConfig<'a> {
-    path: &'a Path,
-    read_only: bool,
-    overlay: &'a Path,
     overlay_limit_mib: u64,
-}
-
-#[derive(Debug, Serialize)]
-struct VsockConfig<'a> {
-    cid: u32,
-    uds_path: &'a Path,
-    /// The host ports the guest may connect to: none (the host always
-    /// connects to the agent), so the VMM's seccomp filter allows no
-    /// `socket` or `connect` once the guest runs.
-    host_ports: &'a [u32],
+    passt: bool,
+) -> Result<VmConfig, CoreError> {
+    let too_big = |what: &str| CoreError::InvalidSpec(format!("{what} is more than a microVM takes; ask for less"));
+    let mut config = VmConfig::new(&files.kernel);
+    config.initramfs = Some(files.initramfs.clone());
+    config.cmdline = cmdline;
+    config.vcpus = u8::try_from(spec.cpus).map_err(|_| too_big("cpus"))?;
+    config.memory_mib = u32::try_from(spec.memory_mib).map_err(|_| too_big("memory_mib"))?;
+    config.disks = vec![DiskConfig {
+        overlay: Some(files.overlay.clone()),
+        overlay_limit_mib: Some(overlay_limit_mib),
+        ..DiskConfig::new(&files.rootfs, false)
+    }];
+    // The guest may connect to no host port (the host always connects to
+    // the agent), so the VMM's seccomp filter allows no `socket` or
+    // `connect` once the guest runs.
+    config.vsock = Some(VsockConfig { host_ports: Some(Vec::new()), ..VsockConfig::new(GUEST_CID, &files.vsock) });
+    config.net =
+        passt.then(|| NetConfig { mac: crate::passt::GUEST_MAC.into(), ..NetConfig::fd(crate::passt::CHILD_FD) });
+    config.console = format!("fd:{CONSOLE_FD}");
+    config.control_socket = Some(files.control.clone());
+    Ok(config)
 }
 
 impl VmBackend {
@@ -218,35 +244,14 @@ impl Backend for VmBackend {
             }
             None => (None, None),
         };
-        // The sockets have a directory of their own: the jailed VMM sees
-        // it (it makes its sockets there), and nothing else of the state
-        // directory but its console and overlay.
-        let sockets = state.path.join("sockets");
-        std::fs::create_dir(&sockets).map_err(io("creating its socket directory"))?;
-        let vsock = sockets.join("vsock.sock");
-        let control = sockets.join("control.sock");
-        let console = state.path.join("console.log");
-        let overlay = state.path.join("overlay.img");
-        let (kernel, initramfs, rootfs) =
-            (image.path("vmlinux"), image.path("initramfs.cpio.gz"), image.path("rootfs.ext4"));
-        let config = VmConfig {
-            kernel: &kernel,
-            initramfs: &initramfs,
-            cmdline: cmdline_for(hostname, spec),
-            vcpus: spec.cpus,
-            memory_mib: spec.memory_mib,
-            disks: vec![DiskConfig { path: &rootfs, read_only: false, overlay: &overlay, overlay_limit_mib }],
-            vsock: VsockConfig { cid: GUEST_CID, uds_path: &vsock, host_ports: &[] },
-            net: vmm_net_end
-                .as_ref()
-                .map(|_| NetConfig { passt_fd: crate::passt::CHILD_FD, mac: crate::passt::GUEST_MAC }),
-            console: format!("fd:{CONSOLE_FD}"),
-            control_socket: &control,
-        };
+        let files = VmFiles::new(&image.dir, &state.path);
+        std::fs::create_dir(&files.sockets).map_err(io("creating its socket directory"))?;
+        let config = vmm_config(&files, spec, cmdline_for(hostname, spec), overlay_limit_mib, vmm_net_end.is_some())?;
         let config_path = state.path.join("vm.json");
         let text = serde_json::to_vec_pretty(&config).map_err(|e| io("writing its configuration")(e.into()))?;
         std::fs::write(&config_path, text).map_err(io("writing its configuration"))?;
-        let (console_end, console_log) = CappedLog::start(&console, LOG_CAP).map_err(io("creating its console log"))?;
+        let (console_end, console_log) =
+            CappedLog::start(&files.console, LOG_CAP).map_err(io("creating its console log"))?;
         let (log, vmm_log) = CappedLog::start(&state.path.join("vmm.log"), LOG_CAP).map_err(io("creating its log"))?;
         let mut command = Command::new(&self.vmm);
         // Jailed (docs/vmm.md): its own namespaces, a root holding only the
@@ -292,6 +297,7 @@ impl Backend for VmBackend {
         };
         state.record_monitor(vmm.id()).map_err(io("recording its VMM"))?;
         let logs = vec![console_log, vmm_log];
+        let (vsock, control) = (files.vsock, files.control);
         let mut vm =
             Vm { id: id.into(), vmm, exit, state: Some(state), vsock, control, passt, processes: Arc::default(), logs };
         let ready = match vm.wait_ready().await {
@@ -316,10 +322,10 @@ impl Instance for Vm {
     }
 
     fn set_suspended(&self, suspended: bool) -> Result<(), CoreError> {
-        let op = if suspended { "pause" } else { "resume" };
-        self.control(op).map(drop).map_err(|source| CoreError::Io {
+        let request = if suspended { Request::Pause } else { Request::Resume };
+        self.control::<Status>(&request).map(drop).map_err(|source| CoreError::Io {
             id: self.id.clone(),
-            what: format!("asking its VMM to {op}"),
+            what: format!("asking its VMM to {}", request.op()),
             source,
         })
     }
@@ -356,29 +362,32 @@ impl Instance for Vm {
     }
 }
 
-/// One request on a VMM's control socket; its JSON answer (each way
-/// bounded by [`CONTROL_TIMEOUT`]).
-fn control_request(control: &Path, op: &str) -> std::io::Result<serde_json::Value> {
+/// `request` as one line of moat-vmm's control protocol.
+fn request_line(request: &Request) -> std::io::Result<Vec<u8>> {
+    let mut line = serde_json::to_vec(request).map_err(std::io::Error::other)?;
+    line.push(b'\n');
+    Ok(line)
+}
+
+/// One request on a VMM's control socket; its answer (each way bounded by
+/// [`CONTROL_TIMEOUT`]).
+fn control_request<T: DeserializeOwned>(control: &Path, request: &Request) -> std::io::Result<T> {
     let mut stream = UnixStream::connect(control)?;
     stream.set_read_timeout(Some(CONTROL_TIMEOUT))?;
     stream.set_write_timeout(Some(CONTROL_TIMEOUT))?;
-    stream.write_all(format!("{{\"op\":\"{op}\"}}\n").as_bytes())?;
+    stream.write_all(&request_line(request)?)?;
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line)?;
-    let answer: serde_json::Value = serde_json::from_str(&line).map_err(std::io::Error::other)?;
-    if answer["ok"] == serde_json::Value::Bool(true) {
-        Ok(answer)
-    } else {
-        Err(std::io::Error::other(format!("moat-vmm refused {op}: {}", answer["error"])))
-    }
+    let reply: Reply<T> = serde_json::from_str(&line).map_err(std::io::Error::other)?;
+    reply.into_result().map_err(|error| std::io::Error::other(format!("moat-vmm refused {}: {error}", request.op())))
 }
 
 /// Whether the moat-vmm behind `control` reports the guest ready (its boot
 /// timer written); `false` while it cannot be asked.
 async fn guest_ready(control: &Path) -> bool {
     let control = control.to_owned();
-    let status = tokio::task::spawn_blocking(move || control_request(&control, "status")).await;
-    matches!(status, Ok(Ok(status)) if status["guest_ready_us"].is_u64())
+    let status = tokio::task::spawn_blocking(move || control_request::<Status>(&control, &Request::Status)).await;
+    matches!(status, Ok(Ok(Status { guest_ready_us: Some(_), .. })))
 }
 
 impl Vm {
@@ -475,9 +484,9 @@ impl Vm {
         }
     }
 
-    /// One request on the VMM's control socket; its JSON answer.
-    fn control(&self, op: &str) -> std::io::Result<serde_json::Value> {
-        control_request(&self.control, op)
+    /// One request on the VMM's control socket; its answer.
+    fn control<T: DeserializeOwned>(&self, request: &Request) -> std::io::Result<T> {
+        control_request(&self.control, request)
     }
 
     /// Asks the VMM to stop the guest now, waits for it, SIGKILL if it does
@@ -487,7 +496,7 @@ impl Vm {
             // A forced shutdown ends the VM at once, paused or not.
             let forced = UnixStream::connect(&self.control).and_then(|mut s| {
                 s.set_write_timeout(Some(CONTROL_TIMEOUT))?;
-                s.write_all(b"{\"op\":\"shutdown\",\"force\":true}\n")
+                s.write_all(&request_line(&Request::Shutdown { force: true, timeout_ms: None })?)
             });
             if forced.is_err() {
                 let pid = nix::unistd::Pid::from_raw(i32::try_from(self.vmm.id()).unwrap_or(i32::MAX));
@@ -560,36 +569,64 @@ mod tests {
         assert!(!line.split_whitespace().any(|w| w == "moat.ro" || w.starts_with("moat.overlay_mib=")), "{line}");
     }
 
+    /// What core writes is parsed by moat-vmm's own loader and passes its
+    /// validation, with the root disk under an overlay, no host port open to
+    /// the guest, and a network device only for an `open` VM.
     #[test]
     fn the_configuration_is_what_moat_vmm_reads() {
-        let config = VmConfig {
-            kernel: Path::new("/i/vmlinux"),
-            initramfs: Path::new("/i/initramfs.cpio.gz"),
-            cmdline: "x".into(),
-            vcpus: 2,
-            memory_mib: 512,
-            disks: vec![DiskConfig {
-                path: Path::new("/i/rootfs.ext4"),
-                read_only: false,
-                overlay: Path::new("/s/overlay.img"),
-                overlay_limit_mib: 2048,
-            }],
-            vsock: VsockConfig { cid: GUEST_CID, uds_path: Path::new("/s/vsock.sock"), host_ports: &[] },
-            net: None,
-            console: "file:/s/console.log".into(),
-            control_socket: Path::new("/s/control.sock"),
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (image, state) = (dir.path().join("image"), dir.path().join("state"));
+        std::fs::create_dir(&image).expect("image dir");
+        for file in ["vmlinux", "initramfs.cpio.gz", "rootfs.ext4"] {
+            std::fs::write(image.join(file), b"").expect("image file");
+        }
+        let files = VmFiles::new(&image, &state);
+        std::fs::create_dir_all(&files.sockets).expect("socket dir");
+        let spec = SandboxSpec { cpus: 2, memory_mib: 512, ..SandboxSpec::default() };
+        let written = |passt: bool| {
+            let config = vmm_config(&files, &spec, cmdline_for("box", &spec), 2048, passt).expect("configures");
+            let text = serde_json::to_string_pretty(&config).expect("serializes");
+            let read = moat_vmm::config::from_json(&text).expect("moat-vmm parses it");
+            moat_vmm::config::validate(&read).expect("moat-vmm accepts it");
+            read
         };
-        let json = serde_json::to_value(&config).expect("serializes");
-        assert!(json.get("net").is_none(), "no network device unless open: {json}");
-        assert_eq!(json["disks"][0]["read_only"], false);
-        assert_eq!(json["disks"][0]["overlay"], "/s/overlay.img");
-        assert_eq!(json["disks"][0]["overlay_limit_mib"], 2048);
-        assert_eq!(json["vsock"]["cid"], 3);
-        assert_eq!(json["vsock"]["host_ports"], serde_json::json!([]), "the guest connects to no host port");
-        assert_eq!(json["memory_mib"], 512);
-        let open = VmConfig { net: Some(NetConfig { passt_fd: 100, mac: crate::passt::GUEST_MAC }), ..config };
-        let json = serde_json::to_value(&open).expect("serializes");
-        assert_eq!((&json["net"]["passt_fd"], &json["net"]["mac"]), (&100.into(), &"02:6d:6f:61:74:01".into()));
+        let config = written(false);
+        assert!(config.net.is_none(), "no network device unless open: {config:?}");
+        assert_eq!((config.vcpus, config.memory_mib), (2, 512));
+        assert_eq!(config.initramfs.as_deref(), Some(image.join("initramfs.cpio.gz").as_path()));
+        let disk = &config.disks[..];
+        assert_eq!(disk.len(), 1);
+        assert_eq!((&disk[0].path, disk[0].read_only), (&image.join("rootfs.ext4"), false));
+        assert_eq!(disk[0].overlay.as_deref(), Some(state.join("overlay.img").as_path()));
+        assert_eq!(disk[0].overlay_limit_mib, Some(2048));
+        let vsock = config.vsock.as_ref().expect("a vsock device");
+        assert_eq!(vsock.cid, 3);
+        assert!(!vsock.guest_connects(), "the guest connects to no host port");
+        assert_eq!(config.console, "fd:101");
+        assert_eq!(config.control_socket.as_deref(), Some(state.join("sockets/control.sock").as_path()));
+        let net = written(true).net.expect("an open VM's network device");
+        assert_eq!((net.passt_fd, net.mac.as_str()), (Some(crate::passt::CHILD_FD), "02:6d:6f:61:74:01"));
+    }
+
+    #[test]
+    fn more_cpus_than_a_configuration_holds_are_refused() {
+        let files = VmFiles::new(Path::new("/i"), Path::new("/s"));
+        let spec = SandboxSpec { cpus: 256, ..SandboxSpec::default() };
+        let e = vmm_config(&files, &spec, String::new(), 1, false).expect_err("too many");
+        assert!(e.to_string().contains("cpus"), "{e}");
+    }
+
+    /// The control requests core sends are the lines moat-vmm parses.
+    #[test]
+    fn control_requests_are_lines_moat_vmm_parses() {
+        for request in
+            [Request::Status, Request::Pause, Request::Resume, Request::Shutdown { force: true, timeout_ms: None }]
+        {
+            let line = request_line(&request).expect("encodes");
+            assert_eq!(line.last(), Some(&b'\n'));
+            let text = String::from_utf8(line).expect("UTF-8");
+            assert_eq!(moat_vmm::control::parse(&text), Ok(request));
+        }
     }
 
     #[test]

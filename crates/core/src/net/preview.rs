@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use moat_proto::{AgentClient, UnixConnector};
 use serde::{Deserialize, Serialize};
+use subtle::ConstantTimeEq;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -36,8 +37,10 @@ use tokio::task::JoinSet;
 
 use crate::error::CoreError;
 
-/// The largest first request head a link reads.
+/// The largest request head a link reads.
 const MAX_HEAD: usize = 16 * 1024;
+/// The most headers a request head may have.
+const MAX_HEADERS: usize = 128;
 /// How long a client may take to send its first request head.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections one link carries at once.
@@ -121,6 +124,14 @@ struct Guard {
     port: u16,
 }
 
+impl Guard {
+    /// Whether `value` is this link's token, compared in time that does not
+    /// depend on where they differ.
+    fn is_token(&self, value: &str) -> bool {
+        value.as_bytes().ct_eq(self.token.as_bytes()).into()
+    }
+}
+
 async fn serve(listener: TcpListener, guard: Arc<Guard>, connect: Connect) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let mut connections = JoinSet::new();
@@ -158,21 +169,52 @@ enum Verdict {
     Refuse(&'static str),
 }
 
-/// The value of each header `name` in `head`.
-fn header_values<'a>(head: &'a str, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
-    head.lines()
-        .skip(1)
-        .filter_map(|l| l.split_once(':'))
-        .filter(move |(n, _)| n.trim().eq_ignore_ascii_case(name))
-        .map(|(_, v)| v.trim())
+/// A request head, parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Head {
+    method: String,
+    /// The request target as sent: `/path?query`.
+    target: String,
+    /// The `x` of `HTTP/1.x`.
+    version: u8,
+    /// Each header's name and value (without the spaces around it), in order.
+    headers: Vec<(String, String)>,
 }
 
-fn judge(head: &str, guard: &Guard) -> Verdict {
-    let line = head.lines().next().unwrap_or_default();
-    let mut words = line.split(' ');
-    let (Some(_method), Some(target)) = (words.next(), words.next()) else {
-        return Verdict::Refuse("not an HTTP request");
-    };
+impl Head {
+    /// Parses the head at the start of `bytes`: the head and its length
+    /// through its blank line, or `None` while it is not complete. A line
+    /// that is no header (an obsolete folded continuation, say) is dropped:
+    /// a header's value is judged whole or not forwarded.
+    fn parse(bytes: &[u8]) -> Result<Option<(Self, usize)>, httparse::Error> {
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut request = httparse::Request::new(&mut headers);
+        let mut config = httparse::ParserConfig::default();
+        config.ignore_invalid_headers_in_requests(true);
+        let httparse::Status::Complete(len) = config.parse_request(&mut request, bytes)? else {
+            return Ok(None);
+        };
+        let head = Self {
+            method: request.method.unwrap_or_default().to_owned(),
+            target: request.path.unwrap_or_default().to_owned(),
+            version: request.version.unwrap_or(1),
+            headers: request
+                .headers
+                .iter()
+                .map(|h| (h.name.to_owned(), String::from_utf8_lossy(h.value).into_owned()))
+                .collect(),
+        };
+        Ok(Some((head, len)))
+    }
+
+    /// The value of each header `name`.
+    fn values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.headers.iter().filter(move |(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+}
+
+fn judge(head: &Head, guard: &Guard) -> Verdict {
+    let target = head.target.as_str();
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     let mut kept = Vec::new();
     let mut from_query = None;
@@ -182,10 +224,10 @@ fn judge(head: &str, guard: &Guard) -> Verdict {
             None => kept.push(pair),
         }
     }
-    let site = header_values(head, "sec-fetch-site").next().map(str::to_ascii_lowercase);
+    let site = head.values("sec-fetch-site").next().map(str::to_ascii_lowercase);
     let own_pages = site.as_deref().is_none_or(|s| s == "same-origin" || s == "none");
     if let Some(value) = from_query {
-        if !same(value, &guard.token) {
+        if !guard.is_token(value) {
             return Verdict::Refuse("the token in the address is not this link's");
         }
         let location = if kept.is_empty() { path.to_owned() } else { format!("{path}?{}", kept.join("&")) };
@@ -195,10 +237,11 @@ fn judge(head: &str, guard: &Guard) -> Verdict {
     if !own_pages {
         return Verdict::Refuse("a page of another site (another preview link's, say) may not use this link");
     }
-    if header_values(head, "origin").any(|origin| origin != guard.origin) {
+    if head.values("origin").any(|origin| origin != guard.origin) {
         return Verdict::Refuse("a page of another origin (another preview link's, say) may not use this link");
     }
-    let mut cookies = header_values(head, "cookie")
+    let mut cookies = head
+        .values("cookie")
         .flat_map(|value| value.split(';'))
         .filter_map(|c| c.trim().split_once('='))
         .filter(|(name, _)| *name == guard.cookie)
@@ -208,7 +251,7 @@ fn judge(head: &str, guard: &Guard) -> Verdict {
     }
     // Any cookie of this name with the right value counts: another page
     // may set one of the same name, but cannot unset the right one.
-    if cookies.any(|(_, value)| same(value, &guard.token)) {
+    if cookies.any(|(_, value)| guard.is_token(value)) {
         Verdict::Forward
     } else {
         Verdict::Refuse("the cookie holds another token")
@@ -217,17 +260,11 @@ fn judge(head: &str, guard: &Guard) -> Verdict {
 
 /// `head` as it may enter the sandbox: without `moat_*` cookies, `X-Moat-*`
 /// headers or an `Authorization` holding a host secret ([`never_forward`]).
-fn clean_head(head: &str) -> String {
+fn clean_head(head: &Head) -> String {
     let secrets = NEVER_FORWARD.lock().unwrap_or_else(PoisonError::into_inner).clone();
-    let mut lines = head.split("\r\n");
-    let mut out = String::with_capacity(head.len());
-    out.push_str(lines.next().unwrap_or_default());
-    out.push_str("\r\n");
-    // Folded continuation lines (obsolete; no browser sends them) are
-    // dropped: a header's value is judged whole or not forwarded.
-    for line in lines.filter(|l| !l.is_empty() && !l.starts_with([' ', '\t'])) {
-        let Some((name, value)) = line.split_once(':') else { continue };
-        let lower = name.trim().to_ascii_lowercase();
+    let mut out = format!("{} {} HTTP/1.{}\r\n", head.method, head.target, head.version);
+    for (name, value) in &head.headers {
+        let lower = name.to_ascii_lowercase();
         if lower.starts_with("x-moat") || lower.starts_with("moat") {
             continue;
         }
@@ -248,8 +285,7 @@ fn clean_head(head: &str) -> String {
             }
             continue;
         }
-        out.push_str(line);
-        out.push_str("\r\n");
+        out.push_str(&format!("{name}: {value}\r\n"));
     }
     out.push_str("\r\n");
     out
@@ -266,14 +302,14 @@ enum Body {
     Unsupported,
 }
 
-fn body_of(head: &str) -> Body {
-    if header_values(head, "transfer-encoding").next().is_some() {
+fn body_of(head: &Head) -> Body {
+    if head.values("transfer-encoding").next().is_some() {
         return Body::Unsupported;
     }
-    if header_values(head, "upgrade").next().is_some() {
+    if head.values("upgrade").next().is_some() {
         return Body::Upgrade;
     }
-    let mut lengths = header_values(head, "content-length");
+    let mut lengths = head.values("content-length");
     match (lengths.next().map(str::parse::<u64>), lengths.next()) {
         (None, _) => Body::Length(0),
         (Some(Ok(n)), None) => Body::Length(n),
@@ -281,22 +317,14 @@ fn body_of(head: &str) -> Body {
     }
 }
 
-/// Compares without stopping at the first difference.
-fn same(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 async fn connection(mut stream: TcpStream, guard: &Guard, connect: &Connect) {
     let (head, rest) = match tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream, Vec::new())).await {
-        Ok(Some(read)) => read,
+        Ok(Some((Ok(head), rest))) => (head, rest),
+        Ok(Some((Err(_), _))) => return refuse(stream, guard, "not an HTTP request").await,
         _ => return answer(stream, "400 Bad Request", "No complete request head.".into(), None).await,
     };
-    let text = String::from_utf8_lossy(&head).into_owned();
-    match judge(&text, guard) {
-        Verdict::Refuse(why) => {
-            let body = format!("moat preview link for sandbox port {}: refused: {why}.", guard.port);
-            answer(stream, "403 Forbidden", body, None).await;
-        }
+    match judge(&head, guard) {
+        Verdict::Refuse(why) => refuse(stream, guard, why).await,
         Verdict::Redirect { location, page } => {
             let cookie = format!("Set-Cookie: {}={}; Path=/; HttpOnly; SameSite=Strict\r\n", guard.cookie, guard.token);
             if page {
@@ -315,7 +343,7 @@ async fn connection(mut stream: TcpStream, guard: &Guard, connect: &Connect) {
             }
         }
         Verdict::Forward => {
-            if body_of(&text) == Body::Unsupported {
+            if body_of(&head) == Body::Unsupported {
                 let why = "a request body must have one Content-Length (chunked bodies are not forwarded)";
                 return answer(stream, "411 Length Required", why.into(), None).await;
             }
@@ -329,7 +357,7 @@ async fn connection(mut stream: TcpStream, guard: &Guard, connect: &Connect) {
             };
             let (mut from_client, mut to_client) = stream.into_split();
             let (mut from_sandbox, mut to_sandbox) = tokio::io::split(upstream);
-            let requests = forward_requests(&mut from_client, &mut to_sandbox, guard, text, rest);
+            let requests = forward_requests(&mut from_client, &mut to_sandbox, guard, head, rest);
             tokio::select! {
                 () = requests => {}
                 _ = tokio::io::copy(&mut from_sandbox, &mut to_client) => {}
@@ -345,7 +373,7 @@ async fn forward_requests(
     from_client: &mut (impl tokio::io::AsyncRead + Unpin),
     to_sandbox: &mut (impl tokio::io::AsyncWrite + Unpin),
     guard: &Guard,
-    mut head: String,
+    mut head: Head,
     mut buffered: Vec<u8>,
 ) {
     loop {
@@ -384,32 +412,41 @@ async fn forward_requests(
                 }
             }
         }
-        let Some((next, rest)) = read_head(from_client, buffered).await else { return };
-        head = String::from_utf8_lossy(&next).into_owned();
+        let Some((Ok(next), rest)) = read_head(from_client, buffered).await else { return };
+        head = next;
         buffered = rest;
     }
 }
 
 /// Reads one request head (through its blank line) after the bytes
-/// already `buf`fered; returns it and what came after it.
-async fn read_head(stream: &mut (impl tokio::io::AsyncRead + Unpin), mut buf: Vec<u8>) -> Option<(Vec<u8>, Vec<u8>)> {
+/// already `buf`fered; returns it, or why it is not one, and what came
+/// after it. `None`: the client ended first, or the head is longer than
+/// [`MAX_HEAD`].
+async fn read_head(
+    stream: &mut (impl tokio::io::AsyncRead + Unpin),
+    mut buf: Vec<u8>,
+) -> Option<(Result<Head, httparse::Error>, Vec<u8>)> {
     let mut chunk = [0u8; 4096];
-    let mut from = 0;
     loop {
-        if let Some(end) = buf[from..].windows(4).position(|w| w == b"\r\n\r\n") {
-            let rest = buf.split_off(from + end + 4);
-            return Some((buf, rest));
+        match Head::parse(&buf) {
+            Ok(Some((head, len))) if len <= MAX_HEAD => return Some((Ok(head), buf.split_off(len))),
+            Ok(Some(_)) => return None,
+            Ok(None) if buf.len() >= MAX_HEAD => return None,
+            Ok(None) => {}
+            Err(e) => return Some((Err(e), Vec::new())),
         }
-        if buf.len() > MAX_HEAD {
-            return None;
-        }
-        from = buf.len().saturating_sub(3);
         let n = stream.read(&mut chunk).await.ok()?;
         if n == 0 {
             return None;
         }
         buf.extend_from_slice(&chunk[..n]);
     }
+}
+
+/// Answers 403 with `why`, then closes.
+async fn refuse(stream: TcpStream, guard: &Guard, why: &str) {
+    let body = format!("moat preview link for sandbox port {}: refused: {why}.", guard.port);
+    answer(stream, "403 Forbidden", body, None).await;
 }
 
 async fn answer(mut stream: TcpStream, status: &str, body: String, headers: Option<String>) {
@@ -425,15 +462,18 @@ async fn answer(mut stream: TcpStream, status: &str, body: String, headers: Opti
 
 /// 32 random hex digits.
 fn new_token() -> std::io::Result<String> {
-    use std::io::Read;
     let mut bytes = [0u8; 16];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    getrandom::fill(&mut bytes)?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn parsed(text: &str) -> Head {
+        Head::parse(text.as_bytes()).expect("a request head").expect("complete").0
+    }
 
     fn guard() -> Guard {
         Guard {
@@ -449,23 +489,23 @@ mod tests {
         let token = "a".repeat(32);
         let g = guard();
         assert_eq!(
-            judge(&format!("GET /app?x=1&moat_token={token} HTTP/1.1\r\n\r\n"), &g),
+            judge(&parsed(&format!("GET /app?x=1&moat_token={token} HTTP/1.1\r\n\r\n")), &g),
             Verdict::Redirect { location: "/app?x=1".into(), page: false }
         );
         assert_eq!(
-            judge(&format!("GET /?moat_token={token} HTTP/1.1\r\n\r\n"), &g),
+            judge(&parsed(&format!("GET /?moat_token={token} HTTP/1.1\r\n\r\n")), &g),
             Verdict::Redirect { location: "/".into(), page: false }
         );
         assert_eq!(
-            judge(&format!("GET /x HTTP/1.1\r\nCookie: a=b; moat_preview_4000={token}\r\n\r\n"), &g),
+            judge(&parsed(&format!("GET /x HTTP/1.1\r\nCookie: a=b; moat_preview_4000={token}\r\n\r\n")), &g),
             Verdict::Forward
         );
-        assert!(matches!(judge("GET / HTTP/1.1\r\n\r\n", &g), Verdict::Refuse(_)));
-        assert!(matches!(judge("GET /?moat_token=bbbb HTTP/1.1\r\n\r\n", &g), Verdict::Refuse(_)));
+        assert!(matches!(judge(&parsed("GET / HTTP/1.1\r\n\r\n"), &g), Verdict::Refuse(_)));
+        assert!(matches!(judge(&parsed("GET /?moat_token=bbbb HTTP/1.1\r\n\r\n"), &g), Verdict::Refuse(_)));
         let other_link = format!("GET / HTTP/1.1\r\nCookie: moat_preview_4001={token}\r\n\r\n");
-        assert!(matches!(judge(&other_link, &g), Verdict::Refuse(_)), "another link's cookie does not count");
+        assert!(matches!(judge(&parsed(&other_link), &g), Verdict::Refuse(_)), "another link's cookie does not count");
         let wrong = format!("GET / HTTP/1.1\r\nCookie: moat_preview_4000={}\r\n\r\n", "b".repeat(32));
-        assert!(matches!(judge(&wrong, &g), Verdict::Refuse(_)));
+        assert!(matches!(judge(&parsed(&wrong), &g), Verdict::Refuse(_)));
     }
 
     #[test]
@@ -474,16 +514,16 @@ mod tests {
         let head = "GET /x HTTP/1.1\r\nHost: 127.0.0.1:4000\r\nCookie: app=1; moat_preview_4000=aaaa; \
                     MOAT_preview_4001=bbbb; theme=dark\r\nCookie: moat_preview_4002=cccc\r\n\
                     Authorization: Bearer host-secret-0123456789\r\nX-Moat-Token: t\r\nAccept: */*\r\n\r\n";
-        let clean = clean_head(head);
+        let clean = clean_head(&parsed(head));
         assert!(clean.starts_with("GET /x HTTP/1.1\r\nHost: 127.0.0.1:4000\r\n"), "{clean}");
         assert!(clean.contains("Cookie: app=1; theme=dark\r\n") && clean.contains("Accept: */*"), "{clean}");
         for gone in ["moat_preview", "MOAT_preview", "aaaa", "bbbb", "cccc", "host-secret", "X-Moat"] {
             assert!(!clean.contains(gone), "{gone} was forwarded: {clean}");
         }
         assert!(clean.ends_with("\r\n\r\n"));
-        let folded = clean_head("GET / HTTP/1.1\r\nCookie: a=1\r\n b=2; moat_preview_1=t; c:d\r\n\r\n");
+        let folded = clean_head(&parsed("GET / HTTP/1.1\r\nCookie: a=1\r\n b=2; moat_preview_1=t; c:d\r\n\r\n"));
         assert!(!folded.contains("moat_preview") && folded.contains("Cookie: a=1\r\n"), "{folded}");
-        let basic = clean_head("GET / HTTP/1.1\r\nAuthorization: Basic dXNlcjpwYXNz\r\n\r\n");
+        let basic = clean_head(&parsed("GET / HTTP/1.1\r\nAuthorization: Basic dXNlcjpwYXNz\r\n\r\n"));
         assert!(basic.contains("Authorization: Basic"), "the app's own credentials pass: {basic}");
     }
 
@@ -498,7 +538,7 @@ mod tests {
             format!("POST / HTTP/1.1\r\n{cookie}\r\nOrigin: http://127.0.0.1:4001\r\n\r\n"),
             format!("GET /ws HTTP/1.1\r\n{cookie}\r\nUpgrade: websocket\r\nOrigin: http://127.0.0.1:4001\r\n\r\n"),
         ] {
-            assert!(matches!(judge(&from_elsewhere, &g), Verdict::Refuse(_)), "{from_elsewhere}");
+            assert!(matches!(judge(&parsed(&from_elsewhere), &g), Verdict::Refuse(_)), "{from_elsewhere}");
         }
         for own in [
             format!(
@@ -507,21 +547,24 @@ mod tests {
             format!("GET / HTTP/1.1\r\n{cookie}\r\nSec-Fetch-Site: none\r\n\r\n"),
             format!("GET / HTTP/1.1\r\nCookie: moat_preview_4000=forged; moat_preview_4000={token}\r\n\r\n"),
         ] {
-            assert_eq!(judge(&own, &g), Verdict::Forward, "{own}");
+            assert_eq!(judge(&parsed(&own), &g), Verdict::Forward, "{own}");
         }
         // Opened from another site, the token's page navigates itself, so
         // that the cookie goes with a same-origin request.
         let opened = format!("GET /?moat_token={token} HTTP/1.1\r\nSec-Fetch-Site: cross-site\r\n\r\n");
-        assert_eq!(judge(&opened, &g), Verdict::Redirect { location: "/".into(), page: true });
+        assert_eq!(judge(&parsed(&opened), &g), Verdict::Redirect { location: "/".into(), page: true });
     }
 
     #[test]
     fn bodies_are_framed_by_length_only() {
-        assert_eq!(body_of("POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\n"), Body::Length(5));
-        assert_eq!(body_of("GET / HTTP/1.1\r\n\r\n"), Body::Length(0));
-        assert_eq!(body_of("GET / HTTP/1.1\r\nUpgrade: websocket\r\n\r\n"), Body::Upgrade);
-        assert_eq!(body_of("POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"), Body::Unsupported);
-        assert_eq!(body_of("POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"), Body::Unsupported);
+        assert_eq!(body_of(&parsed("POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\n")), Body::Length(5));
+        assert_eq!(body_of(&parsed("GET / HTTP/1.1\r\n\r\n")), Body::Length(0));
+        assert_eq!(body_of(&parsed("GET / HTTP/1.1\r\nUpgrade: websocket\r\n\r\n")), Body::Upgrade);
+        assert_eq!(body_of(&parsed("POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")), Body::Unsupported);
+        assert_eq!(
+            body_of(&parsed("POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n")),
+            Body::Unsupported
+        );
     }
 
     #[tokio::test]
@@ -535,10 +578,44 @@ mod tests {
         );
         let mut client = later.as_bytes();
         let mut sandbox = Vec::new();
-        forward_requests(&mut client, &mut sandbox, &g, first, Vec::new()).await;
+        forward_requests(&mut client, &mut sandbox, &g, parsed(&first), Vec::new()).await;
         let seen = String::from_utf8_lossy(&sandbox);
         assert!(seen.contains("GET /1 HTTP/1.1\r\n") && seen.contains("POST /2 HTTP/1.1\r\n"), "{seen}");
         assert!(seen.ends_with("\r\n\r\nbody"), "the body passes, the refused third request does not: {seen}");
         assert!(!seen.contains("moat_preview") && !seen.contains("other"), "{seen}");
+    }
+
+    #[tokio::test]
+    async fn a_head_is_read_across_reads_up_to_its_limit() {
+        use tokio::io::AsyncReadExt as _;
+        let mut split = (&b"GET /x HTTP/1.1\r\nCoo"[..]).chain(&b"kie: a=1\r\n\r\nnext"[..]);
+        let (head, rest) = read_head(&mut split, Vec::new()).await.expect("a head");
+        assert_eq!(head.expect("parses").values("cookie").collect::<Vec<_>>(), ["a=1"]);
+        assert_eq!(rest, b"next");
+        let head_of = |len: usize| {
+            let start = "GET / HTTP/1.1\r\nX-Pad: ";
+            format!("{start}{}\r\n\r\n", "a".repeat(len - start.len() - 4))
+        };
+        let mut at_limit = head_of(MAX_HEAD);
+        assert!(matches!(read_head(&mut at_limit.as_bytes(), Vec::new()).await, Some((Ok(_), _))));
+        at_limit.insert(24, 'a');
+        assert!(read_head(&mut at_limit.as_bytes(), Vec::new()).await.is_none(), "one byte over the limit");
+        let endless = "GET / HTTP/1.1\r\nX-Pad: ".to_owned() + &"a".repeat(2 * MAX_HEAD);
+        assert!(read_head(&mut endless.as_bytes(), Vec::new()).await.is_none());
+        let garbage = read_head(&mut &b"NOT HTTP\r\n\r\n"[..], Vec::new()).await;
+        assert!(matches!(garbage, Some((Err(_), _))), "refused as not an HTTP request");
+    }
+
+    #[test]
+    fn bare_line_feeds_end_lines_as_crlf_does() {
+        let head = parsed("GET / HTTP/1.1\nCookie: a=1\nX-Moat-Token: t\r\nAccept: */*\n\n");
+        let clean = clean_head(&head);
+        assert_eq!(clean, "GET / HTTP/1.1\r\nCookie: a=1\r\nAccept: */*\r\n\r\n");
+    }
+
+    #[test]
+    fn a_head_of_too_many_headers_is_not_one() {
+        let head = format!("GET / HTTP/1.1\r\n{}\r\n", "A: b\r\n".repeat(MAX_HEADERS + 1));
+        assert_eq!(Head::parse(head.as_bytes()), Err(httparse::Error::TooManyHeaders));
     }
 }

@@ -23,9 +23,33 @@
 
 use moat_core::NetworkPolicy;
 use moat_proto::ExecRequest;
-use serde_json::{Value, json};
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::json;
 
-use crate::tools::{Outcome, Session, ToolError, required, str_arg, target};
+use super::{CallContext, Outcome, RichOutcome, SandboxRef, Session, Tool, ToolError, plain};
+
+/// The arguments of `git_clone`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(extend("additionalProperties" = false))]
+pub(crate) struct GitClone {
+    url: String,
+    path: Option<String>,
+    branch: Option<String>,
+    commit: Option<String>,
+    username: Option<String>,
+    token: Option<String>,
+    #[serde(flatten)]
+    sandbox: SandboxRef,
+}
+
+impl Tool for GitClone {
+    const NAME: &'static str = "git_clone";
+
+    async fn run(self, server: &Session<'_>, _context: &CallContext) -> RichOutcome {
+        plain(git_clone(server, self).await)
+    }
+}
 
 /// How long a clone may take.
 const CLONE_TIMEOUT_MS: u64 = 600_000;
@@ -121,13 +145,19 @@ fn url_host(url: &str) -> Result<(String, String), ToolError> {
             "put credentials in username and token, not in the URL (where they would end up in logs)".into(),
         ));
     }
-    let host = match authority.strip_prefix('[') {
-        Some(v6) => v6.split(']').next().unwrap_or_default(),
-        None => authority.split(':').next().unwrap_or_default(),
+    // The authority alone is parsed: the same text git takes as the host
+    // (and whose port it names in credential requests).
+    let host = url::Url::parse(&format!("https://{authority}/")).ok().and_then(|parsed| {
+        Some(match parsed.host()? {
+            url::Host::Domain(name) => name.to_owned(),
+            url::Host::Ipv4(address) => address.to_string(),
+            url::Host::Ipv6(address) => address.to_string(),
+        })
+    });
+    let host = match host {
+        Some(host) if !host.is_empty() && !url.chars().any(|c| c.is_control() || c == ' ') => host,
+        _ => return Err(ToolError(format!("url {url:?} has no host or holds spaces or control characters"))),
     };
-    if host.is_empty() || url.chars().any(|c| c.is_control() || c == ' ') {
-        return Err(ToolError(format!("url {url:?} has no host or holds spaces or control characters")));
-    }
     if !authority.chars().all(|c| c.is_ascii_alphanumeric() || "-.:[]".contains(c)) {
         return Err(ToolError(format!("url {url:?} has characters a host name cannot hold")));
     }
@@ -166,13 +196,13 @@ fn check_ref(what: &str, value: &str, hex_only: bool) -> Result<(), ToolError> {
 }
 
 /// Replaces every occurrence of the secrets with `***`.
-pub fn scrub(text: &str, secrets: &[&str]) -> String {
+fn scrub(text: &str, secrets: &[&str]) -> String {
     secrets.iter().filter(|s| s.len() >= 4).fold(text.to_owned(), |text, secret| text.replace(secret, "***"))
 }
 
-pub async fn git_clone(server: &Session<'_>, args: &Value) -> Outcome {
-    let url = required(args, "url")?;
-    let token = str_arg(args, "token")?.unwrap_or_default();
+async fn git_clone(server: &Session<'_>, args: GitClone) -> Outcome {
+    let url = args.url.as_str();
+    let token = args.token.as_deref().unwrap_or_default();
     let secrets = [token];
     // Errors of the arguments are built from the URL, which has no token
     // in it (refused above) — but scrub them too.
@@ -190,24 +220,24 @@ pub async fn git_clone(server: &Session<'_>, args: &Value) -> Outcome {
     if !grants.allows_network(NetworkPolicy::Filtered) {
         return Err(ToolError(grants.refuse_network(NetworkPolicy::Filtered, "git_clone needs").to_string()));
     }
-    let path = match str_arg(args, "path")? {
+    let path = match args.path.as_deref() {
         Some(path) if path.starts_with('/') => path.to_owned(),
         Some(path) => format!("/home/user/{path}"),
         None => default_path(url)?,
     };
-    let branch = str_arg(args, "branch")?.unwrap_or_default();
+    let branch = args.branch.as_deref().unwrap_or_default();
     if !branch.is_empty() {
         check_ref("branch", branch, false)?;
     }
-    let commit = str_arg(args, "commit")?.unwrap_or_default();
+    let commit = args.commit.as_deref().unwrap_or_default();
     if !commit.is_empty() {
         check_ref("commit", commit, true)?;
     }
-    let username = str_arg(args, "username")?.unwrap_or("x-access-token");
+    let username = args.username.as_deref().unwrap_or("x-access-token");
     if token.chars().any(char::is_control) || username.chars().any(char::is_control) {
         return Err(ToolError("username and token must not hold control characters".into()));
     }
-    let id = target(server, args).await?;
+    let id = args.sandbox.resolve(server).await?;
     let sandbox = server.moat.get(&id)?;
     if sandbox.spec.network == NetworkPolicy::None {
         return Err(ToolError(format!(
@@ -322,6 +352,19 @@ mod tests {
         ] {
             assert!(url_host(bad).is_err(), "{bad}");
         }
+        let host = |url: &str| url_host(url).map(|(_, h)| h).ok();
+        assert_eq!(host("https://[::1]:8443/r.git"), Some("::1".into()));
+        assert_eq!(url_host("https://[::1]:8443/r.git").map(|(a, _)| a).ok(), Some("[::1]:8443".into()));
+        assert_eq!(host("https://127.0.0.1:8443/r.git"), Some("127.0.0.1".into()));
+        assert_eq!(host("https://git.test/r?x#y"), Some("git.test".into()));
+        let message = |url: &str| url_host(url).err().map(|e| e.0).unwrap_or_default();
+        for empty in ["https:///x", "https:////x", "https://:443/x", "https://[]/x", "https:// x/r", "https://a\tb/r"] {
+            assert!(message(empty).contains("has no host or holds spaces or control characters"), "{empty}");
+        }
+        assert!(message("https://git.test$(id)/r").contains("has characters a host name cannot hold"));
+        assert!(message("git@github.com:a/b.git").contains("is not an http(s) URL"));
+        assert!(message("http://github.com/a/b").contains("url scheme \"http\" is not supported"));
+        assert!(message("https://u:t@github.com/a/b").starts_with("put credentials in username and token"));
         assert_eq!(default_path("https://github.com/a/repo.git/").ok(), Some("/workspace/repo".into()));
         assert!(default_path("https://github.com/").is_err());
     }

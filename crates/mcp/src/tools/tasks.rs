@@ -1,0 +1,118 @@
+//! The task tools: `task_start`, `task_diff`, `task_finish` and
+//! `remove_task`. A session sees only the tasks it started (or, over
+//! stdio, every retained record).
+
+use moat_core::SandboxSpec;
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::{CallContext, Outcome, RichOutcome, Session, Tool, ToolError, clip, plain};
+
+/// The arguments of `task_start`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(extend("additionalProperties" = false))]
+pub(crate) struct TaskStart {
+    source: String,
+    name: Option<String>,
+}
+
+impl Tool for TaskStart {
+    const NAME: &'static str = "task_start";
+
+    async fn run(self, server: &Session<'_>, _context: &CallContext) -> RichOutcome {
+        plain(task_start(server, self).await)
+    }
+}
+
+/// The arguments of `task_diff`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(extend("additionalProperties" = false))]
+pub(crate) struct TaskDiff {
+    task_id: String,
+}
+
+impl Tool for TaskDiff {
+    const NAME: &'static str = "task_diff";
+
+    async fn run(self, server: &Session<'_>, _context: &CallContext) -> RichOutcome {
+        plain(task_diff(server, &self.task_id).await)
+    }
+}
+
+/// The arguments of `task_finish`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(extend("additionalProperties" = false))]
+pub(crate) struct TaskFinish {
+    task_id: String,
+    keep_sandbox: Option<bool>,
+}
+
+impl Tool for TaskFinish {
+    const NAME: &'static str = "task_finish";
+
+    async fn run(self, server: &Session<'_>, _context: &CallContext) -> RichOutcome {
+        plain(task_finish(server, &self.task_id, self.keep_sandbox.unwrap_or(false)).await)
+    }
+}
+
+/// The arguments of `remove_task`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[schemars(extend("additionalProperties" = false))]
+pub(crate) struct RemoveTask {
+    task_id: String,
+}
+
+impl Tool for RemoveTask {
+    const NAME: &'static str = "remove_task";
+
+    async fn run(self, server: &Session<'_>, _context: &CallContext) -> RichOutcome {
+        plain(remove_task(server, &self.task_id))
+    }
+}
+
+/// Checks that task `id` was started in this session.
+fn own_task(server: &Session<'_>, id: &str) -> Result<(), ToolError> {
+    if server.scope.sees_task(id) {
+        Ok(())
+    } else {
+        Err(ToolError(format!("No task {id:?} in this session; list_sandboxes shows this session's tasks")))
+    }
+}
+
+async fn task_start(server: &Session<'_>, args: TaskStart) -> Outcome {
+    let spec = SandboxSpec { name: args.name, ..server.defaults.clone() };
+    let task = server.moat.task_start(std::path::Path::new(&args.source), spec).await?;
+    server.scope.adopt(&task.sandbox_id, true);
+    server.scope.adopt_task(&task.id);
+    Ok(json!({
+        "task_id": task.id, "sandbox_id": task.sandbox_id, "runtime": task.runtime, "files": task.files,
+        "workspace": "/workspace",
+    }))
+}
+
+async fn task_diff(server: &Session<'_>, task_id: &str) -> Outcome {
+    own_task(server, task_id)?;
+    let (diff, summary) = server.moat.task_diff(task_id).await?;
+    let (diff, truncated) = clip(&diff);
+    Ok(json!({ "diff": diff, "summary": summary, "truncated": truncated }))
+}
+
+async fn task_finish(server: &Session<'_>, task_id: &str, keep_sandbox: bool) -> Outcome {
+    own_task(server, task_id)?;
+    let record = server.moat.task_finish(task_id, keep_sandbox).await?;
+    if !record.sandbox_kept {
+        server.scope.forget(&record.task.sandbox_id);
+    }
+    Ok(json!({
+        "task_id": record.task.id, "patch_path": record.patch_path, "log_path": record.log_path,
+        "summary": record.summary, "sandbox_kept": record.sandbox_kept,
+    }))
+}
+
+fn remove_task(server: &Session<'_>, id: &str) -> Outcome {
+    own_task(server, id)?;
+    server.moat.remove_task(id)?;
+    server.scope.forget_task(id);
+    Ok(json!({ "ok": true, "message": format!("task record {id} removed") }))
+}
