@@ -150,14 +150,16 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     let root = prepare_root(spec)?;
     let mut cgroups = spec.cgroups.clone();
     let mut user_cgroups = Vec::new();
+    let mut split = None;
     if spec.cgroups_on_stdin {
         let mut lines = std::io::BufRead::lines(std::io::stdin().lock());
         loop {
             match lines.next() {
                 Some(Ok(line)) if line.is_empty() => break,
-                Some(Ok(line)) => match parse_user_cgroup(&line) {
-                    Some(user) => user_cgroups.push(user),
-                    None => cgroups.push(line.into()),
+                Some(Ok(line)) => match (parse_user_cgroup(&line), Split::parse(&line)) {
+                    (Some(user), _) => user_cgroups.push(user),
+                    (None, Some(line)) => split = Some(line),
+                    (None, None) => cgroups.push(line.into()),
                 },
                 // The host went away before sending: nothing to start for.
                 None | Some(Err(_)) => return Ok(1),
@@ -226,6 +228,9 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     let pid = step("clone", cloned)?;
     CHILD.store(pid.as_raw(), std::sync::atomic::Ordering::SeqCst);
     map_ids(pid, spec)?;
+    if let Some(split) = &split {
+        split.finish(pid, spec.id_base)?;
+    }
     // pasta dies with this monitor (PR_SET_PDEATHSIG; the monitor is
     // single-threaded, so no thread's exit sets it off early).
     let _pasta = match &spec.pasta {
@@ -448,6 +453,72 @@ extern "C" fn on_term(_: libc::c_int) {
     if pid > 0 {
         // SAFETY: kill(2) is async-signal-safe and touches no memory.
         unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+}
+
+/// The cgroup v2 split of a sandbox's cgroup, finished here: the line
+/// `split <dir> <user memory bytes> <user pids>` from the host.
+///
+/// The host made `<dir>` with the sandbox's limits and its empty `agent`
+/// and `user` children; this monitor joined `<dir>` before cloning, so the
+/// sandbox's cgroup namespace is rooted there, above both halves (where
+/// the cgroup file system is mounted with `nsdelegate`, as systemd does, a
+/// process may move others only within its namespace). cgroup v2 keeps
+/// processes only in leaves once a cgroup enables controllers below it,
+/// so the sandbox moves to `agent` before they are enabled.
+#[derive(Debug, PartialEq, Eq)]
+struct Split {
+    dir: PathBuf,
+    user_memory: u64,
+    user_pids: u64,
+}
+
+/// The agent's CPU weight against its commands' 100 (the kernel's
+/// default), as `cpu.shares` 4096 against 1024 on cgroup v1.
+const AGENT_CPU_WEIGHT: u32 = 400;
+
+impl Split {
+    fn parse(line: &str) -> Option<Self> {
+        let mut fields = line.strip_prefix("split ")?.rsplitn(3, ' ');
+        let user_pids = fields.next()?.parse().ok()?;
+        let user_memory = fields.next()?.parse().ok()?;
+        let dir = PathBuf::from(fields.next()?);
+        dir.is_absolute().then_some(Self { dir, user_memory, user_pids })
+    }
+
+    /// Moves this monitor and the sandbox (`child`, not yet released) into
+    /// `agent`, enables the controllers below, limits `user`, and gives the
+    /// sandbox's root (`owner`) what the agent needs to make per-command
+    /// cgroups in `user` and move its commands there: `user` itself and
+    /// the `cgroup.procs` of their common ancestor, not any limit file.
+    fn finish(&self, child: Pid, owner: u32) -> Result<(), JailError> {
+        let write = |path: PathBuf, value: String| {
+            step(&format!("writing {value} to {}", path.display()), std::fs::write(&path, &value))
+        };
+        let (agent, user) = (self.dir.join("agent"), self.dir.join("user"));
+        write(agent.join("cgroup.procs"), std::process::id().to_string())?;
+        write(agent.join("cgroup.procs"), child.to_string())?;
+        write(self.dir.join("cgroup.subtree_control"), "+memory +pids".into())?;
+        // A CPU weight where the host delegates the CPU controller.
+        let cpu = std::fs::write(self.dir.join("cgroup.subtree_control"), "+cpu").is_ok();
+        write(user.join("memory.max"), self.user_memory.to_string())?;
+        let _ = std::fs::write(user.join("memory.swap.max"), "0");
+        write(user.join("pids.max"), self.user_pids.to_string())?;
+        write(user.join("cgroup.subtree_control"), if cpu { "+memory +pids +cpu" } else { "+memory +pids" }.into())?;
+        if cpu {
+            write(agent.join("cpu.weight"), AGENT_CPU_WEIGHT.to_string())?;
+        }
+        let (uid, gid) = (Some(Uid::from_raw(owner)), Some(Gid::from_raw(owner)));
+        for path in [
+            self.dir.join("cgroup.procs"),
+            user.clone(),
+            user.join("cgroup.procs"),
+            user.join("cgroup.subtree_control"),
+            user.join("cgroup.threads"),
+        ] {
+            step(&format!("giving the sandbox {}", path.display()), nix::unistd::chown(&path, uid, gid))?;
+        }
+        Ok(())
     }
 }
 
@@ -698,6 +769,18 @@ fn c(s: &str) -> CString {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_lines_are_read_whole_or_not_at_all() {
+        assert_eq!(
+            Split::parse("split /sys/fs/cgroup/moat/sbx-1 1000 896"),
+            Some(Split { dir: "/sys/fs/cgroup/moat/sbx-1".into(), user_memory: 1000, user_pids: 896 })
+        );
+        assert_eq!(Split::parse("split relative 1 2"), None);
+        assert_eq!(Split::parse("split /x 1"), None);
+        assert_eq!(Split::parse("user unified /sys/fs/cgroup/moat/sbx-1/user"), None);
+        assert_eq!(parse_user_cgroup("split /sys/fs/cgroup/moat/sbx-1 1 2"), None);
+    }
 
     #[test]
     fn user_cgroup_lines_are_told_from_procs_paths() {

@@ -5,14 +5,17 @@
 //! its own hierarchy. What the host does not offer is skipped, and
 //! [`CgroupSupport::probe`] says so for `moat doctor`.
 //!
-//! On v1 the sandbox's cgroup is split in two: `agent` holds the agent (and
+//! The sandbox's cgroup is split in two: `agent` holds the agent (and
 //! the jail's monitor), `user` every process the agent starts, with the
 //! sandbox's pids and memory limits minus [`RESERVE_PIDS`] and
 //! [`RESERVE_MEMORY`]: whatever the commands do, the agent keeps that much
 //! to act with. The agent owns the `user` directory (not its limit files)
 //! and makes one cgroup per command beneath it (`moat_agent::cgroup`).
-//! In the CPU hierarchy the `agent` cgroup weighs [`AGENT_CPU_SHARES`]
-//! against the commands' 1024: a sandbox whose commands spin (a fork bomb
+//! On v1 the split is made here; on v2 the jail's monitor finishes it
+//! ([`Cgroup::split_line`]): there processes live only in leaves, and the
+//! sandbox's cgroup namespace must be rooted above both halves.
+//! For the CPU the `agent` cgroup weighs [`AGENT_CPU_SHARES`] (v1;
+//! `AGENT_CPU_WEIGHT` in the agent's terms on v2) against the commands' 1024: a sandbox whose commands spin (a fork bomb
 //! spinning at the pids limit) still has an agent that answers, times out
 //! and kills.
 
@@ -68,7 +71,11 @@ impl CgroupSupport {
     /// What limits hold here, in words.
     pub fn describe(&self) -> String {
         match self {
-            Self::V2 => "cgroup v2: memory, pids and CPU limits; freezing idle sandboxes".into(),
+            Self::V2 => format!(
+                "cgroup v2: memory, pids and CPU limits; freezing idle sandboxes; commands run in a user cgroup \
+                 beside the agent's reserve ({RESERVE_PIDS} processes, {} MiB), one cgroup per command",
+                RESERVE_MEMORY >> 20
+            ),
             Self::V1 { controllers } => format!(
                 "cgroup v1 with {}; commands run in a user cgroup beside the agent's reserve ({RESERVE_PIDS} \
                  processes, {} MiB), one cgroup per command",
@@ -111,7 +118,7 @@ pub struct Cgroup {
     /// The directories made, one per hierarchy (one on v2).
     dirs: Vec<(Option<&'static str>, PathBuf)>,
     v2: bool,
-    /// Whether `agent` and `user` children were made (v1).
+    /// Whether `agent` and `user` children were made.
     split: bool,
 }
 
@@ -142,11 +149,19 @@ impl Cgroup {
                 }
                 let dir = parent.join(id);
                 std::fs::create_dir_all(&dir)?;
-                let group = Self { dirs: vec![(None, dir.clone())], v2: true, split: false };
+                let group = Self { dirs: vec![(None, dir.clone())], v2: true, split: true };
                 write(&dir, "memory.max", &limits.memory_bytes.to_string())?;
                 let _ = write(&dir, "memory.swap.max", "0");
                 write(&dir, "pids.max", &limits.pids.to_string())?;
                 let _ = write(&dir, "cpu.max", &cpu_max);
+                // The split is finished by the jail's monitor (see
+                // `split_line`): v2 keeps processes only in leaves once a
+                // cgroup enables controllers for its children, and the
+                // sandbox's cgroup namespace must be rooted here, above
+                // both halves, for the agent to move its commands into
+                // `user`.
+                std::fs::create_dir_all(dir.join("agent"))?;
+                std::fs::create_dir_all(dir.join("user"))?;
                 Ok(Some(group))
             }
             CgroupSupport::V1 { controllers } => {
@@ -176,10 +191,24 @@ impl Cgroup {
     }
 
     /// The `cgroup.procs` files the jail's monitor (and so the agent)
-    /// writes its pid to, to join.
+    /// writes its pid to, to join. On v2 that is the sandbox's cgroup
+    /// itself, left for `agent` once the sandbox is cloned (see
+    /// [`Cgroup::split_line`]).
     pub fn procs_files(&self) -> Vec<PathBuf> {
-        let leaf = if self.split { "agent/cgroup.procs" } else { "cgroup.procs" };
+        let leaf = if self.split && !self.v2 { "agent/cgroup.procs" } else { "cgroup.procs" };
         self.dirs.iter().map(|(_, d)| d.join(leaf)).collect()
+    }
+
+    /// On v2, what the jail's monitor needs to finish the split after it
+    /// cloned the sandbox (its cgroup namespace then rooted at the
+    /// sandbox's cgroup): the line `split <dir> <user memory bytes> <user
+    /// pids>`. It moves itself and the sandbox into `agent`, enables the
+    /// controllers below, sets `user`'s limits and gives the agent what it
+    /// needs to make and join per-command cgroups in `user`.
+    pub fn split_line(&self, limits: Limits) -> Option<String> {
+        let (_, dir) = self.dirs.first().filter(|_| self.v2 && self.split)?;
+        let (memory, pids) = limits.user();
+        Some(format!("split {} {memory} {pids}", dir.display()))
     }
 
     /// The `user` cgroups the agent makes per-command cgroups in, by
@@ -187,6 +216,9 @@ impl Cgroup {
     pub fn user_dirs(&self) -> Vec<(&'static str, PathBuf)> {
         if !self.split {
             return Vec::new();
+        }
+        if self.v2 {
+            return self.dirs.iter().map(|(_, d)| ("unified", d.join("user"))).collect();
         }
         self.dirs
             .iter()

@@ -1000,11 +1000,6 @@ async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {
     }
 }
 
-/// How long one test of the microVM contract may take in level 1 before
-/// its watchdog reports what hangs (the slowest take 2-3 minutes on a
-/// busy 2-core host; the whole contract 8-10).
-const WATCHDOG_SECS: u64 = 900;
-
 /// The same contract for microVMs: this test binary runs itself inside the
 /// nested test host (a level-1 Linux under QEMU whose KVM can boot guests),
 /// every test above with `MOAT_TEST_BACKEND=vm`, one process per test, one
@@ -1017,13 +1012,52 @@ fn microvm_sandboxes_pass_the_same_contract_in_the_nested_host() {
         // Inside level 1 (or a backend chosen by hand): not again.
         return;
     }
-    let (bundle, name) = moat_nested::bundle_with_this_program().expect("the level-1 bundle");
-    // Task tests import projects from the target's temporary directory.
-    let tmp = env!("CARGO_TARGET_TMPDIR");
     // `MOAT_CONTRACT_FILTER=NAME` runs only the tests whose names hold NAME.
     let filter = std::env::var("MOAT_CONTRACT_FILTER").unwrap_or_default();
     let tests = contract_tests(&filter);
     assert!(!tests.is_empty(), "no test of this binary matches MOAT_CONTRACT_FILTER={filter:?}");
+    let out = in_the_nested_host("vm", &tests);
+    assert_eq!(out.0, 0, "the contract failed for microVMs:\n{}", out.1);
+}
+
+/// Jails recover from their limits on a cgroup v2 host too: level 1 is one
+/// (cgroup2 mounted with `nsdelegate`, as systemd does; the image's
+/// `rootfs/` from the bundle), so the recovery tests run there with
+/// `MOAT_TEST_BACKEND=jail`. This host is cgroup v1.
+#[test]
+#[ignore = "needs the default image, the moat binaries, QEMU and busybox-static (the nested test host); run by `cargo xtask test`"]
+fn jails_recover_on_a_cgroup_v2_host_in_the_nested_host() {
+    if std::env::var_os("MOAT_TEST_BACKEND").is_some() {
+        return;
+    }
+    let tests: Vec<String> = [
+        "a_fork_bomb_is_reported_and_the_sandbox_recovers",
+        "a_memory_bomb_is_reported_and_the_sandbox_recovers",
+        "a_timed_out_command_is_killed_with_what_left_its_group",
+        "background_processes_of_a_well_behaved_command_keep_running",
+        "the_kernel_surface_is_closed_to_sandbox_root",
+    ]
+    .map(String::from)
+    .to_vec();
+    let known = contract_tests("");
+    assert!(tests.iter().all(|t| known.contains(t)), "a test named here is gone: {tests:?}");
+    let out = in_the_nested_host("jail", &tests);
+    assert_eq!(out.0, 0, "jails on cgroup v2 failed:\n{}", out.1);
+}
+
+/// How long one test may take in level 1 before its watchdog reports what
+/// hangs (the slowest take 2-3 minutes on a busy 2-core host; the whole
+/// microVM contract 8-10).
+const WATCHDOG_SECS: u64 = 900;
+
+/// Runs `tests` of this binary in the nested host with `MOAT_TEST_BACKEND`
+/// `backend`, one process per test, resuming in a fresh level 1 where a
+/// broken one stopped. Returns the exit code and a report: what the tests
+/// printed, then level 1's console tail.
+fn in_the_nested_host(backend: &str, tests: &[String]) -> (i32, String) {
+    let (bundle, name) = moat_nested::bundle_with_this_program().expect("the level-1 bundle");
+    // Task tests import projects from the target's temporary directory.
+    let tmp = env!("CARGO_TARGET_TMPDIR");
     // Each test under a watchdog inside level 1 (short of the host's own
     // limit) that, when it hangs, shows what level 1 was doing: its
     // processes and each microVM's console and moat-vmm log. A failed
@@ -1031,6 +1065,7 @@ fn microvm_sandboxes_pass_the_same_contract_in_the_nested_host() {
     let payload = |tests: &[String]| {
         let mut payload = moat_nested::Payload::script(&format!(
             r#"mkdir -p {tmp}
+cat > /contract.sh <<'EOF'
 failed=0
 for t in {tests}; do
     {name} --include-ignored --test-threads=1 --exact "$t" > /tmp/contract-test.out 2>&1 &
@@ -1059,17 +1094,25 @@ for t in {tests}; do
     fi
     echo "done $t" > "$MOAT_NESTED_MARKS"
 done
-exit $failed"#,
-            tests = tests.join(" ")
+exit $failed
+EOF
+{run}"#,
+            tests = tests.join(" "),
+            // A jail's monitor needs a root it can pivot from.
+            run = if backend == "jail" {
+                format!("{}\nexec unshare -m --propagation private sh /l1.sh sh /contract.sh", common::L1_SWITCH_ROOT)
+            } else {
+                "exec sh /contract.sh".into()
+            },
         ));
-        payload.env.push(("MOAT_TEST_BACKEND".into(), "vm".into()));
+        payload.env.push(("MOAT_TEST_BACKEND".into(), backend.into()));
         // Several microVMs at once (a warm pool), their disks' overlays in
         // level 1's memory: more room than the default level 1.
         payload.machine.memory_mib = 4096;
         payload.timeouts.finish = Duration::from_secs(2400);
         payload
     };
-    let out = moat_nested::run_steps(&bundle, &tests, payload).expect("level 1 runs the tests");
+    let out = moat_nested::run_steps(&bundle, tests, payload).expect("level 1 runs the tests");
     // How long each test took, by the host's clock (level 1's drifts under
     // TCG), in the last level 1.
     let mut since = out.reached(moat_nested::Stage::PayloadStarted).unwrap_or_default();
@@ -1081,25 +1124,24 @@ exit $failed"#,
     }
     eprintln!("{}", out.stdout_text());
     let console: Vec<&str> = out.console.lines().collect();
-    assert_eq!(
-        out.code,
-        0,
-        "the contract failed for microVMs:\n{}\n{}\nlevel 1's console (tail):\n{}",
+    let report = format!(
+        "{}\n{}\nlevel 1's console (tail):\n{}",
         out.stdout_text(),
         out.stderr_text(),
         console[console.len().saturating_sub(40)..].join("\n")
     );
+    (out.code, report)
 }
 
-/// The names of this binary's tests holding `filter`, less the one that
-/// runs them in the nested host.
+/// The names of this binary's tests holding `filter`, less those that run
+/// them in the nested host.
 fn contract_tests(filter: &str) -> Vec<String> {
     let exe = std::env::current_exe().expect("this test binary");
     let list = std::process::Command::new(exe).args(["--list", "--include-ignored"]).output().expect("lists its tests");
     String::from_utf8_lossy(&list.stdout)
         .lines()
         .filter_map(|l| l.strip_suffix(": test"))
-        .filter(|t| !t.starts_with("microvm_sandboxes") && t.contains(filter))
+        .filter(|t| !t.ends_with("_in_the_nested_host") && t.contains(filter))
         .map(str::to_owned)
         .collect()
 }
@@ -1114,24 +1156,16 @@ async fn bash(moat: &Moat, id: &str, script: &str, timeout_ms: u64) -> (String, 
     (text(&out.stdout), text(&out.stderr), out.status.code, out.status.timed_out)
 }
 
-/// The sandbox still runs commands and Python after a bomb.
-/// Whether this backend recovers from limits by itself: microVMs do (the
-/// guest's agent makes its commands' cgroups), and so do jails on a cgroup
-/// v1 host (per-command cgroups beside the agent's reserve); jails on
-/// cgroup v2 hosts do not yet (docs/operations.md, "Recovery from a limit").
-fn recovers() -> bool {
-    backend() == moat_core::BackendKind::Vm || !std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists()
-}
-
-/// Whether this run is the microVM contract in the nested host, whose
-/// minutes go to what differs from a jail (the guest's own limits and
-/// `cgroup.kill`), not to agent logic the jail run has already covered:
-/// each microVM there boots under TCG, and a longer run meets more of level
-/// 1's own crashes.
+/// Whether this run is inside the nested host, whose minutes go to what
+/// differs from the jail run on this host (a microVM's own limits and
+/// `cgroup.kill`; a cgroup v2 host's jails), not to agent logic the jail
+/// run has already covered: everything there runs under TCG, and a longer
+/// run meets more of level 1's own crashes.
 fn nested() -> bool {
-    backend() == moat_core::BackendKind::Vm
+    std::env::var_os("MOAT_NESTED_MARKS").is_some()
 }
 
+/// The sandbox still runs commands and Python after a bomb.
 async fn assert_recovered(moat: &Moat, id: &str) {
     let (out, err, code, _) = bash(moat, id, "echo ok", 60_000).await;
     assert_eq!((out.as_str(), code), ("ok\n", Some(0)), "the next command fails: {err}");
@@ -1154,9 +1188,6 @@ async fn count_processes(moat: &Moat, id: &str, pattern: &str) -> usize {
 #[tokio::test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_fork_bomb_is_reported_and_the_sandbox_recovers() {
-    if !recovers() {
-        return;
-    }
     let moat = moat(16).await;
     let id = moat.create(small()).await.expect("created").id;
     let (out, err, _, timed_out) = bash(&moat, &id, "bash -c ':(){ :|:& };:'; sleep 60; echo survived", 120_000).await;
@@ -1175,7 +1206,7 @@ async fn a_fork_bomb_is_reported_and_the_sandbox_recovers() {
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_background_fork_bomb_is_reclaimed_by_the_next_command() {
     // The fork watch is the agent's, the same in both backends.
-    if !recovers() || nested() {
+    if nested() {
         return;
     }
     let moat = moat(16).await;
@@ -1206,9 +1237,6 @@ async fn a_background_fork_bomb_is_reclaimed_by_the_next_command() {
 #[tokio::test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_memory_bomb_is_reported_and_the_sandbox_recovers() {
-    if !recovers() {
-        return;
-    }
     let moat = moat(16).await;
     // A microVM's memory holds its kernel too, and its disk is not RAM: as
     // much room for the ballast below as a jail of small() has.
@@ -1254,9 +1282,6 @@ async fn a_memory_bomb_is_reported_and_the_sandbox_recovers() {
 #[tokio::test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_timed_out_command_is_killed_with_what_left_its_group() {
-    if !recovers() {
-        return;
-    }
     let moat = moat(16).await;
     let id = moat.create(small()).await.expect("created").id;
     let (_, err, _, timed_out) = bash(&moat, &id, "setsid sleep 1001 & sleep 1000", 1000).await;
@@ -1271,7 +1296,7 @@ async fn a_timed_out_command_is_killed_with_what_left_its_group() {
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_cancelled_command_is_killed_with_what_left_its_group() {
     // The kill is the timed-out test's, which runs in both backends.
-    if !recovers() || nested() {
+    if nested() {
         return;
     }
     let moat = moat(16).await;

@@ -185,27 +185,13 @@ fn vm_network_policies_hold_in_the_nested_host() {
     }
     let (bundle, name) = moat_nested::bundle_with_this_program().expect("the level-1 bundle");
     let tmp = env!("CARGO_TARGET_TMPDIR");
-    // passt confines itself with a user namespace and pivot_root(2). Level
-    // 1's root is its initramfs (rootfs), which pivot_root refuses (that is
-    // why switch_root exists), and a chroot may not create user namespaces.
-    // So the tests run as after a switch_root: in a mount namespace of their
-    // own, a tmpfs holding level 1's tree through bind mounts is moved over
-    // `/` and made the root. A host's real root needs none of it.
+    // passt confines itself with a user namespace and pivot_root(2): the
+    // tests run as after a switch_root (`common::L1_SWITCH_ROOT`).
     let mut payload = moat_nested::Payload::script(&format!(
-        r#"mkdir -p {tmp} /l1
-cat > /l1.sh <<'EOF'
-mount -t tmpfs tmpfs /l1
-for d in /*; do
-    case "$d" in /l1) continue ;; esac
-    if [ -L "$d" ]; then cp -a "$d" /l1/
-    elif [ -d "$d" ]; then mkdir -p "/l1$d" && mount -o rbind "$d" "/l1$d"
-    fi
-done
-cd /l1
-mount -o move /l1 /
-exec chroot . "$@"
-EOF
-exec unshare -m --propagation private sh /l1.sh {name} --include-ignored --test-threads=1 --skip vm_network_policies"#
+        r#"mkdir -p {tmp}
+{}
+exec unshare -m --propagation private sh /l1.sh {name} --include-ignored --test-threads=1 --skip vm_network_policies"#,
+        common::L1_SWITCH_ROOT
     ));
     payload.env.push(("MOAT_TEST_BACKEND".into(), "vm".into()));
     payload.machine.memory_mib = 2048;

@@ -40,8 +40,14 @@ const BUNDLE_FORMAT: &str = "moat-nested bundle 1";
 const EARLY_MODULES: &[&str] = &["virtio_mmio", "virtio_console", "virtio_blk"];
 
 /// Modules for the `kvm` stage: KVM on AMD SVM (what TCG's `-cpu max`
-/// emulates) and vhost-vsock, so that level-2 guests get a vsock device.
-const KVM_MODULES: &[&str] = &["kvm-amd", "vhost_vsock"];
+/// emulates) and vhost-vsock, so that level-2 guests get a vsock device;
+/// and overlayfs, the root of a jail (level 1 is also a cgroup v2 host
+/// for jails).
+const KVM_MODULES: &[&str] = &["kvm-amd", "vhost_vsock", "overlay"];
+
+/// What the root disk's cache key adds to the root file system's hash: a
+/// new layout of that disk makes a new entry.
+const ROOTFS_DISK_LAYOUT: &str = "rootfs.ext4 and jail-rootfs/";
 
 /// The moat binaries that run on the host side of a sandbox (dynamically
 /// linked: their libraries go into the bundle too).
@@ -160,11 +166,11 @@ pub fn prepare(sources: &Sources) -> Result<Bundle> {
     let key = key(&plan)?;
     let dir = cached(&sources.cache_dir, "bundle-", &key, |work| build(&plan, work))?;
     // The root disk changes only when the image's packages do: its own key.
-    let rootfs_key = image.manifest.artifacts.get("rootfs.ext4").map(|a| a.sha256.clone()).ok_or_else(|| {
+    let rootfs_hash = image.manifest.artifacts.get("rootfs.ext4").map(|a| a.sha256.clone()).ok_or_else(|| {
         Error::Missing { what: "rootfs.ext4 in the image's manifest".into(), hint: "rebuild the image".into() }
     })?;
-    let rootfs_dir =
-        cached(&sources.cache_dir, "rootfs-", &rootfs_key, |work| build_rootfs_disk(&image.path("rootfs.ext4"), work))?;
+    let rootfs_key = hex(&Sha256::digest(format!("{rootfs_hash}\n{ROOTFS_DISK_LAYOUT}")));
+    let rootfs_dir = cached(&sources.cache_dir, "rootfs-", &rootfs_key, |work| build_rootfs_disk(&image, work))?;
     Ok(Bundle {
         key,
         kernel: image.path("vmlinux"),
@@ -227,7 +233,11 @@ fn cached(cache: &Path, prefix: &str, key: &str, build: impl FnOnce(&Path) -> Re
 /// programs) takes a disk image as a regular file, which a block device
 /// attached as it is would not be; `mkfs.ext4 -d` copies only the allocated
 /// part of the sparse image (1.75 of 8 GiB), once per root file system.
-fn build_rootfs_disk(rootfs: &Path, work: &Path) -> Result<()> {
+/// Beside it, `jail-rootfs/`: the image's `rootfs/` tree with its shifted
+/// ownership, the lower layer of level 1's jails.
+fn build_rootfs_disk(image: &Image, work: &Path) -> Result<()> {
+    let rootfs = image.path("rootfs.ext4");
+    let rootfs = rootfs.as_path();
     let io = |what: String| {
         let dir = work.to_path_buf();
         move |source| Error::Bundle { what, dir, source }
@@ -247,11 +257,32 @@ fn build_rootfs_disk(rootfs: &Path, work: &Path) -> Result<()> {
             return Err(Error::Tool { tool: "cp".into(), message: String::from_utf8_lossy(&out.stderr).into_owned() });
         }
     }
+    // Hard links too where they can be; a copy that keeps owners and
+    // extended attributes where not.
+    let tree_copy =
+        |flags: &str| Command::new("cp").arg(flags).arg(image.path("rootfs")).arg(tree.join("jail-rootfs")).output();
+    let linked = tree_copy("-al").map(|o| o.status.success()).unwrap_or(false);
+    if !linked {
+        let _ = std::fs::remove_dir_all(tree.join("jail-rootfs"));
+        let out = tree_copy("-a").map_err(io("running cp".into()))?;
+        if !out.status.success() {
+            return Err(Error::Tool { tool: "cp".into(), message: String::from_utf8_lossy(&out.stderr).into_owned() });
+        }
+    }
+    let jail_tree = Command::new("du")
+        .args(["-sk", "--apparent-size"])
+        .arg(tree.join("jail-rootfs"))
+        .output()
+        .map_err(io("running du".into()))?;
+    let jail_kib: u64 =
+        String::from_utf8_lossy(&jail_tree.stdout).split_whitespace().next().and_then(|k| k.parse().ok()).unwrap_or(0);
     let allocated = std::fs::metadata(&staged)
         .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
-        .map_err(io(format!("reading {}", staged.display())))?;
-    // Room for ext4's metadata: a twentieth more, and 64 MiB.
-    let size_kib = (allocated + allocated / 20) / 1024 + 64 * 1024;
+        .map_err(io(format!("reading {}", staged.display())))?
+        + jail_kib * 1024;
+    // Room for ext4's metadata and the tree's small files: a tenth more,
+    // and 256 MiB.
+    let size_kib = (allocated + allocated / 10) / 1024 + 256 * 1024;
     let made = mkfs_ext4(&tree, &work.join("rootfs-disk.ext4"), "moat-rootfs", size_kib);
     std::fs::remove_dir_all(&tree).map_err(io("removing the staging tree".into()))?;
     made

@@ -17,7 +17,9 @@ mkdir -p /dev/pts /dev/shm
 mount -t devpts devpts /dev/pts
 mount -t tmpfs tmpfs /dev/shm
 mount -t tmpfs tmpfs /tmp
-mount -t cgroup2 cgroup2 /sys/fs/cgroup
+# nsdelegate, as systemd mounts it: a cgroup namespace is a delegation
+# boundary (what jails on cgroup v2 must live with).
+mount -t cgroup2 -o nsdelegate cgroup2 /sys/fs/cgroup
 
 say() { echo "moat-nested: $*"; }
 CONTROL=
@@ -101,6 +103,10 @@ ROOTFS=$(await disk moat-rootfs) || fail "no image root disk (virtio-blk serial 
 mount -t ext4 -o ro "$ROOTFS" /nested-rootfs || fail "cannot mount the image root disk $ROOTFS"
 dir=/root/.local/share/moat/images/$IMAGE
 mkdir -p "$dir/rootfs"
+# The image's rootfs/ tree (ownership shifted as on the host) for jails.
+if [ -d /nested-rootfs/jail-rootfs ]; then
+    mount --bind /nested-rootfs/jail-rootfs "$dir/rootfs" || fail "cannot bind the jails' root file system"
+fi
 for f in vmlinux config initramfs.cpio.gz manifest.json; do
     ln -s "/nested/image/$f" "$dir/$f"
 done

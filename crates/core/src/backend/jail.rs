@@ -228,6 +228,10 @@ impl Backend for JailBackend {
         for (name, dir) in cgroup.iter().flat_map(Cgroup::user_dirs) {
             procs.push_str(&format!("user {name} {}\n", dir.display()));
         }
+        if let Some(split) = cgroup.as_ref().and_then(|c| c.split_line(limits)) {
+            procs.push_str(&split);
+            procs.push('\n');
+        }
         procs.push('\n');
         if let Some(mut stdin) = monitor.stdin.take() {
             use std::io::Write;

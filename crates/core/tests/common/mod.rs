@@ -47,3 +47,28 @@ pub async fn sh(moat: &Moat, id: &str, script: &str) -> (String, Option<i32>) {
     text.push_str(&String::from_utf8_lossy(&out.stderr));
     (text, out.status.code)
 }
+
+/// A level-1 shell snippet that writes `/l1.sh`, which runs its arguments
+/// as after a switch_root: in a mount namespace of its own (run it under
+/// `unshare -m --propagation private`), a tmpfs holding level 1's tree
+/// through bind mounts is moved over `/` and made the root. Level 1's own
+/// root is its initramfs (rootfs), which pivot_root(2) refuses (that is
+/// why switch_root exists), and a chroot may not create user namespaces:
+/// jails' monitors and passt need a root they can pivot from. A host's
+/// real root needs none of it.
+// Not every test binary that shares this module runs level 1.
+#[allow(dead_code)]
+pub const L1_SWITCH_ROOT: &str = r#"mkdir -p /l1
+cat > /l1.sh <<'EOF'
+mount -t tmpfs tmpfs /l1
+for d in /*; do
+    case "$d" in /l1) continue ;; esac
+    if [ -L "$d" ]; then cp -a "$d" /l1/
+    elif [ -d "$d" ]; then mkdir -p "/l1$d" && mount -o rbind "$d" "/l1$d"
+    elif [ -f "$d" ]; then cp -a "$d" /l1/
+    fi
+done
+cd /l1
+mount -o move /l1 /
+exec chroot . "$@"
+EOF"#;
