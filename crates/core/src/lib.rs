@@ -27,10 +27,6 @@ pub mod state;
 pub mod task;
 pub mod timing;
 
-// `backend/vm.rs` names passt from the crate root (kept so that parallel
-// edits to it merge across its move into `backend/`).
-use backend::passt;
-
 pub use backend::{Backend, BackendChoice, BackendKind, HostVirtualization, Instance};
 pub use error::CoreError;
 pub use grants::Grants;

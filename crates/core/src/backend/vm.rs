@@ -11,7 +11,7 @@
 //! Network `none` and `filtered` VMs have no network device at all
 //! (`filtered` reaches the host through the agent's vsock connection). An
 //! `open` VM gets moat-vmm's virtio-net device, whose other end is its own
-//! passt process ([`crate::passt`]), and `moat.net=` on its command line.
+//! passt process ([`crate::backend::passt`]), and `moat.net=` on its command line.
 //!
 //! moat-vmm runs jailed (`--jail <state>/jail`, docs/vmm.md): in its own
 //! mount, pid, ipc, uts and network namespaces, with a root holding only
@@ -50,7 +50,7 @@ pub const AGENT_VSOCK_PORT: u32 = 1024;
 const GUEST_CID: u32 = 3;
 
 /// The descriptor moat-vmm inherits the serial console's pipe as (passt's
-/// socket is [`crate::passt::CHILD_FD`]).
+/// socket is [`crate::backend::passt::CHILD_FD`]).
 const CONSOLE_FD: i32 = 101;
 
 /// moat-vmm's boot-timer page (see docs/vmm.md): the agent writes to it
@@ -152,7 +152,7 @@ fn vmm_config(
     // `connect` once the guest runs.
     config.vsock = Some(VsockConfig { host_ports: Some(Vec::new()), ..VsockConfig::new(GUEST_CID, &files.vsock) });
     config.net =
-        passt.then(|| NetConfig { mac: crate::passt::GUEST_MAC.into(), ..NetConfig::fd(crate::passt::CHILD_FD) });
+        passt.then(|| NetConfig { mac: crate::backend::passt::GUEST_MAC.into(), ..NetConfig::fd(crate::backend::passt::CHILD_FD) });
     config.console = format!("fd:{CONSOLE_FD}");
     config.control_socket = Some(files.control.clone());
     Ok(config)
@@ -179,7 +179,7 @@ pub fn kernel_cmdline(hostname: &str, disk_mib: u64) -> String {
 fn cmdline_for(hostname: &str, spec: &SandboxSpec) -> String {
     let line = kernel_cmdline(hostname, spec.disk_mib);
     match spec.network {
-        NetworkPolicy::Open => format!("{line} {}", crate::passt::guest_cmdline()),
+        NetworkPolicy::Open => format!("{line} {}", crate::backend::passt::guest_cmdline()),
         NetworkPolicy::None | NetworkPolicy::Filtered => line,
     }
 }
@@ -223,7 +223,7 @@ impl Backend for VmBackend {
             move |source| CoreError::Io { id, what, source }
         };
         let passt_binary = match spec.network {
-            NetworkPolicy::Open => Some(crate::passt::find_passt().ok_or_else(|| {
+            NetworkPolicy::Open => Some(crate::backend::passt::find_passt().ok_or_else(|| {
                 CoreError::StartFailed {
                     id: id.into(),
                     reason: "network open needs passt, from Debian's passt package (apt-get install passt); \
@@ -271,9 +271,9 @@ impl Backend for VmBackend {
         unsafe {
             std::os::unix::process::CommandExt::pre_exec(&mut command, move || {
                 if let Some(fd) = net_fd {
-                    crate::passt::inherit(fd, crate::passt::CHILD_FD)?;
+                    crate::backend::passt::inherit(fd, crate::backend::passt::CHILD_FD)?;
                 }
-                crate::passt::inherit(console_fd, CONSOLE_FD)?;
+                crate::backend::passt::inherit(console_fd, CONSOLE_FD)?;
                 // Die with the process that started it: a SIGKILLed owner
                 // leaves no VM running.
                 nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).map_err(std::io::Error::from)
@@ -605,7 +605,7 @@ mod tests {
         assert_eq!(config.console, "fd:101");
         assert_eq!(config.control_socket.as_deref(), Some(state.join("sockets/control.sock").as_path()));
         let net = written(true).net.expect("an open VM's network device");
-        assert_eq!((net.passt_fd, net.mac.as_str()), (Some(crate::passt::CHILD_FD), "02:6d:6f:61:74:01"));
+        assert_eq!((net.passt_fd, net.mac.as_str()), (Some(crate::backend::passt::CHILD_FD), "02:6d:6f:61:74:01"));
     }
 
     #[test]
