@@ -151,8 +151,10 @@ fn vmm_config(
     // the agent), so the VMM's seccomp filter allows no `socket` or
     // `connect` once the guest runs.
     config.vsock = Some(VsockConfig { host_ports: Some(Vec::new()), ..VsockConfig::new(GUEST_CID, &files.vsock) });
-    config.net =
-        passt.then(|| NetConfig { mac: crate::backend::passt::GUEST_MAC.into(), ..NetConfig::fd(crate::backend::passt::CHILD_FD) });
+    config.net = passt.then(|| NetConfig {
+        mac: crate::backend::passt::GUEST_MAC.into(),
+        ..NetConfig::fd(crate::backend::passt::CHILD_FD)
+    });
     config.console = format!("fd:{CONSOLE_FD}");
     config.control_socket = Some(files.control.clone());
     Ok(config)
