@@ -50,7 +50,7 @@ pub enum CreateError {
     StartFailed { id: String, reason: String },
     #[error(transparent)]
     Io(#[from] IoError),
-    /// The new sandbox's agent refused its egress proxy.
+    /// Starting the new sandbox's egress proxy through its agent failed.
     #[error("Sandbox {id}: the agent failed")]
     Agent {
         id: String,
