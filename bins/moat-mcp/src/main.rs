@@ -139,7 +139,7 @@ async fn serve(config: ServerConfig, http: Option<(std::net::IpAddr, u16)>) -> E
     let moat = match moat {
         Ok(moat) => moat,
         // The operator's settings are wrong: a usage error, as for flags.
-        Err(e @ moat_core::CoreError::Config(_)) => {
+        Err(e @ moat_core::ConfigError::Invalid(_)) => {
             eprintln!("moat-mcp: {e}");
             return ExitCode::from(2);
         }

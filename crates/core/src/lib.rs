@@ -28,7 +28,7 @@ pub mod task;
 pub mod timing;
 
 pub use backend::{Backend, BackendChoice, BackendKind, HostVirtualization, Instance};
-pub use error::CoreError;
+pub use error::{ConfigError, CopyError, CoreError, CreateError, HostPathError, IoError, SandboxError, TaskError};
 pub use grants::Grants;
 pub use image::{Image, ImageError, Manifest};
 pub use interpreter::{CodeError, CodeOutput, Language, StreamName};

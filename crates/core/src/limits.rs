@@ -11,7 +11,7 @@
 //! time, a read's size); the sandbox's own bounds are on
 //! [`SandboxSpec`](crate::SandboxSpec).
 
-use crate::error::CoreError;
+use crate::error::{ConfigError, CreateError};
 
 /// The share of the host's memory the sandboxes' `memory_mib` may add up to
 /// by default: the rest is the host's own (page cache, the server, moat-vmm).
@@ -47,18 +47,18 @@ fn parse_allow_unlimited(value: Option<&str>) -> bool {
 
 /// The most the live sandboxes' `memory_mib` may add up to, from
 /// `MOAT_MAX_MEMORY_MIB` or the host's `/proc/meminfo`.
-pub fn max_memory_mib_from_env() -> Result<u64, CoreError> {
+pub fn max_memory_mib_from_env() -> Result<u64, ConfigError> {
     let total = std::fs::read_to_string("/proc/meminfo").ok().as_deref().and_then(mem_total_mib);
     parse_max_memory(std::env::var("MOAT_MAX_MEMORY_MIB").ok().as_deref(), total)
 }
 
 /// [`max_memory_mib_from_env`] with its inputs given: the variable's value
 /// and the host's `MemTotal` in MiB.
-fn parse_max_memory(value: Option<&str>, mem_total_mib: Option<u64>) -> Result<u64, CoreError> {
+fn parse_max_memory(value: Option<&str>, mem_total_mib: Option<u64>) -> Result<u64, ConfigError> {
     match value {
         Some(text) => match text.trim().parse::<u64>() {
             Ok(mib) if mib >= 128 => Ok(mib),
-            _ => Err(CoreError::Config(format!(
+            _ => Err(ConfigError::Invalid(format!(
                 "MOAT_MAX_MEMORY_MIB={text:?} is not a size in MiB of at least 128 (the most the memory_mib of live \
                  sandboxes may add up to; unset, it is {DEFAULT_SHARE_PERCENT}% of the host's memory)"
             ))),
@@ -78,11 +78,11 @@ fn mem_total_mib(meminfo: &str) -> Option<u64> {
 
 /// Refuses a sandbox of `asked` MiB when the live ones already hold `live`
 /// MiB of at most `max`; the error names the figures and what to do.
-pub fn check_memory(live: u64, live_count: usize, asked: u64, max: u64) -> Result<(), CoreError> {
+pub fn check_memory(live: u64, live_count: usize, asked: u64, max: u64) -> Result<(), CreateError> {
     if live.saturating_add(asked) <= max {
         return Ok(());
     }
-    Err(CoreError::HostMemory(format!(
+    Err(CreateError::HostMemory(format!(
         "memory_mib {asked} would bring the live sandboxes' memory to {} MiB, over the host's limit of {max} MiB \
          ({live_count} live sandbox{} hold {live} MiB); destroy a sandbox, ask for less memory_mib, or raise \
          MOAT_MAX_MEMORY_MIB (by default {DEFAULT_SHARE_PERCENT}% of the host's memory)",

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::CoreError;
+use crate::error::{IoError, TaskError};
 use crate::runtime::Runtime;
 
 /// Output kept per command in the execution log.
@@ -108,18 +108,15 @@ pub fn records(data_dir: &Path) -> Vec<TaskRecord> {
 }
 
 /// Removes a record and its patch and log.
-pub fn remove_record(data_dir: &Path, id: &str) -> Result<(), CoreError> {
+pub fn remove_record(data_dir: &Path, id: &str) -> Result<(), TaskError> {
     let valid = id.starts_with("task-") && id.len() <= 32 && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
     let dir = tasks_dir(data_dir).join(id);
     if !valid || !dir.join("record.json").exists() {
         let known: Vec<String> = records(data_dir).into_iter().map(|r| r.task.id).collect();
-        return Err(CoreError::UnknownTask { id: id.into(), known });
+        return Err(TaskError::UnknownTask { id: id.into(), known });
     }
-    std::fs::remove_dir_all(&dir).map_err(|source| CoreError::Io {
-        id: id.into(),
-        what: "removing the task record".into(),
-        source,
-    })
+    std::fs::remove_dir_all(&dir)
+        .map_err(|source| IoError { id: id.into(), what: "removing the task record".into(), source }.into())
 }
 
 /// Whether a task source names a Git remote rather than a host path.

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 /// report it ended. The agent kills a command at its timeout and answers
 /// at once; silence this long after means the agent or the guest's kernel
 /// is stuck, and the caller gets
-/// [`CoreError::Unresponsive`](crate::CoreError::Unresponsive) instead of
+/// [`SandboxError::Unresponsive`](crate::SandboxError::Unresponsive) instead of
 /// waiting forever.
 pub const ANSWER_GRACE: Duration = Duration::from_secs(30);
 

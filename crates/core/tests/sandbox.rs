@@ -8,7 +8,9 @@
 
 use std::time::Duration;
 
-use moat_core::{CoreError, Language, Moat, MoatConfig, SandboxSpec, SandboxState};
+use moat_core::{
+    CoreError, CreateError, Language, Moat, MoatConfig, SandboxError, SandboxSpec, SandboxState, TaskError,
+};
 use moat_proto::{ExecRequest, ReadFileRequest, WriteFileRequest};
 
 mod common;
@@ -80,7 +82,10 @@ async fn a_sandbox_runs_debian_as_user_and_moves_files() {
     assert!(state.exists());
     moat.destroy(&sandbox.id).await.expect("destroyed");
     assert!(!state.exists(), "the state directory outlived the sandbox");
-    assert!(matches!(moat.run(&sandbox.id, ExecRequest::shell("true")).await, Err(CoreError::UnknownSandbox { .. })));
+    assert!(matches!(
+        moat.run(&sandbox.id, ExecRequest::shell("true")).await,
+        Err(SandboxError::UnknownSandbox { .. })
+    ));
 }
 
 #[tokio::test]
@@ -130,10 +135,10 @@ async fn a_stuck_sandbox_is_reported_not_waited_on() {
     suspended.expect("suspends");
     if moat.get(id).expect("listed").state == SandboxState::Paused {
         let err = result.expect_err("a frozen agent cannot answer");
-        assert!(matches!(err, CoreError::Unresponsive { waited_s: 35, .. }), "{err}");
+        assert!(matches!(err, SandboxError::Unresponsive { waited_s: 35, .. }), "{err}");
         assert!(err.to_string().contains("Destroy it and create another"), "{err}");
         let err = code_result.expect_err("nor run a cell");
-        assert!(matches!(err, CoreError::Unresponsive { waited_s: 35, .. }), "{err}");
+        assert!(matches!(err, SandboxError::Unresponsive { waited_s: 35, .. }), "{err}");
     } else {
         eprintln!("this host cannot freeze cgroups; nothing to check");
     }
@@ -160,7 +165,7 @@ async fn a_python_session_that_never_starts_is_given_up() {
         moat.run_code(id, Language::Python, code, Duration::from_secs(timeout), std::future::pending(), &|_, _| {})
     };
     let err = python("1 + 1", 1).await.expect_err("the session never becomes ready");
-    assert!(matches!(err, CoreError::CodeSession { .. }), "{err}");
+    assert!(matches!(err, SandboxError::CodeSession { .. }), "{err}");
     let text = err.to_string();
     assert!(
         text.contains("python3 was not ready within 31 s") && text.contains("destroy the sandbox and create another"),
@@ -189,10 +194,10 @@ async fn expired_sandboxes_are_destroyed_and_limits_hold() {
     let a = moat.create(small()).await.expect("first");
     let _b = moat.create(small()).await.expect("second");
     let err = moat.create(small()).await.expect_err("over the limit");
-    assert!(matches!(err, CoreError::LimitReached { max: 2 }), "{err}");
+    assert!(matches!(err, CreateError::LimitReached { max: 2 }), "{err}");
     moat_core::moat::expire_now(&moat, &a.id);
     let err = moat.run(&a.id, ExecRequest::shell("true")).await.expect_err("expired");
-    assert!(matches!(err, CoreError::Expired(_)), "{err}");
+    assert!(matches!(err, SandboxError::Expired(_)), "{err}");
     assert!(err.to_string().contains("create a new one"), "{err}");
     moat.create(small()).await.expect("room again after expiry");
     moat.destroy_all().await;
@@ -651,11 +656,11 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
     assert_eq!(std::fs::read_to_string(&record.patch_path).expect("patch"), diff);
     let log = std::fs::read_to_string(&record.log_path).expect("log");
     assert!(log.contains("python3 main.py") && log.contains("delete_me.txt"), "{log}");
-    assert!(matches!(moat.get(&task.sandbox_id), Err(CoreError::UnknownSandbox { .. })), "sandbox destroyed");
+    assert!(matches!(moat.get(&task.sandbox_id), Err(SandboxError::UnknownSandbox { .. })), "sandbox destroyed");
     assert!(moat.task_records().iter().any(|r| r.task.id == task.id));
     moat.remove_task(&task.id).expect("removed");
     assert!(!moat.task_records().iter().any(|r| r.task.id == task.id));
-    assert!(matches!(moat.remove_task(&task.id), Err(CoreError::UnknownTask { .. })));
+    assert!(matches!(moat.remove_task(&task.id), Err(TaskError::UnknownTask { .. })));
 
     // A symlink travels as a link: inside the sandbox it leads into the
     // sandbox. A directory outside the roots, or reached through a link, is refused.
@@ -752,7 +757,7 @@ async fn copies_hold_the_host_boundary_against_a_hostile_sandbox() {
 
 /// The processes a jail lives in are killed in the middle of a call: its
 /// agent during a command and during a Python cell, its monitor during a
-/// file transfer. Each call returns [`CoreError::Failed`] (not a hang, not a
+/// file transfer. Each call returns [`SandboxError::Failed`] (not a hang, not a
 /// bare I/O error), the sandbox is listed `failed` with why, its state
 /// directory and cgroups are released, it can be destroyed, and another
 /// sandbox and the `Moat` carry on.
@@ -786,14 +791,21 @@ async fn a_sandbox_killed_mid_call_fails_alone_and_is_released() {
         let victim = if case == "transfer" { i32::try_from(outer).expect("pid") } else { inner };
         let call = async {
             match case {
-                "command" => moat.run(&id, ExecRequest::shell("touch /tmp/started; sleep 600")).await.map(drop),
-                "transfer" => moat.copy_to_sandbox(&id, &big, "/home/user/big.bin").await.map(drop),
+                "command" => moat
+                    .run(&id, ExecRequest::shell("touch /tmp/started; sleep 600"))
+                    .await
+                    .map(drop)
+                    .map_err(CoreError::from),
+                "transfer" => {
+                    moat.copy_to_sandbox(&id, &big, "/home/user/big.bin").await.map(drop).map_err(CoreError::from)
+                }
                 _ => {
                     let cell = "open('/tmp/started', 'w').close()\nimport time\ntime.sleep(600)";
                     let timeout = Duration::from_secs(600);
                     moat.run_code(&id, Language::Python, cell, timeout, std::future::pending(), &|_, _| {})
                         .await
                         .map(drop)
+                        .map_err(CoreError::from)
                 }
             }
         };
@@ -815,7 +827,7 @@ async fn a_sandbox_killed_mid_call_fails_alone_and_is_released() {
         let (result, killed) = tokio::join!(tokio::time::timeout(Duration::from_secs(120), call), kill);
         let err = result.unwrap_or_else(|_| panic!("{case}: the call hung after the kill")).expect_err(case);
         eprintln!("{case}: answered {:?} after the kill: {err}", killed.elapsed());
-        assert!(matches!(err, CoreError::Failed { .. }), "{case}: {err}");
+        assert!(matches!(err, CoreError::Sandbox(SandboxError::Failed { .. })), "{case}: {err}");
         assert!(err.to_string().contains("create another sandbox"), "{err}");
         let listed = moat.list().into_iter().find(|s| s.id == id).expect("still listed");
         assert_eq!(listed.state, SandboxState::Failed, "{case}");
@@ -839,7 +851,7 @@ async fn a_sandbox_killed_mid_call_fails_alone_and_is_released() {
         assert!(!cgroups(), "{case}: its cgroups are left");
         assert!(!std::path::Path::new(&format!("/proc/{outer}")).exists(), "{case}: its host process is left");
         let again = moat.run(&id, ExecRequest::shell("true")).await.expect_err("a failed sandbox runs nothing");
-        assert!(matches!(again, CoreError::Failed { .. }), "{again}");
+        assert!(matches!(again, SandboxError::Failed { .. }), "{again}");
         moat.destroy(&id).await.expect("a failed sandbox is destroyed (forgotten)");
         assert!(moat.list().iter().all(|s| s.id != id), "{case}: still listed after destroy");
         assert_eq!(sh(&moat, &bystander, "echo ok").await.0, "ok\n", "{case}: another sandbox is affected");
@@ -915,10 +927,10 @@ async fn a_full_data_disk_fails_clearly_and_damages_nothing() {
     while std::io::Write::write_all(&mut file, &chunk).is_ok() {}
     drop(file);
 
-    let full = |e: &CoreError| {
+    fn full(e: &dyn std::error::Error) -> bool {
         eprintln!("{e}");
         e.to_string().contains("the disk holding moat's data directory is full")
-    };
+    }
     let err = moat.task_finish(&second.id, false).await.expect_err("no room for the record");
     assert!(full(&err), "{err}");
     let records: Vec<_> = std::fs::read_dir(data.join("tasks")).expect("tasks").flatten().collect();

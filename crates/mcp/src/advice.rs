@@ -3,19 +3,19 @@
 //! puts it right, and that is added here, where a core error becomes a
 //! tool's error.
 
-use moat_core::CoreError;
+use moat_core::{CoreError, SandboxError, TaskError};
 
 /// For each kind of core error: core's words, and the words a model is
 /// shown instead, which name the tool.
 fn phrases(error: &CoreError) -> &'static [(&'static str, &'static str)] {
     match error {
-        CoreError::Unresponsive { .. } => {
+        CoreError::Sandbox(SandboxError::Unresponsive { .. }) => {
             &[("Destroy it and create another", "Destroy it (destroy_sandbox) and create another")]
         }
-        CoreError::CodeSession { .. } => {
+        CoreError::Sandbox(SandboxError::CodeSession { .. }) => {
             &[("destroy the sandbox and create another", "destroy the sandbox (destroy_sandbox) and create another")]
         }
-        CoreError::ImportRefused(_) => &[(
+        CoreError::Task(TaskError::ImportRefused(_)) => &[(
             "or clone it in a sandbox with network filtered",
             "or create a sandbox with network filtered and use git_clone",
         )],
@@ -31,15 +31,17 @@ pub(crate) fn advise(error: &CoreError, message: String) -> String {
 
 #[cfg(test)]
 mod tests {
+    use moat_core::CreateError;
+
     use super::*;
 
-    fn shown(error: CoreError) -> String {
-        crate::tools::ToolError::from(error).0
+    fn shown(error: impl Into<CoreError>) -> String {
+        crate::tools::ToolError::from(error.into()).0
     }
 
     #[test]
     fn an_unresponsive_sandbox_is_destroyed_with_destroy_sandbox() {
-        let text = shown(CoreError::Unresponsive { id: "sbx-1".into(), waited_s: 35 });
+        let text = shown(SandboxError::Unresponsive { id: "sbx-1".into(), waited_s: 35 });
         assert_eq!(
             text,
             "Sandbox sbx-1 did not answer for 35 s, 30 s past its command's timeout: its agent or kernel is stuck. \
@@ -48,10 +50,16 @@ mod tests {
     }
 
     #[test]
+    fn a_task_whose_sandbox_is_unresponsive_names_destroy_sandbox() {
+        let text = shown(TaskError::Sandbox(SandboxError::Unresponsive { id: "sbx-1".into(), waited_s: 35 }));
+        assert!(text.ends_with("Destroy it (destroy_sandbox) and create another"), "{text}");
+    }
+
+    #[test]
     fn a_python_session_that_never_starts_names_destroy_sandbox() {
         let reason = "python3 was not ready within 31 s; the sandbox is overloaded or stuck. Run the code again, or \
                       destroy the sandbox and create another if it does not answer";
-        let text = shown(CoreError::CodeSession { id: "sbx-1".into(), reason: reason.into() });
+        let text = shown(SandboxError::CodeSession { id: "sbx-1".into(), reason: reason.into() });
         assert!(text.contains("destroy the sandbox (destroy_sandbox) and create another"), "{text}");
     }
 
@@ -59,13 +67,13 @@ mod tests {
     fn a_git_url_task_is_pointed_at_git_clone() {
         let core = "https://x.test/r.git is a Git URL: a task imports a local checkout, and cloning needs network \
                     access from the sandbox; import a local checkout, or clone it in a sandbox with network filtered";
-        let text = shown(CoreError::ImportRefused(core.into()));
+        let text = shown(TaskError::ImportRefused(core.into()));
         assert!(text.ends_with("or create a sandbox with network filtered and use git_clone"), "{text}");
     }
 
     #[test]
     fn other_errors_are_shown_as_core_says_them() {
-        let error = CoreError::LimitReached { max: 2 };
+        let error = CreateError::LimitReached { max: 2 };
         let core = error.to_string();
         assert_eq!(shown(error), core);
     }

@@ -10,7 +10,7 @@ use moat_proto::{AgentClient, UnixConnector};
 
 use crate::backend::{Backend, BackendKind, Instance};
 use crate::cgroup::{Cgroup, CgroupSupport, Limits};
-use crate::error::CoreError;
+use crate::error::{CreateError, IoError};
 use crate::image::{Image, JAIL_ID_BASE, JAIL_ID_COUNT};
 use crate::process::Pidfd;
 use crate::sandbox::SandboxSpec;
@@ -149,14 +149,14 @@ impl Backend for JailBackend {
         spec: &SandboxSpec,
         image: &Image,
         data_dir: &Path,
-    ) -> Result<Jail, CoreError> {
+    ) -> Result<Jail, CreateError> {
         let io = |what: &str| {
             let (id, what) = (id.to_owned(), what.to_owned());
-            move |source| CoreError::Io { id, what, source }
+            move |source| IoError { id, what, source }
         };
         let pasta = match spec.network {
             crate::sandbox::NetworkPolicy::Open => Some(find_pasta().ok_or_else(|| {
-                CoreError::StartFailed {
+                CreateError::StartFailed {
                     id: id.into(),
                     reason: "network open needs pasta, from Debian's passt package (apt-get install passt); \
                          or use network filtered"
@@ -200,11 +200,12 @@ impl Backend for JailBackend {
                 let _ = monitor.kill();
                 let _ = monitor.wait();
                 state.remove();
-                return Err(CoreError::Io {
+                return Err(IoError {
                     id: id.into(),
                     what: "watching its monitor (pidfd_open needs Linux 5.3)".into(),
                     source: e,
-                });
+                }
+                .into());
             }
         };
         state.record_monitor(monitor.id()).map_err(io("recording its monitor"))?;
@@ -250,8 +251,8 @@ impl Backend for JailBackend {
             let _ = tokio::task::spawn_blocking(move || jail.stop()).await;
             // pasta's own words are in the log; say also what on the host stops it.
             return Err(match (e, pasta.as_ref().and_then(|_| tun_problem())) {
-                (CoreError::StartFailed { id, reason }, Some(problem)) => {
-                    CoreError::StartFailed { id, reason: format!("{reason}\n{problem}") }
+                (CreateError::StartFailed { id, reason }, Some(problem)) => {
+                    CreateError::StartFailed { id, reason: format!("{reason}\n{problem}") }
                 }
                 (e, _) => e,
             });
@@ -263,11 +264,11 @@ impl Backend for JailBackend {
 impl JailBackend {
     /// Stops a monitor started for a jail whose cgroups could not be made,
     /// and says why the jail is refused and what allows it.
-    fn unlimited_refused(&self, id: &str, mut monitor: Child, state: StateDir, why: &str) -> CoreError {
+    fn unlimited_refused(&self, id: &str, mut monitor: Child, state: StateDir, why: &str) -> CreateError {
         let _ = monitor.kill();
         let _ = monitor.wait();
         state.remove();
-        CoreError::StartFailed {
+        CreateError::StartFailed {
             id: id.into(),
             reason: format!(
                 "its cgroups (memory, pids and CPU limits) cannot be set up: {why}. Without them a sandbox \
@@ -293,9 +294,9 @@ impl Instance for Jail {
         self.cgroup.as_ref().is_some_and(|c| c.is_busy(resident))
     }
 
-    fn set_suspended(&self, suspended: bool) -> Result<(), CoreError> {
+    fn set_suspended(&self, suspended: bool) -> Result<(), IoError> {
         match &self.cgroup {
-            Some(cgroup) if cgroup.can_freeze() => cgroup.set_frozen(suspended).map_err(|source| CoreError::Io {
+            Some(cgroup) if cgroup.can_freeze() => cgroup.set_frozen(suspended).map_err(|source| IoError {
                 id: self.id.clone(),
                 what: "freezing".into(),
                 source,
@@ -335,9 +336,9 @@ impl Jail {
     /// the backlog until the agent accepts), then the handshake itself;
     /// meanwhile the monitor's pidfd tells of a jail that died, and
     /// [`START_GUARD`] bounds the whole.
-    async fn wait_ready(&mut self, ready: std::process::ChildStdout) -> Result<(), CoreError> {
+    async fn wait_ready(&mut self, ready: std::process::ChildStdout) -> Result<(), CreateError> {
         let watch = || {
-            self.exit.try_clone().map_err(|source| CoreError::Io {
+            self.exit.try_clone().map_err(|source| IoError {
                 id: self.id.clone(),
                 what: "watching its monitor".into(),
                 source,
@@ -375,12 +376,12 @@ impl Jail {
         }
     }
 
-    fn start_failed(&self, what: &str) -> CoreError {
+    fn start_failed(&self, what: &str) -> CreateError {
         let log =
             self.state.as_ref().and_then(|s| std::fs::read_to_string(s.path.join("jail.log")).ok()).unwrap_or_default();
         let tail: Vec<_> = log.lines().rev().take(10).collect();
         let tail: Vec<_> = tail.into_iter().rev().collect();
-        CoreError::StartFailed { id: self.id.clone(), reason: format!("{what}; its log says:\n{}", tail.join("\n")) }
+        CreateError::StartFailed { id: self.id.clone(), reason: format!("{what}; its log says:\n{}", tail.join("\n")) }
     }
 
     /// Kills the jail (its monitor takes PID 1 and the whole pid namespace

@@ -9,7 +9,7 @@ use moat_proto::{AgentClient, UnixConnector};
 use crate::backend::jail::{Jail, JailBackend};
 use crate::backend::vm::{Vm, VmBackend};
 use crate::backend::{Backend, BackendKind, Instance};
-use crate::error::CoreError;
+use crate::error::{CreateError, IoError};
 use crate::image::Image;
 use crate::sandbox::SandboxSpec;
 
@@ -42,7 +42,7 @@ impl Runner {
         spec: &SandboxSpec,
         image: &Image,
         data_dir: &Path,
-    ) -> Result<Machine, CoreError> {
+    ) -> Result<Machine, CreateError> {
         match self {
             Self::Jail(backend) => backend.start(id, hostname, spec, image, data_dir).await.map(Machine::Jail),
             Self::Vm(backend) => backend.start(id, hostname, spec, image, data_dir).await.map(Machine::Vm),
@@ -85,7 +85,7 @@ impl Machine {
         self.instance().can_suspend()
     }
 
-    pub fn set_suspended(&self, suspended: bool) -> Result<(), CoreError> {
+    pub fn set_suspended(&self, suspended: bool) -> Result<(), IoError> {
         self.instance().set_suspended(suspended)
     }
 

@@ -8,7 +8,7 @@ use std::str::FromStr;
 
 use moat_proto::{AgentClient, UnixConnector};
 
-use crate::error::CoreError;
+use crate::error::{CreateError, IoError};
 use crate::image::Image;
 use crate::sandbox::SandboxSpec;
 
@@ -34,7 +34,7 @@ pub trait Backend: Send + Sync + 'static {
         spec: &SandboxSpec,
         image: &Image,
         data_dir: &Path,
-    ) -> impl Future<Output = Result<Self::Instance, CoreError>> + Send;
+    ) -> impl Future<Output = Result<Self::Instance, CreateError>> + Send;
 }
 
 /// One running sandbox of a backend. Dropping it destroys the sandbox.
@@ -43,7 +43,7 @@ pub trait Instance: Send + 'static {
     fn client(&self) -> AgentClient<UnixConnector>;
     /// Whether the sandbox can be suspended (frozen, or its vCPUs paused).
     fn can_suspend(&self) -> bool;
-    fn set_suspended(&self, suspended: bool) -> Result<(), CoreError>;
+    fn set_suspended(&self, suspended: bool) -> Result<(), IoError>;
     /// Whether a process runs in the sandbox beyond the agent and
     /// `resident` known idle ones (a waiting Python session): a command in
     /// progress, or a server started in the background. Busy sandboxes are

@@ -36,7 +36,7 @@ use crate::backend::passt::Passt;
 use crate::backend::rootdisk::RootDisk;
 use crate::backend::{Backend, BackendKind, Instance};
 use crate::capped_log::{CappedLog, LOG_CAP};
-use crate::error::CoreError;
+use crate::error::{CreateError, IoError};
 use crate::image::Image;
 use crate::process::Pidfd;
 use crate::sandbox::{NetworkPolicy, SandboxSpec};
@@ -135,8 +135,8 @@ fn vmm_config(
     cmdline: String,
     overlay_limit_mib: u64,
     passt: bool,
-) -> Result<VmConfig, CoreError> {
-    let too_big = |what: &str| CoreError::InvalidSpec(format!("{what} is more than a microVM takes; ask for less"));
+) -> Result<VmConfig, CreateError> {
+    let too_big = |what: &str| CreateError::InvalidSpec(format!("{what} is more than a microVM takes; ask for less"));
     let mut config = VmConfig::new(&files.kernel);
     config.initramfs = Some(files.initramfs.clone());
     config.cmdline = cmdline;
@@ -188,16 +188,16 @@ fn cmdline_for(hostname: &str, spec: &SandboxSpec) -> String {
 
 /// The overlay limit of a VM whose guest may write `disk_mib`, after
 /// checking that its image's root file system has that much room.
-fn overlay_limit_mib(image: &Image, disk_mib: u64) -> Result<u64, CoreError> {
+fn overlay_limit_mib(image: &Image, disk_mib: u64) -> Result<u64, CreateError> {
     let disk = RootDisk::read(&image.path("rootfs.ext4")).map_err(|e| {
-        CoreError::Image(crate::image::ImageError::Corrupt {
+        CreateError::Image(crate::image::ImageError::Corrupt {
             name: image.manifest.name.clone(),
             what: format!("its rootfs.ext4 has no readable ext4 superblock ({e})"),
         })
     })?;
     let room = disk.available >> 20;
     if disk_mib > room {
-        return Err(CoreError::InvalidSpec(format!(
+        return Err(CreateError::InvalidSpec(format!(
             "disk_mib {disk_mib} is more than a microVM's root disk holds: its image's file system has {room} MiB \
              free; ask for at most {room}, or use the jail backend"
         )));
@@ -219,14 +219,14 @@ impl Backend for VmBackend {
         spec: &SandboxSpec,
         image: &Image,
         data_dir: &Path,
-    ) -> Result<Vm, CoreError> {
+    ) -> Result<Vm, CreateError> {
         let io = |what: &str| {
             let (id, what) = (id.to_owned(), what.to_owned());
-            move |source| CoreError::Io { id, what, source }
+            move |source| IoError { id, what, source }
         };
         let passt_binary = match spec.network {
             NetworkPolicy::Open => Some(crate::backend::passt::find_passt().ok_or_else(|| {
-                CoreError::StartFailed {
+                CreateError::StartFailed {
                     id: id.into(),
                     reason: "network open needs passt, from Debian's passt package (apt-get install passt); \
                          or use network filtered"
@@ -294,7 +294,7 @@ impl Backend for VmBackend {
                 let _ = vmm.kill();
                 let _ = vmm.wait();
                 state.remove();
-                return Err(io("watching its VMM (pidfd_open needs Linux 5.3)")(e));
+                return Err(io("watching its VMM (pidfd_open needs Linux 5.3)")(e).into());
             }
         };
         state.record_monitor(vmm.id()).map_err(io("recording its VMM"))?;
@@ -323,9 +323,9 @@ impl Instance for Vm {
         true
     }
 
-    fn set_suspended(&self, suspended: bool) -> Result<(), CoreError> {
+    fn set_suspended(&self, suspended: bool) -> Result<(), IoError> {
         let request = if suspended { Request::Pause } else { Request::Resume };
-        self.control::<Status>(&request).map(drop).map_err(|source| CoreError::Io {
+        self.control::<Status>(&request).map(drop).map_err(|source| IoError {
             id: self.id.clone(),
             what: format!("asking its VMM to {}", request.op()),
             source,
@@ -398,7 +398,7 @@ impl Vm {
     /// so: that is polled (the VMM answers it alone), and the agent asked
     /// then, or every [`PROBE_EVERY`] — not every poll, since each try
     /// costs the booting guest a vsock round trip.
-    async fn wait_ready(&mut self) -> Result<(), CoreError> {
+    async fn wait_ready(&mut self) -> Result<(), CreateError> {
         let started = Instant::now();
         let client = self.client();
         let mut probed: Option<Instant> = None;
@@ -430,7 +430,7 @@ impl Vm {
 
     /// An `open` VM whose passt has ended would have a network device
     /// leading nowhere: that is a failed start, with passt's last words.
-    fn check_passt(&mut self) -> Result<(), CoreError> {
+    fn check_passt(&mut self) -> Result<(), CreateError> {
         let Some(status) = self.passt.as_mut().and_then(Passt::exited) else { return Ok(()) };
         let log = self
             .state
@@ -438,7 +438,7 @@ impl Vm {
             .and_then(|s| std::fs::read_to_string(s.path.join("passt.log")).ok())
             .unwrap_or_default();
         let last = log.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("(no message)");
-        Err(CoreError::StartFailed { id: self.id.clone(), reason: format!("passt exited ({status}): {last}") })
+        Err(CreateError::StartFailed { id: self.id.clone(), reason: format!("passt exited ({status}): {last}") })
     }
 
     /// Keeps the guest's process count fresh for [`Instance::is_busy`]:
@@ -463,7 +463,7 @@ impl Vm {
     }
 
     /// Where the boot got to and how the console ended, for a failed start.
-    fn start_failed(&self, what: &str) -> CoreError {
+    fn start_failed(&self, what: &str) -> CreateError {
         let read = |name: &str| {
             self.state.as_ref().and_then(|s| std::fs::read_to_string(s.path.join(name)).ok()).unwrap_or_default()
         };
@@ -476,7 +476,7 @@ impl Vm {
             let lines: Vec<&str> = text.lines().collect();
             lines[lines.len().saturating_sub(n)..].join("\n")
         };
-        CoreError::StartFailed {
+        CreateError::StartFailed {
             id: self.id.clone(),
             reason: format!(
                 "{what}; {stage}\nconsole:\n{}\nmoat-vmm:\n{}",

@@ -42,7 +42,7 @@ use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat};
 pub use pack::{PackSummary, file_size, measure, pack};
 pub use unpack::{CopySummary, Sink, unpack};
 
-use crate::error::CoreError;
+use crate::error::{ConfigError, HostPathError};
 
 /// Directories that are never a root, nor anything beneath them: the
 /// operating system's own. `/root` is one too, unless it is the home
@@ -66,12 +66,12 @@ pub const DEFAULT_COPY_MAX_MIB: u64 = 1024;
 pub const ENTRY_COST: u64 = 4096;
 
 /// The limit of one copy, in bytes: `MOAT_COPY_MAX_MIB` or the default.
-pub fn copy_limit_from_env() -> Result<u64, CoreError> {
+pub fn copy_limit_from_env() -> Result<u64, ConfigError> {
     match std::env::var("MOAT_COPY_MAX_MIB") {
         Err(_) => Ok(DEFAULT_COPY_MAX_MIB << 20),
         Ok(text) => match text.trim().parse::<u64>() {
             Ok(mib) if (1..=1 << 20).contains(&mib) => Ok(mib << 20),
-            _ => Err(CoreError::Config(format!(
+            _ => Err(ConfigError::Invalid(format!(
                 "MOAT_COPY_MAX_MIB={text:?} is not a size in MiB from 1 to 1048576 (the default is {DEFAULT_COPY_MAX_MIB})"
             ))),
         },
@@ -86,7 +86,7 @@ pub fn copy_limit_from_env() -> Result<u64, CoreError> {
 /// directory, unless it is `/`, the home directory, inside a dot directory of
 /// it, or a system directory: then there is no root, and the copy and task
 /// tools refuse with a message naming `MOAT_ROOTS`.
-pub fn roots_from_env() -> Result<Vec<PathBuf>, CoreError> {
+pub fn roots_from_env() -> Result<Vec<PathBuf>, ConfigError> {
     roots_from(std::env::var_os("MOAT_ROOTS"), std::env::current_dir().ok(), home_dir().as_deref())
 }
 
@@ -95,7 +95,7 @@ pub fn roots_from(
     list: Option<OsString>,
     cwd: Option<PathBuf>,
     home: Option<&Path>,
-) -> Result<Vec<PathBuf>, CoreError> {
+) -> Result<Vec<PathBuf>, ConfigError> {
     match list.filter(|v| !v.is_empty()) {
         Some(list) => std::env::split_paths(&list)
             .filter(|p| !p.as_os_str().is_empty())
@@ -117,8 +117,8 @@ pub fn roots_from(
     }
 }
 
-fn explicit_root(root: &Path, home: Option<&Path>) -> Result<PathBuf, CoreError> {
-    let refuse = |why: String| Err(CoreError::Config(format!("MOAT_ROOTS: {why}")));
+fn explicit_root(root: &Path, home: Option<&Path>) -> Result<PathBuf, ConfigError> {
+    let refuse = |why: String| Err(ConfigError::Invalid(format!("MOAT_ROOTS: {why}")));
     if !root.is_absolute() {
         return refuse(format!("{} is not an absolute path", root.display()));
     }
@@ -262,7 +262,7 @@ impl HostRoots {
     /// Opens `roots` (each checked as [`roots_from_env`] checks an explicit
     /// one); `data_dir` is kept out of every root; one copy moves at most
     /// `copy_limit` bytes.
-    pub fn open(roots: &[PathBuf], data_dir: &Path, copy_limit: u64) -> Result<Self, CoreError> {
+    pub fn open(roots: &[PathBuf], data_dir: &Path, copy_limit: u64) -> Result<Self, ConfigError> {
         Self::open_with_home(roots, data_dir, copy_limit, home_dir())
     }
 
@@ -272,10 +272,10 @@ impl HostRoots {
         data_dir: &Path,
         copy_limit: u64,
         home: Option<PathBuf>,
-    ) -> Result<Self, CoreError> {
+    ) -> Result<Self, ConfigError> {
         // The guard needs the data directory's identity: make it now.
         if let Err(e) = std::fs::create_dir_all(data_dir) {
-            return Err(CoreError::Config(format!("cannot create the data directory {}: {e}", data_dir.display())));
+            return Err(ConfigError::Invalid(format!("cannot create the data directory {}: {e}", data_dir.display())));
         }
         let data_id = FileId::of_path(data_dir);
         let data = data_dir.canonicalize().ok();
@@ -283,15 +283,15 @@ impl HostRoots {
         for root in roots {
             let path = explicit_root(root, home.as_deref())?;
             if data.as_ref().is_some_and(|d| path.starts_with(d)) {
-                return Err(CoreError::Config(format!(
+                return Err(ConfigError::Invalid(format!(
                     "MOAT_ROOTS: {} is inside moat's data directory; share a project directory instead",
                     root.display()
                 )));
             }
             let dir = nix::fcntl::open(&path, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
-                .map_err(|e| CoreError::Config(format!("MOAT_ROOTS: cannot open {}: {e}", path.display())))?;
+                .map_err(|e| ConfigError::Invalid(format!("MOAT_ROOTS: cannot open {}: {e}", path.display())))?;
             if data_id.is_some_and(|data| is_or_beneath(&dir, data)) {
-                return Err(CoreError::Config(format!(
+                return Err(ConfigError::Invalid(format!(
                     "MOAT_ROOTS: {} is moat's data directory or inside it; share a project directory instead",
                     root.display()
                 )));
@@ -311,11 +311,11 @@ impl HostRoots {
         self.roots.iter().map(|r| r.path.as_path()).collect()
     }
 
-    fn refuse(&self, path: &Path, why: impl std::fmt::Display) -> CoreError {
-        CoreError::HostPath(format!("{}: {why}", path.display()))
+    fn refuse(&self, path: &Path, why: impl std::fmt::Display) -> HostPathError {
+        HostPathError(format!("{}: {why}", path.display()))
     }
 
-    fn outside(&self, path: &Path) -> CoreError {
+    fn outside(&self, path: &Path) -> HostPathError {
         if self.roots.is_empty() {
             return self.refuse(
                 path,
@@ -329,7 +329,7 @@ impl HostRoots {
     }
 
     /// Which root `path` is in, and its components beneath that root.
-    fn locate(&self, path: &Path) -> Result<(&Root, Vec<OsString>), CoreError> {
+    fn locate(&self, path: &Path) -> Result<(&Root, Vec<OsString>), HostPathError> {
         if !path.is_absolute() {
             return Err(self.refuse(path, "not an absolute path; give one such as /home/me/project/file.txt"));
         }
@@ -355,7 +355,7 @@ impl HostRoots {
 
     /// Opens the directory `parts` beneath `root`, refusing symlinks, the
     /// data directory and the home directory's dot directories.
-    fn walk(&self, root: &Root, parts: &[OsString], shown: &Path) -> Result<OwnedFd, CoreError> {
+    fn walk(&self, root: &Root, parts: &[OsString], shown: &Path) -> Result<OwnedFd, HostPathError> {
         let mut dir = openat(&root.dir, ".", OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
             .map_err(|e| self.refuse(shown, e.desc()))?;
         self.check_dir(&dir, shown)?;
@@ -373,7 +373,7 @@ impl HostRoots {
         Ok(dir)
     }
 
-    fn walk_error(&self, shown: &Path, name: &OsStr, e: Errno) -> CoreError {
+    fn walk_error(&self, shown: &Path, name: &OsStr, e: Errno) -> HostPathError {
         let name = name.to_string_lossy();
         match e {
             Errno::ENOTDIR | Errno::ELOOP => self.refuse(
@@ -389,7 +389,7 @@ impl HostRoots {
 
     /// Refuses `name` in `dir` when `dir` is the home directory and `name`
     /// a dot entry.
-    fn check_entry(&self, dir: &OwnedFd, name: &OsStr, shown: &Path) -> Result<(), CoreError> {
+    fn check_entry(&self, dir: &OwnedFd, name: &OsStr, shown: &Path) -> Result<(), HostPathError> {
         if name.as_encoded_bytes().starts_with(b".")
             && let Some(home) = self.home
             && fstat(dir).is_ok_and(|s| FileId::of(&s) == home)
@@ -399,7 +399,7 @@ impl HostRoots {
         Ok(())
     }
 
-    fn check_dir(&self, dir: &OwnedFd, shown: &Path) -> Result<(), CoreError> {
+    fn check_dir(&self, dir: &OwnedFd, shown: &Path) -> Result<(), HostPathError> {
         if self.data_dir.is_some_and(|data| fstat(dir).is_ok_and(|s| FileId::of(&s) == data)) {
             return Err(self.refuse(shown, "moat's own data directory, which is never shared"));
         }
@@ -407,7 +407,7 @@ impl HostRoots {
     }
 
     /// Opens an existing file or directory for reading.
-    pub fn open_source(&self, path: &Path) -> Result<Source, CoreError> {
+    pub fn open_source(&self, path: &Path) -> Result<Source, HostPathError> {
         let (root, parts) = self.locate(path)?;
         let shown = path.to_path_buf();
         let Some((name, parents)) = parts.split_last() else {
@@ -444,7 +444,7 @@ impl HostRoots {
     }
 
     /// Checks that `path` is a new name beneath a root, and opens its parent.
-    pub fn destination(&self, path: &Path) -> Result<Destination, CoreError> {
+    pub fn destination(&self, path: &Path) -> Result<Destination, HostPathError> {
         let (root, parts) = self.locate(path)?;
         let Some((name, parents)) = parts.split_last() else {
             return Err(self.refuse(path, "exists; copy to a new path (nothing on the host is overwritten)"));
@@ -463,7 +463,7 @@ impl HostRoots {
 impl Destination {
     /// Makes a new, empty file under a hidden name beside the destination;
     /// [`Staged::commit`] gives it its name.
-    pub fn stage_file(self) -> Result<(Staged, std::fs::File), CoreError> {
+    pub fn stage_file(self) -> Result<(Staged, std::fs::File), HostPathError> {
         let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
         let (temp, fd) = self.stage(|parent, temp| openat(parent, temp, flags, Mode::from_bits_truncate(0o600)))?;
         Ok((Staged::new(self, temp, false), std::fs::File::from(fd)))
@@ -471,7 +471,7 @@ impl Destination {
 
     /// Makes a new, empty directory (mode 0700 until committed) under a
     /// hidden name beside the destination, and opens it.
-    pub fn stage_dir(self) -> Result<(Staged, OwnedFd), CoreError> {
+    pub fn stage_dir(self) -> Result<(Staged, OwnedFd), HostPathError> {
         let (temp, fd) = self.stage(|parent, temp| {
             nix::sys::stat::mkdirat(parent, temp, Mode::from_bits_truncate(0o700))?;
             let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
@@ -480,7 +480,10 @@ impl Destination {
         Ok((Staged::new(self, temp, true), fd))
     }
 
-    fn stage(&self, make: impl Fn(&OwnedFd, &OsStr) -> nix::Result<OwnedFd>) -> Result<(OsString, OwnedFd), CoreError> {
+    fn stage(
+        &self,
+        make: impl Fn(&OwnedFd, &OsStr) -> nix::Result<OwnedFd>,
+    ) -> Result<(OsString, OwnedFd), HostPathError> {
         use std::hash::{BuildHasher, Hasher};
         for _ in 0..16 {
             let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
@@ -490,15 +493,11 @@ impl Destination {
                 Ok(fd) => return Ok((temp, fd)),
                 Err(Errno::EEXIST) => {}
                 Err(e) => {
-                    return Err(CoreError::HostPath(format!(
-                        "{}: cannot create it: {}",
-                        self.shown.display(),
-                        e.desc()
-                    )));
+                    return Err(HostPathError(format!("{}: cannot create it: {}", self.shown.display(), e.desc())));
                 }
             }
         }
-        Err(CoreError::HostPath(format!("{}: cannot find a free temporary name beside it", self.shown.display())))
+        Err(HostPathError(format!("{}: cannot find a free temporary name beside it", self.shown.display())))
     }
 }
 
@@ -521,7 +520,7 @@ impl Staged {
     }
 
     /// Gives the copy its name: a rename that never replaces anything.
-    pub fn commit(mut self) -> Result<(), CoreError> {
+    pub fn commit(mut self) -> Result<(), HostPathError> {
         if self.dir {
             let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
             if let Ok(fd) = openat(&self.parent, self.temp.as_os_str(), flags, Mode::empty()) {
@@ -541,9 +540,9 @@ impl Staged {
                 Ok(())
             }
             Err(Errno::EEXIST) => {
-                Err(CoreError::HostPath(format!("{}: exists now; copy to a new path", self.shown.display())))
+                Err(HostPathError(format!("{}: exists now; copy to a new path", self.shown.display())))
             }
-            Err(e) => Err(CoreError::HostPath(format!("{}: cannot create it: {}", self.shown.display(), e.desc()))),
+            Err(e) => Err(HostPathError(format!("{}: cannot create it: {}", self.shown.display(), e.desc()))),
         }
     }
 }

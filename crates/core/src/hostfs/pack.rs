@@ -17,7 +17,7 @@ use nix::fcntl::{AtFlags, OFlag, openat, readlinkat};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat};
 
 use super::{ENTRY_COST, FileId, HostRoots, MAX_DEPTH};
-use crate::error::CoreError;
+use crate::error::HostPathError;
 
 /// What a pack sent, and what it left out.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -60,9 +60,9 @@ impl Walk<'_> {
         dir: &OwnedFd,
         rel: &Path,
         depth: usize,
-        emit: &mut dyn FnMut(&Path, Item<'_>) -> Result<(), CoreError>,
-    ) -> Result<(), CoreError> {
-        let failed = |what: &str, e: Errno| CoreError::HostPath(format!("{}: {what}: {}", rel.display(), e.desc()));
+        emit: &mut dyn FnMut(&Path, Item<'_>) -> Result<(), HostPathError>,
+    ) -> Result<(), HostPathError> {
+        let failed = |what: &str, e: Errno| HostPathError(format!("{}: {what}: {}", rel.display(), e.desc()));
         let is_home = self.roots.home.is_some_and(|h| fstat(dir).is_ok_and(|s| FileId::of(&s) == h));
         let mut names = super::names_in(dir).map_err(|e| failed("cannot list it", e))?;
         names.sort();
@@ -81,7 +81,7 @@ impl Walk<'_> {
             let stat = match fstatat(dir, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {
                 Ok(stat) => stat,
                 Err(Errno::ENOENT) => continue,
-                Err(e) => return Err(CoreError::HostPath(format!("{}: {}", path.display(), e.desc()))),
+                Err(e) => return Err(HostPathError(format!("{}: {}", path.display(), e.desc()))),
             };
             match SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT {
                 SFlag::S_IFDIR => {
@@ -143,10 +143,10 @@ impl Walk<'_> {
         Ok(())
     }
 
-    fn charge(&mut self, rel: &Path, size: u64) -> Result<(), CoreError> {
+    fn charge(&mut self, rel: &Path, size: u64) -> Result<(), HostPathError> {
         self.cost = self.cost.saturating_add(ENTRY_COST).saturating_add(size);
         if self.cost > self.roots.copy_limit {
-            return Err(CoreError::HostPath(format!(
+            return Err(HostPathError(format!(
                 "the copy is larger than the limit of {} MiB (MOAT_COPY_MAX_MIB; each entry counts {} KiB beyond its \
                  data), reached at {}; copy a smaller part, or the operator may raise the limit",
                 self.roots.copy_limit >> 20,
@@ -174,7 +174,7 @@ fn open_file(dir: &OwnedFd, name: &OsStr, stat: &FileStat) -> Result<OwnedFd, St
 
 /// Walks the tree under `dir` as [`pack`] will, reading no file: what it
 /// holds, what will be left out, and whether it fits the copy limit.
-pub fn measure(roots: &HostRoots, dir: &OwnedFd, skip_git: bool) -> Result<PackSummary, CoreError> {
+pub fn measure(roots: &HostRoots, dir: &OwnedFd, skip_git: bool) -> Result<PackSummary, HostPathError> {
     let mut walk = Walk { roots, skip_git, open_files: false, summary: PackSummary::default(), cost: 0 };
     walk.visit(dir, Path::new(""), 0, &mut |_, _| Ok(()))?;
     Ok(walk.summary)
@@ -187,11 +187,11 @@ pub fn measure(roots: &HostRoots, dir: &OwnedFd, skip_git: bool) -> Result<PackS
 /// When streaming fails part way, the archive is ended with a block that is
 /// not a valid header, so the agent refuses it rather than unpacking a
 /// shorter tree as if it were whole.
-pub fn pack(roots: &HostRoots, dir: &OwnedFd, skip_git: bool, out: impl Write) -> Result<PackSummary, CoreError> {
+pub fn pack(roots: &HostRoots, dir: &OwnedFd, skip_git: bool, out: impl Write) -> Result<PackSummary, HostPathError> {
     let mut builder = tar::Builder::new(out);
     let mut walk = Walk { roots, skip_git, open_files: true, summary: PackSummary::default(), cost: 0 };
     let result = walk.visit(dir, Path::new(""), 0, &mut |rel, item| append(&mut builder, rel, item));
-    let mut out = builder.into_inner().map_err(|e| CoreError::HostPath(format!("cannot finish the archive: {e}")))?;
+    let mut out = builder.into_inner().map_err(|e| HostPathError(format!("cannot finish the archive: {e}")))?;
     if let Err(e) = result {
         let _ = out.write_all(&[0xff; 512]);
         return Err(e);
@@ -199,8 +199,8 @@ pub fn pack(roots: &HostRoots, dir: &OwnedFd, skip_git: bool, out: impl Write) -
     Ok(walk.summary)
 }
 
-fn append<W: Write>(builder: &mut tar::Builder<W>, rel: &Path, item: Item<'_>) -> Result<(), CoreError> {
-    let failed = |e: std::io::Error| CoreError::HostPath(format!("cannot send {}: {e}", rel.display()));
+fn append<W: Write>(builder: &mut tar::Builder<W>, rel: &Path, item: Item<'_>) -> Result<(), HostPathError> {
+    let failed = |e: std::io::Error| HostPathError(format!("cannot send {}: {e}", rel.display()));
     let mut header = tar::Header::new_gnu();
     header.set_uid(0);
     header.set_gid(0);

@@ -36,7 +36,7 @@ fn fixture(limit: u64) -> Fixture {
     Fixture { _top: top, root, outside, roots }
 }
 
-fn refused(result: Result<impl std::fmt::Debug, CoreError>, needle: &str) {
+fn refused(result: Result<impl std::fmt::Debug, impl std::fmt::Display>, needle: &str) {
     let err = result.expect_err("refused").to_string();
     assert!(err.contains(needle), "{err:?} should say {needle:?}");
 }
@@ -138,12 +138,12 @@ fn hostile_tar(entries: &[RawEntry<'_>]) -> Vec<u8> {
     builder.into_inner().expect("finish")
 }
 
-fn unpack_into(f: &Fixture, name: &str, archive: &[u8]) -> Result<CopySummary, CoreError> {
+fn unpack_into(f: &Fixture, name: &str, archive: &[u8]) -> Result<CopySummary, HostPathError> {
     unpack_from(f, name, archive)
 }
 
 /// Unpacks as `copy_from_sandbox` does: into a staged directory, named on success.
-fn unpack_from(f: &Fixture, name: &str, input: impl std::io::Read) -> Result<CopySummary, CoreError> {
+fn unpack_from(f: &Fixture, name: &str, input: impl std::io::Read) -> Result<CopySummary, HostPathError> {
     let dest = f.roots.destination(&f.root.join(name)).expect("new");
     let (staged, dir) = dest.stage_dir().expect("mkdir");
     let summary = unpack(input, Sink::Dir(dir), f.roots.copy_limit())?;
@@ -151,7 +151,7 @@ fn unpack_from(f: &Fixture, name: &str, input: impl std::io::Read) -> Result<Cop
     Ok(summary)
 }
 
-fn unpack_file(f: &Fixture, name: &str, archive: &[u8]) -> Result<CopySummary, CoreError> {
+fn unpack_file(f: &Fixture, name: &str, archive: &[u8]) -> Result<CopySummary, HostPathError> {
     let dest = f.roots.destination(&f.root.join(name)).expect("new");
     let (staged, file) = dest.stage_file().expect("file");
     let summary = unpack(archive, Sink::File(file), f.roots.copy_limit())?;

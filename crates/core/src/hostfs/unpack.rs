@@ -22,7 +22,7 @@ use nix::sys::stat::{Mode, mkdirat};
 use nix::unistd::{UnlinkatFlags, unlinkat};
 
 use super::{ENTRY_COST, MAX_DEPTH};
-use crate::error::CoreError;
+use crate::error::HostPathError;
 
 /// Where a copy goes.
 #[derive(Debug)]
@@ -104,8 +104,8 @@ fn shown(name: &[u8]) -> String {
     format!("{cut}…")
 }
 
-fn too_large(limit: u64, shown: &str, size: u64) -> CoreError {
-    CoreError::HostPath(format!(
+fn too_large(limit: u64, shown: &str, size: u64) -> HostPathError {
+    HostPathError(format!(
         "the copy is larger than the limit of {} MiB (MOAT_COPY_MAX_MIB; each entry and directory counts {} KiB \
          beyond its data), reached at {shown} ({size} bytes); copy a smaller part, or the operator may raise the limit",
         limit >> 20,
@@ -116,10 +116,10 @@ fn too_large(limit: u64, shown: &str, size: u64) -> CoreError {
 /// Writes the archive `input` into `sink`, stopping with an error before the
 /// data and entries pass `limit` bytes (each entry, and each directory its
 /// name makes, counts [`ENTRY_COST`] beyond its data and name).
-pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, CoreError> {
+pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, HostPathError> {
     let allowance = std::rc::Rc::new(std::cell::Cell::new(METADATA_ALLOWANCE));
     let mut archive = tar::Archive::new(Budget { inner: input, allowance: allowance.clone() });
-    let broken = |e: std::io::Error| CoreError::HostPath(format!("the sandbox sent a broken archive: {e}"));
+    let broken = |e: std::io::Error| HostPathError(format!("the sandbox sent a broken archive: {e}"));
     let mut summary = CopySummary::default();
     let mut dropped = 0u64;
     let mut cost = 0u64;
@@ -150,12 +150,12 @@ pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, C
         if let Some(out) = file.as_mut() {
             // A single file: the archive's one regular file, nothing else.
             if !regular || summary.files > 0 {
-                return Err(CoreError::HostPath(format!(
+                return Err(HostPathError(format!(
                     "the sandbox sent {shown} where one regular file was expected; copy a regular file, or a directory"
                 )));
             }
             let written = write_sparse(&mut entry, out, size)
-                .map_err(|e| CoreError::HostPath(format!("cannot write the copy of {shown}: {e}")))?;
+                .map_err(|e| HostPathError(format!("cannot write the copy of {shown}: {e}")))?;
             finish_file(out.as_fd(), mode, mtime);
             summary.files += 1;
             summary.bytes += written;
@@ -202,10 +202,10 @@ pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, C
                     skip(&mut summary, &mut dropped, format!("{shown}: a second entry of the same name"));
                     continue;
                 }
-                Err(e) => return Err(CoreError::HostPath(format!("cannot create the copy of {shown}: {}", e.desc()))),
+                Err(e) => return Err(HostPathError(format!("cannot create the copy of {shown}: {}", e.desc()))),
             };
             let written = write_sparse(&mut entry, &mut out, size)
-                .map_err(|e| CoreError::HostPath(format!("cannot write the copy of {shown}: {e}")))?;
+                .map_err(|e| HostPathError(format!("cannot write the copy of {shown}: {e}")))?;
             finish_file(out.as_fd(), mode, mtime);
             summary.files += 1;
             summary.bytes += written;
@@ -241,7 +241,7 @@ pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, C
     if let Some(dir) = dir.as_ref() {
         make_links(dir, links, &mut summary, &mut dropped);
     } else if summary.files == 0 {
-        return Err(CoreError::HostPath("the sandbox sent no file; copy a regular file, or a directory".into()));
+        return Err(HostPathError("the sandbox sent no file; copy a regular file, or a directory".into()));
     }
     if dropped > 0 {
         summary.skipped.push(format!("… and {dropped} more entries left out"));

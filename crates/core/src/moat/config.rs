@@ -7,7 +7,7 @@ use crate::backend::jail::JailBackend;
 use crate::backend::machine::{Runner, find_vmm};
 use crate::backend::vm::VmBackend;
 use crate::backend::{BackendKind, HostVirtualization};
-use crate::error::CoreError;
+use crate::error::ConfigError;
 use crate::grants::Grants;
 use crate::hostfs;
 use crate::image;
@@ -43,13 +43,13 @@ impl MoatConfig {
     /// The data directory from the environment, backend `auto`, the agent
     /// from `$MOAT_AGENT` or beside the running executable, 16 sandboxes,
     /// and the grants of `MOAT_ALLOW_NETWORK` (none unless set).
-    pub fn from_env() -> Result<Self, CoreError> {
+    pub fn from_env() -> Result<Self, ConfigError> {
         Ok(Self { grants: Grants::from_env()?, ..Self::operator_from_env()? })
     }
 
     /// [`MoatConfig::from_env`] for the operator's own tools (the `moat`
     /// CLI): everything is granted, and `MOAT_ALLOW_NETWORK` is not read.
-    pub fn operator_from_env() -> Result<Self, CoreError> {
+    pub fn operator_from_env() -> Result<Self, ConfigError> {
         // The operator's errors (exit 2) before the machine's.
         let roots = hostfs::roots_from_env()?;
         let copy_limit = hostfs::copy_limit_from_env()?;
@@ -71,12 +71,12 @@ impl MoatConfig {
 /// The backend `config.backend` resolves to on this host: `auto` is a
 /// microVM where the host has hardware virtualization and `moat-vmm` is
 /// found, a jail otherwise (see [`HostVirtualization::choose`]).
-pub(super) fn choose_backend(config: &MoatConfig) -> Result<Runner, CoreError> {
+pub(super) fn choose_backend(config: &MoatConfig) -> Result<Runner, ConfigError> {
     let choice = HostVirtualization::resolve(config.backend);
     match choice.kind {
         BackendKind::Vm => match find_vmm() {
             Some(vmm) => Ok(Runner::Vm(VmBackend::new(vmm))),
-            None if config.backend == BackendKind::Vm => Err(CoreError::VmmMissing),
+            None if config.backend == BackendKind::Vm => Err(ConfigError::VmmMissing),
             None => {
                 tracing::info!("{}, but moat-vmm is not found: using jails", choice.reason);
                 Ok(Runner::Jail(JailBackend::new(config.agent.clone())))
@@ -89,21 +89,21 @@ pub(super) fn choose_backend(config: &MoatConfig) -> Result<Runner, CoreError> {
 /// Where the agent binary is: `$MOAT_AGENT`, else the static build
 /// (`target/x86_64-unknown-linux-gnu/release/moat-agent`, as `cargo xtask
 /// build` makes it) near the current executable, else `moat-agent` beside it.
-pub fn find_agent() -> Result<PathBuf, CoreError> {
+pub fn find_agent() -> Result<PathBuf, ConfigError> {
     if let Some(path) = std::env::var_os("MOAT_AGENT") {
         let path = PathBuf::from(path);
         return if path.is_file() {
             Ok(path)
         } else {
-            Err(CoreError::AgentMissing(format!("MOAT_AGENT={}", path.display())))
+            Err(ConfigError::AgentMissing(format!("MOAT_AGENT={}", path.display())))
         };
     }
-    let exe = std::env::current_exe().map_err(|e| CoreError::AgentMissing(e.to_string()))?;
+    let exe = std::env::current_exe().map_err(|e| ConfigError::AgentMissing(e.to_string()))?;
     let dirs: Vec<&Path> = exe.ancestors().skip(1).take(3).collect();
     let static_builds = dirs.iter().map(|d| d.join("x86_64-unknown-linux-gnu/release/moat-agent"));
     let candidates: Vec<PathBuf> = static_builds.chain(dirs.iter().take(2).map(|d| d.join("moat-agent"))).collect();
     candidates.iter().find(|p| p.is_file()).cloned().ok_or_else(|| {
-        CoreError::AgentMissing(format!(
+        ConfigError::AgentMissing(format!(
             "looked at {}",
             candidates.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
         ))

@@ -12,17 +12,17 @@ use nix::fcntl::OFlag;
 use tokio::io::AsyncReadExt;
 
 use super::Moat;
-use crate::error::CoreError;
+use crate::error::{CopyError, HostPathError, SandboxError};
 use crate::hostfs::{self, CopySummary, ENTRY_COST, PackSummary, Sink, Source, SourceKind};
 
 /// A pipe: the blocking end as a file, the other as raw descriptor.
-fn pipe() -> Result<(OwnedFd, OwnedFd), CoreError> {
+fn pipe() -> Result<(OwnedFd, OwnedFd), HostPathError> {
     nix::unistd::pipe2(OFlag::O_CLOEXEC)
-        .map_err(|e| CoreError::HostPath(format!("cannot make a pipe for the copy: {}", e.desc())))
+        .map_err(|e| HostPathError(format!("cannot make a pipe for the copy: {}", e.desc())))
 }
 
-fn too_large(limit: u64, shown: &Path, size: u64) -> CoreError {
-    CoreError::HostPath(format!(
+fn too_large(limit: u64, shown: &Path, size: u64) -> HostPathError {
+    HostPathError(format!(
         "{} is {size} bytes, more than the copy limit of {} MiB (MOAT_COPY_MAX_MIB); copy a smaller part, or the \
          operator may raise the limit",
         shown.display(),
@@ -54,12 +54,20 @@ impl Moat {
     /// Copies a host file or tree (beneath a shared root; a tree without its
     /// top-level `.git`; symlinks as links) to `sandbox_path`, owned by
     /// `user`.
-    pub async fn copy_to_sandbox(&self, id: &str, host: &Path, sandbox_path: &str) -> Result<CopySummary, CoreError> {
+    pub async fn copy_to_sandbox(&self, id: &str, host: &Path, sandbox_path: &str) -> Result<CopySummary, CopyError> {
         let result = self.copy_in(id, host, sandbox_path).await;
-        self.explained(id, result).await
+        self.explained_copy(id, result).await
     }
 
-    async fn copy_in(&self, id: &str, host: &Path, sandbox_path: &str) -> Result<CopySummary, CoreError> {
+    /// `result`, with a sandbox's error explained by [`Moat::explain`].
+    async fn explained_copy<T>(&self, id: &str, result: Result<T, CopyError>) -> Result<T, CopyError> {
+        match result {
+            Err(CopyError::Sandbox(error)) => Err(self.explain(id, error).await.into()),
+            other => other,
+        }
+    }
+
+    async fn copy_in(&self, id: &str, host: &Path, sandbox_path: &str) -> Result<CopySummary, CopyError> {
         let source = self.inner.host.open_source(host)?;
         let client = self.client(id)?;
         if source.kind == SourceKind::Dir {
@@ -69,7 +77,7 @@ impl Moat {
         let size = hostfs::file_size(&source.fd);
         let limit = self.inner.host.copy_limit();
         if size.saturating_add(ENTRY_COST) > limit {
-            return Err(too_large(limit, &source.shown, size));
+            return Err(too_large(limit, &source.shown, size).into());
         }
         let file = tokio::fs::File::from_std(std::fs::File::from(source.fd));
         let req = moat_proto::WriteFileRequest {
@@ -81,7 +89,7 @@ impl Moat {
         let written = client
             .write_file(req, &mut file.take(size))
             .await
-            .map_err(|source| CoreError::Agent { id: id.into(), source })?;
+            .map_err(|source| SandboxError::Agent { id: id.into(), source })?;
         Ok(CopySummary { files: 1, bytes: written, skipped: Vec::new() })
     }
 
@@ -93,7 +101,7 @@ impl Moat {
         source: Source,
         dest: &str,
         skip_git: bool,
-    ) -> Result<PackSummary, CoreError> {
+    ) -> Result<PackSummary, CopyError> {
         let client = self.client(id)?;
         let inner = self.inner.clone();
         let dir = source.fd;
@@ -102,11 +110,11 @@ impl Moat {
             (measured, dir)
         })
         .await
-        .map_err(|e| CoreError::HostPath(format!("measuring the tree failed: {e}")))?;
+        .map_err(|e| HostPathError(format!("measuring the tree failed: {e}")))?;
         let measured = measured?;
         let (read, write) = pipe()?;
         let mut receiver = tokio::net::unix::pipe::Receiver::from_owned_fd(read)
-            .map_err(|e| CoreError::HostPath(format!("cannot stream the copy: {e}")))?;
+            .map_err(|e| HostPathError(format!("cannot stream the copy: {e}")))?;
         let inner = self.inner.clone();
         let sent = Watched { inner: std::fs::File::from(write), failed: Default::default() };
         let write_failed = sent.failed.clone();
@@ -117,14 +125,14 @@ impl Moat {
         // An agent that stopped reading must not leave the packer blocked on
         // a full pipe: closing the read end makes its next write fail.
         drop(receiver);
-        let packed = packer.await.map_err(|e| CoreError::HostPath(format!("archiving failed: {e}")))?;
+        let packed = packer.await.map_err(|e| HostPathError(format!("archiving failed: {e}")))?;
         let agent_stopped = write_failed.load(std::sync::atomic::Ordering::Relaxed);
         match (packed, uploaded) {
             // The agent refused the archive (a file in the way, a full disk)
             // and stopped reading: its reason, not the broken pipe's.
-            (Err(_), Err(source)) if agent_stopped => Err(CoreError::Agent { id: id.into(), source }),
-            (Err(e), _) => Err(e),
-            (Ok(_), Err(source)) => Err(CoreError::Agent { id: id.into(), source }),
+            (Err(_), Err(source)) if agent_stopped => Err(SandboxError::Agent { id: id.into(), source }.into()),
+            (Err(e), _) => Err(e.into()),
+            (Ok(_), Err(source)) => Err(SandboxError::Agent { id: id.into(), source }.into()),
             (Ok(mut packed), Ok(_)) => {
                 packed.top = measured.top;
                 Ok(packed)
@@ -135,29 +143,30 @@ impl Moat {
     /// Copies a sandbox file or tree to `host`, a new path beneath a shared
     /// root. Entries left out (unsafe names, links leading out of the copy,
     /// devices) are listed in the result; on failure nothing is left behind.
-    pub async fn copy_from_sandbox(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<CopySummary, CoreError> {
+    pub async fn copy_from_sandbox(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<CopySummary, CopyError> {
         let result = self.copy_out(id, sandbox_path, host).await;
-        self.explained(id, result).await
+        self.explained_copy(id, result).await
     }
 
-    async fn copy_out(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<CopySummary, CoreError> {
+    async fn copy_out(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<CopySummary, CopyError> {
         let dest = self.inner.host.destination(host)?;
         let client = self.client(id)?;
-        let agent = |source| CoreError::Agent { id: id.into(), source };
+        let agent = |source| SandboxError::Agent { id: id.into(), source };
         let info = client.stat(sandbox_path).await.map_err(agent)?;
         let (staged, sink) = match info.kind {
             moat_proto::FileKind::File => dest.stage_file().map(|(staged, file)| (staged, Sink::File(file)))?,
             moat_proto::FileKind::Dir => dest.stage_dir().map(|(staged, dir)| (staged, Sink::Dir(dir)))?,
             _ => {
-                return Err(CoreError::HostPath(format!(
+                return Err(HostPathError(format!(
                     "{sandbox_path} in the sandbox is not a regular file or directory; copy one of those"
-                )));
+                ))
+                .into());
             }
         };
         // From here, returning early drops `staged`, which removes the copy.
         let (read, write) = pipe()?;
         let mut sender = tokio::net::unix::pipe::Sender::from_owned_fd(write)
-            .map_err(|e| CoreError::HostPath(format!("cannot stream the copy: {e}")))?;
+            .map_err(|e| HostPathError(format!("cannot stream the copy: {e}")))?;
         let limit = self.inner.host.copy_limit();
         let unpacker = tokio::task::spawn_blocking(move || {
             hostfs::unpack(std::io::BufReader::with_capacity(64 << 10, std::fs::File::from(read)), sink, limit)
@@ -166,13 +175,13 @@ impl Moat {
         // The unpacker reads to the end of the archive; closing our end ends
         // it when the agent stopped early.
         drop(sender);
-        let unpacked = unpacker.await.map_err(|e| CoreError::HostPath(format!("unpacking failed: {e}")))?;
+        let unpacked = unpacker.await.map_err(|e| HostPathError(format!("unpacking failed: {e}")))?;
         let summary = match (unpacked, downloaded) {
             (Ok(summary), Ok(_)) => summary,
             // The unpacker stopped (limit, bad entry) and the agent's writes
             // then failed: the unpacker's reason is the one to give.
-            (Err(e), Err(ProtoError::Io(_)) | Ok(_)) => return Err(e),
-            (_, Err(source)) => return Err(agent(source)),
+            (Err(e), Err(ProtoError::Io(_)) | Ok(_)) => return Err(e.into()),
+            (_, Err(source)) => return Err(agent(source).into()),
         };
         // Everything is checked: the copy takes its name.
         staged.commit()?;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use moat_proto::{ExecHandle, ExecRequest, Output};
 
 use super::Moat;
-use crate::error::CoreError;
+use crate::error::SandboxError;
 use crate::interpreter::{CodeOutput, Language, PythonSession, StreamName, snippet_request};
 use crate::sandbox::NetworkPolicy;
 use crate::task::{self, LogEntry};
@@ -22,7 +22,7 @@ pub const RUN_OUTPUT_LIMIT: usize = 64 << 20;
 pub struct StreamedCommand {
     /// What runs, and what the task's execution log records. Its
     /// `timeout_ms`, when set, also bounds the wait for the agent: silence
-    /// [`ANSWER_GRACE`] past it is [`CoreError::Unresponsive`].
+    /// [`ANSWER_GRACE`] past it is [`SandboxError::Unresponsive`].
     pub request: ExecRequest,
     /// The same command as an argv that needs no shell, tried first; when
     /// it cannot start (no such program), `request` runs instead, so that
@@ -44,25 +44,25 @@ pub enum ExecOutcome {
     Cancelled,
 }
 
-/// `work`, given up as [`CoreError::Unresponsive`] when it has not finished
+/// `work`, given up as [`SandboxError::Unresponsive`] when it has not finished
 /// [`ANSWER_GRACE`] after `timeout` (never without a timeout).
 pub(crate) async fn answered_within<T>(
     id: &str,
     timeout: Option<Duration>,
-    work: impl Future<Output = Result<T, CoreError>>,
-) -> Result<T, CoreError> {
+    work: impl Future<Output = Result<T, SandboxError>>,
+) -> Result<T, SandboxError> {
     let Some(timeout) = timeout else { return work.await };
     let waited = timeout.saturating_add(ANSWER_GRACE);
     tokio::time::timeout(waited, work)
         .await
-        .map_err(|_| CoreError::Unresponsive { id: id.into(), waited_s: waited.as_secs() })?
+        .map_err(|_| SandboxError::Unresponsive { id: id.into(), waited_s: waited.as_secs() })?
 }
 
 impl Moat {
     /// Starts a process as `user` in `/home/user` unless the request says otherwise.
     /// A `filtered` sandbox's proxy variables come first, then the sandbox's
     /// `env`; the request's own variables override both.
-    pub async fn exec(&self, id: &str, mut request: ExecRequest) -> Result<ExecHandle, CoreError> {
+    pub async fn exec(&self, id: &str, mut request: ExecRequest) -> Result<ExecHandle, SandboxError> {
         request.user.get_or_insert_with(|| "user".into());
         let spec = self.get(id)?.spec;
         let mut spec_env = spec.env;
@@ -82,8 +82,8 @@ impl Moat {
     /// Runs a process to completion and collects its output. In a task's
     /// sandbox, the command goes into the task's execution log.
     /// With a `timeout_ms`, an agent that has not answered
-    /// [`ANSWER_GRACE`] past it is [`CoreError::Unresponsive`].
-    pub async fn run(&self, id: &str, request: ExecRequest) -> Result<Output, CoreError> {
+    /// [`ANSWER_GRACE`] past it is [`SandboxError::Unresponsive`].
+    pub async fn run(&self, id: &str, request: ExecRequest) -> Result<Output, SandboxError> {
         let command = command_line(&request);
         let started_at = now();
         let timeout = request.timeout_ms.map(Duration::from_millis);
@@ -92,7 +92,7 @@ impl Moat {
                 .await?
                 .output_limited(RUN_OUTPUT_LIMIT)
                 .await
-                .map_err(|source| CoreError::Agent { id: id.into(), source })
+                .map_err(|source| SandboxError::Agent { id: id.into(), source })
         };
         let output = self.explained(id, answered_within(id, timeout, work).await).await?;
         self.log_command(id, &command, started_at, &output);
@@ -104,15 +104,15 @@ impl Moat {
     /// completes (which kills it and everything it started). In a task's
     /// sandbox, a finished command goes into the task's execution log.
     /// An agent that has not answered [`ANSWER_GRACE`] past the request's
-    /// `timeout_ms` is [`CoreError::Unresponsive`]; a sandbox that died
-    /// meanwhile is [`CoreError::Failed`].
+    /// `timeout_ms` is [`SandboxError::Unresponsive`]; a sandbox that died
+    /// meanwhile is [`SandboxError::Failed`].
     pub async fn exec_streaming(
         &self,
         id: &str,
         command: StreamedCommand,
         on_output: &(dyn Fn(StreamName, &[u8]) + Sync),
         cancelled: impl Future<Output = ()>,
-    ) -> Result<ExecOutcome, CoreError> {
+    ) -> Result<ExecOutcome, SandboxError> {
         let StreamedCommand { mut request, direct, stdin } = command;
         request.stdin = stdin.is_some();
         let logged = command_line(&request);
@@ -137,7 +137,7 @@ impl Moat {
             }
             stream_output(handle, RUN_OUTPUT_LIMIT, cancelled, on_output)
                 .await
-                .map_err(|source| CoreError::Agent { id: id.into(), source })
+                .map_err(|source| SandboxError::Agent { id: id.into(), source })
         };
         let streamed = self.explained(id, answered_within(id, timeout, work).await).await?;
         let Some(output) = streamed else { return Ok(ExecOutcome::Cancelled) };
@@ -159,7 +159,7 @@ impl Moat {
         timeout: Duration,
         cancelled: impl Future<Output = ()>,
         on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
-    ) -> Result<CodeOutput, CoreError> {
+    ) -> Result<CodeOutput, SandboxError> {
         let started_at = now();
         let output = self.explained(id, self.run_cell(id, language, code, timeout, cancelled, on_stream).await).await?;
         let as_command = Output {
@@ -186,7 +186,7 @@ impl Moat {
         timeout: Duration,
         cancelled: impl Future<Output = ()>,
         on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
-    ) -> Result<CodeOutput, CoreError> {
+    ) -> Result<CodeOutput, SandboxError> {
         Ok(match language {
             Language::Python => {
                 let session = {
@@ -207,7 +207,7 @@ impl Moat {
                             answered_within(id, Some(timeout), self.exec(id, PythonSession::request())).await?;
                         let started = PythonSession::start(handle, timeout.saturating_add(ANSWER_GRACE))
                             .await
-                            .map_err(|e| CoreError::CodeSession { id: id.into(), reason: e.to_string() })?;
+                            .map_err(|e| SandboxError::CodeSession { id: id.into(), reason: e.to_string() })?;
                         session.insert(started)
                     }
                 };
@@ -230,7 +230,7 @@ impl Moat {
                     let handle = self.exec(id, request).await?;
                     stream_output(handle, RUN_OUTPUT_LIMIT, cancelled, on_stream)
                         .await
-                        .map_err(|source| CoreError::Agent { id: id.into(), source })
+                        .map_err(|source| SandboxError::Agent { id: id.into(), source })
                 })
                 .await?;
                 CodeOutput::from_process(streamed, timeout)

@@ -9,7 +9,7 @@ use moat_proto::{AgentClient, UnixConnector};
 
 use crate::backend::BackendKind;
 use crate::backend::machine::{Machine, Runner, find_vmm};
-use crate::error::CoreError;
+use crate::error::{ConfigError, CreateError, IoError, SandboxError};
 use crate::grants::Grants;
 use crate::hostfs::HostRoots;
 use crate::image::Image;
@@ -105,7 +105,7 @@ impl std::fmt::Debug for Moat {
 impl Moat {
     /// Sweeps what dead owners left, picks the backend, and starts the
     /// lifecycle task (idle suspend, expiry).
-    pub async fn new(config: MoatConfig) -> Result<Self, CoreError> {
+    pub async fn new(config: MoatConfig) -> Result<Self, ConfigError> {
         let host = HostRoots::open(&config.roots, &config.data_dir, config.copy_limit)?;
         if config.pool_size > 0 {
             config.grants.check(&config.pool_spec, &config.egress)?;
@@ -114,7 +114,7 @@ impl Moat {
         let backend = choose_backend(&config)?;
         tracing::info!(backend = %backend.kind(), "sandboxes run in this backend");
         if backend.kind() == BackendKind::Jail && !config.agent.is_file() {
-            return Err(CoreError::AgentMissing(config.agent.display().to_string()));
+            return Err(ConfigError::AgentMissing(config.agent.display().to_string()));
         }
         // Beside the first creates, not before them (see `state::sweep`).
         let data_dir = config.data_dir.clone();
@@ -190,12 +190,12 @@ impl Moat {
 
     /// Creates a sandbox and waits until its agent answers. A spec that
     /// asks for more than [`Moat::grants`] is refused.
-    pub async fn create(&self, spec: SandboxSpec) -> Result<Sandbox, CoreError> {
+    pub async fn create(&self, spec: SandboxSpec) -> Result<Sandbox, CreateError> {
         spec.validate()?;
         self.inner.config.grants.check(&spec, &self.inner.egress)?;
         let max = self.inner.config.max_sandboxes;
         if self.inner.lock().len() >= max {
-            return Err(CoreError::LimitReached { max });
+            return Err(CreateError::LimitReached { max });
         }
         let from_pool = spec == self.inner.config.pool_spec && self.pooled() > 0;
         self.inner.check_memory(spec.memory_mib, from_pool)?;
@@ -218,7 +218,7 @@ impl Moat {
                     Ok(proxy) => Some((policy, proxy)),
                     Err(source) => {
                         let _ = tokio::task::spawn_blocking(move || drop(machine)).await;
-                        return Err(CoreError::Agent { id, source });
+                        return Err(CreateError::Agent { id, source });
                     }
                 }
             }
@@ -263,7 +263,7 @@ impl Moat {
         };
         if let Some((machine, memory)) = rejected {
             let _ = tokio::task::spawn_blocking(move || drop(machine)).await;
-            return Err(memory.unwrap_or(CoreError::LimitReached { max }));
+            return Err(memory.unwrap_or(CreateError::LimitReached { max }));
         }
         Ok(info)
     }
@@ -276,14 +276,14 @@ impl Moat {
         all
     }
 
-    /// A live sandbox; a failed one is [`CoreError::Failed`].
-    pub fn get(&self, id: &str) -> Result<Sandbox, CoreError> {
+    /// A live sandbox; a failed one is [`SandboxError::Failed`].
+    pub fn get(&self, id: &str) -> Result<Sandbox, SandboxError> {
         let sandboxes = self.inner.lock();
         sandboxes.get(id).map(|e| e.info.clone()).ok_or_else(|| self.inner.unknown(id, &sandboxes))
     }
 
     /// Destroys a sandbox, or forgets a failed one.
-    pub async fn destroy(&self, id: &str) -> Result<(), CoreError> {
+    pub async fn destroy(&self, id: &str) -> Result<(), SandboxError> {
         let entry = {
             let mut sandboxes = self.inner.lock();
             match sandboxes.remove(id) {
@@ -299,7 +299,7 @@ impl Moat {
     /// The host process sandbox `id` lives in (its jail's monitor, or
     /// moat-vmm), for tests that kill it.
     #[doc(hidden)]
-    pub fn host_pid(&self, id: &str) -> Result<u32, CoreError> {
+    pub fn host_pid(&self, id: &str) -> Result<u32, SandboxError> {
         let sandboxes = self.inner.lock();
         sandboxes.get(id).map(|e| e.machine.host_pid()).ok_or_else(|| self.inner.unknown(id, &sandboxes))
     }
@@ -310,7 +310,7 @@ impl Moat {
         &self,
         id: &str,
         op: impl FnOnce(AgentClient<UnixConnector>) -> F,
-    ) -> Result<T, CoreError>
+    ) -> Result<T, SandboxError>
     where
         F: Future<Output = Result<T, moat_proto::ProtoError>>,
     {
@@ -323,19 +323,19 @@ impl Moat {
 
     /// What an error of sandbox `id`'s agent means: when the connection was
     /// lost because the sandbox died (its agent, jail or microVM ended),
-    /// [`CoreError::Failed`], once its host process is seen ending (within
-    /// [`FAILURE_SETTLE`]); otherwise [`CoreError::Agent`].
-    pub async fn agent_error(&self, id: &str, source: moat_proto::ProtoError) -> CoreError {
+    /// [`SandboxError::Failed`], once its host process is seen ending (within
+    /// [`FAILURE_SETTLE`]); otherwise [`SandboxError::Agent`].
+    pub async fn agent_error(&self, id: &str, source: moat_proto::ProtoError) -> SandboxError {
         if !source.is_lost_connection() {
-            return CoreError::Agent { id: id.into(), source };
+            return SandboxError::Agent { id: id.into(), source };
         }
-        self.settled_failure(id).await.unwrap_or(CoreError::Agent { id: id.into(), source })
+        self.settled_failure(id).await.unwrap_or(SandboxError::Agent { id: id.into(), source })
     }
 
-    /// [`CoreError::Failed`] (or the error of a sandbox destroyed
+    /// [`SandboxError::Failed`] (or the error of a sandbox destroyed
     /// meanwhile) when sandbox `id` is seen to have ended within
     /// [`FAILURE_SETTLE`]; `None` while it runs on.
-    async fn settled_failure(&self, id: &str) -> Option<CoreError> {
+    async fn settled_failure(&self, id: &str) -> Option<SandboxError> {
         let settle = async {
             loop {
                 let failed = self.inner.failures.notified();
@@ -344,7 +344,7 @@ impl Moat {
                 // look and the wait still wakes it.
                 failed.as_mut().enable();
                 if let Some(sandbox) = self.inner.failed().get(id) {
-                    return Some(CoreError::Failed {
+                    return Some(SandboxError::Failed {
                         id: id.into(),
                         reason: sandbox.failure.clone().unwrap_or_default(),
                     });
@@ -360,13 +360,21 @@ impl Moat {
         tokio::time::timeout(FAILURE_SETTLE, settle).await.ok().flatten()
     }
 
-    /// `result`, with a lost agent connection explained by [`Moat::agent_error`].
-    async fn explained<T>(&self, id: &str, result: Result<T, CoreError>) -> Result<T, CoreError> {
+    /// `result`, with its error explained by [`Moat::explain`].
+    async fn explained<T>(&self, id: &str, result: Result<T, SandboxError>) -> Result<T, SandboxError> {
         match result {
-            Err(CoreError::Agent { source, .. }) if source.is_lost_connection() => {
-                Err(self.agent_error(id, source).await)
-            }
-            Err(error @ CoreError::CodeSession { .. }) => Err(self.settled_failure(id).await.unwrap_or(error)),
+            Err(error) => Err(self.explain(id, error).await),
+            ok => ok,
+        }
+    }
+
+    /// `error` of sandbox `id`, with a lost agent connection explained by
+    /// [`Moat::agent_error`], and a Python session that broke because the
+    /// sandbox failed told as that failure.
+    async fn explain(&self, id: &str, error: SandboxError) -> SandboxError {
+        match error {
+            SandboxError::Agent { source, .. } if source.is_lost_connection() => self.agent_error(id, source).await,
+            error @ SandboxError::CodeSession { .. } => self.settled_failure(id).await.unwrap_or(error),
             other => other,
         }
     }
@@ -401,12 +409,12 @@ impl Moat {
 
     /// A client of the sandbox's agent, after marking it used and resuming
     /// it if it was suspended.
-    pub fn client(&self, id: &str) -> Result<AgentClient<UnixConnector>, CoreError> {
+    pub fn client(&self, id: &str) -> Result<AgentClient<UnixConnector>, SandboxError> {
         let mut sandboxes = self.inner.lock();
         if !sandboxes.contains_key(id) {
             return Err(self.inner.unknown(id, &sandboxes));
         }
-        let entry = sandboxes.get_mut(id).ok_or_else(|| CoreError::Expired(id.into()))?;
+        let entry = sandboxes.get_mut(id).ok_or_else(|| SandboxError::Expired(id.into()))?;
         if entry.info.state == SandboxState::Paused {
             entry.machine.set_suspended(false)?;
             entry.info.state = SandboxState::Running;
@@ -417,14 +425,14 @@ impl Moat {
     }
 
     /// The newest egress decisions of a `filtered` sandbox (empty for others).
-    pub fn egress_log(&self, id: &str) -> Result<Vec<EgressDecision>, CoreError> {
+    pub fn egress_log(&self, id: &str) -> Result<Vec<EgressDecision>, SandboxError> {
         let sandboxes = self.inner.lock();
         let entry = sandboxes.get(id).ok_or_else(|| self.inner.unknown(id, &sandboxes))?;
         Ok(entry.egress.as_ref().map(|(policy, _)| policy.log()).unwrap_or_default())
     }
 
     /// The host names a `filtered` sandbox may reach (empty for others).
-    pub fn allowed_hosts(&self, id: &str) -> Result<Vec<String>, CoreError> {
+    pub fn allowed_hosts(&self, id: &str) -> Result<Vec<String>, SandboxError> {
         let sandboxes = self.inner.lock();
         let entry = sandboxes.get(id).ok_or_else(|| self.inner.unknown(id, &sandboxes))?;
         Ok(entry.egress.as_ref().map(|(policy, _)| policy.allowed_hosts().into_iter().collect()).unwrap_or_default())
@@ -432,9 +440,9 @@ impl Moat {
 
     /// A link on the host's loopback to `port` in sandbox `id`, valid until
     /// the sandbox ends; asking again for the same port returns the same link.
-    pub async fn preview_link(&self, id: &str, port: u16) -> Result<PreviewLink, CoreError> {
+    pub async fn preview_link(&self, id: &str, port: u16) -> Result<PreviewLink, SandboxError> {
         if port == 0 {
-            return Err(CoreError::InvalidSpec("port must be from 1 to 65535".into()));
+            return Err(SandboxError::InvalidPort);
         }
         let (expires_at, existing) = {
             let sandboxes = self.inner.lock();
@@ -446,22 +454,22 @@ impl Moat {
         }
         let weak = Arc::downgrade(&self.inner);
         let sandbox = id.to_owned();
-        let connect = move || -> Result<AgentClient<UnixConnector>, CoreError> {
-            let inner = weak.upgrade().ok_or_else(|| CoreError::Expired(sandbox.clone()))?;
+        let connect = move || -> Result<AgentClient<UnixConnector>, SandboxError> {
+            let inner = weak.upgrade().ok_or_else(|| SandboxError::Expired(sandbox.clone()))?;
             Moat { inner }.client(&sandbox)
         };
-        let preview = Preview::start(port, expires_at, Arc::new(connect)).await.map_err(|source| CoreError::Io {
+        let preview = Preview::start(port, expires_at, Arc::new(connect)).await.map_err(|source| IoError {
             id: id.into(),
             what: "listening for the preview link".into(),
             source,
         })?;
         let mut sandboxes = self.inner.lock();
-        let entry = sandboxes.get_mut(id).ok_or_else(|| CoreError::Expired(id.into()))?;
+        let entry = sandboxes.get_mut(id).ok_or_else(|| SandboxError::Expired(id.into()))?;
         Ok(entry.previews.entry(port).or_insert(preview).link())
     }
 
     /// Suspends a sandbox now (as idleness would).
-    pub fn suspend(&self, id: &str) -> Result<(), CoreError> {
+    pub fn suspend(&self, id: &str) -> Result<(), SandboxError> {
         let mut sandboxes = self.inner.lock();
         let Some(entry) = sandboxes.get_mut(id) else { return Err(self.inner.unknown(id, &sandboxes)) };
         if entry.machine.can_suspend() {
@@ -477,7 +485,7 @@ impl Inner {
     /// sandboxes' `memory_mib` over [`Inner::max_memory_mib`]. Pooled
     /// sandboxes count too, unless `pooled_counted` says the new one is
     /// already among them.
-    fn check_memory(&self, asked: u64, pooled_counted: bool) -> Result<(), CoreError> {
+    fn check_memory(&self, asked: u64, pooled_counted: bool) -> Result<(), CreateError> {
         let sandboxes = self.lock();
         self.memory_check(&sandboxes, asked, pooled_counted)
     }
@@ -487,7 +495,7 @@ impl Inner {
         sandboxes: &BTreeMap<String, Entry>,
         asked: u64,
         pooled_counted: bool,
-    ) -> Result<(), CoreError> {
+    ) -> Result<(), CreateError> {
         let pooled = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
         let pooled_mib = self.config.pool_spec.memory_mib.saturating_mul(pooled as u64);
         let live: u64 = sandboxes.values().map(|e| e.info.spec.memory_mib).sum::<u64>().saturating_add(pooled_mib);
@@ -531,15 +539,15 @@ impl Inner {
         tokio::task::spawn_blocking(move || drop(entry));
     }
 
-    fn unknown(&self, id: &str, sandboxes: &BTreeMap<String, Entry>) -> CoreError {
+    fn unknown(&self, id: &str, sandboxes: &BTreeMap<String, Entry>) -> SandboxError {
         if let Some(sandbox) = self.failed().get(id) {
-            return CoreError::Failed { id: id.into(), reason: sandbox.failure.clone().unwrap_or_default() };
+            return SandboxError::Failed { id: id.into(), reason: sandbox.failure.clone().unwrap_or_default() };
         }
         let expired = self.expired.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if expired.iter().any(|e| e == id) {
-            return CoreError::Expired(id.into());
+            return SandboxError::Expired(id.into());
         }
-        CoreError::UnknownSandbox { id: id.into(), known: sandboxes.keys().cloned().collect() }
+        SandboxError::UnknownSandbox { id: id.into(), known: sandboxes.keys().cloned().collect() }
     }
 
     /// Expires and suspends sandboxes; runs every second.

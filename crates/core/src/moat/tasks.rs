@@ -6,7 +6,7 @@ use std::path::Path;
 use moat_proto::ExecRequest;
 
 use super::{Moat, RUN_OUTPUT_LIMIT, new_id};
-use crate::error::CoreError;
+use crate::error::{CopyError, IoError, SandboxError, TaskError};
 use crate::grants::Grants;
 use crate::hostfs::{self, SourceKind};
 use crate::runtime::Runtime;
@@ -18,19 +18,16 @@ impl Moat {
     /// Imports the project at `path` (inside one of the configured roots)
     /// into `/workspace` of a new sandbox and
     /// commits it as the baseline.
-    pub async fn task_start(&self, path: &Path, spec: SandboxSpec) -> Result<Task, CoreError> {
+    pub async fn task_start(&self, path: &Path, spec: SandboxSpec) -> Result<Task, TaskError> {
         if let Some(url) = path.to_str().filter(|p| task::is_git_url(p)) {
-            return Err(CoreError::ImportRefused(format!(
+            return Err(TaskError::ImportRefused(format!(
                 "{url} is a Git URL: a task imports a local checkout, and cloning needs network access from the \
                  sandbox; import a local checkout, or clone it in a sandbox with network filtered"
             )));
         }
-        let source = self.inner.host.open_source(path)?;
+        let source = self.inner.host.open_source(path).map_err(CopyError::from)?;
         if source.kind != SourceKind::Dir {
-            return Err(CoreError::HostPath(format!(
-                "{} is not a directory; give a project directory",
-                path.display()
-            )));
+            return Err(TaskError::NotADirectory(path.to_owned()));
         }
         let shown = source.shown.clone();
         let repository =
@@ -45,12 +42,12 @@ impl Moat {
             match out {
                 Ok(out) if out.status.success() => {}
                 Ok(out) => {
-                    return Err(CoreError::StartFailed {
+                    return Err(TaskError::Git {
                         id: id.clone(),
                         reason: format!("the baseline commit failed: {}", String::from_utf8_lossy(&out.stderr)),
                     });
                 }
-                Err(source) => return Err(CoreError::Agent { id: id.clone(), source }),
+                Err(source) => return Err(SandboxError::Agent { id: id.clone(), source }.into()),
             }
             Ok(packed)
         }
@@ -96,27 +93,27 @@ impl Moat {
         Ok(task)
     }
 
-    fn task(&self, task_id: &str) -> Result<Task, CoreError> {
+    fn task(&self, task_id: &str) -> Result<Task, TaskError> {
         let tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         tasks
             .get(task_id)
             .map(|(t, _)| t.clone())
-            .ok_or_else(|| CoreError::UnknownTask { id: task_id.into(), known: tasks.keys().cloned().collect() })
+            .ok_or_else(|| TaskError::UnknownTask { id: task_id.into(), known: tasks.keys().cloned().collect() })
     }
 
     /// The unified diff of everything changed since the baseline (new and
     /// deleted files included, binary files marked), and its summary.
-    pub async fn task_diff(&self, task_id: &str) -> Result<(String, DiffSummary), CoreError> {
+    pub async fn task_diff(&self, task_id: &str) -> Result<(String, DiffSummary), TaskError> {
         let task = self.task(task_id)?;
         let script = "cd /workspace && git add -A && git -c core.quotepath=off diff --cached --no-color HEAD && \
             echo '@@moat-numstat@@' && git diff --cached --numstat HEAD";
         let out = self.exec(&task.sandbox_id, ExecRequest::shell(script)).await?.output_limited(RUN_OUTPUT_LIMIT).await;
         let out = match out {
             Ok(out) => out,
-            Err(source) => return Err(self.agent_error(&task.sandbox_id, source).await),
+            Err(source) => return Err(self.agent_error(&task.sandbox_id, source).await.into()),
         };
         if !out.status.success() {
-            return Err(CoreError::StartFailed {
+            return Err(TaskError::Git {
                 id: task.sandbox_id,
                 reason: format!("git diff failed: {}", String::from_utf8_lossy(&out.stderr)),
             });
@@ -128,14 +125,14 @@ impl Moat {
 
     /// Saves the patch and execution log as a retained record and destroys
     /// the sandbox (unless `keep_sandbox`).
-    pub async fn task_finish(&self, task_id: &str, keep_sandbox: bool) -> Result<TaskRecord, CoreError> {
+    pub async fn task_finish(&self, task_id: &str, keep_sandbox: bool) -> Result<TaskRecord, TaskError> {
         let (diff, summary) = self.task_diff(task_id).await?;
         let (task, log) = {
             let tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             tasks
                 .get(task_id)
                 .cloned()
-                .ok_or_else(|| CoreError::UnknownTask { id: task_id.into(), known: Vec::new() })?
+                .ok_or_else(|| TaskError::UnknownTask { id: task_id.into(), known: Vec::new() })?
         };
         let dir = task::tasks_dir(&self.inner.config.data_dir).join(&task.id);
         let record = TaskRecord {
@@ -164,10 +161,10 @@ impl Moat {
 
     /// Writes a task's record directory: patch, log, then `record.json`,
     /// which makes it a record ([`task::records`]).
-    fn save_record(&self, record: &TaskRecord, dir: &Path, diff: &str, log: &[LogEntry]) -> Result<(), CoreError> {
+    fn save_record(&self, record: &TaskRecord, dir: &Path, diff: &str, log: &[LogEntry]) -> Result<(), TaskError> {
         let io = |what: &'static str| {
             let id = record.task.id.clone();
-            move |source| CoreError::Io { id, what: what.into(), source }
+            move |source| IoError { id, what: what.into(), source }
         };
         std::fs::create_dir_all(task::tasks_dir(&self.inner.config.data_dir))
             .map_err(io("creating the task record"))?;
@@ -176,7 +173,8 @@ impl Moat {
         let log_json = serde_json::to_string_pretty(log).unwrap_or_default();
         hostfs::write_new(&record.log_path, log_json.as_bytes()).map_err(io("writing the log"))?;
         let record_json = serde_json::to_string_pretty(record).unwrap_or_default();
-        hostfs::write_new(&dir.join("record.json"), record_json.as_bytes()).map_err(io("writing the record"))
+        hostfs::write_new(&dir.join("record.json"), record_json.as_bytes()).map_err(io("writing the record"))?;
+        Ok(())
     }
 
     /// Retained task records.
@@ -184,7 +182,7 @@ impl Moat {
         task::records(&self.inner.config.data_dir)
     }
 
-    pub fn remove_task(&self, task_id: &str) -> Result<(), CoreError> {
+    pub fn remove_task(&self, task_id: &str) -> Result<(), TaskError> {
         task::remove_record(&self.inner.config.data_dir, task_id)
     }
 }

@@ -35,7 +35,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use crate::error::CoreError;
+use crate::error::SandboxError;
 
 /// The largest request head a link reads.
 const MAX_HEAD: usize = 16 * 1024;
@@ -60,7 +60,7 @@ pub fn never_forward(secret: &str) {
 }
 
 /// Opens a client of the sandbox's agent (resuming it if suspended).
-pub type Connect = Arc<dyn Fn() -> Result<AgentClient<UnixConnector>, CoreError> + Send + Sync>;
+pub type Connect = Arc<dyn Fn() -> Result<AgentClient<UnixConnector>, SandboxError> + Send + Sync>;
 
 /// What a caller gets: where to point a browser.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

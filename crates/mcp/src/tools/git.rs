@@ -279,7 +279,7 @@ async fn git_clone(server: &Session<'_>, args: GitClone) -> Outcome {
     let started_at = moat_core::timing::now();
     let clone = async {
         let client = server.moat.client(&id)?;
-        let lost = |source| moat_core::CoreError::Agent { id: id.clone(), source };
+        let lost = |source| moat_core::SandboxError::Agent { id: id.clone(), source };
         let mut handle = client.exec(request).await.map_err(lost)?;
         if let Some(mut stdin) = handle.take_stdin() {
             let secret = format!("{username}\n{token}\n");
@@ -300,12 +300,12 @@ async fn git_clone(server: &Session<'_>, args: GitClone) -> Outcome {
                 out.stderr = placed.stderr;
             }
         }
-        Ok::<_, moat_core::CoreError>(out)
+        Ok::<_, moat_core::SandboxError>(out)
     };
     let mut out = match clone.await {
         Ok(out) => out,
         // A lost connection may be the sandbox's end: say so.
-        Err(moat_core::CoreError::Agent { source, .. }) => {
+        Err(moat_core::SandboxError::Agent { source, .. }) => {
             return Err(server.moat.agent_error(&id, source).await.into());
         }
         Err(e) => return Err(e.into()),

@@ -24,7 +24,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::LazyLock;
 
-use moat_core::{CoreError, SandboxSpec};
+use moat_core::{CopyError, CoreError, CreateError, SandboxError, SandboxSpec, TaskError};
 use rmcp::model::{CallToolResult, ContentBlock, ProgressToken};
 use rmcp::{Peer, RoleServer};
 use schemars::JsonSchema;
@@ -51,6 +51,19 @@ impl From<CoreError> for ToolError {
         Self(crate::advice::advise(&e, message))
     }
 }
+
+/// Each operation's error is shown as [`CoreError`] is.
+macro_rules! from_operation_error {
+    ($($error:ty),*) => {$(
+        impl From<$error> for ToolError {
+            fn from(e: $error) -> Self {
+                CoreError::from(e).into()
+            }
+        }
+    )*};
+}
+
+from_operation_error!(CreateError, SandboxError, CopyError, TaskError);
 
 impl From<moat_proto::ProtoError> for ToolError {
     fn from(e: moat_proto::ProtoError) -> Self {
@@ -239,7 +252,7 @@ fn owned(server: &Session<'_>, id: &str) -> Result<(), ToolError> {
     in_scope(server, id)?;
     server.moat.get(id).map(drop).map_err(|e| {
         // A failed sandbox stays listed (and in scope) until destroyed.
-        if !matches!(e, CoreError::Failed { .. }) {
+        if !matches!(e, SandboxError::Failed { .. }) {
             server.scope.forget(id);
         }
         e.into()
