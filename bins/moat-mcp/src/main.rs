@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use moat_core::log::LogLevel;
 use moat_core::{Moat, MoatConfig};
 use moat_mcp::hosts::{Host, Scope};
 use moat_mcp::http::{HttpConfig, HttpServer, TokenFile, parse_host};
@@ -62,6 +63,17 @@ fn grants_help() -> String {
     }
 }
 
+/// Says a line on stderr (`moat-mcp: …`, what clients and tests read)
+/// and logs it to `MOAT_LOG_FILE`, where an operator looks for why the
+/// server stopped.
+macro_rules! said {
+    ($level:ident, $($arg:tt)*) => {{
+        let line = format!($($arg)*);
+        eprintln!("moat-mcp: {line}");
+        tracing::event!(target: moat_core::log::SAID, tracing::Level::$level, "{line}");
+    }};
+}
+
 fn main() -> ExitCode {
     let matches = Cli::command().after_help(grants_help()).get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
@@ -78,8 +90,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    // stdout belongs to the MCP transport: logs go to stderr only.
-    tracing_subscriber::fmt().with_env_filter(log_filter()).with_writer(std::io::stderr).init();
+    // stdout belongs to the MCP transport: logs go to stderr (and the
+    // log file). rmcp is held at info: its debug records carry every
+    // request's arguments, secrets such as git_clone's token included.
+    let rmcp = if config.log_level >= LogLevel::Debug { &["rmcp=info"][..] } else { &[] };
+    if let Err(e) = moat_core::log::init(config.log_level, rmcp, config.log_file.as_deref()) {
+        eprintln!("moat-mcp: {e}");
+        return ExitCode::from(2);
+    }
     if !config.test_egress_nets.is_empty() || !config.test_resolve.is_empty() {
         tracing::warn!(
             "MOAT_TEST_EGRESS_NETS or MOAT_TEST_RESOLVE is set: filtered sandboxes may reach the addresses they name; \
@@ -90,7 +108,7 @@ fn main() -> ExitCode {
         let host = match parse_host(&cli.host) {
             Ok(host) => host,
             Err(e) => {
-                eprintln!("moat-mcp: {e}");
+                said!(ERROR, "{e}");
                 return ExitCode::from(2);
             }
         };
@@ -101,23 +119,11 @@ fn main() -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("moat-mcp: cannot start: {e}");
+            said!(ERROR, "cannot start: {e}");
             return ExitCode::FAILURE;
         }
     };
     runtime.block_on(serve(config, http))
-}
-
-/// `MOAT_LOG_LEVEL` (default warn), with rmcp held at info: its debug
-/// records carry every request's arguments, secrets such as git_clone's
-/// token included.
-fn log_filter() -> tracing_subscriber::EnvFilter {
-    let level = std::env::var("MOAT_LOG_LEVEL").ok().filter(|l| !l.is_empty()).unwrap_or_else(|| "warn".into());
-    let filter = tracing_subscriber::EnvFilter::try_new(&level).unwrap_or_else(|_| "warn".into());
-    match "rmcp=info".parse() {
-        Ok(directive) if level == "debug" || level == "trace" => filter.add_directive(directive),
-        _ => filter,
-    }
 }
 
 async fn serve(config: ServerConfig, http: Option<(std::net::IpAddr, u16)>) -> ExitCode {
@@ -140,11 +146,11 @@ async fn serve(config: ServerConfig, http: Option<(std::net::IpAddr, u16)>) -> E
         Ok(moat) => moat,
         // The operator's settings are wrong: a usage error, as for flags.
         Err(e @ moat_core::ConfigError::Invalid(_)) => {
-            eprintln!("moat-mcp: {e}");
+            said!(ERROR, "{e}");
             return ExitCode::from(2);
         }
         Err(e) => {
-            eprintln!("moat-mcp: {e}");
+            said!(ERROR, "{e}");
             return ExitCode::FAILURE;
         }
     };
@@ -156,14 +162,14 @@ async fn serve(config: ServerConfig, http: Option<(std::net::IpAddr, u16)>) -> E
     let server = match MoatServer::new(moat.clone(), config.defaults.clone()) {
         Ok(server) => server,
         Err(e) => {
-            eprintln!("moat-mcp: the built-in tools contract does not parse: {e}");
+            said!(ERROR, "the built-in tools contract does not parse: {e}");
             return ExitCode::FAILURE;
         }
     };
     let running = match server.serve(moat_mcp::stdio::StdioTransport::stdio()).await {
         Ok(running) => running,
         Err(e) => {
-            eprintln!("moat-mcp: the MCP session did not start: {e}");
+            said!(ERROR, "the MCP session did not start: {e}");
             moat.destroy_all().await;
             return ExitCode::FAILURE;
         }
@@ -184,7 +190,7 @@ async fn serve_http(moat: &Moat, config: &ServerConfig, host: std::net::IpAddr, 
     let server = match HttpServer::bind(HttpConfig { host, port, token: String::new() }).await {
         Ok(server) => server,
         Err(e) => {
-            eprintln!("moat-mcp: {e}");
+            said!(ERROR, "{e}");
             return ExitCode::FAILURE;
         }
     };
@@ -202,7 +208,7 @@ async fn serve_http(moat: &Moat, config: &ServerConfig, host: std::net::IpAddr, 
                     (file.token.clone(), Some(file))
                 }
                 Err(e) => {
-                    eprintln!("moat-mcp: {e}");
+                    said!(ERROR, "{e}");
                     return ExitCode::FAILURE;
                 }
             }
@@ -211,7 +217,7 @@ async fn serve_http(moat: &Moat, config: &ServerConfig, host: std::net::IpAddr, 
     moat_core::net::preview::never_forward(&token);
     let server = server.with_token(token);
     // The URL on stderr, for people and for scripts that asked for port 0.
-    eprintln!("moat-mcp: serving MCP over streamable HTTP at {}", server.url());
+    said!(INFO, "serving MCP over streamable HTTP at {}", server.url());
     let shutdown = tokio_util::sync::CancellationToken::new();
     let stop = shutdown.clone();
     tokio::spawn(async move {
@@ -221,7 +227,7 @@ async fn serve_http(moat: &Moat, config: &ServerConfig, host: std::net::IpAddr, 
     match server.serve(moat.clone(), config.defaults.clone(), shutdown).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("moat-mcp: {e}");
+            said!(ERROR, "{e}");
             ExitCode::FAILURE
         }
     }

@@ -32,3 +32,29 @@ fn a_bad_copy_limit_stops_the_server() {
         assert!(err.contains("MOAT_COPY_MAX_MIB"), "{err}");
     }
 }
+
+#[test]
+fn logs_take_a_level_by_any_name_and_append_to_the_log_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("moat.log");
+    let log_file = log.to_str().expect("utf-8");
+    // A server that cannot start (no agent) says why on stderr and in the log.
+    let failing =
+        [("MOAT_LOG_LEVEL", "WARNING"), ("MOAT_LOG_FILE", log_file), ("MOAT_AGENT", "/nonexistent/moat-agent")];
+    for run in 1..=2 {
+        let out = start(&failing);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_ne!(out.status.code(), Some(2), "WARNING is a level: {err}");
+        assert!(err.contains("moat-mcp: "), "{err}");
+        let text = std::fs::read_to_string(&log).expect("the log file was made");
+        assert_eq!(text.matches(" ERROR ").count(), run, "each run appends its error: {text}");
+    }
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&log).expect("log").permissions());
+    assert_eq!(mode & 0o777, 0o600, "the log file is the owner's only");
+    let out = start(&[("MOAT_LOG_LEVEL", "loud")]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("MOAT_LOG_LEVEL=\"loud\" is invalid: error, warn"));
+    let out = start(&[("MOAT_LOG_FILE", "/proc/nonexistent/moat.log")]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("MOAT_LOG_FILE=/proc/nonexistent/moat.log: cannot open"));
+}

@@ -80,13 +80,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("MOAT_LOG_LEVEL").unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    let logs = moat_core::log::from_env(moat_core::log::LogLevel::Warn)
+        .and_then(|(level, file)| moat_core::log::init(level, &[], file.as_deref()));
+    if let Err(e) = logs {
+        eprintln!("moat: {e}");
+        return ExitCode::from(2);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -17,6 +17,7 @@ pub mod hostfs;
 pub mod image;
 pub mod interpreter;
 pub mod limits;
+pub mod log;
 pub mod moat;
 pub mod net;
 pub mod process;

@@ -36,6 +36,10 @@ pub struct ServerConfig {
     /// TEST ONLY `MOAT_TEST_RESOLVE`: `name=address` pairs the egress
     /// policy uses instead of DNS.
     pub test_resolve: Vec<(String, std::net::IpAddr)>,
+    /// `MOAT_LOG_LEVEL` (default `warn`).
+    pub log_level: moat_core::log::LogLevel,
+    /// `MOAT_LOG_FILE`: where logs are appended besides stderr.
+    pub log_file: Option<std::path::PathBuf>,
 }
 
 /// The hosts `git_clone` may use unless `MOAT_GIT_HOSTS` says otherwise.
@@ -122,11 +126,11 @@ impl ServerConfig {
         }
         let max_sandboxes = number("MOAT_MAX_SANDBOXES", 16, 1, 1024)?;
         let pool_size = number("MOAT_POOL_SIZE", 0, 0, 64)?;
-        if let Some(level) = get("MOAT_LOG_LEVEL")
-            && !["error", "warn", "info", "debug", "trace"].contains(&level.as_str())
-        {
-            return Err(bad("MOAT_LOG_LEVEL", &level, "error, warn, info, debug or trace"));
-        }
+        let log_level = match get("MOAT_LOG_LEVEL").filter(|l| !l.trim().is_empty()) {
+            Some(level) => level.parse().map_err(|_| bad("MOAT_LOG_LEVEL", &level, moat_core::log::LEVELS))?,
+            None => moat_core::log::LogLevel::Warn,
+        };
+        let log_file = get("MOAT_LOG_FILE").filter(|f| !f.is_empty()).map(std::path::PathBuf::from);
         let http_token = get("MOAT_HTTP_TOKEN");
         if let Some(token) = &http_token
             && (token.len() < 16 || !token.chars().all(|c| c.is_ascii_graphic()))
@@ -181,6 +185,8 @@ impl ServerConfig {
             git_hosts,
             test_egress_nets,
             test_resolve,
+            log_level,
+            log_file,
         })
     }
 
@@ -210,6 +216,16 @@ mod tests {
         assert_eq!(config.backend, BackendKind::Auto);
         assert_eq!((config.defaults.timeout_seconds, config.defaults.idle_seconds), (3600, 300));
         assert_eq!((config.max_sandboxes, config.pool_size), (16, 0));
+        assert_eq!((config.log_level, config.log_file), (moat_core::log::LogLevel::Warn, None));
+    }
+
+    #[test]
+    fn a_log_level_is_read_in_any_case_and_by_its_other_names() {
+        for (value, level) in [("WARNING", "warn"), ("Info", "info"), ("CRITICAL", "error"), ("ERR", "error")] {
+            let config = with(&[("MOAT_LOG_LEVEL", value), ("MOAT_LOG_FILE", "/var/log/moat.log")]).expect(value);
+            assert_eq!(config.log_level.as_str(), level, "{value}");
+            assert_eq!(config.log_file.as_deref(), Some(std::path::Path::new("/var/log/moat.log")));
+        }
     }
 
     #[test]

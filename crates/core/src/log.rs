@@ -1,0 +1,131 @@
+//! The binaries' logs: `MOAT_LOG_LEVEL` and `MOAT_LOG_FILE`, read the same
+//! way by `moat` and `moat-mcp`.
+//!
+//! A level is one of the five `tracing` has, in any case, or a name other
+//! logging systems use for one of them (`WARNING`, `ERR`, `CRITICAL`…): an
+//! operator copying a setting from another tool gets the level it meant,
+//! not an exit. Logs go to stderr and, with `MOAT_LOG_FILE`, are appended
+//! to that file too (created owner-only; no colours).
+
+use std::path::Path;
+use std::str::FromStr;
+
+/// What `MOAT_LOG_LEVEL` may say, for error messages.
+pub const LEVELS: &str =
+    "error, warn, info, debug or trace, in any case (or warning, err, critical, fatal, notice, information)";
+
+/// How much the binaries log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    Error,
+    Warn,
+    Info,
+    Debug,
+    Trace,
+}
+
+impl LogLevel {
+    /// The name `tracing`'s filters take.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Error => "error",
+            Self::Warn => "warn",
+            Self::Info => "info",
+            Self::Debug => "debug",
+            Self::Trace => "trace",
+        }
+    }
+}
+
+impl FromStr for LogLevel {
+    type Err = String;
+
+    /// Reads a level, in any case, with the other names it goes by.
+    fn from_str(value: &str) -> Result<Self, String> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "error" | "err" | "critical" | "crit" | "fatal" | "alert" | "emerg" => Ok(Self::Error),
+            "warn" | "warning" => Ok(Self::Warn),
+            "info" | "information" | "notice" => Ok(Self::Info),
+            "debug" => Ok(Self::Debug),
+            "trace" => Ok(Self::Trace),
+            _ => Err(format!("MOAT_LOG_LEVEL={value:?} is invalid: {LEVELS}")),
+        }
+    }
+}
+
+/// The target of records a binary has already said on stderr in its own
+/// words (why it stops, where it serves): they go to the log file only.
+pub const SAID: &str = "moat::said";
+
+/// Installs the process's logger: everything at `level` and above (and
+/// each of `directives`, `target=level`, on top) to stderr, and appended
+/// to `file` when one is given. Fails only when the file cannot be opened.
+pub fn init(level: LogLevel, directives: &[&str], file: Option<&Path>) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    use tracing_subscriber::layer::{Layer, SubscriberExt};
+    use tracing_subscriber::util::SubscriberInitExt;
+
+    let file = match file {
+        Some(path) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .mode(0o600)
+                .open(path)
+                .map_err(|e| format!("MOAT_LOG_FILE={}: cannot open it for appending ({e})", path.display()))?,
+        ),
+        None => None,
+    };
+    let mut filter = tracing_subscriber::EnvFilter::new(level.as_str());
+    for directive in directives {
+        if let Ok(directive) = directive.parse() {
+            filter = filter.add_directive(directive);
+        }
+    }
+    let to_file = file.map(|f| tracing_subscriber::fmt::layer().with_ansi(false).with_writer(std::sync::Mutex::new(f)));
+    let not_said = tracing_subscriber::filter::filter_fn(|meta| meta.target() != SAID);
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(not_said))
+        .with(to_file)
+        .try_init()
+        .map_err(|e| format!("cannot install the logger: {e}"))
+}
+
+/// `MOAT_LOG_LEVEL` (`default` when unset or empty) and `MOAT_LOG_FILE`
+/// from the environment; the error names the variable and what it may be.
+pub fn from_env(default: LogLevel) -> Result<(LogLevel, Option<std::path::PathBuf>), String> {
+    let level = match std::env::var("MOAT_LOG_LEVEL") {
+        Ok(value) if !value.trim().is_empty() => value.parse()?,
+        _ => default,
+    };
+    let file = std::env::var_os("MOAT_LOG_FILE").filter(|f| !f.is_empty()).map(std::path::PathBuf::from);
+    Ok((level, file))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_are_read_in_any_case_and_by_their_other_names() {
+        for (text, level) in [
+            ("warn", LogLevel::Warn),
+            ("WARNING", LogLevel::Warn),
+            ("Warning", LogLevel::Warn),
+            (" info ", LogLevel::Info),
+            ("ERR", LogLevel::Error),
+            ("CRITICAL", LogLevel::Error),
+            ("fatal", LogLevel::Error),
+            ("notice", LogLevel::Info),
+            ("DEBUG", LogLevel::Debug),
+            ("Trace", LogLevel::Trace),
+        ] {
+            assert_eq!(text.parse::<LogLevel>(), Ok(level), "{text}");
+        }
+        for text in ["loud", "", "warn,rmcp=debug", "5"] {
+            let err = text.parse::<LogLevel>().expect_err(text);
+            assert!(err.contains("MOAT_LOG_LEVEL") && err.contains("error, warn, info, debug or trace"), "{err}");
+        }
+    }
+}
