@@ -208,6 +208,15 @@ async def every_tool(session, contract, project):
     assert big["truncated"] and "[truncated: " in big["stdout"], big["stdout"][-80:]
     whole = await call(session, "read_file", {"path": big["full_output_path"], "offset": 149990, "length": 20})
     assert whole["content"].startswith("xxxxxxxxxx"), whole
+    # One answer holds 100,000 characters; next_offset goes on from there.
+    first = await call(session, "read_file", {"path": big["full_output_path"]})
+    assert len(first["content"]) == 100000 and first["truncated"] and first["next_offset"] == 100000, first["size"]
+    rest = await call(session, "read_file", {"path": big["full_output_path"], "offset": first["next_offset"]})
+    assert rest["content"] == "x" * 50000 + "\n" and not rest["truncated"] and "next_offset" not in rest, rest["length"]
+    # A read whose end cuts a character in two stops before it.
+    await call(session, "write_file", {"path": "accents.txt", "content": "é" * 8})
+    part = await call(session, "read_file", {"path": "accents.txt", "length": 5})
+    assert (part["content"], part["length"], part["next_offset"]) == ("éé", 4, 4), part
 
     await call(session, "write_file", {"path": "notes/hello.txt", "content": "héllo\n"})
     back = await call(session, "read_file", {"path": "/home/user/notes/hello.txt"})

@@ -9,7 +9,9 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{CallContext, Outcome, RichOutcome, SandboxRef, Session, Tool, ToolError, plain, rfc3339, sandbox_path};
+use super::{
+    CallContext, MAX_TEXT, Outcome, RichOutcome, SandboxRef, Session, Tool, ToolError, plain, rfc3339, sandbox_path,
+};
 
 /// How file content travels in JSON.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, JsonSchema)]
@@ -142,6 +144,35 @@ impl Tool for DeleteFile {
     }
 }
 
+/// The most bytes one `read_file` answer carries: [`MAX_TEXT`] characters
+/// of text, each up to 4 bytes of UTF-8 (cut to the characters after
+/// reading), or as many bytes as [`MAX_TEXT`] characters of base64 hold.
+fn read_cap(base64: bool) -> u64 {
+    if base64 { (MAX_TEXT / 4 * 3) as u64 } else { (MAX_TEXT * 4) as u64 }
+}
+
+/// What of `bytes` (read from `offset`) one answer carries: at most
+/// [`MAX_TEXT`] characters of text (a character cut by the end of the read
+/// is left for the next one), or the bytes themselves for base64. Returns
+/// the content and how many bytes it covers.
+fn answer_of(bytes: Vec<u8>, base64: bool, path: &str) -> Result<(String, usize), ToolError> {
+    if base64 {
+        let cap = read_cap(true) as usize;
+        let kept = &bytes[..bytes.len().min(cap)];
+        return Ok((base64::engine::general_purpose::STANDARD.encode(kept), kept.len()));
+    }
+    let valid = match std::str::from_utf8(&bytes) {
+        Ok(text) => text,
+        // A character the read's end cut in two: the next read starts there.
+        Err(e) if e.error_len().is_none() && e.valid_up_to() > 0 => {
+            std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or_default()
+        }
+        Err(_) => return Err(ToolError(format!("{path} is not UTF-8 text; read it with encoding base64"))),
+    };
+    let end = valid.char_indices().nth(MAX_TEXT).map_or(valid.len(), |(at, _)| at);
+    Ok((valid[..end].to_owned(), end))
+}
+
 async fn read_file(server: &Session<'_>, args: ReadFile) -> Outcome {
     let path = sandbox_path(&args.path);
     let base64 = args.encoding.unwrap_or_default() == Encoding::Base64;
@@ -150,7 +181,8 @@ async fn read_file(server: &Session<'_>, args: ReadFile) -> Outcome {
         return Err(ToolError(format!("offset must be an integer from 0 to {MAX_OFFSET}, got {offset}")));
     }
     let id = args.sandbox.resolve(server).await?;
-    let length = args.length.unwrap_or(MAX_READ_BYTES);
+    // What was asked, and never more than one answer carries.
+    let length = args.length.unwrap_or(MAX_READ_BYTES).min(read_cap(base64));
     let read = |client: moat_proto::AgentClient<moat_proto::UnixConnector>| {
         let path = path.clone();
         async move {
@@ -160,19 +192,17 @@ async fn read_file(server: &Session<'_>, args: ReadFile) -> Outcome {
         }
     };
     let (info, bytes) = server.moat.with_agent(&id, read).await?;
-    let truncated = offset + (bytes.len() as u64) < info.size;
-    let content = if base64 {
-        base64::engine::general_purpose::STANDARD.encode(&bytes)
-    } else {
-        match String::from_utf8(bytes) {
-            Ok(text) => text,
-            Err(_) => return Err(ToolError(format!("{path} is not UTF-8 text; read it with encoding base64"))),
-        }
-    };
-    Ok(json!({
+    let (content, covered) = answer_of(bytes, base64, &path)?;
+    let next = offset + covered as u64;
+    let mut answer = json!({
         "path": path, "content": content, "encoding": if base64 { "base64" } else { "utf8" },
-        "size": info.size, "offset": offset, "length": length, "truncated": truncated,
-    }))
+        "size": info.size, "offset": offset, "length": covered,
+        "truncated": next < info.size,
+    });
+    if answer["truncated"] == true {
+        answer["next_offset"] = json!(next);
+    }
+    Ok(answer)
 }
 
 async fn write_file(server: &Session<'_>, args: WriteFile) -> Outcome {
@@ -245,4 +275,38 @@ async fn delete_file(server: &Session<'_>, args: DeleteFile) -> Outcome {
     let removed = path.clone();
     server.moat.with_agent(&id, |client| async move { client.remove(removed, recursive).await }).await?;
     Ok(json!({ "ok": true, "message": format!("deleted {path}") }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_holds_at_most_max_text_characters_and_says_how_many_bytes() {
+        let text = "é".repeat(MAX_TEXT + 10);
+        let (content, covered) = answer_of(text.clone().into_bytes(), false, "f").expect("text");
+        assert_eq!(content.chars().count(), MAX_TEXT);
+        assert_eq!(covered, MAX_TEXT * 2, "é is two bytes");
+        let (content, covered) = answer_of(b"short".to_vec(), false, "f").expect("text");
+        assert_eq!((content.as_str(), covered), ("short", 5));
+    }
+
+    #[test]
+    fn a_character_cut_by_the_read_is_left_for_the_next_one() {
+        // "aé" is a, then 0xc3 0xa9: a read of two bytes ends inside é.
+        let (content, covered) = answer_of("aé".as_bytes()[..2].to_vec(), false, "f").expect("text");
+        assert_eq!((content.as_str(), covered), ("a", 1));
+        let err = answer_of(vec![b'a', 0xff, b'b'], false, "f").expect_err("not UTF-8");
+        assert!(err.0.contains("encoding base64"), "{}", err.0);
+        let err = answer_of(vec![0xc3], false, "f").expect_err("nothing whole to give");
+        assert!(err.0.contains("not UTF-8"), "{}", err.0);
+    }
+
+    #[test]
+    fn base64_answers_hold_at_most_max_text_characters() {
+        let bytes = vec![7u8; read_cap(true) as usize + 100];
+        let (content, covered) = answer_of(bytes, true, "f").expect("bytes");
+        assert_eq!(covered as u64, read_cap(true));
+        assert_eq!(content.len(), MAX_TEXT);
+    }
 }

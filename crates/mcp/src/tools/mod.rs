@@ -38,6 +38,7 @@ use crate::scope::Scope;
 pub const MAX_TEXT: usize = 100_000;
 
 /// A tool's failure, shown to the model.
+#[derive(Debug)]
 pub(crate) struct ToolError(pub(crate) String);
 
 impl From<CoreError> for ToolError {
