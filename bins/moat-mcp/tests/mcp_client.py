@@ -308,6 +308,10 @@ async def operator_grants(session, box):
         assert data_dir not in message and "/images" not in message, f"a host path in: {message}"
     message = await call(session, "create_sandbox", {"image": "no-such-image"}, expect_error=True)
     assert "not built" in message and data_dir not in message, f"a host path in: {message}"
+    # Which build of the image a sandbox runs, and a call that insists on another.
+    assert len(box["image_version"]) == 12 and "T" in box["image_built"], box
+    message = await call(session, "create_sandbox", {"image": box["image"] + "@00000000"}, expect_error=True)
+    assert f"is version {box['image_version']}" in message and "not 00000000" in message, message
     listed = await call(session, "list_sandboxes", {})
     assert [s["sandbox_id"] for s in listed["sandboxes"]] == [box["sandbox_id"]], "a refused call made a sandbox"
     out = await call(session, "run_command", {"cmd": "echo still works", "sandbox_id": box["sandbox_id"]})

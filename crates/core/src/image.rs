@@ -50,7 +50,28 @@ pub fn data_dir() -> PathBuf {
 
 /// What [`valid_name`] allows, for error messages.
 pub const NAME_RULE: &str = "1 to 64 letters, digits, '-' or '_' (such as default), naming an image built with \
-                             `cargo xtask image --name NAME`";
+                             `cargo xtask image --name NAME`, and optionally @ and its version (name@3f2a9c1b0d4e) to \
+                             insist on that build";
+
+/// How many hex digits of the manifest's SHA-256 name an image's version.
+pub const VERSION_DIGITS: usize = 12;
+
+/// What `name@version` may say after the `@`, in words.
+pub const VERSION_RULE: &str =
+    "8 to 64 lowercase hex digits of the image's version (image_version of a sandbox made from it)";
+
+/// Splits an image reference, `name` or `name@version`, into the name and
+/// the version it insists on; `None` when it is neither (see
+/// [`NAME_RULE`] and [`VERSION_RULE`]).
+pub fn parse_ref(reference: &str) -> Option<(&str, Option<&str>)> {
+    let (name, version) = match reference.split_once('@') {
+        Some((name, version)) => (name, Some(version)),
+        None => (reference, None),
+    };
+    let version_ok =
+        |v: &str| (8..=64).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    (valid_name(name) && version.is_none_or(version_ok)).then_some((name, version))
+}
 
 /// Whether `name` can name an image: 1 to 64 ASCII letters, digits, `-`
 /// or `_`, so that it is one directory entry under `images/` and never a
@@ -133,6 +154,21 @@ pub enum ImageError {
     Format { name: String, found: u32 },
     #[error("Image {name:?} is corrupt: {what}; rebuild it with `cargo xtask image --name {name} --force`")]
     Corrupt { name: String, what: String },
+    /// `name@version` asked for a build the image no longer is.
+    #[error(
+        "Image {name:?} is version {have} (built {built} s after the Unix epoch), not {want}: it was rebuilt since. \
+         Ask for {name:?} to use this build, or rebuild the one wanted"
+    )]
+    OtherVersion { name: String, want: String, have: String, built: u64 },
+}
+
+/// Which build of an image a sandbox runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageBuild {
+    /// [`Image::version`].
+    pub version: String,
+    /// The manifest's `created`: seconds since the Unix epoch.
+    pub built: u64,
 }
 
 /// A built image on disk.
@@ -141,6 +177,9 @@ pub struct Image {
     pub name: String,
     pub dir: PathBuf,
     pub manifest: Manifest,
+    /// Which build it is: the first [`VERSION_DIGITS`] hex digits of its
+    /// manifest's SHA-256 (the manifest holds every artifact's hash).
+    pub version: String,
 }
 
 impl Image {
@@ -161,7 +200,8 @@ impl Image {
         if manifest.format != FORMAT_VERSION {
             return Err(ImageError::Format { name: name.into(), found: manifest.format });
         }
-        let image = Self { name: name.into(), dir, manifest };
+        let version = hex(&Sha256::digest(text.as_bytes()))[..VERSION_DIGITS].to_owned();
+        let image = Self { name: name.into(), dir, manifest, version };
         for (file, artifact) in &image.manifest.artifacts {
             let size = std::fs::metadata(image.dir.join(file)).map(|m| m.len()).ok();
             if size != Some(artifact.size) {
@@ -175,6 +215,31 @@ impl Image {
             return Err(image.corrupt("rootfs/ is missing".into()));
         }
         Ok(image)
+    }
+
+    /// Which build this is, for a sandbox made from it.
+    pub fn build(&self) -> ImageBuild {
+        ImageBuild { version: self.version.clone(), built: self.manifest.created }
+    }
+
+    /// Opens the image an image reference (`name` or `name@version`) names,
+    /// refusing one that is not the version asked for.
+    pub fn open_ref(data_dir: &Path, reference: &str) -> Result<Self, ImageError> {
+        let Some((name, want)) = parse_ref(reference) else {
+            return Err(ImageError::BadName { name: reference.into() });
+        };
+        let image = Self::open(data_dir, name)?;
+        match want {
+            Some(want) if !image.version.starts_with(want) && !want.starts_with(&image.version) => {
+                Err(ImageError::OtherVersion {
+                    name: name.into(),
+                    want: want.into(),
+                    have: image.version.clone(),
+                    built: image.manifest.created,
+                })
+            }
+            _ => Ok(image),
+        }
     }
 
     /// Hashes every artifact and the `rootfs/` tree against the manifest.
@@ -333,5 +398,31 @@ mod tests {
         std::fs::create_dir_all(&dir).expect("mkdir");
         std::fs::write(dir.join("manifest.json"), "{not json").expect("write");
         assert!(matches!(Image::open(data.path(), "default"), Err(ImageError::BadManifest { .. })));
+    }
+
+    #[test]
+    fn a_version_names_one_build_and_a_rebuild_is_another() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let dir = fake_image(data.path());
+        let image = Image::open(data.path(), "t").expect("opens");
+        assert_eq!(image.version.len(), VERSION_DIGITS);
+        assert_eq!(image.build(), ImageBuild { version: image.version.clone(), built: 0 });
+        // Its version, whole or in part (8 digits at least), or none.
+        for reference in ["t".to_owned(), format!("t@{}", image.version), format!("t@{}", &image.version[..8])] {
+            assert_eq!(Image::open_ref(data.path(), &reference).expect(&reference).version, image.version);
+        }
+        // A rebuild (here: another manifest) is another version.
+        let mut manifest = image.manifest.clone();
+        manifest.created = 1;
+        std::fs::write(dir.join("manifest.json"), serde_json::to_string(&manifest).expect("json")).expect("write");
+        let err = Image::open_ref(data.path(), &format!("t@{}", image.version)).expect_err("rebuilt");
+        let text = err.to_string();
+        assert!(matches!(err, ImageError::OtherVersion { .. }) && text.contains(&image.version), "{text}");
+        assert!(text.contains("Ask for \"t\" to use this build"), "{text}");
+        // What is not a version is not a name either.
+        for bad in ["t@", "t@1234567", "t@ABCDEF12", "t@123456789g", "t@x/y", "@12345678", "t@12345678@12345678"] {
+            assert!(parse_ref(bad).is_none(), "{bad}");
+            assert!(matches!(Image::open_ref(data.path(), bad), Err(ImageError::BadName { .. })), "{bad}");
+        }
     }
 }

@@ -105,7 +105,7 @@ impl SandboxSpec {
         {
             return bad("name", "1-63 letters, digits or '-' (it becomes the hostname), not starting with '-'");
         }
-        if !crate::image::valid_name(&self.image) {
+        if crate::image::parse_ref(&self.image).is_none() {
             return bad("image", crate::image::NAME_RULE);
         }
         let between = |min: &dyn std::fmt::Display, max: &dyn std::fmt::Display| format!("between {min} and {max}");
@@ -164,6 +164,10 @@ pub struct Sandbox {
     pub id: String,
     pub name: String,
     pub image: String,
+    /// Which build of the image it runs ([`crate::image::Image::version`]).
+    pub image_version: String,
+    /// When that build was made, in seconds since the Unix epoch.
+    pub image_built: u64,
     pub backend: String,
     pub spec: SandboxSpec,
     pub state: SandboxState,

@@ -121,7 +121,7 @@ impl ServerConfig {
             ));
         }
         let image = get("MOAT_IMAGE").unwrap_or_else(|| "default".into());
-        if !moat_core::image::valid_name(&image) {
+        if moat_core::image::parse_ref(&image).is_none() {
             return Err(bad("MOAT_IMAGE", &image, &format!("an image name: {}", moat_core::image::NAME_RULE)));
         }
         let max_sandboxes = number("MOAT_MAX_SANDBOXES", 16, 1, 1024)?;

@@ -12,7 +12,7 @@ use crate::backend::machine::{Machine, Runner, find_vmm};
 use crate::error::{ConfigError, CreateError, IoError, SandboxError};
 use crate::grants::Grants;
 use crate::hostfs::HostRoots;
-use crate::image::Image;
+use crate::image::{Image, ImageBuild};
 use crate::interpreter::PythonSession;
 use crate::net::egress::{EgressConfig, EgressDecision, EgressProxy, SandboxEgress};
 use crate::net::preview::{Preview, PreviewLink};
@@ -71,7 +71,7 @@ struct Inner {
     /// Tasks in progress, by task id, with their execution logs.
     tasks: Mutex<BTreeMap<String, (Task, Vec<LogEntry>)>>,
     /// Started sandboxes waiting to be handed out, by id.
-    pool: Mutex<Vec<(String, Machine)>>,
+    pool: Mutex<Vec<(String, Machine, ImageBuild)>>,
     /// The most the live sandboxes' `memory_mib` may add up to
     /// (`MOAT_MAX_MEMORY_MIB`; see [`crate::limits`]).
     max_memory_mib: u64,
@@ -200,14 +200,14 @@ impl Moat {
         let from_pool = spec == self.inner.config.pool_spec && self.pooled() > 0;
         self.inner.check_memory(spec.memory_mib, from_pool)?;
         let pooled = if spec == self.inner.config.pool_spec { self.inner.take_pooled() } else { None };
-        let (id, name, machine) = match pooled {
-            Some((id, machine)) => (id.clone(), id, machine),
+        let (id, name, machine, build) = match pooled {
+            Some((id, machine, build)) => (id.clone(), id, machine, build),
             None => {
-                let image = Image::open(&self.inner.config.data_dir, &spec.image)?;
+                let image = Image::open_ref(&self.inner.config.data_dir, &spec.image)?;
                 let id = new_id();
                 let name = spec.name.clone().unwrap_or_else(|| id.clone());
                 let machine = self.inner.backend.start(&id, &name, &spec, &image, &self.inner.config.data_dir).await?;
-                (id, name, machine)
+                (id, name, machine, image.build())
             }
         };
         let egress = match spec.network {
@@ -228,7 +228,9 @@ impl Moat {
         let info = Sandbox {
             id: id.clone(),
             name,
-            image: spec.image.clone(),
+            image: crate::image::parse_ref(&spec.image).map_or(spec.image.as_str(), |(name, _)| name).to_owned(),
+            image_version: build.version,
+            image_built: build.built,
             backend: self.inner.backend.kind().to_string(),
             state: SandboxState::Running,
             created_at: created,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::{Inner, Moat, new_id};
 use crate::backend::machine::Machine;
-use crate::image::Image;
+use crate::image::{Image, ImageBuild};
 
 impl Moat {
     /// How many started sandboxes wait in the pool.
@@ -26,14 +26,14 @@ pub(super) async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::
             continue;
         }
         let spec = strong.config.pool_spec.clone();
-        let started = match Image::open(&strong.config.data_dir, &spec.image) {
+        let started = match Image::open_ref(&strong.config.data_dir, &spec.image) {
             Ok(image) => {
                 let id = new_id();
                 strong
                     .backend
                     .start(&id, &id, &spec, &image, &strong.config.data_dir)
                     .await
-                    .map(|machine| (id, machine))
+                    .map(|machine| (id, machine, image.build()))
             }
             Err(e) => Err(e.into()),
         };
@@ -51,18 +51,18 @@ pub(super) async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::
 
 impl Inner {
     /// A started sandbox from the pool, if one is ready; the pool refills.
-    pub(super) fn take_pooled(&self) -> Option<(String, Machine)> {
+    pub(super) fn take_pooled(&self) -> Option<(String, Machine, ImageBuild)> {
         let mut pool = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut dead = Vec::new();
         let taken = loop {
             match pool.pop() {
                 // One that ended while it waited is not handed out.
-                Some((id, mut machine)) => match machine.ended() {
+                Some((id, mut machine, build)) => match machine.ended() {
                     Some(reason) => {
                         tracing::warn!(%id, %reason, "a pooled sandbox ended; dropped");
                         dead.push(machine);
                     }
-                    None => break Some((id, machine)),
+                    None => break Some((id, machine, build)),
                 },
                 None => break None,
             }

@@ -147,8 +147,8 @@ impl Tool for DeleteFile {
 /// The most bytes one `read_file` answer carries: [`MAX_TEXT`] characters
 /// of text, each up to 4 bytes of UTF-8 (cut to the characters after
 /// reading), or as many bytes as [`MAX_TEXT`] characters of base64 hold.
-fn read_cap(base64: bool) -> u64 {
-    if base64 { (MAX_TEXT / 4 * 3) as u64 } else { (MAX_TEXT * 4) as u64 }
+fn read_cap(base64: bool) -> usize {
+    if base64 { MAX_TEXT / 4 * 3 } else { MAX_TEXT * 4 }
 }
 
 /// What of `bytes` (read from `offset`) one answer carries: at most
@@ -157,8 +157,7 @@ fn read_cap(base64: bool) -> u64 {
 /// the content and how many bytes it covers.
 fn answer_of(bytes: Vec<u8>, base64: bool, path: &str) -> Result<(String, usize), ToolError> {
     if base64 {
-        let cap = read_cap(true) as usize;
-        let kept = &bytes[..bytes.len().min(cap)];
+        let kept = &bytes[..bytes.len().min(read_cap(true))];
         return Ok((base64::engine::general_purpose::STANDARD.encode(kept), kept.len()));
     }
     let valid = match std::str::from_utf8(&bytes) {
@@ -182,7 +181,7 @@ async fn read_file(server: &Session<'_>, args: ReadFile) -> Outcome {
     }
     let id = args.sandbox.resolve(server).await?;
     // What was asked, and never more than one answer carries.
-    let length = args.length.unwrap_or(MAX_READ_BYTES).min(read_cap(base64));
+    let length = args.length.unwrap_or(MAX_READ_BYTES).min(read_cap(base64) as u64);
     let read = |client: moat_proto::AgentClient<moat_proto::UnixConnector>| {
         let path = path.clone();
         async move {
@@ -304,9 +303,9 @@ mod tests {
 
     #[test]
     fn base64_answers_hold_at_most_max_text_characters() {
-        let bytes = vec![7u8; read_cap(true) as usize + 100];
+        let bytes = vec![7u8; read_cap(true) + 100];
         let (content, covered) = answer_of(bytes, true, "f").expect("bytes");
-        assert_eq!(covered as u64, read_cap(true));
+        assert_eq!(covered, read_cap(true));
         assert_eq!(content.len(), MAX_TEXT);
     }
 }

@@ -93,6 +93,8 @@ fn sandbox_json(server: &Session<'_>, sandbox: &moat_core::Sandbox) -> Value {
         "state": sandbox.state,
         "backend": sandbox.backend,
         "image": sandbox.image,
+        "image_version": sandbox.image_version,
+        "image_built": rfc3339(sandbox.image_built),
         "cpus": sandbox.spec.cpus,
         "memory_mib": sandbox.spec.memory_mib,
         "disk_mib": sandbox.spec.disk_mib,
