@@ -92,7 +92,7 @@ impl SandboxSpec {
     /// Idle suspension never comes later than the end of a sandbox's life.
     pub const MAX_IDLE_SECONDS: u64 = Self::MAX_TIMEOUT_SECONDS;
     /// The most extra host names a filtered sandbox may reach.
-    pub const MAX_ALLOW_HOSTS: usize = 64;
+    pub const MAX_ALLOW_HOSTS: usize = crate::limits::MAX_ARGUMENT_ENTRIES;
 
     /// Checks every field; the error names the field and what is allowed.
     pub fn validate(&self) -> Result<(), InvalidSpec> {

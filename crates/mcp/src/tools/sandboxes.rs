@@ -39,7 +39,7 @@ pub(crate) struct CreateSandbox {
     disk_mib: Option<u64>,
     #[schemars(with = "Option<NetworkName>")]
     network: Option<NetworkPolicy>,
-    #[schemars(length(max = MAX_ARGUMENT_ENTRIES))]
+    #[schemars(length(max = SandboxSpec::MAX_ALLOW_HOSTS))]
     allow_hosts: Option<Vec<String>>,
     #[schemars(extend("maxProperties" = MAX_ARGUMENT_ENTRIES))]
     env: Option<BTreeMap<String, String>>,
