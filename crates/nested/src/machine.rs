@@ -42,6 +42,15 @@ const POWER_OFF_GUARD: Duration = Duration::from_secs(60);
 /// (sent every 5 s) before it counts as hung.
 const LIVENESS: Duration = Duration::from_secs(120);
 
+/// How long without a heartbeat before level 1 is kicked with an NMI.
+/// Level 1 has been seen to stop with its one vCPU halted, interrupts
+/// enabled, in the idle loop: a wake-up lost under TCG's emulated SVM
+/// (its timer's interrupt, or the vCPU thread's kick, never came). An NMI
+/// from QEMU's monitor wakes the vCPU; the kernel's report of it
+/// (harmless: on QEMU microvm "NMI: PCI system error (SERR) for reason
+/// ff") makes it leave the idle loop, which programs the timer again.
+const KICK_AFTER: Duration = Duration::from_secs(30);
+
 /// Level 1 console lines that mean its kernel broke. (Warnings such as
 /// soft-lockup reports are not among them: under TCG they come and go.)
 const CRASH_MARKERS: &[&str] = &[
@@ -244,25 +253,31 @@ fn sweep_orphans(tmp: &Path) {
 /// QEMU's monitor socket in a level 1's directory.
 const MONITOR: &str = "monitor.sock";
 
+/// Sends `command` to QEMU's monitor in level 1's directory `dir` and
+/// returns what it printed until it was quiet for a moment (it never
+/// closes); an error when there is no monitor.
+fn monitor(dir: &Path, command: &str) -> std::io::Result<String> {
+    use std::os::unix::net::UnixStream;
+    let mut monitor = UnixStream::connect(dir.join(MONITOR))?;
+    monitor.set_read_timeout(Some(Duration::from_millis(300)))?;
+    monitor.write_all(format!("{command}\n").as_bytes())?;
+    let (mut out, mut buf) = (Vec::new(), [0u8; 4096]);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline {
+        match monitor.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
 /// Level 1's vCPU registers from QEMU's monitor (`info registers`), twice
 /// a second apart; empty when there is no monitor. A hung level 1 prints
 /// nothing: where its vCPU is, and whether it moves, is the clue.
 fn cpu_state(dir: &Path) -> String {
-    use std::os::unix::net::UnixStream;
     let sample = || -> std::io::Result<String> {
-        let mut monitor = UnixStream::connect(dir.join(MONITOR))?;
-        monitor.set_read_timeout(Some(Duration::from_millis(300)))?;
-        monitor.write_all(b"info registers\n")?;
-        let (mut out, mut buf) = (Vec::new(), [0u8; 4096]);
-        let deadline = Instant::now() + Duration::from_secs(3);
-        // Until the monitor has been quiet for a moment (it never closes).
-        while Instant::now() < deadline {
-            match monitor.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => out.extend_from_slice(&buf[..n]),
-            }
-        }
-        let text = String::from_utf8_lossy(&out);
+        let text = monitor(dir, "info registers")?;
         // The general, segment and control register lines: no banner,
         // prompts, echo escapes, or floating-point and vector registers.
         let noise = ["FPR", "YMM", "XMM", "ZMM", "DR", "FCW", "Opmask"];
@@ -293,10 +308,17 @@ pub fn run(bundle: &Bundle, payload: &Payload) -> Result<Output> {
     let mut stages = vec![(Stage::Launched, Duration::ZERO)];
     let mut since = started;
     let mut alive = started;
+    let mut kicked = false;
     let code = loop {
         for event in watch.poll()? {
             match event {
-                Event::Alive => alive = Instant::now(),
+                Event::Alive => {
+                    if kicked {
+                        eprintln!("moat-nested: level 1 answers again after the NMI");
+                    }
+                    alive = Instant::now();
+                    kicked = false;
+                }
                 Event::Crashed(line) => {
                     stop(&mut level1);
                     let reason = format!("its kernel crashed: {line}");
@@ -330,6 +352,15 @@ pub fn run(bundle: &Bundle, payload: &Payload) -> Result<Output> {
             break status;
         }
         let stage = last(&stages);
+        if stage == Stage::PayloadStarted && !kicked && alive.elapsed() > KICK_AFTER {
+            kicked = true;
+            let sent = monitor(level1.dir.path(), "nmi");
+            eprintln!(
+                "moat-nested: level 1 sent no heartbeat for {} s; kicked it with an NMI ({})",
+                KICK_AFTER.as_secs(),
+                if sent.is_ok() { "sent" } else { "no monitor" }
+            );
+        }
         if stage == Stage::PayloadStarted && alive.elapsed() > LIVENESS {
             let tails = Box::new(Tails { cpu: cpu_state(level1.dir.path()), ..*watch.tails() });
             stop(&mut level1);
