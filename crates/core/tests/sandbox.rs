@@ -115,13 +115,22 @@ async fn a_stuck_sandbox_is_reported_not_waited_on() {
     let sandbox = moat.create(small()).await.expect("created");
     let id = sandbox.id.as_str();
     let mut request = ExecRequest::shell("touch /tmp/started; sleep 600");
-    // Long enough for the freeze below to come first.
-    request.timeout_ms = Some(5000);
+    // Long enough for the freeze below to come first: in the nested host,
+    // under TCG, the polls that see both started take seconds each.
+    let timeout = if nested() { 30 } else { 5 };
+    request.timeout_ms = Some(timeout * 1000);
+    let waited = timeout + moat_core::timing::ANSWER_GRACE.as_secs();
     let run = moat.run(id, request);
     // A bash cell too: run_code's wait is bounded the same way.
     let cell = "touch /tmp/cell-started; sleep 600";
-    let code =
-        moat.run_code(id, moat_core::Language::Bash, cell, Duration::from_secs(5), std::future::pending(), &|_, _| {});
+    let code = moat.run_code(
+        id,
+        moat_core::Language::Bash,
+        cell,
+        Duration::from_secs(timeout),
+        std::future::pending(),
+        &|_, _| {},
+    );
     let freeze = async {
         // Frozen once both run (a suspended sandbox's next request would
         // resume it).
@@ -135,10 +144,10 @@ async fn a_stuck_sandbox_is_reported_not_waited_on() {
     suspended.expect("suspends");
     if moat.get(id).expect("listed").state == SandboxState::Paused {
         let err = result.expect_err("a frozen agent cannot answer");
-        assert!(matches!(err, SandboxError::Unresponsive { waited_s: 35, .. }), "{err}");
+        assert!(matches!(err, SandboxError::Unresponsive { waited_s, .. } if waited_s == waited), "{err}");
         assert!(err.to_string().contains("Destroy it and create another"), "{err}");
         let err = code_result.expect_err("nor run a cell");
-        assert!(matches!(err, SandboxError::Unresponsive { waited_s: 35, .. }), "{err}");
+        assert!(matches!(err, SandboxError::Unresponsive { waited_s, .. } if waited_s == waited), "{err}");
     } else {
         eprintln!("this host cannot freeze cgroups; nothing to check");
     }
@@ -1150,12 +1159,19 @@ EOF
 fn contract_tests(filter: &str) -> Vec<String> {
     let exe = std::env::current_exe().expect("this test binary");
     let list = std::process::Command::new(exe).args(["--list", "--include-ignored"]).output().expect("lists its tests");
-    String::from_utf8_lossy(&list.stdout)
+    let mut tests = String::from_utf8_lossy(&list.stdout)
         .lines()
         .filter_map(|l| l.strip_suffix(": test"))
         .filter(|t| !t.ends_with("_in_the_nested_host") && t.contains(filter))
         .map(str::to_owned)
-        .collect()
+        .collect::<Vec<_>>();
+    // The bombs last: twice, a 64 MiB read_file of the test after them
+    // (a_sandbox_runs_debian_as_user_and_moves_files) ended mid-stream in
+    // the same level 1 ("bytes remaining on stream"), never alone; until
+    // that is understood (docs/testing.md), they do not share a level 1's
+    // first minutes with the transfers.
+    tests.sort_by_key(|t| t.contains("bomb"));
+    tests
 }
 
 /// Runs `script` with `bash -c` in sandbox `id` under `timeout_ms`: stdout,

@@ -66,7 +66,7 @@ pub fn run_in(bundle: &Bundle, payload: &Payload) -> Result<Output> {
 /// the steps still to run, and that payload writes `done STEP` to
 /// `$MOAT_NESTED_MARKS` after each step, passed or not. When level 1 breaks
 /// ([`Error::Crashed`]), the steps it finished are not run again: the next
-/// level 1 (up to [`ATTEMPTS`] in all) gets the rest. A hang then costs the
+/// level 1 (up to [`STEP_ATTEMPTS`] in all) gets the rest. A hang then costs the
 /// step it hit, not the whole run. The output is the last level 1's, its
 /// stdout preceded by what the broken ones printed, and its exit code
 /// nonzero when a broken level 1 had printed a step's failure
@@ -78,7 +78,7 @@ pub fn run_steps(bundle: &Bundle, steps: &[String], mut payload: impl FnMut(&[St
     let mut attempt = 1;
     loop {
         match machine::run(bundle, &payload(&left)) {
-            Err(Error::Crashed { stage, reason, tails }) if attempt < ATTEMPTS => {
+            Err(Error::Crashed { stage, reason, tails }) if attempt < STEP_ATTEMPTS => {
                 let done: Vec<&str> = tails.marks.iter().filter_map(|m| m.strip_prefix("done ")).collect();
                 failed |= tails.marks.iter().any(|m| m.starts_with("failed "));
                 left.retain(|step| !done.contains(&step.as_str()));
@@ -104,6 +104,10 @@ pub fn run_steps(bundle: &Bundle, steps: &[String], mut payload: impl FnMut(&[St
         }
     }
 }
+
+/// Level 1s a run of steps gets: more than a whole payload's, since each
+/// fresh one runs only what is left.
+pub const STEP_ATTEMPTS: u32 = 4;
 
 /// Level 1s a payload gets when they break under it (a payload's own
 /// failures are never retried).
