@@ -1165,11 +1165,8 @@ fn contract_tests(filter: &str) -> Vec<String> {
         .filter(|t| !t.ends_with("_in_the_nested_host") && t.contains(filter))
         .map(str::to_owned)
         .collect::<Vec<_>>();
-    // The bombs last: twice, a 64 MiB read_file of the test after them
-    // (a_sandbox_runs_debian_as_user_and_moves_files) ended mid-stream in
-    // the same level 1 ("bytes remaining on stream"), never alone; until
-    // that is understood (docs/testing.md), they do not share a level 1's
-    // first minutes with the transfers.
+    // The bombs last: they load level 1 the most, and a level 1 that
+    // breaks after them has the other tests done already.
     tests.sort_by_key(|t| t.contains("bomb"));
     tests
 }

@@ -77,6 +77,10 @@ struct Conn {
     queued: bool,
     /// The guest will send no more.
     guest_done_sending: bool,
+    /// The guest closed the connection: it ends once `tx_buf` is written
+    /// to the host (what the guest sent last must not be lost to a host
+    /// that reads slower than the guest wrote).
+    guest_closed: bool,
     /// The epoll interest registered (0: not registered).
     events: u32,
 }
@@ -97,6 +101,7 @@ impl Conn {
             hup: false,
             queued: false,
             guest_done_sending: false,
+            guest_closed: false,
             events: 0,
         }
     }
@@ -111,7 +116,7 @@ impl Conn {
             return 0;
         }
         let mut events = 0;
-        if self.established && !self.host_eof && !self.queued && self.peer_credit() > 0 {
+        if self.established && !self.host_eof && !self.guest_closed && !self.queued && self.peer_credit() > 0 {
             events |= EventSet::IN.bits();
         }
         if !self.tx_buf.is_empty() {
@@ -354,12 +359,20 @@ impl VsockMuxer {
                         if hdr.flags & SHUTDOWN_SEND != 0 {
                             conn.guest_done_sending = true;
                         }
-                        let _ = conn.flush();
+                        let flushed = conn.flush();
                         if hdr.flags & (SHUTDOWN_SEND | SHUTDOWN_RCV) == SHUTDOWN_SEND | SHUTDOWN_RCV {
-                            // The guest closed: the connection ends (Linux
-                            // waits for this RST to finish its close).
-                            self.reset_conn(key);
-                            return;
+                            if flushed.is_ok() && !conn.tx_buf.is_empty() {
+                                // The guest closed, but the host has not
+                                // taken all it sent: the connection ends
+                                // once it has (`host_ready`).
+                                conn.guest_closed = true;
+                            } else {
+                                // The guest closed: the connection ends
+                                // (Linux waits for this RST to finish its
+                                // close).
+                                self.reset_conn(key);
+                                return;
+                            }
                         }
                     }
                     OP_CREDIT_UPDATE => {}
@@ -543,7 +556,8 @@ impl VsockMuxer {
     fn host_ready(&mut self, key: Key, set: EventSet) {
         let Some(conn) = self.conns.get_mut(&key) else { return };
         if set.contains(EventSet::OUT) {
-            if conn.flush().is_err() {
+            if conn.flush().is_err() || (conn.guest_closed && conn.tx_buf.is_empty()) {
+                // The host is gone, or has all a closed guest sent.
                 self.reset_conn(key);
                 return;
             }
@@ -551,7 +565,7 @@ impl VsockMuxer {
         }
         let Some(conn) = self.conns.get_mut(&key) else { return };
         if set.intersects(EventSet::HANG_UP | EventSet::ERROR) {
-            if !conn.established || conn.host_eof {
+            if !conn.established || conn.host_eof || conn.guest_closed {
                 self.reset_conn(key);
                 return;
             }

@@ -92,6 +92,42 @@ fn host_connections_reach_the_guest_and_carry_data_both_ways() {
 }
 
 #[test]
+fn what_a_guest_sent_before_it_closed_reaches_a_slow_host_whole() {
+    let mut r = rig();
+    let (mut host, local) = r.host_connect(1024);
+    // More than the host socket buffers while the host does not read,
+    // within the guest's credit; then the guest closes at once.
+    let chunk: Vec<u8> = (0..=255u8).cycle().take(65536).collect();
+    let mut sent = Vec::new();
+    while sent.len() + chunk.len() <= BUF_ALLOC as usize {
+        r.guest.send(hdr(1024, local, OP_RW), &chunk);
+        sent.extend_from_slice(&chunk);
+    }
+    assert!(r.guest.dev.muxer().buffered() > 0, "the host socket filled up and the rest waits");
+    let mut close = hdr(1024, local, OP_SHUTDOWN);
+    close.flags = SHUTDOWN_SEND | SHUTDOWN_RCV;
+    r.guest.send(close, &[]);
+    // The host reads now: everything, then the end.
+    host.set_nonblocking(true).expect("nonblocking");
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    for _ in 0..2000 {
+        r.guest.poll(1);
+        match host.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("reading: {e}"),
+        }
+    }
+    assert_eq!(got.len(), sent.len(), "the host got all the guest sent before it closed");
+    assert!(got == sent);
+    r.guest.kick_rx();
+    assert!(r.guest.recv().iter().any(|(h, _)| h.op == OP_RST), "the guest hears the end");
+    assert_eq!(r.guest.dev.muxer().connections(), 0);
+}
+
+#[test]
 fn a_refused_host_connection_is_closed() {
     let mut r = rig();
     let mut host = UnixStream::connect(r.uds()).expect("connects");
