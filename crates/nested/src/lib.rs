@@ -62,51 +62,78 @@ pub fn run_in(bundle: &Bundle, payload: &Payload) -> Result<Output> {
 }
 
 /// Runs a payload made of named steps (a test binary's tests, one at a
-/// time), resuming where level 1 broke: `payload` makes the payload for
-/// the steps still to run, and that payload writes `done STEP` to
-/// `$MOAT_NESTED_MARKS` after each step, passed or not. When level 1 breaks
-/// ([`Error::Crashed`]), the steps it finished are not run again: the next
-/// level 1 (up to [`STEP_ATTEMPTS`] in all) gets the rest. A hang then costs the
-/// step it hit, not the whole run. The output is the last level 1's, its
-/// stdout preceded by what the broken ones printed, and its exit code
-/// nonzero when a broken level 1 had printed a step's failure
-/// (`failed STEP` on the marks).
-pub fn run_steps(bundle: &Bundle, steps: &[String], mut payload: impl FnMut(&[String]) -> Payload) -> Result<Output> {
+/// time), at most `per_level` of them in each level 1, resuming where a
+/// level 1 broke. `payload` makes the payload for the steps it is given,
+/// and that payload writes `done STEP` to `$MOAT_NESTED_MARKS` after each
+/// step, passed or not (`failed STEP` before it for a failure).
+///
+/// Level 1s that boot microVMs one after another break now and then, and
+/// the older the more (see docs/testing.md): a fresh level 1 every
+/// `per_level` steps keeps them young. When one breaks
+/// ([`Error::Crashed`]), the steps it finished are not run again: a fresh
+/// level 1 gets the rest. The run gives up only when [`STEP_ATTEMPTS`]
+/// level 1s in a row break without finishing a step. The output is the
+/// last level 1's, with the stdout of every level 1 before it in front,
+/// and an exit code that is nonzero when any level 1 had a step fail.
+pub fn run_steps(
+    bundle: &Bundle,
+    steps: &[String],
+    per_level: usize,
+    mut payload: impl FnMut(&[String]) -> Payload,
+) -> Result<Output> {
     let _turn = machine::one_at_a_time()?;
     let mut left: Vec<String> = steps.to_vec();
     let (mut earlier, mut failed) = (Vec::new(), false);
-    let mut attempt = 1;
+    let mut fruitless = 0;
     loop {
-        match machine::run(bundle, &payload(&left)) {
-            Err(Error::Crashed { stage, reason, tails }) if attempt < STEP_ATTEMPTS => {
-                let done: Vec<&str> = tails.marks.iter().filter_map(|m| m.strip_prefix("done ")).collect();
-                failed |= tails.marks.iter().any(|m| m.starts_with("failed "));
-                left.retain(|step| !done.contains(&step.as_str()));
-                earlier.extend_from_slice(&tails.stdout);
-                let e = Error::Crashed { stage, reason, tails };
-                eprintln!(
-                    "moat-nested: {e}\nmoat-nested: {} of {} steps done; the other {} run again in a fresh level 1",
-                    steps.len() - left.len(),
-                    steps.len(),
-                    left.len()
-                );
-                attempt += 1;
-            }
+        let given = &left[..left.len().min(per_level.max(1))];
+        let (marks, stdout, result) = match machine::run(bundle, &payload(given)) {
             Ok(mut out) => {
-                earlier.append(&mut out.stdout);
+                let marks: Vec<String> = out.marks.iter().map(|(_, m)| m.clone()).collect();
+                (marks, std::mem::take(&mut out.stdout), Ok(out))
+            }
+            Err(Error::Crashed { stage, reason, tails }) => {
+                let tails = *tails;
+                let (marks, stdout) = (tails.marks.clone(), tails.stdout.clone());
+                (marks, stdout, Err(Error::Crashed { stage, reason, tails: Box::new(tails) }))
+            }
+            Err(e) => return Err(e),
+        };
+        let done: Vec<&str> = marks.iter().filter_map(|m| m.strip_prefix("done ")).collect();
+        failed |= marks.iter().any(|m| m.starts_with("failed "));
+        let before = left.len();
+        left.retain(|step| !done.contains(&step.as_str()));
+        earlier.extend_from_slice(&stdout);
+        match result {
+            // All done; or a payload that did none of the steps it was
+            // given, which another level 1 would not do either.
+            Ok(mut out) if left.is_empty() || left.len() == before => {
                 out.stdout = earlier;
-                if failed && out.code == 0 {
+                if (failed || !left.is_empty()) && out.code == 0 {
                     out.code = 1;
                 }
                 return Ok(out);
             }
-            Err(e) => return Err(e),
+            // A level 1 that ended its share of the steps: the next takes more.
+            Ok(out) => failed |= out.code != 0,
+            Err(e) => {
+                fruitless = if left.len() < before { 1 } else { fruitless + 1 };
+                if fruitless >= STEP_ATTEMPTS {
+                    return Err(e);
+                }
+                eprintln!(
+                    "moat-nested: {e}\nmoat-nested: {} of {} steps done; the other {} run in a fresh level 1",
+                    steps.len() - left.len(),
+                    steps.len(),
+                    left.len()
+                );
+            }
         }
     }
 }
 
-/// Level 1s a run of steps gets: more than a whole payload's, since each
-/// fresh one runs only what is left.
+/// How many level 1s in a row may break without finishing a step before a
+/// run of steps gives up.
 pub const STEP_ATTEMPTS: u32 = 4;
 
 /// Level 1s a payload gets when they break under it (a payload's own

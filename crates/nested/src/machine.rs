@@ -114,7 +114,11 @@ fn launch(bundle: &Bundle, machine: Machine, run_files: &[(&str, String)], conso
     }
     let at = |name: &str| dir.path().join(name).display().to_string();
     let mut qemu = Command::new(&bundle.qemu);
-    qemu.args(["-M", "microvm,acpi=on", "-accel", "tcg", "-cpu", "max"])
+    // `vgif=off`: level 1's hangs stop its vCPU halted with interrupts
+    // enabled and deaf even to an NMI, which only a global interrupt flag
+    // left clear blocks; without virtual GIF, level 1's KVM sets and
+    // clears its own GIF with STGI/CLGI alone.
+    qemu.args(["-M", "microvm,acpi=on", "-accel", "tcg", "-cpu", "max,vgif=off"])
         .args(["-m", &machine.memory_mib.to_string(), "-smp", &machine.cpus.to_string()])
         .args(["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
         .arg("-kernel")

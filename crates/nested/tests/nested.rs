@@ -122,28 +122,29 @@ fn a_level_2_debian_guest_boots_under_qemu_with_kvm_in_level_1() {
 fn a_run_of_steps_resumes_after_level_1_breaks() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let bundle = moat_nested::bundle::prepare(&moat_nested::Sources::from_env().expect("sources")).expect("bundle");
-    let steps: Vec<String> = ["one", "two", "three"].map(String::from).to_vec();
+    let steps: Vec<String> = ["one", "two", "three", "four", "five"].map(String::from).to_vec();
     let mut payloads = Vec::new();
-    // The first level 1 does step one, fails step two, and then panics its
-    // kernel; the second must run only step three.
-    let out = moat_nested::run_steps(&bundle, &steps, |left| {
-        payloads.push(left.to_vec());
-        let crash = if left.len() == 3 { "echo c > /proc/sysrq-trigger; sleep 60" } else { "true" };
+    // Two steps a level 1. The first does one and fails two, and ends; the
+    // second does three and then panics its kernel; the third must run
+    // four and five.
+    let out = moat_nested::run_steps(&bundle, &steps, 2, |given| {
+        payloads.push(given.to_vec());
         Payload::script(&format!(
             r#"for s in {}; do
     echo "ran $s"
     [ $s = two ] && echo "failed $s" > "$MOAT_NESTED_MARKS"
     echo "done $s" > "$MOAT_NESTED_MARKS"
-    [ $s = two ] && {{ {crash}; }}
+    [ $s = three ] && {{ echo c > /proc/sysrq-trigger; sleep 60; }}
 done
 exit 0"#,
-            left.join(" ")
+            given.join(" ")
         ))
     })
     .expect("the steps run");
-    assert_eq!(payloads, [steps.clone(), vec!["three".to_owned()]]);
-    assert_eq!(out.stdout_text(), "ran one\nran two\nran three\n", "stderr: {}", out.stderr_text());
-    assert_ne!(out.code, 0, "step two's failure in the broken level 1 is kept");
+    let names = |n: &[&str]| n.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    assert_eq!(payloads, [names(&["one", "two"]), names(&["three", "four"]), names(&["four", "five"])]);
+    assert_eq!(out.stdout_text(), "ran one\nran two\nran three\nran four\nran five\n", "{}", out.stderr_text());
+    assert_ne!(out.code, 0, "step two's failure in the first level 1 is kept");
 }
 
 #[test]
