@@ -51,9 +51,18 @@ async fn session() {
 
     let blob: String = (0..200_000).map(|i| char::from(b'a' + u8::try_from(i % 26).unwrap_or(0))).collect();
     call(&client, "write_file", json!({ "path": "notes/big.txt", "content": blob })).await;
-    let (back, _) = call(&client, "read_file", json!({ "path": "notes/big.txt" })).await;
-    assert_eq!(back["content"].as_str().map(str::len), Some(blob.len()));
-    assert!(back["content"] == Value::String(blob), "the file came back changed");
+    // Read back a page (100,000 characters) at a time, as a client does.
+    let (mut back, mut offset) = (String::new(), 0);
+    loop {
+        let (page, _) = call(&client, "read_file", json!({ "path": "notes/big.txt", "offset": offset })).await;
+        back.push_str(page["content"].as_str().expect("text"));
+        match page["next_offset"].as_u64() {
+            Some(next) if page["truncated"] == true => offset = next,
+            _ => break,
+        }
+    }
+    assert_eq!(back.len(), blob.len());
+    assert!(back == blob, "the file came back changed");
 
     let (task, _) = call(&client, "task_start", json!({ "source": project.display().to_string() })).await;
     let task_id = task["task_id"].as_str().expect("task id").to_owned();
