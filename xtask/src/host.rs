@@ -49,6 +49,8 @@ pub const BASE_PACKAGES: &[(&str, &str)] = &[
     ("libc-bin", "ldd"),
     ("coreutils", "sha256sum"),
     ("procps", "ps"),
+    // openssl: the CA certificates the MOAT_CA_FILE tests make.
+    ("openssl", "openssl"),
 ];
 
 /// Installs missing host packages with apt-get when root, or says exactly

@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -129,6 +130,7 @@ async def main(binary, contract_path, project, transport, era):
             raw_stdio_answered(binary, env)
         if transport == "stdio":
             await started_from_root(binary, env, era)
+            await trusts_the_operators_ca(binary, env, era)
         if server:
             await http_only(binary, env, server)
     finally:
@@ -571,6 +573,92 @@ async def started_from_root(binary, env, era):
         assert "MOAT_ROOTS" in message, message
         out = await call(session, "run_command", {"cmd": "echo still-here"})
         assert out["stdout"] == "still-here\n", out
+
+
+def made_certificates(directory):
+    """A CA (as a TLS-inspecting proxy's) and a certificate for localhost
+    that it signed, made with openssl."""
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=moat test inspecting CA",
+            "-keyout", "ca.key", "-out", "ca.crt")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", "server.key",
+            "-out", "server.csr")
+    with open(os.path.join(directory, "server.ext"), "w") as ext:
+        ext.write("subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-extfile", "server.ext", "-out", "server.crt")
+    return {name: open(os.path.join(directory, name)).read() for name in ("ca.crt", "ca.key", "server.crt", "server.key")}
+
+
+# An HTTPS server on localhost in the sandbox, with the certificate the
+# test's CA signed; and the clients that must trust it.
+SERVE_TLS = """
+import http.server, ssl
+class Hello(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"hello over tls")
+    def log_message(self, *args):
+        pass
+httpd = http.server.HTTPServer(("127.0.0.1", 8443), Hello)
+context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+context.load_cert_chain("/tmp/tls/server.crt", "/tmp/tls/server.key")
+httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+httpd.serve_forever()
+"""
+TLS_CLIENTS = {
+    "curl": "curl -sS https://localhost:8443/",
+    "python": "python3 -c \"import urllib.request; print(urllib.request.urlopen('https://localhost:8443/').read().decode())\"",
+    "node": "node --dns-result-order=ipv4first -e \"require('https').get('https://localhost:8443/', r => r.on('data', d => process.stdout.write(d)))"
+            ".on('error', e => { console.error(e.message); process.exit(1) })\"",
+}
+
+
+async def serving_tls(session, certificates):
+    box = await call(session, "create_sandbox", {})
+    for name in ("server.crt", "server.key"):
+        await call(session, "write_file", {"path": f"/tmp/tls/{name}", "content": certificates[name],
+                                           "sandbox_id": box["sandbox_id"]})
+    await call(session, "write_file", {"path": "/tmp/tls/serve.py", "content": SERVE_TLS,
+                                       "sandbox_id": box["sandbox_id"]})
+    await call(session, "run_command", {"cmd": "python3 /tmp/tls/serve.py", "background": True,
+                                        "sandbox_id": box["sandbox_id"]})
+    wait = "for i in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/8443) 2>/dev/null && exit 0; sleep 0.1; done; exit 1"
+    out = await call(session, "run_command", {"cmd": wait, "sandbox_id": box["sandbox_id"]})
+    assert out["exit_code"] == 0, f"the TLS server never listened: {out}"
+    return box["sandbox_id"]
+
+
+async def trusts_the_operators_ca(binary, env, era):
+    """Issue 19, item 8: on a host behind a TLS-inspecting proxy the
+    operator names the proxy's CA in MOAT_CA_FILE, and every new sandbox
+    trusts it: the system store (curl, Python's ssl) and Node's own store.
+    Without it the same clients refuse the certificate; a file with a
+    private key is refused at start."""
+    with tempfile.TemporaryDirectory() as directory:
+        certificates = made_certificates(directory)
+        async with connect(binary, env, "stdio", era) as session:
+            sandbox_id = await serving_tls(session, certificates)
+            for client, cmd in TLS_CLIENTS.items():
+                out = await call(session, "run_command", {"cmd": cmd, "sandbox_id": sandbox_id})
+                assert out["exit_code"] != 0, f"{client} trusted an unknown CA: {out}"
+        ca_env = dict(env, MOAT_CA_FILE=os.path.join(directory, "ca.crt"))
+        async with connect(binary, ca_env, "stdio", era) as session:
+            sandbox_id = await serving_tls(session, certificates)
+            for client, cmd in TLS_CLIENTS.items():
+                out = await call(session, "run_command", {"cmd": cmd, "sandbox_id": sandbox_id})
+                assert (out["exit_code"], out["stdout"].strip()) == (0, "hello over tls"), f"{client}: {out}"
+            out = await call(session, "run_command", {"cmd": "echo $PIP_CERT $REQUESTS_CA_BUNDLE $NODE_EXTRA_CA_CERTS",
+                                                      "sandbox_id": sandbox_id})
+            assert out["stdout"].split() == ["/etc/ssl/certs/ca-certificates.crt"] * 2 + [
+                "/usr/local/share/ca-certificates/moat-extra.crt"], out
+        with open(os.path.join(directory, "with-key.pem"), "w") as mixed:
+            mixed.write(certificates["ca.crt"] + certificates["ca.key"])
+        bad_env = dict(env, MOAT_CA_FILE=os.path.join(directory, "with-key.pem"))
+        started = subprocess.run([binary], env=bad_env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                 timeout=60)
+        assert started.returncode == 2 and "MOAT_CA_FILE" in started.stderr and "private key" in started.stderr, (
+            started.returncode, started.stderr)
 
 
 async def http_only(binary, env, server):

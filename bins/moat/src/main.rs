@@ -3,6 +3,7 @@
 #![allow(clippy::print_stdout)]
 
 use std::io::Write;
+use std::path::Path;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -339,6 +340,34 @@ fn tasks(remove: &[String]) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// What `MOAT_CA_FILE` adds to every new sandbox, or, unset, whether the
+/// host trusts CAs the image does not (a TLS-inspecting proxy's), in words.
+fn extra_cas(image_root: &Path) -> String {
+    use moat_core::trust::{BUNDLE, ExtraCa, LOCAL_CAS, untrusted_by_image};
+    match ExtraCa::from_env() {
+        Ok(Some(ca)) => format!(
+            "{} certificate(s) from {} added to every new sandbox's trust store",
+            ca.certificates,
+            ca.source.display()
+        ),
+        Err(e) => format!("{e}; moat and moat-mcp will not start"),
+        Ok(None) => match untrusted_by_image(Path::new(BUNDLE), Path::new(LOCAL_CAS), image_root) {
+            None => "none (the image's trust store could not be read to compare with the host's)".into(),
+            Some(u) if u.count == 0 => "none needed: the image trusts every CA added to this host".into(),
+            Some(u) => {
+                let files: Vec<String> = u.files.iter().map(|f| f.display().to_string()).collect();
+                format!(
+                    "none, but {} CA(s) added to this host are not in the image (a TLS-inspecting proxy's?): HTTPS \
+                     they sign fails in sandboxes (pip, npm, curl); set MOAT_CA_FILE to a PEM file of the ones \
+                     to trust ({})",
+                    u.count,
+                    files.join(", ")
+                )
+            }
+        },
+    }
+}
+
 fn doctor(image_name: &str) -> ExitCode {
     let host = HostVirtualization::probe();
     let kvm = match &host.kvm_problem {
@@ -406,6 +435,8 @@ fn doctor(image_name: &str) -> ExitCode {
         ),
         Err(e) => println!("image {image_name:?}:        {e} (images live in {})", data.join("images").display()),
     }
+    let image_root = data.join("images").join(image_name).join("rootfs");
+    println!("extra CAs (MOAT_CA_FILE): {}", extra_cas(&image_root));
     match moat_core::moat::find_agent() {
         Ok(agent) => println!("agent:                   {}", agent.display()),
         Err(e) => println!("agent:                   {e}"),

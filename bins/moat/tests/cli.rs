@@ -5,8 +5,13 @@ use std::process::Command;
 const MOAT: &str = env!("CARGO_BIN_EXE_moat");
 
 fn moat(args: &[&str]) -> std::process::Output {
+    moat_with(args, &[])
+}
+
+/// `moat args…` with `env` added to its environment.
+fn moat_with(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> std::process::Output {
     let mut command = Command::new(MOAT);
-    command.args(args);
+    command.args(args).envs(env.iter().copied());
     if std::env::var_os("MOAT_AGENT").is_none() {
         let agent = concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/x86_64-unknown-linux-gnu/release/moat-agent");
         command.env("MOAT_AGENT", agent);
@@ -54,6 +59,51 @@ fn doctor_says_which_backend_and_why() {
     for line in ["/dev/kvm:", "hardware virtualization:", "user namespaces:", "cgroups:", "backend auto uses:"] {
         assert!(text.contains(line), "missing {line:?} in:\n{text}");
     }
+}
+
+/// `moat doctor` says what `MOAT_CA_FILE` adds, or why it is wrong.
+#[test]
+fn doctor_reports_the_extra_cas() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = made_ca(dir.path());
+    let out = moat_with(&["doctor"], &[("MOAT_CA_FILE", ca.as_os_str())]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = format!("extra CAs (MOAT_CA_FILE): 1 certificate(s) from {}", ca.display());
+    assert!(text.contains(&line), "missing {line:?} in:\n{text}");
+    let key = dir.path().join("ca.key");
+    let out = moat_with(&["doctor"], &[("MOAT_CA_FILE", key.as_os_str())]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("holds a private key") && text.contains("will not start"), "{text}");
+}
+
+/// A CA certificate made with openssl in `dir` (its key beside it).
+fn made_ca(dir: &std::path::Path) -> std::path::PathBuf {
+    let status = Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=moat cli test CA"])
+        .arg("-keyout")
+        .arg(dir.join("ca.key"))
+        .arg("-out")
+        .arg(dir.join("ca.crt"))
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("openssl runs");
+    assert!(status.success());
+    dir.join("ca.crt")
+}
+
+/// `moat run` makes its sandbox trust `MOAT_CA_FILE`'s CA: in the system
+/// bundle, alone for Node, and in the tools' variables.
+#[test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+fn run_trusts_the_operators_ca() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = made_ca(dir.path());
+    let pem = std::fs::read_to_string(&ca).expect("the CA");
+    let script = "cat /usr/local/share/ca-certificates/moat-extra.crt; echo ---; \
+                  tail -n $(wc -l < /usr/local/share/ca-certificates/moat-extra.crt) $REQUESTS_CA_BUNDLE";
+    let out = moat_with(&["run", "--backend", "jail", "--", "sh", "-c", script], &[("MOAT_CA_FILE", ca.as_os_str())]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{pem}---\n{pem}"));
 }
 
 #[test]

@@ -96,6 +96,7 @@ async fn bench() {
         egress: moat_core::EgressConfig::default(),
         // The benchmark is the operator: it grants what it asks for.
         grants: moat_core::Grants::everything(),
+        extra_ca: None,
     };
     let moat = Moat::new(config).await.expect("moat starts");
     for _ in 0..3 {

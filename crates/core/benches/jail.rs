@@ -50,6 +50,7 @@ async fn bench() {
         egress: moat_core::EgressConfig::default(),
         // The test is the operator: it grants what it asks for.
         grants: moat_core::Grants::everything(),
+        extra_ca: None,
     };
     let moat = Moat::new(config.clone()).await.expect("moat starts");
 

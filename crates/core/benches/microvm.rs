@@ -87,6 +87,7 @@ async fn bench(runs: usize) {
         egress: moat_core::EgressConfig::default(),
         // The test is the operator: it grants what it asks for.
         grants: moat_core::Grants::everything(),
+        extra_ca: None,
     };
     let moat = Moat::new(config).await.expect("moat starts with the vm backend");
     let image = moat_core::Image::open(&data_dir, "default").expect("the default image");

@@ -27,6 +27,7 @@ pub mod sandbox;
 pub mod state;
 pub mod task;
 pub mod timing;
+pub mod trust;
 
 pub use backend::{Backend, BackendChoice, BackendKind, HostVirtualization, Instance};
 pub use error::{ConfigError, CopyError, CoreError, CreateError, HostPathError, IoError, SandboxError, TaskError};

@@ -983,6 +983,7 @@ async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {
         egress: moat_core::EgressConfig::default(),
         // The test is the operator: it grants what it asks for.
         grants: moat_core::Grants::everything(),
+        extra_ca: None,
     };
     let moat = Moat::new(config).await.expect("moat starts");
     // A guard against a hang: microVMs under nested emulation take seconds each.

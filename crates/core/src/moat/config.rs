@@ -13,6 +13,7 @@ use crate::hostfs;
 use crate::image;
 use crate::net::egress::EgressConfig;
 use crate::sandbox::SandboxSpec;
+use crate::trust::ExtraCa;
 
 /// How a [`Moat`](super::Moat) runs.
 #[derive(Debug, Clone)]
@@ -37,6 +38,9 @@ pub struct MoatConfig {
     /// The most a spec may ask for ([`Grants::check`]): `MOAT_ALLOW_NETWORK`,
     /// and for `allow_hosts`, the hosts of `egress` and the registries.
     pub grants: Grants,
+    /// CA certificates every new sandbox trusts beyond its image's
+    /// (`MOAT_CA_FILE`; [`crate::trust`]).
+    pub extra_ca: Option<ExtraCa>,
 }
 
 impl MoatConfig {
@@ -53,6 +57,7 @@ impl MoatConfig {
         // The operator's errors (exit 2) before the machine's.
         let roots = hostfs::roots_from_env()?;
         let copy_limit = hostfs::copy_limit_from_env()?;
+        let extra_ca = ExtraCa::from_env()?;
         Ok(Self {
             data_dir: image::data_dir(),
             backend: BackendKind::Auto,
@@ -64,6 +69,7 @@ impl MoatConfig {
             pool_spec: SandboxSpec::default(),
             egress: EgressConfig::from_env(),
             grants: Grants::everything(),
+            extra_ca,
         })
     }
 }

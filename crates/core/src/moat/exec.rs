@@ -60,7 +60,8 @@ pub(crate) async fn answered_within<T>(
 
 impl Moat {
     /// Starts a process as `user` in `/home/user` unless the request says otherwise.
-    /// A `filtered` sandbox's proxy variables come first, then the sandbox's
+    /// The CA variables of `MOAT_CA_FILE` (when set) and a `filtered`
+    /// sandbox's proxy variables come first, then the sandbox's
     /// `env`; the request's own variables override both.
     pub async fn exec(&self, id: &str, mut request: ExecRequest) -> Result<ExecHandle, SandboxError> {
         request.user.get_or_insert_with(|| "user".into());
@@ -68,6 +69,9 @@ impl Moat {
         let mut spec_env = spec.env;
         if spec.network == NetworkPolicy::Filtered {
             spec_env = crate::net::egress::proxy_env().into_iter().chain(spec_env).collect();
+        }
+        if self.inner.config.extra_ca.is_some() {
+            spec_env = crate::trust::ExtraCa::env().into_iter().chain(spec_env).collect();
         }
         if !spec_env.is_empty() {
             request.env = spec_env.into_iter().chain(std::mem::take(&mut request.env)).collect();

@@ -206,7 +206,7 @@ impl Moat {
                 let image = Image::open_ref(&self.inner.config.data_dir, &spec.image)?;
                 let id = new_id();
                 let name = spec.name.clone().unwrap_or_else(|| id.clone());
-                let machine = self.inner.backend.start(&id, &name, &spec, &image, &self.inner.config.data_dir).await?;
+                let machine = self.inner.start_machine(&id, &name, &spec, &image).await?;
                 (id, name, machine, image.build())
             }
         };
@@ -483,6 +483,27 @@ impl Moat {
 }
 
 impl Inner {
+    /// Starts a sandbox's machine and makes it what every new sandbox is:
+    /// the operator's extra CA certificates trusted. One that cannot be
+    /// made so is stopped.
+    async fn start_machine(
+        &self,
+        id: &str,
+        name: &str,
+        spec: &SandboxSpec,
+        image: &Image,
+    ) -> Result<Machine, CreateError> {
+        let machine = self.backend.start(id, name, spec, image, &self.config.data_dir).await?;
+        if let Some(ca) = &self.config.extra_ca
+            && let Err(why) = ca.install(&machine.client()).await
+        {
+            let _ = tokio::task::spawn_blocking(move || drop(machine)).await;
+            let reason = format!("the CA certificates of {} could not be added: {why}", crate::trust::CA_FILE_ENV);
+            return Err(CreateError::StartFailed { id: id.into(), reason });
+        }
+        Ok(machine)
+    }
+
     /// Refuses a sandbox of `asked` MiB that would bring the live
     /// sandboxes' `memory_mib` over [`Inner::max_memory_mib`]. Pooled
     /// sandboxes count too, unless `pooled_counted` says the new one is

@@ -29,11 +29,7 @@ pub(super) async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::
         let started = match Image::open_ref(&strong.config.data_dir, &spec.image) {
             Ok(image) => {
                 let id = new_id();
-                strong
-                    .backend
-                    .start(&id, &id, &spec, &image, &strong.config.data_dir)
-                    .await
-                    .map(|machine| (id, machine, image.build()))
+                strong.start_machine(&id, &id, &spec, &image).await.map(|machine| (id, machine, image.build()))
             }
             Err(e) => Err(e.into()),
         };

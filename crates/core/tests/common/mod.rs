@@ -36,6 +36,7 @@ pub fn config(backend: BackendKind, max_sandboxes: usize, egress: EgressConfig) 
         egress,
         // The test is the operator: it grants what it asks for.
         grants: moat_core::Grants::everything(),
+        extra_ca: None,
     }
 }
 
