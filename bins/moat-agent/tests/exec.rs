@@ -98,6 +98,29 @@ async fn large_output_streams_with_bounded_memory() {
     assert!(peak < before + 24 * 1024, "agent grew from {before} KiB to {peak} KiB streaming 64 MiB");
 }
 
+/// Past `output_limit`, the agent reads a stream and drops it: the client
+/// gets the limit of each stream whole, the process runs to its end
+/// unhindered, and the exit says how much was dropped.
+#[tokio::test]
+async fn output_past_the_limit_is_read_and_dropped() {
+    const LIMIT: u64 = 1 << 20;
+    let agent = TestAgent::start().await;
+    let script = "head -c 40000000 /dev/zero; seq 1 300000 >&2; echo done >&2";
+    let mut request = ExecRequest::shell(script);
+    request.output_limit = Some(LIMIT);
+    let out = agent.client().run(request).await.expect("runs");
+    assert_eq!(out.status.code, Some(0));
+    assert_eq!(out.stdout.len() as u64, LIMIT);
+    assert_eq!(out.stderr.len() as u64, LIMIT);
+    assert!(out.stderr.starts_with(b"1\n2\n3\n"), "stderr is kept from its start");
+    let seq_bytes: u64 = (1..=300_000u64).map(|n| n.to_string().len() as u64 + 1).sum();
+    assert_eq!(out.status.dropped_bytes, 40_000_000 - LIMIT + seq_bytes + 5 - LIMIT);
+    assert!(out.truncated);
+    // Without a limit, nothing is dropped.
+    let out = agent.client().run(ExecRequest::shell("head -c 3000000 /dev/zero")).await.expect("runs");
+    assert_eq!((out.stdout.len(), out.status.dropped_bytes, out.truncated), (3_000_000, 0, false));
+}
+
 #[tokio::test]
 async fn stdin_round_trip() {
     let agent = TestAgent::start().await;

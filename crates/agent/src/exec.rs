@@ -327,7 +327,9 @@ where
         })
     });
 
-    let result = pump_output(&mut sink, stdout, stderr, exit).await;
+    let limit = req.output_limit.unwrap_or(u64::MAX);
+    let mut dropped = 0;
+    let result = pump_output(&mut sink, [stdout, stderr], exit, limit, &mut dropped).await;
     control.abort();
     if let Some(timer) = timer {
         timer.abort();
@@ -366,6 +368,7 @@ where
                 },
                 timed_out: timed_out.load(Ordering::SeqCst),
                 duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+                dropped_bytes: dropped,
             };
             let _ = sink.send(&AgentMsg::Exited { status }).await;
         }
@@ -470,18 +473,34 @@ impl Tree {
 }
 
 /// Sends output as it comes until the process has exited and its pipes are
-/// drained; `Err` when the client stopped listening.
+/// drained; `Err` when the client stopped listening. Past `limit` bytes of
+/// a stream the rest is read and dropped, counted in `dropped`: a command
+/// that floods its output spends its own sandbox's CPU on it, not the
+/// host's.
 async fn pump_output<S>(
     sink: &mut FrameSink<S>,
-    mut stdout: Option<pipe::Receiver>,
-    mut stderr: Option<pipe::Receiver>,
+    [mut stdout, mut stderr]: [Option<pipe::Receiver>; 2],
     mut exit: oneshot::Receiver<Exit>,
+    limit: u64,
+    dropped: &mut u64,
 ) -> Result<Exit, ()>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let mut out_buf = BytesMut::new();
     let mut err_buf = BytesMut::new();
+    let mut sent = [0u64; 2];
+    // The part of `bytes` within the limit of stream `which`; the rest is
+    // counted as dropped.
+    let mut within = |which: usize, mut bytes: Bytes| {
+        let room = usize::try_from(limit.saturating_sub(sent[which])).unwrap_or(usize::MAX);
+        if bytes.len() > room {
+            *dropped += (bytes.len() - room) as u64;
+            bytes.truncate(room);
+        }
+        sent[which] += bytes.len() as u64;
+        (!bytes.is_empty()).then_some(bytes)
+    };
     let mut exited: Option<Exit> = None;
     let drain_deadline = tokio::time::sleep(Duration::MAX);
     tokio::pin!(drain_deadline);
@@ -499,7 +518,9 @@ where
             biased;
             chunk = read_chunk(&mut stdout, &mut out_buf), if stdout.is_some() => match chunk {
                 Some(bytes) => {
-                    sink.send_data(StreamId::Output, bytes).await.map_err(|_| ())?;
+                    if let Some(bytes) = within(0, bytes) {
+                        sink.send_data(StreamId::Output, bytes).await.map_err(|_| ())?;
+                    }
                     if exited.is_some() {
                         drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
                     }
@@ -508,7 +529,9 @@ where
             },
             chunk = read_chunk(&mut stderr, &mut err_buf), if stderr.is_some() => match chunk {
                 Some(bytes) => {
-                    sink.send_data(StreamId::Error, bytes).await.map_err(|_| ())?;
+                    if let Some(bytes) = within(1, bytes) {
+                        sink.send_data(StreamId::Error, bytes).await.map_err(|_| ())?;
+                    }
                     if exited.is_some() {
                         drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
                     }

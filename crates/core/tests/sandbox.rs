@@ -625,6 +625,39 @@ async fn escapes_fail() {
     }
     assert!(handle.wait().await.expect("exits").success());
     assert_eq!(bytes, 200 << 20);
+    // Through the tools' path the flood stops in the sandbox: the caller
+    // gets COMMAND_OUTPUT_LIMIT of each stream, the agent reads the rest
+    // and drops it (counted), and the command runs to its end.
+    let flood = "head -c 50000000 /dev/zero | tr '\\0' x; echo end >&2";
+    let command =
+        moat_core::StreamedCommand { request: ExecRequest::argv(["bash", "-c", flood]), direct: None, stdin: None };
+    let seen = std::sync::atomic::AtomicUsize::new(0);
+    let on_output = |_, b: &[u8]| {
+        seen.fetch_add(b.len(), std::sync::atomic::Ordering::SeqCst);
+    };
+    let outcome = moat.exec_streaming(id, command, &on_output, std::future::pending()).await.expect("runs");
+    let moat_core::ExecOutcome::Finished(out) = outcome else { panic!("not cancelled") };
+    let limit = moat_core::moat::COMMAND_OUTPUT_LIMIT;
+    assert_eq!((out.status.code, out.stdout.len(), out.stderr.as_slice()), (Some(0), limit, b"end\n".as_slice()));
+    assert!(out.truncated && out.stdout.iter().all(|b| *b == b'x'));
+    assert_eq!(out.status.dropped_bytes, 50_000_000 - limit as u64);
+    assert_eq!(seen.load(std::sync::atomic::Ordering::SeqCst), limit + 4, "only what was kept was streamed");
+    // A Python cell's flood is cut by the session's runner alike.
+    let cell = "print('y' * 20_000_000)\nprint('next line kept? no')";
+    let out = moat.run_code(id, Language::Python, cell, Duration::from_secs(120), std::future::pending(), &|_, _| {});
+    let out = out.await.expect("the cell runs");
+    assert!(out.truncated && out.error.is_none(), "{:?}", out.error);
+    assert_eq!(out.stdout.len(), limit);
+    let out = moat.run_code(
+        id,
+        Language::Python,
+        "print('after')",
+        Duration::from_secs(60),
+        std::future::pending(),
+        &|_, _| {},
+    );
+    let out = out.await.expect("the next cell runs");
+    assert_eq!((out.stdout.as_slice(), out.truncated), (b"after\n".as_slice(), false));
 
     // And after all that, the sandbox still answers.
     let (out, _) = sh(&moat, id, "echo still-here").await;
@@ -818,6 +851,7 @@ async fn a_sandbox_killed_mid_call_fails_alone_and_is_released() {
                 }
             }
         };
+        eprintln!("{case}: calling; pid {victim} is killed once the call is under way");
         let kill = async {
             // Killed once the call is under way in the sandbox.
             let started = if case == "transfer" {
@@ -828,6 +862,7 @@ async fn a_sandbox_killed_mid_call_fails_alone_and_is_released() {
             while sh(&moat, &id, started).await.0.trim() != "yes" {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
+            eprintln!("{case}: under way; killing {victim}");
             let pid = nix::unistd::Pid::from_raw(victim);
             nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).expect("kills");
             std::time::Instant::now()
@@ -1095,7 +1130,7 @@ fn in_the_nested_host(backend: &str, tests: &[String]) -> (i32, String) {
 cat > /contract.sh <<'EOF'
 failed=0
 for t in {tests}; do
-    {name} --include-ignored --test-threads=1 --exact "$t" > /tmp/contract-test.out 2>&1 &
+    {name} --include-ignored --test-threads=1 --nocapture --exact "$t" > /tmp/contract-test.out 2>&1 &
     test=$!
     (
         sleep {WATCHDOG_SECS}
@@ -1114,7 +1149,7 @@ for t in {tests}; do
     if [ $code = 0 ]; then
         echo "test $t ... ok"
     else
-        cat /tmp/contract-test.out
+        tail -c 20000 /tmp/contract-test.out
         echo "test $t ... FAILED (exit $code)"
         echo "failed $t" > "$MOAT_NESTED_MARKS"
         failed=1

@@ -593,7 +593,7 @@ impl ExecHandle {
         let stderr = collect(self.stderr.take(), limit);
         let ((stdout, cut_out), (stderr, cut_err)) = tokio::join!(stdout, stderr);
         let status = self.wait().await?;
-        Ok(Output { stdout, stderr, status, truncated: cut_out || cut_err })
+        Ok(Output { stdout, stderr, status, truncated: cut_out || cut_err || status.dropped_bytes > 0 })
     }
 }
 

@@ -233,6 +233,12 @@ pub struct ExecRequest {
     /// Kill the whole process group after this many milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// Send at most this many bytes of each of stdout and stderr; the agent
+    /// reads the rest and drops it (the process is never held up by it)
+    /// and counts it in [`ExitStatus::dropped_bytes`]. A flood of output
+    /// then costs the sandbox's CPU, not the host's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_limit: Option<u64>,
 }
 
 impl ExecRequest {
@@ -251,7 +257,16 @@ impl ExecRequest {
     }
 
     fn new(command: Command) -> Self {
-        Self { command, env: Vec::new(), cwd: None, user: None, stdin: false, pty: None, timeout_ms: None }
+        Self {
+            command,
+            env: Vec::new(),
+            cwd: None,
+            user: None,
+            stdin: false,
+            pty: None,
+            timeout_ms: None,
+            output_limit: None,
+        }
     }
 }
 
@@ -266,6 +281,14 @@ pub struct ExitStatus {
     pub timed_out: bool,
     /// Wall time from spawn to exit.
     pub duration_ms: u64,
+    /// Output past the request's `output_limit`, read and dropped by the
+    /// agent (both streams together).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dropped_bytes: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl ExitStatus {

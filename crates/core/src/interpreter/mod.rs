@@ -119,6 +119,9 @@ enum Event {
     Stream {
         name: String,
         text: String,
+        /// Characters the runner read past the cell's limit and dropped.
+        #[serde(default)]
+        dropped: u64,
     },
     Done {
         execution_count: u64,
@@ -235,7 +238,9 @@ impl PythonSession {
         on_stream: &(dyn Fn(StreamName, &[u8]) + Sync),
         output: &mut CodeOutput,
     ) -> Result<(), SessionError> {
-        let line = serde_json::json!({ "code": code }).to_string() + "\n";
+        // The runner stops sending a stream past `limit` characters (at most
+        // `limit` bytes here are kept of it anyway).
+        let line = serde_json::json!({ "code": code, "limit": limit }).to_string() + "\n";
         self.stdin.write(Bytes::from(line)).await.map_err(|_| self.ended())?;
         let deadline = tokio::time::sleep(timeout);
         tokio::pin!(deadline);
@@ -255,7 +260,8 @@ impl PythonSession {
             };
             match event {
                 Event::Ready => return Err(SessionError::Protocol("ready in the middle of a cell".into())),
-                Event::Stream { name, text } => {
+                Event::Stream { name, text, dropped } => {
+                    output.truncated |= dropped > 0;
                     let (stream, buffer) = if name == "stderr" {
                         (StreamName::Stderr, &mut output.stderr)
                     } else {
@@ -431,7 +437,13 @@ mod tests {
         let process = Output {
             stdout: Vec::new(),
             stderr: b"boom\n".to_vec(),
-            status: moat_proto::ExitStatus { code: Some(3), signal: None, timed_out: false, duration_ms: 1 },
+            status: moat_proto::ExitStatus {
+                code: Some(3),
+                signal: None,
+                timed_out: false,
+                duration_ms: 1,
+                dropped_bytes: 0,
+            },
             truncated: false,
         };
         let output = CodeOutput::from_process(Some(process), Duration::from_secs(1));

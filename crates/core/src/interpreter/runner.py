@@ -56,6 +56,10 @@ class Pump(threading.Thread):
         self.read = read
         self.stream = name
         self.drained = threading.Event()
+        # Characters the running cell may still send; what it prints beyond
+        # is read and dropped, and only counted (sent at the cell's end).
+        self.budget = 0
+        self.dropped = 0
         self.start()
 
     def run(self):
@@ -72,6 +76,9 @@ class Pump(threading.Thread):
                     break
                 self.emit(decoder.decode(pending[:at], final=True))
                 pending = pending[at + len(MARK):]
+                if self.dropped:
+                    send({"type": "stream", "name": self.stream, "text": "", "dropped": self.dropped})
+                    self.dropped = 0
                 self.drained.set()
             # Hold back a tail that may be the start of a mark.
             keep = 0
@@ -83,8 +90,11 @@ class Pump(threading.Thread):
             pending = pending[len(pending) - keep:]
 
     def emit(self, text):
-        if text:
-            send({"type": "stream", "name": self.stream, "text": text})
+        kept = text[: max(self.budget, 0)]
+        self.budget -= len(kept)
+        self.dropped += len(text) - len(kept)
+        if kept:
+            send({"type": "stream", "name": self.stream, "text": kept})
 
     def drain(self):
         """Waits until everything written to the fd so far was forwarded."""
@@ -189,6 +199,8 @@ def main():
             if not line:
                 return
             request = json.loads(line)
+            for pump in PUMPS:
+                pump.budget = request["limit"]
             run(request["code"])
         except KeyboardInterrupt:
             continue

@@ -14,8 +14,15 @@ use crate::task::{self, LogEntry};
 use crate::timing::{ANSWER_GRACE, now};
 
 /// The most [`Moat::run`] collects of each of stdout and stderr; what a
-/// sandbox prints beyond is dropped (stream with [`Moat::exec`] for more).
+/// sandbox prints beyond is dropped by its agent (stream with
+/// [`Moat::exec`] for more).
 pub const RUN_OUTPUT_LIMIT: usize = 64 << 20;
+
+/// The most [`Moat::exec_streaming`] and [`Moat::run_code`] keep of each
+/// of stdout and stderr: a hundred pages of a tool's 100,000-character
+/// text. The agent reads what a command prints beyond and drops it, so an
+/// output flood spends the sandbox's CPU and never the host's memory.
+pub const COMMAND_OUTPUT_LIMIT: usize = 8 << 20;
 
 /// A command for [`Moat::exec_streaming`], with what goes with it.
 #[derive(Debug, Clone)]
@@ -87,7 +94,8 @@ impl Moat {
     /// sandbox, the command goes into the task's execution log.
     /// With a `timeout_ms`, an agent that has not answered
     /// [`ANSWER_GRACE`] past it is [`SandboxError::Unresponsive`].
-    pub async fn run(&self, id: &str, request: ExecRequest) -> Result<Output, SandboxError> {
+    pub async fn run(&self, id: &str, mut request: ExecRequest) -> Result<Output, SandboxError> {
+        request.output_limit.get_or_insert(RUN_OUTPUT_LIMIT as u64);
         let command = command_line(&request);
         let started_at = now();
         let timeout = request.timeout_ms.map(Duration::from_millis);
@@ -119,6 +127,7 @@ impl Moat {
     ) -> Result<ExecOutcome, SandboxError> {
         let StreamedCommand { mut request, direct, stdin } = command;
         request.stdin = stdin.is_some();
+        request.output_limit = Some(COMMAND_OUTPUT_LIMIT as u64);
         let logged = command_line(&request);
         let started_at = now();
         let timeout = request.timeout_ms.map(Duration::from_millis);
@@ -139,7 +148,7 @@ impl Moat {
                     let _ = pipe.close().await;
                 });
             }
-            stream_output(handle, RUN_OUTPUT_LIMIT, cancelled, on_output)
+            stream_output(handle, COMMAND_OUTPUT_LIMIT, cancelled, on_output)
                 .await
                 .map_err(|source| SandboxError::Agent { id: id.into(), source })
         };
@@ -174,6 +183,7 @@ impl Moat {
                 signal: None,
                 timed_out: output.error.as_ref().is_some_and(|e| e.name == "TimeoutError"),
                 duration_ms: now().saturating_sub(started_at) * 1000,
+                dropped_bytes: 0,
             },
             truncated: output.truncated,
         };
@@ -215,7 +225,7 @@ impl Moat {
                         session.insert(started)
                     }
                 };
-                let (output, alive) = running.execute(code, timeout, cancelled, RUN_OUTPUT_LIMIT, on_stream).await;
+                let (output, alive) = running.execute(code, timeout, cancelled, COMMAND_OUTPUT_LIMIT, on_stream).await;
                 if !alive {
                     *session = None;
                     // The session's end may be the sandbox's.
@@ -228,11 +238,12 @@ impl Moat {
             snippet => {
                 let mut request = snippet_request(snippet, code);
                 request.timeout_ms = Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
+                request.output_limit = Some(COMMAND_OUTPUT_LIMIT as u64);
                 // (Python's session bounds its own wait: interrupted at the
                 // timeout, dropped when that is not answered.)
                 let streamed = answered_within(id, Some(timeout), async {
                     let handle = self.exec(id, request).await?;
-                    stream_output(handle, RUN_OUTPUT_LIMIT, cancelled, on_stream)
+                    stream_output(handle, COMMAND_OUTPUT_LIMIT, cancelled, on_stream)
                         .await
                         .map_err(|source| SandboxError::Agent { id: id.into(), source })
                 })
@@ -319,5 +330,5 @@ pub(crate) async fn stream_output(
         }
     }
     let status = handle.wait().await?;
-    Ok(Some(Output { stdout: out, stderr: err, status, truncated }))
+    Ok(Some(Output { stdout: out, stderr: err, status, truncated: truncated || status.dropped_bytes > 0 }))
 }

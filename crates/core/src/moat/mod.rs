@@ -29,7 +29,7 @@ mod tasks;
 
 use config::choose_backend;
 pub use config::{MoatConfig, find_agent};
-pub use exec::{ExecOutcome, RUN_OUTPUT_LIMIT, StreamedCommand};
+pub use exec::{COMMAND_OUTPUT_LIMIT, ExecOutcome, RUN_OUTPUT_LIMIT, StreamedCommand};
 use ids::new_id;
 use pool::fill_pool;
 
