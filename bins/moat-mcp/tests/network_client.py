@@ -257,6 +257,8 @@ async def checks(session, port, first, main, feature, ca_pem):
     decisions = {(d["host"], d["allowed"]) for d in mine["egress"]}
     assert ("git.test", True) in decisions and ("evil.test", False) in decisions, mine["egress"]
 
+    await task_from_a_repository(session, url, first, main)
+
     # A sandbox without network cannot clone, and says how to get one that can.
     await call(session, "create_sandbox", {"name": "offline"})
     message = await call(session, "git_clone", {"url": url}, expect_error=True)
@@ -288,6 +290,45 @@ async def checks(session, port, first, main, feature, ca_pem):
     message = await call(session, "preview_link", {"port": 0}, expect_error=True)
     assert "from 1 to 65535" in message, message
     await preview_attacks(session, link, other)
+
+
+async def task_from_a_repository(session, url, first, main):
+    """Issue 19, item 1: task_start from a Git URL clones into /workspace
+    of a fresh sandbox (network filtered: the server's default is none),
+    the cloned commit is the baseline, and task_diff / task_finish work as
+    for a directory. The sandbox trusts the test server's CA through
+    MOAT_CA_FILE alone. Refusals make no sandbox."""
+    before = len((await call(session, "list_sandboxes", {}))["sandboxes"])
+    task = await call(session, "task_start", {"source": url, "username": USER, "token": TOKEN})
+    assert (task["commit"], task["workspace"], task["files"], task["runtime"]) == (main, "/workspace", 1, "shell"), task
+    out = await call(session, "run_command", {
+        "cmd": "cd /workspace && git log --format=%s && echo third >> README && echo new > added.txt && ls -A",
+        "sandbox_id": task["sandbox_id"]})
+    assert out["stdout"].split() == ["second", "first", ".git", "README", "added.txt"], out
+    diff = await call(session, "task_diff", {"task_id": task["task_id"]})
+    assert "+third" in diff["diff"] and "added.txt" in diff["diff"] and diff["summary"]["files_changed"] == 2, diff
+    out = await call(session, "run_command", {"cmd": f"grep -rl '{TOKEN[:12]}' /workspace /home/user /tmp",
+                                              "sandbox_id": task["sandbox_id"]})
+    assert out["stdout"] == "", f"the token stayed behind: {out}"
+    finished = await call(session, "task_finish", {"task_id": task["task_id"]})
+    patch = open(finished["patch_path"]).read()
+    assert "+third" in patch and "added.txt" in patch, patch
+
+    pinned = await call(session, "task_start", {"source": url, "commit": first, "username": USER, "token": TOKEN})
+    assert pinned["commit"] == first, pinned
+    diff = await call(session, "task_diff", {"task_id": pinned["task_id"]})
+    assert diff["diff"] == "" and diff["summary"]["files_changed"] == 0, diff
+    await call(session, "task_finish", {"task_id": pinned["task_id"]})
+
+    message = await call(session, "task_start", {"source": "https://evil.test/x/y.git"}, expect_error=True)
+    assert "not a Git host" in message and "MOAT_GIT_HOSTS" in message, message
+    message = await call(session, "task_start", {"source": url, "username": USER, "token": "ghp_wrong_0123456789"},
+                         expect_error=True)
+    assert "git clone of" in message and "ghp_wrong_0123456789" not in message, message
+    message = await call(session, "task_start", {"source": "/tmp", "branch": "main"}, expect_error=True)
+    assert "branch applies only to a source that is a Git URL" in message, message
+    after = len((await call(session, "list_sandboxes", {}))["sandboxes"])
+    assert after == before, f"a refused or failed task_start left a sandbox ({before} before, {after} after)"
 
 
 ECHO_SERVER = """
@@ -368,6 +409,9 @@ async def main(binary, work):
         MOAT_TEST_RESOLVE="git.test=127.0.0.1,evil.test=127.0.0.1,other.test=127.0.0.1",
         MOAT_TEST_EGRESS_NETS="127.0.0.1/32",
         MOAT_LOG_LEVEL="debug",
+        # Every sandbox trusts the test server's CA (task_start's
+        # sandboxes have no env of the caller's to name it).
+        MOAT_CA_FILE=ca,
     )
     log_path = os.path.join(work, "moat-mcp.log")
     with open(log_path, "w") as log:

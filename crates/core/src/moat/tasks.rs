@@ -22,7 +22,7 @@ impl Moat {
         if let Some(url) = path.to_str().filter(|p| task::is_git_url(p)) {
             return Err(TaskError::ImportRefused(format!(
                 "{url} is a Git URL: a task imports a local checkout, and cloning needs network access from the \
-                 sandbox; import a local checkout, or clone it in a sandbox with network filtered"
+                 sandbox; import a local checkout, or clone it first and adopt the sandbox (Moat::task_adopt)"
             )));
         }
         let source = self.inner.host.open_source(path).map_err(CopyError::from)?;
@@ -59,7 +59,41 @@ impl Moat {
                 return Err(e);
             }
         };
-        let runtime = Runtime::detect(&packed.top);
+        Ok(self.register_task(id, shown.display().to_string(), &packed.top, packed.files, repository))
+    }
+
+    /// Makes a task of sandbox `id`, whose `/workspace` already holds a Git
+    /// checkout (a clone of `source` from `host`): its `HEAD` is the
+    /// baseline. The runtime is detected from the checkout's top-level
+    /// names; a `filtered` sandbox may reach `host` when the operator allows
+    /// it.
+    pub async fn task_adopt(&self, id: &str, source: &str, host: Option<String>) -> Result<Task, TaskError> {
+        let script = "cd /workspace && git rev-parse --verify -q HEAD >/dev/null && ls -A1 && \
+            echo '@@moat-files@@' && git ls-files | wc -l";
+        let out = self.run(id, ExecRequest::shell(script)).await?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let Some((names, files)) = text.split_once("@@moat-files@@\n").filter(|_| out.status.success()) else {
+            return Err(TaskError::Git {
+                id: id.into(),
+                reason: format!("/workspace is not a Git checkout: {}", String::from_utf8_lossy(&out.stderr).trim()),
+            });
+        };
+        let top: Vec<String> = names.lines().map(str::to_owned).collect();
+        let files = files.trim().parse().unwrap_or(0);
+        Ok(self.register_task(id.into(), source.into(), &top, files, host))
+    }
+
+    /// Records a task in progress for sandbox `id`, and lets a `filtered`
+    /// sandbox reach its runtime's registries and its repository host.
+    fn register_task(
+        &self,
+        id: String,
+        source: String,
+        top: &[String],
+        files: u64,
+        repository: Option<String>,
+    ) -> Task {
+        let runtime = Runtime::detect(top);
         if let Some((policy, _)) = self.inner.lock().get(&id).and_then(|e| e.egress.as_ref()) {
             policy.set_runtime(runtime);
             // The checkout's remote is a file the model may have written
@@ -80,9 +114,9 @@ impl Moat {
         let task = Task {
             id: new_id().replacen("sbx-", "task-", 1),
             sandbox_id: id,
-            source: shown.display().to_string(),
+            source,
             runtime,
-            files: packed.files,
+            files,
             started_at: now(),
         };
         self.inner
@@ -90,7 +124,7 @@ impl Moat {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(task.id.clone(), (task.clone(), Vec::new()));
-        Ok(task)
+        task
     }
 
     fn task(&self, task_id: &str) -> Result<Task, TaskError> {

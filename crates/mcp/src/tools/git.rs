@@ -116,15 +116,19 @@ printf '%s
 ' "$stage" "$commit"
 "#;
 
-/// Moves the checkout from its staging directory into place, as `user`.
+/// Moves the checkout from its staging directory into place, as `user`:
+/// a new directory, or into an empty one (a task's `/workspace`).
 const PLACE_SCRIPT: &str = r#"set -eu
 trap 'rm -rf "$MOAT_GIT_STAGE"' EXIT
-if [ -e "$MOAT_GIT_DEST" ] || [ -L "$MOAT_GIT_DEST" ]; then
-  rmdir -- "$MOAT_GIT_DEST" 2>/dev/null || {
-    echo "fatal: destination path '$MOAT_GIT_DEST' already exists and is not an empty directory." >&2; exit 128; }
+if [ -d "$MOAT_GIT_DEST" ] && [ ! -L "$MOAT_GIT_DEST" ] && [ -z "$(ls -A -- "$MOAT_GIT_DEST")" ]; then
+  find "$MOAT_GIT_STAGE/repo" -mindepth 1 -maxdepth 1 -exec mv -t "$MOAT_GIT_DEST" -- {} +
+elif [ -e "$MOAT_GIT_DEST" ] || [ -L "$MOAT_GIT_DEST" ]; then
+  echo "fatal: destination path '$MOAT_GIT_DEST' already exists and is not an empty directory." >&2
+  exit 128
+else
+  mkdir -p -- "$(dirname -- "$MOAT_GIT_DEST")"
+  mv -T -- "$MOAT_GIT_STAGE/repo" "$MOAT_GIT_DEST"
 fi
-mkdir -p -- "$(dirname -- "$MOAT_GIT_DEST")"
-mv -T -- "$MOAT_GIT_STAGE/repo" "$MOAT_GIT_DEST"
 "#;
 
 /// A Git URL taken apart: its authority (host and port as git's
@@ -200,44 +204,107 @@ fn scrub(text: &str, secrets: &[&str]) -> String {
     secrets.iter().filter(|s| s.len() >= 4).fold(text.to_owned(), |text, secret| text.replace(secret, "***"))
 }
 
+/// A clone's arguments, checked: nothing runs and no sandbox is made before
+/// [`CloneRequest::check`] succeeds.
+pub(super) struct CloneRequest {
+    url: String,
+    authority: String,
+    /// The URL's host, lowercase: one of the operator's Git hosts.
+    pub(super) host: String,
+    path: String,
+    branch: String,
+    commit: String,
+    username: String,
+    token: String,
+}
+
+/// What to clone, as the tools take it.
+pub(super) struct CloneArgs<'a> {
+    pub(super) url: &'a str,
+    pub(super) path: Option<&'a str>,
+    pub(super) branch: Option<&'a str>,
+    pub(super) commit: Option<&'a str>,
+    pub(super) username: Option<&'a str>,
+    pub(super) token: Option<&'a str>,
+}
+
+impl CloneRequest {
+    /// Checks the URL, its host against `MOAT_GIT_HOSTS`, the operator's
+    /// network grant, the refs and the credentials.
+    pub(super) fn check(server: &Session<'_>, args: &CloneArgs<'_>) -> Result<Self, ToolError> {
+        let url = args.url;
+        let token = args.token.unwrap_or_default();
+        let secrets = [token];
+        // Errors of the arguments are built from the URL, which has no token
+        // in it (refused above) — but scrub them too.
+        let refuse = |e: ToolError| ToolError(scrub(&e.0, &secrets));
+        let (authority, host) = url_host(url).map_err(refuse)?;
+        let git_hosts = &server.moat.egress_config().git_hosts;
+        if !git_hosts.contains(&host) {
+            return Err(ToolError(format!(
+                "{host} is not a Git host this server clones from ({}); the server's MOAT_GIT_HOSTS lists them",
+                git_hosts.join(", ")
+            )));
+        }
+        // No sandbox is made or used when the operator grants no network.
+        let grants = *server.moat.grants();
+        if !grants.allows_network(NetworkPolicy::Filtered) {
+            return Err(ToolError(grants.refuse_network(NetworkPolicy::Filtered, "cloning needs").to_string()));
+        }
+        let path = match args.path {
+            Some(path) if path.starts_with('/') => path.to_owned(),
+            Some(path) => format!("/home/user/{path}"),
+            None => default_path(url)?,
+        };
+        let branch = args.branch.unwrap_or_default();
+        if !branch.is_empty() {
+            check_ref("branch", branch, false)?;
+        }
+        let commit = args.commit.unwrap_or_default();
+        if !commit.is_empty() {
+            check_ref("commit", commit, true)?;
+        }
+        let username = args.username.unwrap_or("x-access-token");
+        if token.chars().any(char::is_control) || username.chars().any(char::is_control) {
+            return Err(ToolError("username and token must not hold control characters".into()));
+        }
+        Ok(Self {
+            url: url.to_owned(),
+            authority,
+            host,
+            path,
+            branch: branch.to_owned(),
+            commit: commit.to_owned(),
+            username: username.to_owned(),
+            token: token.to_owned(),
+        })
+    }
+}
+
 async fn git_clone(server: &Session<'_>, args: GitClone) -> Outcome {
-    let url = args.url.as_str();
-    let token = args.token.as_deref().unwrap_or_default();
-    let secrets = [token];
-    // Errors of the arguments are built from the URL, which has no token
-    // in it (refused above) — but scrub them too.
-    let refuse = |e: ToolError| ToolError(scrub(&e.0, &secrets));
-    let (authority, host) = url_host(url).map_err(refuse)?;
-    let git_hosts = &server.moat.egress_config().git_hosts;
-    if !git_hosts.contains(&host) {
-        return Err(ToolError(format!(
-            "{host} is not a Git host this server clones from ({}); the server's MOAT_GIT_HOSTS lists them",
-            git_hosts.join(", ")
-        )));
-    }
-    // No sandbox is made or used when the operator grants no network.
-    let grants = *server.moat.grants();
-    if !grants.allows_network(NetworkPolicy::Filtered) {
-        return Err(ToolError(grants.refuse_network(NetworkPolicy::Filtered, "git_clone needs").to_string()));
-    }
-    let path = match args.path.as_deref() {
-        Some(path) if path.starts_with('/') => path.to_owned(),
-        Some(path) => format!("/home/user/{path}"),
-        None => default_path(url)?,
-    };
-    let branch = args.branch.as_deref().unwrap_or_default();
-    if !branch.is_empty() {
-        check_ref("branch", branch, false)?;
-    }
-    let commit = args.commit.as_deref().unwrap_or_default();
-    if !commit.is_empty() {
-        check_ref("commit", commit, true)?;
-    }
-    let username = args.username.as_deref().unwrap_or("x-access-token");
-    if token.chars().any(char::is_control) || username.chars().any(char::is_control) {
-        return Err(ToolError("username and token must not hold control characters".into()));
-    }
+    let checked = CloneRequest::check(
+        server,
+        &CloneArgs {
+            url: &args.url,
+            path: args.path.as_deref(),
+            branch: args.branch.as_deref(),
+            commit: args.commit.as_deref(),
+            username: args.username.as_deref(),
+            token: args.token.as_deref(),
+        },
+    )?;
     let id = args.sandbox.resolve(server).await?;
+    clone_into(server, &checked, &id).await
+}
+
+/// Clones as `request` says into sandbox `id`; the result names the path
+/// and the commit checked out.
+pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id: &str) -> Outcome {
+    let CloneRequest { url, authority, host: _, path, branch, commit, username, token } = request;
+    let (url, path) = (url.as_str(), path.clone());
+    let secrets = [token.as_str()];
+    let grants = *server.moat.grants();
+    let id = id.to_owned();
     let sandbox = server.moat.get(&id)?;
     if sandbox.spec.network == NetworkPolicy::None {
         return Err(ToolError(format!(
@@ -261,7 +328,7 @@ async fn git_clone(server: &Session<'_>, args: GitClone) -> Outcome {
     }
     env.extend([
         ("MOAT_GIT_URL".to_owned(), url.to_owned()),
-        ("MOAT_GIT_AUTHORITY".to_owned(), authority),
+        ("MOAT_GIT_AUTHORITY".to_owned(), authority.clone()),
         ("MOAT_GIT_BRANCH".to_owned(), branch.to_owned()),
         ("MOAT_GIT_COMMIT".to_owned(), commit.to_owned()),
         ("MOAT_GIT_HELPER".to_owned(), CREDENTIAL_HELPER.to_owned()),

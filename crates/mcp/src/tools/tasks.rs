@@ -7,6 +7,9 @@ use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::json;
 
+use moat_core::NetworkPolicy;
+
+use super::git::{CloneArgs, CloneRequest, clone_into};
 use super::{CallContext, Outcome, RichOutcome, Session, Tool, ToolError, clip, plain};
 
 /// The arguments of `task_start`.
@@ -14,6 +17,10 @@ use super::{CallContext, Outcome, RichOutcome, Session, Tool, ToolError, clip, p
 #[schemars(extend("additionalProperties" = false))]
 pub(crate) struct TaskStart {
     source: String,
+    branch: Option<String>,
+    commit: Option<String>,
+    username: Option<String>,
+    token: Option<String>,
     name: Option<String>,
 }
 
@@ -81,6 +88,16 @@ fn own_task(server: &Session<'_>, id: &str) -> Result<(), ToolError> {
 }
 
 async fn task_start(server: &Session<'_>, args: TaskStart) -> Outcome {
+    if moat_core::task::is_git_url(&args.source) {
+        return task_from_repository(server, args).await;
+    }
+    if let Some(field) =
+        [("branch", &args.branch), ("commit", &args.commit), ("username", &args.username), ("token", &args.token)]
+            .into_iter()
+            .find_map(|(name, value)| value.is_some().then_some(name))
+    {
+        return Err(ToolError(format!("{field} applies only to a source that is a Git URL (https://HOST/OWNER/REPO)")));
+    }
     let spec = SandboxSpec { name: args.name, ..server.defaults.clone() };
     let task = server.moat.task_start(std::path::Path::new(&args.source), spec).await?;
     server.scope.adopt(&task.sandbox_id, true);
@@ -88,6 +105,49 @@ async fn task_start(server: &Session<'_>, args: TaskStart) -> Outcome {
     Ok(json!({
         "task_id": task.id, "sandbox_id": task.sandbox_id, "runtime": task.runtime, "files": task.files,
         "workspace": "/workspace",
+    }))
+}
+
+/// `task_start` from a Git URL: the clone is checked as `git_clone`'s
+/// (host among `MOAT_GIT_HOSTS`, network granted) before a sandbox is
+/// made; the sandbox has the session's default network, `filtered` when
+/// that is `none`; the checkout fills `/workspace` and its commit is the
+/// baseline. A failed clone leaves no sandbox.
+async fn task_from_repository(server: &Session<'_>, args: TaskStart) -> Outcome {
+    let clone = CloneRequest::check(
+        server,
+        &CloneArgs {
+            url: &args.source,
+            path: Some("/workspace"),
+            branch: args.branch.as_deref(),
+            commit: args.commit.as_deref(),
+            username: args.username.as_deref(),
+            token: args.token.as_deref(),
+        },
+    )?;
+    let mut spec = SandboxSpec { name: args.name, ..server.defaults.clone() };
+    if spec.network == NetworkPolicy::None {
+        spec.network = NetworkPolicy::Filtered;
+    }
+    let sandbox = server.moat.create(spec).await.map_err(moat_core::CoreError::from)?;
+    let id = sandbox.id;
+    let adopted = async {
+        let cloned = clone_into(server, &clone, &id).await?;
+        let task = server.moat.task_adopt(&id, &args.source, Some(clone.host.clone())).await?;
+        Ok::<_, ToolError>((task, cloned))
+    };
+    let (task, cloned) = match adopted.await {
+        Ok(done) => done,
+        Err(e) => {
+            let _ = server.moat.destroy(&id).await;
+            return Err(e);
+        }
+    };
+    server.scope.adopt(&task.sandbox_id, true);
+    server.scope.adopt_task(&task.id);
+    Ok(json!({
+        "task_id": task.id, "sandbox_id": task.sandbox_id, "runtime": task.runtime, "files": task.files,
+        "workspace": "/workspace", "commit": cloned["commit"],
     }))
 }
 
