@@ -3,7 +3,7 @@
 //! puts it right, and that is added here, where a core error becomes a
 //! tool's error.
 
-use moat_core::{CoreError, SandboxError, TaskError};
+use moat_core::{CoreError, SandboxError};
 
 /// For each kind of core error: core's words, and the words a model is
 /// shown instead, which name the tool.
@@ -15,10 +15,6 @@ fn phrases(error: &CoreError) -> &'static [(&'static str, &'static str)] {
         CoreError::Sandbox(SandboxError::CodeSession { .. }) => {
             &[("destroy the sandbox and create another", "destroy the sandbox (destroy_sandbox) and create another")]
         }
-        CoreError::Task(TaskError::ImportRefused(_)) => &[(
-            "or clone it in a sandbox with network filtered",
-            "or create a sandbox with network filtered and use git_clone",
-        )],
         _ => &[],
     }
 }
@@ -32,6 +28,8 @@ pub(crate) fn advise(error: &CoreError, message: String) -> String {
 #[cfg(test)]
 mod tests {
     use moat_core::CreateError;
+
+    use moat_core::TaskError;
 
     use super::*;
 
@@ -61,14 +59,6 @@ mod tests {
                       destroy the sandbox and create another if it does not answer";
         let text = shown(SandboxError::CodeSession { id: "sbx-1".into(), reason: reason.into() });
         assert!(text.contains("destroy the sandbox (destroy_sandbox) and create another"), "{text}");
-    }
-
-    #[test]
-    fn a_git_url_task_is_pointed_at_git_clone() {
-        let core = "https://x.test/r.git is a Git URL: a task imports a local checkout, and cloning needs network \
-                    access from the sandbox; import a local checkout, or clone it in a sandbox with network filtered";
-        let text = shown(TaskError::ImportRefused(core.into()));
-        assert!(text.ends_with("or create a sandbox with network filtered and use git_clone"), "{text}");
     }
 
     #[test]
