@@ -472,11 +472,25 @@ impl Tree {
     }
 }
 
+/// How fast output past a request's `output_limit` is read (to be
+/// dropped): a process that floods its output (`yes`) then writes no faster
+/// than this, instead of keeping a CPU busy copying bytes nobody keeps,
+/// while one that prints a long log and goes on is barely held up.
+const DROP_RATE: u64 = 64 << 20;
+
+/// Waits `pause` before the next read of output being dropped: the pace of
+/// [`DROP_RATE`] (a rate limit, not a wait for an event).
+async fn drain_slowly(pause: Duration) {
+    if !pause.is_zero() {
+        tokio::time::sleep(pause).await;
+    }
+}
+
 /// Sends output as it comes until the process has exited and its pipes are
 /// drained; `Err` when the client stopped listening. Past `limit` bytes of
-/// a stream the rest is read and dropped, counted in `dropped`: a command
-/// that floods its output spends its own sandbox's CPU on it, not the
-/// host's.
+/// a stream the rest is read at [`DROP_RATE`] and dropped, counted in
+/// `dropped`: a command that floods its output costs neither the host's
+/// memory nor much of anyone's CPU.
 async fn pump_output<S>(
     sink: &mut FrameSink<S>,
     [mut stdout, mut stderr]: [Option<pipe::Receiver>; 2],
@@ -492,14 +506,19 @@ where
     let mut sent = [0u64; 2];
     // The part of `bytes` within the limit of stream `which`; the rest is
     // counted as dropped.
+    // The part of `bytes` within the limit of stream `which`, and how long
+    // to pause for the rest, which is dropped (counted).
     let mut within = |which: usize, mut bytes: Bytes| {
         let room = usize::try_from(limit.saturating_sub(sent[which])).unwrap_or(usize::MAX);
+        let mut pause = Duration::ZERO;
         if bytes.len() > room {
-            *dropped += (bytes.len() - room) as u64;
+            let cut = (bytes.len() - room) as u64;
+            *dropped += cut;
+            pause = Duration::from_micros(cut.saturating_mul(1_000_000) / DROP_RATE);
             bytes.truncate(room);
         }
         sent[which] += bytes.len() as u64;
-        (!bytes.is_empty()).then_some(bytes)
+        ((!bytes.is_empty()).then_some(bytes), pause)
     };
     let mut exited: Option<Exit> = None;
     let drain_deadline = tokio::time::sleep(Duration::MAX);
@@ -518,9 +537,11 @@ where
             biased;
             chunk = read_chunk(&mut stdout, &mut out_buf), if stdout.is_some() => match chunk {
                 Some(bytes) => {
-                    if let Some(bytes) = within(0, bytes) {
+                    let (kept, pause) = within(0, bytes);
+                    if let Some(bytes) = kept {
                         sink.send_data(StreamId::Output, bytes).await.map_err(|_| ())?;
                     }
+                    drain_slowly(pause).await;
                     if exited.is_some() {
                         drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
                     }
@@ -529,9 +550,11 @@ where
             },
             chunk = read_chunk(&mut stderr, &mut err_buf), if stderr.is_some() => match chunk {
                 Some(bytes) => {
-                    if let Some(bytes) = within(1, bytes) {
+                    let (kept, pause) = within(1, bytes);
+                    if let Some(bytes) = kept {
                         sink.send_data(StreamId::Error, bytes).await.map_err(|_| ())?;
                     }
+                    drain_slowly(pause).await;
                     if exited.is_some() {
                         drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
                     }
