@@ -131,6 +131,9 @@ async fn task_from_repository(server: &Session<'_>, args: TaskStart) -> Outcome 
     }
     let sandbox = server.moat.create(spec).await.map_err(moat_core::CoreError::from)?;
     let id = sandbox.id;
+    // The session's from the start: a call cut short (its session closed)
+    // leaves no sandbox behind the session's end.
+    server.scope.adopt(&id, false);
     let adopted = async {
         let cloned = clone_into(server, &clone, &id).await?;
         let task = server.moat.task_adopt(&id, &args.source, Some(clone.host.clone())).await?;
@@ -140,6 +143,7 @@ async fn task_from_repository(server: &Session<'_>, args: TaskStart) -> Outcome 
         Ok(done) => done,
         Err(e) => {
             let _ = server.moat.destroy(&id).await;
+            server.scope.forget(&id);
             return Err(e);
         }
     };
