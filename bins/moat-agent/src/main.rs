@@ -74,6 +74,11 @@ struct JailArgs {
 }
 
 fn main() -> ExitCode {
+    // The agent's own re-execution into a command cgroup (not for people,
+    // so not in --help): see moat_agent::launcher.
+    if std::env::args_os().nth(1).is_some_and(|a| a == moat_agent::launcher::SUBCOMMAND) {
+        return ExitCode::from(u8::try_from(moat_agent::launcher::run()).unwrap_or(1));
+    }
     let args = Args::parse();
     if let Some(Command::Jail(jail)) = &args.command {
         return run_jail(jail);

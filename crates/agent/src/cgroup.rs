@@ -29,6 +29,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::launcher::Launcher;
+use crate::reaper::Reaper;
+
 /// Where the jail monitor binds the sandbox's `user` cgroup directories.
 pub const USER_CGROUPS: &str = "/.moat/cgroup";
 
@@ -154,10 +157,11 @@ pub struct UserCgroups {
 #[derive(Debug, Default)]
 struct Names {
     active: HashSet<String>,
-    /// Empty cgroups of finished commands, for the next ones: making and
-    /// removing a cgroup in each hierarchy costs more than the rest of an
-    /// exec.
-    free: Vec<String>,
+    /// Empty cgroups of finished commands, for the next ones, each with
+    /// its launcher on cgroup v1: making and removing a cgroup in each
+    /// hierarchy costs more than the rest of an exec, and moving a process
+    /// into one stalls every fork on the host ([`crate::launcher`]).
+    free: Vec<(String, Option<Launcher>)>,
 }
 
 /// How many empty command cgroups are kept for reuse.
@@ -225,35 +229,59 @@ impl UserCgroups {
         self.names.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// An empty cgroup of an earlier command, now active, if one waits.
-    fn take_free(&self) -> Option<String> {
+    /// An empty cgroup of an earlier command (and its launcher), now
+    /// active, if one waits.
+    fn take_free(&self) -> Option<(String, Option<Launcher>)> {
         let mut names = self.names();
-        let name = names.free.pop()?;
-        names.active.insert(name.clone());
-        Some(name)
+        let free = names.free.pop()?;
+        names.active.insert(free.0.clone());
+        Some(free)
+    }
+
+    /// Whether commands start through launchers kept in their cgroups:
+    /// on cgroup v1, where joining a cgroup takes host-wide locks.
+    fn launchers(&self) -> bool {
+        !self.hierarchies.iter().any(|h| h.name == UNIFIED)
+    }
+
+    /// A launcher for `exec`'s cgroup, moved into it now; none (commands
+    /// join the cgroup themselves) when it cannot start.
+    fn start_launcher(&self, reaper: &Reaper, exec: &ExecCgroup, procs: &[OwnedFd]) -> Option<Launcher> {
+        if !self.launchers() {
+            return None;
+        }
+        let fds: Vec<i32> = procs.iter().map(AsRawFd::as_raw_fd).collect();
+        match Launcher::spawn(reaper, &fds) {
+            Ok(launcher) => Some(launcher),
+            Err(e) => {
+                tracing::warn!("commands of {} join their cgroup themselves: no launcher: {e}", exec.name);
+                None
+            }
+        }
     }
 
     /// Makes the cgroup of one command. Its pids and memory limits are the
     /// `user` cgroup's own, so that a command that alone exhausts them is
     /// counted in its own cgroup's events.
-    pub fn create_exec(&'static self) -> std::io::Result<ExecCgroup> {
-        if let Some(exec) = self.reuse_free() {
+    pub fn create_exec(&'static self, reaper: &Reaper) -> std::io::Result<ExecCgroup> {
+        if let Some(exec) = self.reuse_free(reaper) {
             return Ok(exec);
         }
         // A poisoned lock guards nothing but the order of makers.
         let _making = self.making.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         // One made meanwhile (the agent makes one ahead at start) is taken.
-        if let Some(exec) = self.reuse_free() {
+        if let Some(exec) = self.reuse_free(reaper) {
             return Ok(exec);
         }
-        self.make_exec()
+        self.make_exec(reaper)
     }
 
     /// A free command cgroup, checked empty and opened, if one waits.
-    fn reuse_free(&'static self) -> Option<ExecCgroup> {
-        while let Some(name) = self.take_free() {
+    fn reuse_free(&'static self, reaper: &Reaper) -> Option<ExecCgroup> {
+        while let Some((name, launcher)) = self.take_free() {
             let mut exec = ExecCgroup::existing(&self.hierarchies, &name);
             exec.owner = Some(self);
+            exec.launcher_pid = launcher.as_ref().map(Launcher::pid);
             let opened: std::io::Result<Vec<OwnedFd>> = exec
                 .dirs
                 .iter()
@@ -261,19 +289,25 @@ impl UserCgroups {
                 .collect();
             match opened {
                 Ok(procs) if exec.process_count() == 0 => {
+                    let launcher = launcher.or_else(|| self.start_launcher(reaper, &exec, &procs));
+                    exec.launcher_pid = launcher.as_ref().map(Launcher::pid);
+                    exec.set_launcher(launcher);
                     exec.procs = procs;
                     exec.baseline = exec.counters();
                     return Some(exec);
                 }
                 // Gone or taken over: made afresh.
-                _ => exec.remove(),
+                _ => {
+                    drop(launcher);
+                    exec.remove();
+                }
             }
         }
         None
     }
 
     /// Makes a new command cgroup in every hierarchy.
-    fn make_exec(&'static self) -> std::io::Result<ExecCgroup> {
+    fn make_exec(&'static self, reaper: &Reaper) -> std::io::Result<ExecCgroup> {
         self.sweep();
         let name = loop {
             let name = format!("exec-{}", self.next.fetch_add(1, Ordering::Relaxed));
@@ -308,6 +342,9 @@ impl UserCgroups {
                 }
             }
         }
+        let launcher = self.start_launcher(reaper, &exec, &procs);
+        exec.launcher_pid = launcher.as_ref().map(Launcher::pid);
+        exec.set_launcher(launcher);
         exec.procs = procs;
         exec.baseline = exec.counters();
         Ok(exec)
@@ -316,8 +353,8 @@ impl UserCgroups {
     /// Makes one command cgroup ahead of the first command and keeps it
     /// free: the agent does it while the host's first request is on its
     /// way, instead of on that command's path.
-    pub fn prepare(&'static self) {
-        match self.create_exec() {
+    pub fn prepare(&'static self, reaper: &Reaper) {
+        match self.create_exec(reaper) {
             Ok(exec) => exec.release(),
             Err(e) => tracing::debug!("no command cgroup made ahead: {e}"),
         }
@@ -381,7 +418,7 @@ impl UserCgroups {
     fn idle_exec_dirs(&self) -> Vec<String> {
         let mut dirs = self.exec_dirs();
         let names = self.names();
-        dirs.retain(|d| !names.active.contains(d) && !names.free.contains(d));
+        dirs.retain(|d| !names.active.contains(d) && !names.free.iter().any(|(free, _)| free == d));
         dirs
     }
 
@@ -425,7 +462,14 @@ pub struct ExecCgroup {
     baseline: Counters,
     /// Handed back by [`ExecCgroup::release`].
     released: std::sync::atomic::AtomicBool,
+    /// The cgroup's launcher while no command uses it (cgroup v1).
+    launcher: LauncherSlot,
+    /// The launcher's pid, which is no command's process.
+    launcher_pid: Option<i32>,
 }
+
+/// Where a launcher waits between commands; a command's exit hands it back.
+pub type LauncherSlot = std::sync::Arc<Mutex<Option<Launcher>>>;
 
 /// The events a limit report is made from.
 #[derive(Debug, Clone, Copy, Default)]
@@ -449,7 +493,23 @@ impl ExecCgroup {
             procs: Vec::new(),
             baseline: Counters::default(),
             released: std::sync::atomic::AtomicBool::new(false),
+            launcher: LauncherSlot::default(),
+            launcher_pid: None,
         }
+    }
+
+    fn set_launcher(&self, launcher: Option<Launcher>) {
+        *self.launcher.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = launcher;
+    }
+
+    /// The cgroup's launcher, for one command to start through; the
+    /// command's exit puts it back in [`ExecCgroup::launcher_slot`].
+    pub fn take_launcher(&self) -> Option<Launcher> {
+        self.launcher.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
+    }
+
+    pub fn launcher_slot(&self) -> LauncherSlot {
+        self.launcher.clone()
     }
 
     /// The memory controller's events file and its limit file.
@@ -491,7 +551,13 @@ impl ExecCgroup {
         self.dirs
             .first()
             .and_then(|h| std::fs::read_to_string(h.dir.join("cgroup.procs")).ok())
-            .map(|procs| procs.lines().filter_map(|p| p.trim().parse().ok()).collect())
+            .map(|procs| {
+                procs
+                    .lines()
+                    .filter_map(|p| p.trim().parse().ok())
+                    .filter(|pid| Some(*pid) != self.launcher_pid)
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -636,13 +702,22 @@ impl ExecCgroup {
         // for [`UserCgroups::reclaim`].
         let counted = self.counters();
         let clean = counted.pids_max == 0 && counted.oom_kills == 0;
+        let launcher = self.take_launcher();
+        // On v1 a cgroup is kept only with its launcher: without one, the
+        // next command would have to join it.
+        let launched = launcher.is_some() || !owner.launchers();
         let mut names = owner.names();
         names.active.remove(&self.name);
-        if empty && clean && names.free.len() < KEPT_FREE {
-            names.free.push(self.name.clone());
-        } else if empty {
+        if empty && clean && launched && names.free.len() < KEPT_FREE {
+            names.free.push((self.name.clone(), launcher));
+        } else {
             drop(names);
-            self.remove();
+            // Its socket closed, the launcher ends; the cgroup goes once
+            // empty (here, or in a later sweep).
+            drop(launcher);
+            if empty {
+                self.remove();
+            }
         }
     }
 

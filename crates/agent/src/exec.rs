@@ -24,6 +24,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::oneshot;
 
 use crate::error::{check_path, invalid, io_error};
+use crate::launcher::{Launch, Launcher, NotStarted};
 use crate::reaper::{Exit, Reaper, pid_of};
 use crate::users::{self, UserEntry};
 
@@ -45,6 +46,8 @@ struct Prepared {
     pty: Option<WinSize>,
     stdin: bool,
     timeout: Option<Duration>,
+    /// uid, gid and groups to take, when not the agent's.
+    user: Option<(u32, u32, Vec<u32>)>,
 }
 
 /// Checks `req` and builds its command; the child joins the cgroups whose
@@ -109,7 +112,8 @@ fn prepare(req: &ExecRequest, join: Vec<i32>) -> Result<Prepared, WireError> {
     }
     command.envs(req.env.iter().map(|(k, v)| (k, v)));
     become_user(&mut command, &user, req.pty.is_some(), join);
-    Ok(Prepared { command, pty: req.pty, stdin: req.stdin, timeout })
+    let switch = (nix::unistd::geteuid().as_raw() != user.uid).then(|| (user.uid, user.gid, user.groups.clone()));
+    Ok(Prepared { command, pty: req.pty, stdin: req.stdin, timeout, user: switch })
 }
 
 /// Makes the child join its command's cgroups (`join`), lead a new session
@@ -191,18 +195,24 @@ struct Streams {
     pty: Option<OwnedFd>,
 }
 
+/// What a failed start says: "command not found" with the search path
+/// for a missing program.
+fn spawn_error(program: &str, e: &std::io::Error) -> WireError {
+    match e.raw_os_error() {
+        Some(libc::ENOENT) => WireError::new(
+            moat_proto::ErrorKind::NotFound,
+            format!("command not found: {program} (searched PATH={DEFAULT_PATH}; install it or give its full path)"),
+        ),
+        _ => io_error(&format!("starting {program}"), e),
+    }
+}
+
 fn spawn(
     reaper: &Reaper,
     prepared: &mut Prepared,
 ) -> Result<(std::process::Child, oneshot::Receiver<Exit>, Streams), WireError> {
     let program = prepared.command.get_program().to_string_lossy().into_owned();
-    let spawn_error = |e: std::io::Error| match e.raw_os_error() {
-        Some(libc::ENOENT) => WireError::new(
-            moat_proto::ErrorKind::NotFound,
-            format!("command not found: {program} (searched PATH={DEFAULT_PATH}; install it or give its full path)"),
-        ),
-        _ => io_error(&format!("starting {program}"), &e),
-    };
+    let spawn_error = |e: std::io::Error| spawn_error(&program, &e);
     let io = |what: &str, e: std::io::Error| io_error(what, &e);
     if let Some(size) = prepared.pty {
         let ws = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
@@ -245,6 +255,68 @@ fn spawn(
     Ok((child, exit, streams))
 }
 
+/// Starts `prepared` through its cgroup's launcher ([`crate::launcher`]);
+/// returns the command's pid, its exit, and the agent's ends of its streams.
+async fn spawn_launched(
+    launcher: Launcher,
+    slot: crate::cgroup::LauncherSlot,
+    prepared: &Prepared,
+) -> Result<(i32, oneshot::Receiver<Exit>, Streams), WireError> {
+    let command = &prepared.command;
+    let program = command.get_program().to_string_lossy().into_owned();
+    let io = |what: &str, e: std::io::Error| io_error(what, &e);
+    let text = |s: &std::ffi::OsStr| s.to_string_lossy().into_owned();
+    let launch = Launch {
+        argv: std::iter::once(command.get_program()).chain(command.get_args()).map(text).collect(),
+        env: command.get_envs().filter_map(|(k, v)| Some(format!("{}={}", text(k), text(v?)))).collect(),
+        cwd: command.get_current_dir().map_or_else(|| "/".into(), |d| d.to_string_lossy().into_owned()),
+        user: prepared.user.clone(),
+        pty: prepared.pty.is_some(),
+    };
+    let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| io("making a pipe", e.into()));
+    let (stdio, streams) = if let Some(size) = prepared.pty {
+        let ws = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
+        let pty = open_pty(&ws).map_err(|e| io("opening a pseudo-terminal", e))?;
+        let slave = || pty.slave.try_clone().map_err(|e| io("duplicating the pty", e));
+        let reader = pty.master.try_clone().map_err(|e| io("duplicating the pty", e))?;
+        let writer = pty.master.try_clone().map_err(|e| io("duplicating the pty", e))?;
+        let streams = Streams {
+            stdout: Some(pipe::Receiver::from_owned_fd_unchecked(reader).map_err(|e| io("pty", e))?),
+            stdin: Some(pipe::Sender::from_owned_fd_unchecked(writer).map_err(|e| io("pty", e))?),
+            stderr: None,
+            pty: Some(pty.master),
+        };
+        ([slave()?, slave()?, slave()?], streams)
+    } else {
+        let (stdin_child, stdin) = if prepared.stdin {
+            let (read, write) = pipe()?;
+            (read, Some(pipe::Sender::from_owned_fd(write).map_err(|e| io("stdin pipe", e))?))
+        } else {
+            let null = std::fs::File::open("/dev/null").map_err(|e| io("opening /dev/null", e))?;
+            (OwnedFd::from(null), None)
+        };
+        let (out_read, out_write) = pipe()?;
+        let (err_read, err_write) = pipe()?;
+        let streams = Streams {
+            stdin,
+            stdout: Some(pipe::Receiver::from_owned_fd(out_read).map_err(|e| io("stdout pipe", e))?),
+            stderr: Some(pipe::Receiver::from_owned_fd(err_read).map_err(|e| io("stderr pipe", e))?),
+            pty: None,
+        };
+        ([stdin_child, out_write, err_write], streams)
+    };
+    match launcher.start(&launch, stdio, slot).await {
+        Ok(Ok((pid, exit))) => Ok((pid, exit, streams)),
+        Ok(Err(NotStarted { errno, what })) if what == "exec" => {
+            Err(spawn_error(&program, &std::io::Error::from_raw_os_error(errno)))
+        }
+        Ok(Err(NotStarted { errno, what })) => {
+            Err(io_error(&format!("starting {program} ({what})"), &std::io::Error::from_raw_os_error(errno)))
+        }
+        Err(e) => Err(io_error(&format!("starting {program} through its cgroup's launcher"), &e)),
+    }
+}
+
 /// Serves one exec request on `conn` until the process exits or the client goes away.
 pub async fn serve<S>(reaper: Arc<Reaper>, req: ExecRequest, mut conn: Connection<S>)
 where
@@ -254,7 +326,12 @@ where
     // then its own cgroup. One trip to a blocking thread for both.
     let cgroups = crate::cgroup::user_cgroups();
     let (reclaimed, mut cgroup) = match cgroups {
-        Some(cgroups) => match tokio::task::spawn_blocking(|| (cgroups.reclaim(), cgroups.create_exec())).await {
+        Some(cgroups) => match tokio::task::spawn_blocking({
+            let reaper = reaper.clone();
+            move || (cgroups.reclaim(), cgroups.create_exec(&reaper))
+        })
+        .await
+        {
             Ok((reclaimed, Ok(cgroup))) => (reclaimed, Some(cgroup)),
             Ok((reclaimed, Err(e))) => {
                 tracing::warn!("running a command without its own cgroup: {e}");
@@ -265,15 +342,23 @@ where
         None => (None, None),
     };
     let join = cgroup.as_ref().map(crate::cgroup::ExecCgroup::procs_fds).unwrap_or_default();
-    let spawned = prepare(&req, join).and_then(|mut prepared| {
-        let (child, exit, streams) = spawn(&reaper, &mut prepared)?;
-        Ok((prepared, child, exit, streams))
-    });
+    let spawned = match prepare(&req, join) {
+        Err(error) => Err(error),
+        // Through the cgroup's launcher (cgroup v1), where there is one:
+        // the command is born in its cgroup.
+        Ok(prepared) if let Some(launcher) = cgroup.as_ref().and_then(crate::cgroup::ExecCgroup::take_launcher) => {
+            let slot = cgroup.as_ref().map(crate::cgroup::ExecCgroup::launcher_slot).unwrap_or_default();
+            spawn_launched(launcher, slot, &prepared).await.map(|(pid, exit, streams)| (prepared, pid, exit, streams))
+        }
+        Ok(mut prepared) => spawn(&reaper, &mut prepared)
+            .map(|(child, exit, streams)| (pid_of(&child), exit, streams))
+            .map(|(pid, exit, streams)| (prepared, pid, exit, streams)),
+    };
     if let Some(cgroup) = cgroup.as_mut() {
         cgroup.joined();
     }
     let tree = Tree { group: Pid::from_raw(0), cgroup: cgroup.map(Arc::new), acting: tokio::sync::Mutex::new(()) };
-    let (prepared, child, exit, streams) = match spawned {
+    let (prepared, pid, exit, streams) = match spawned {
         Ok(spawned) => spawned,
         Err(error) => {
             let _ = conn.send(&AgentMsg::Error { error }).await;
@@ -282,10 +367,9 @@ where
         }
     };
     let started = Instant::now();
-    let pid = pid_of(&child);
     let group = Pid::from_raw(pid);
     let tree = Arc::new(Tree { group, ..tree });
-    if conn.send(&AgentMsg::Started { pid: child.id() }).await.is_err() {
+    if conn.send(&AgentMsg::Started { pid: pid.unsigned_abs() }).await.is_err() {
         tree.kill().await;
         return;
     }

@@ -147,7 +147,8 @@ impl Agent {
     /// Serves connections on `listener` until the process ends.
     pub async fn serve(self: Arc<Self>, listener: Listener) -> std::io::Result<()> {
         if let Some(cgroups) = crate::cgroup::user_cgroups() {
-            tokio::task::spawn_blocking(|| cgroups.prepare());
+            let reaper = self.reaper.clone();
+            tokio::task::spawn_blocking(move || cgroups.prepare(&reaper));
         }
         match listener {
             Listener::Unix(listener) => loop {
