@@ -150,6 +150,8 @@ pub struct UserCgroups {
     making: Mutex<()>,
     /// What [`UserCgroups::reclaim_for_later`] did, for the next command to say.
     reclaimed: Mutex<Vec<String>>,
+    /// The agent's reaper, which launchers are spawned through.
+    reaper: OnceLock<std::sync::Arc<Reaper>>,
 }
 
 /// The command cgroups the agent tracks. Neither kind is swept: an active
@@ -221,6 +223,7 @@ impl UserCgroups {
             names: Mutex::default(),
             making: Mutex::default(),
             reclaimed: Mutex::default(),
+            reaper: OnceLock::new(),
         }
     }
 
@@ -244,40 +247,52 @@ impl UserCgroups {
         !self.hierarchies.iter().any(|h| h.name == UNIFIED)
     }
 
-    /// A launcher for `exec`'s cgroup, moved into it now; none (commands
-    /// join the cgroup themselves) when it cannot start.
-    fn start_launcher(&self, reaper: &Reaper, exec: &ExecCgroup, procs: &[OwnedFd]) -> Option<Launcher> {
-        if !self.launchers() {
-            return None;
-        }
-        let fds: Vec<i32> = procs.iter().map(AsRawFd::as_raw_fd).collect();
-        match Launcher::spawn(reaper, &fds) {
-            Ok(launcher) => Some(launcher),
-            Err(e) => {
-                tracing::warn!("commands of {} join their cgroup themselves: no launcher: {e}", exec.name);
-                None
+    /// Gives `name`, a clean command cgroup handed back by its command
+    /// (and kept active meanwhile, out of the sweeps), its launcher, then
+    /// frees it for the next command. Runs after the command's answer was
+    /// sent: a one-command sandbox's command waits for no launcher, and
+    /// its next commands start without a migration.
+    fn equip(&self, name: &str) {
+        let launcher = self.reaper.get().and_then(|reaper| {
+            let procs: std::io::Result<Vec<std::fs::File>> = self
+                .hierarchies
+                .iter()
+                .map(|h| std::fs::OpenOptions::new().write(true).open(h.dir.join(name).join("cgroup.procs")))
+                .collect();
+            let procs = procs.ok()?;
+            let fds: Vec<i32> = procs.iter().map(AsRawFd::as_raw_fd).collect();
+            match Launcher::spawn(reaper, &fds) {
+                Ok(launcher) => Some(launcher),
+                Err(e) => {
+                    tracing::warn!("commands of {name} join their cgroup themselves: no launcher: {e}");
+                    None
+                }
             }
-        }
+        });
+        let mut names = self.names();
+        names.active.remove(name);
+        names.free.push((name.to_owned(), launcher));
     }
 
     /// Makes the cgroup of one command. Its pids and memory limits are the
     /// `user` cgroup's own, so that a command that alone exhausts them is
     /// counted in its own cgroup's events.
-    pub fn create_exec(&'static self, reaper: &Reaper) -> std::io::Result<ExecCgroup> {
-        if let Some(exec) = self.reuse_free(reaper) {
+    pub fn create_exec(&'static self, reaper: &std::sync::Arc<Reaper>) -> std::io::Result<ExecCgroup> {
+        let _ = self.reaper.set(reaper.clone());
+        if let Some(exec) = self.reuse_free() {
             return Ok(exec);
         }
         // A poisoned lock guards nothing but the order of makers.
         let _making = self.making.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         // One made meanwhile (the agent makes one ahead at start) is taken.
-        if let Some(exec) = self.reuse_free(reaper) {
+        if let Some(exec) = self.reuse_free() {
             return Ok(exec);
         }
-        self.make_exec(reaper)
+        self.make_exec()
     }
 
     /// A free command cgroup, checked empty and opened, if one waits.
-    fn reuse_free(&'static self, reaper: &Reaper) -> Option<ExecCgroup> {
+    fn reuse_free(&'static self) -> Option<ExecCgroup> {
         while let Some((name, launcher)) = self.take_free() {
             let mut exec = ExecCgroup::existing(&self.hierarchies, &name);
             exec.owner = Some(self);
@@ -289,8 +304,6 @@ impl UserCgroups {
                 .collect();
             match opened {
                 Ok(procs) if exec.process_count() == 0 => {
-                    let launcher = launcher.or_else(|| self.start_launcher(reaper, &exec, &procs));
-                    exec.launcher_pid = launcher.as_ref().map(Launcher::pid);
                     exec.set_launcher(launcher);
                     exec.procs = procs;
                     exec.baseline = exec.counters();
@@ -307,7 +320,7 @@ impl UserCgroups {
     }
 
     /// Makes a new command cgroup in every hierarchy.
-    fn make_exec(&'static self, reaper: &Reaper) -> std::io::Result<ExecCgroup> {
+    fn make_exec(&'static self) -> std::io::Result<ExecCgroup> {
         self.sweep();
         let name = loop {
             let name = format!("exec-{}", self.next.fetch_add(1, Ordering::Relaxed));
@@ -342,9 +355,6 @@ impl UserCgroups {
                 }
             }
         }
-        let launcher = self.start_launcher(reaper, &exec, &procs);
-        exec.launcher_pid = launcher.as_ref().map(Launcher::pid);
-        exec.set_launcher(launcher);
         exec.procs = procs;
         exec.baseline = exec.counters();
         Ok(exec)
@@ -353,9 +363,11 @@ impl UserCgroups {
     /// Makes one command cgroup ahead of the first command and keeps it
     /// free: the agent does it while the host's first request is on its
     /// way, instead of on that command's path.
-    pub fn prepare(&'static self, reaper: &Reaper) {
+    pub fn prepare(&'static self, reaper: &std::sync::Arc<Reaper>) {
         match self.create_exec(reaper) {
-            Ok(exec) => exec.release(),
+            Ok(exec) => {
+                exec.release(false);
+            }
             Err(e) => tracing::debug!("no command cgroup made ahead: {e}"),
         }
     }
@@ -690,11 +702,13 @@ impl ExecCgroup {
     /// Hands a command's cgroup back once the command is done: kept for
     /// the next command when empty (up to [`KEPT_FREE`]), removed when
     /// empty beyond that, left to the sweep while background processes run
-    /// in it.
-    pub fn release(&self) {
-        let Some(owner) = self.owner else { return };
+    /// in it. With `defer_launcher`, a clean cgroup that has no launcher
+    /// yet (on cgroup v1) stays active and is returned for
+    /// [`ExecCgroup::equip`] once the command's answer is sent.
+    pub fn release(&self, defer_launcher: bool) -> bool {
+        let Some(owner) = self.owner else { return false };
         if self.released.swap(true, Ordering::SeqCst) {
-            return;
+            return false;
         }
         let empty = self.process_count() == 0;
         // One that counted a limit is not reused: the counters of a cgroup
@@ -703,14 +717,15 @@ impl ExecCgroup {
         let counted = self.counters();
         let clean = counted.pids_max == 0 && counted.oom_kills == 0;
         let launcher = self.take_launcher();
-        // On v1 a cgroup is kept only with its launcher: without one, the
-        // next command would have to join it.
-        let launched = launcher.is_some() || !owner.launchers();
         let mut names = owner.names();
-        names.active.remove(&self.name);
-        if empty && clean && launched && names.free.len() < KEPT_FREE {
+        if empty && clean && names.free.len() < KEPT_FREE {
+            if launcher.is_none() && owner.launchers() && defer_launcher {
+                return true;
+            }
+            names.active.remove(&self.name);
             names.free.push((self.name.clone(), launcher));
         } else {
+            names.active.remove(&self.name);
             drop(names);
             // Its socket closed, the launcher ends; the cgroup goes once
             // empty (here, or in a later sweep).
@@ -718,6 +733,15 @@ impl ExecCgroup {
             if empty {
                 self.remove();
             }
+        }
+        false
+    }
+
+    /// Gives the cgroup its launcher and frees it: for a cgroup
+    /// [`ExecCgroup::release`] kept back.
+    pub fn equip(&self) {
+        if let Some(owner) = self.owner {
+            owner.equip(&self.name);
         }
     }
 

@@ -357,7 +357,12 @@ where
     if let Some(cgroup) = cgroup.as_mut() {
         cgroup.joined();
     }
-    let tree = Tree { group: Pid::from_raw(0), cgroup: cgroup.map(Arc::new), acting: tokio::sync::Mutex::new(()) };
+    let mut tree = Tree {
+        group: Pid::from_raw(0),
+        cgroup: cgroup.map(Arc::new),
+        acting: tokio::sync::Mutex::new(()),
+        equip: AtomicBool::new(false),
+    };
     let (prepared, pid, exit, streams) = match spawned {
         Ok(spawned) => spawned,
         Err(error) => {
@@ -368,7 +373,8 @@ where
     };
     let started = Instant::now();
     let group = Pid::from_raw(pid);
-    let tree = Arc::new(Tree { group, ..tree });
+    tree.group = group;
+    let tree = Arc::new(tree);
     if conn.send(&AgentMsg::Started { pid: pid.unsigned_abs() }).await.is_err() {
         tree.kill().await;
         return;
@@ -495,6 +501,8 @@ struct Tree {
     /// end of the command may each act): once the cgroups are handed back,
     /// they may be the next command's.
     acting: tokio::sync::Mutex<()>,
+    /// Set when the command's cgroup waits for its launcher.
+    equip: AtomicBool,
 }
 
 impl Tree {
@@ -507,7 +515,7 @@ impl Tree {
         if let Some(cgroup) = self.cgroup.clone() {
             let _ = tokio::task::spawn_blocking(move || {
                 cgroup.kill();
-                cgroup.release();
+                cgroup.release(false);
             })
             .await;
         }
@@ -537,7 +545,7 @@ impl Tree {
             let top = cgroup.top_processes();
             let killed = cgroup.kill();
             if release {
-                cgroup.release();
+                cgroup.release(false);
             }
             Some(crate::cgroup::describe(&hit, &top, killed))
         })
@@ -551,7 +559,21 @@ impl Tree {
     async fn finish(&self) {
         let _acting = self.acting.lock().await;
         if let Some(cgroup) = self.cgroup.clone() {
-            let _ = tokio::task::spawn_blocking(move || cgroup.release()).await;
+            let equip = tokio::task::spawn_blocking(move || cgroup.release(true)).await.unwrap_or(false);
+            self.equip.store(equip, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Tree {
+    /// A clean command cgroup kept back for its launcher gets it now, once
+    /// the command's answer was sent ([`crate::cgroup::ExecCgroup::release`]).
+    fn drop(&mut self) {
+        if self.equip.load(Ordering::SeqCst)
+            && let Some(cgroup) = self.cgroup.clone()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn_blocking(move || cgroup.equip());
         }
     }
 }

@@ -1415,3 +1415,38 @@ async fn background_processes_of_a_well_behaved_command_keep_running() {
     assert_eq!(count_processes(&moat, &id, "^sleep 1004").await, 1, "the background process was killed");
     moat.destroy_all().await;
 }
+
+/// On a cgroup v1 host, commands are forked by their cgroup's launcher
+/// (born in their cgroup: no migration, which would take host-wide locks),
+/// once the first command's cgroup has one, and keep what the agent gives
+/// a command: their own session, the `user` account, their cgroup.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn commands_are_born_in_their_cgroup_on_a_cgroup_v1_host() {
+    if nested() || !std::path::Path::new("/sys/fs/cgroup/pids/cgroup.procs").exists() {
+        return;
+    }
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let script = "tr '\\0' ' ' < /proc/$PPID/cmdline; echo; echo $$ $(ps -o sid=,pgid= -p $$); id -un; grep :pids: /proc/self/cgroup";
+    let mut launched = false;
+    // The launcher is made once the first command has answered: a later
+    // command finds it (a guard against a hang, not a timing).
+    for _ in 0..50 {
+        let (out, err, code, _) = bash(&moat, &id, script, 60_000).await;
+        assert_eq!(code, Some(0), "{out}{err}");
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 4, "{out}{err}");
+        let ids: Vec<&str> = lines[1].split_whitespace().collect();
+        assert!(ids.len() == 3 && ids[0] == ids[1] && ids[0] == ids[2], "not its own session's leader: {out}");
+        assert_eq!(lines[2], "user", "{out}");
+        assert!(lines[3].contains("/user/exec-"), "not in a command cgroup: {out}");
+        if lines[0].starts_with("moat-agent launcher") {
+            launched = true;
+            break;
+        }
+        assert!(lines[0].starts_with("/.moat/agent"), "started by neither the agent nor a launcher: {out}");
+    }
+    assert!(launched, "no command was forked by a launcher");
+    moat.destroy_all().await;
+}
