@@ -415,6 +415,31 @@ async fn the_kernel_surface_is_closed_to_sandbox_root() {
     let lines: Vec<&str> = said.lines().collect();
     assert_eq!(lines.first().copied(), Some("-1 1"), "PTRACE_ATTACH to the agent: {said}");
     assert!(lines.iter().skip(1).all(|l| *l != "0"), "the agent's environment or memory map was read: {said}");
+    // On a cgroup v1 host a command's parent is its cgroup's launcher
+    // (after the sandbox's first command): as closed as the agent.
+    let out = moat
+        .run(
+            id,
+            as_root(
+                "if tr '\\0' ' ' < /proc/$PPID/cmdline | grep -q '^moat-agent launcher'; then \
+                 python3 -c 'import ctypes, sys; l=ctypes.CDLL(None,use_errno=True); print(l.ptrace(16, int(sys.argv[1]), 0, 0), ctypes.get_errno())' $PPID; \
+                 cat /proc/$PPID/environ >/dev/null 2>&1; echo $?; cat /proc/$PPID/maps >/dev/null 2>&1; echo $?; \
+                 else echo no launcher; fi",
+            ),
+        )
+        .await
+        .expect("runs");
+    let said = stdout(&out);
+    if said.trim() != "no launcher" {
+        let lines: Vec<&str> = said.lines().collect();
+        assert_eq!(
+            lines.first().copied(),
+            Some("-1 1"),
+            "PTRACE_ATTACH to a launcher: {said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(lines.iter().skip(1).all(|l| *l != "0"), "a launcher's environment or memory map was read: {said}");
+    }
 
     // And the sandbox still works: the agent, and what people run in it.
     let script = "cd /tmp && git init -q r && cd r && git -c user.email=a@b.c -c user.name=n commit -q --allow-empty -m x \
