@@ -61,8 +61,29 @@ async fn commands_run_through_a_launcher_until_it_is_let_go() {
         .expect("sh starts");
     assert_eq!(exit.await.expect("an exit"), Exit::Signal(nix::libc::SIGKILL));
 
+    // On a terminal: the command's controlling terminal is the PTY.
+    let launcher = slot.lock().expect("the slot").take().expect("back after a signal");
+    let pty = nix::pty::openpty(None, None).expect("a pty");
+    let slave = || pty.slave.try_clone().expect("the slave");
+    let mut on_terminal = launch(&["sh", "-c", "test -t 0 && test -t 1 && echo tty; ps -o tty= -p $$"]);
+    on_terminal.pty = true;
+    let (_, exit) = launcher
+        .start(&on_terminal, [slave(), slave(), slave()], slot.clone())
+        .await
+        .expect("the launcher answers")
+        .expect("sh starts");
+    drop(pty.slave);
+    assert_eq!(exit.await.expect("an exit"), Exit::Code(0));
+    let mut said = Vec::new();
+    // A PTY master reads EIO once the last slave is closed: its end.
+    let _ = std::fs::File::from(pty.master).read_to_end(&mut said);
+    let said = String::from_utf8_lossy(&said);
+    let lines: Vec<&str> = said.lines().map(str::trim).collect();
+    assert_eq!(lines.first().copied(), Some("tty"), "{said}");
+    assert!(lines.get(1).is_some_and(|t| t.starts_with("pts/")), "no controlling terminal: {said}");
+
     // Let go, it ends (and is reaped).
-    drop(slot.lock().expect("the slot").take());
+    drop(slot.lock().expect("the slot").take().expect("back after a terminal"));
     let pidfd = moat_agent::pidfd::Pidfd::of_pid(launcher_pid);
     if let Ok(pidfd) = pidfd {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);

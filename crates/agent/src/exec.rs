@@ -207,6 +207,22 @@ fn spawn_error(program: &str, e: &std::io::Error) -> WireError {
     }
 }
 
+impl Streams {
+    /// The streams of a command on a PTY: its master, read for output,
+    /// written for input, kept for resizing.
+    fn of_pty(master: OwnedFd) -> Result<Self, WireError> {
+        let io = |what: &str, e: std::io::Error| io_error(what, &e);
+        let reader = master.try_clone().map_err(|e| io("duplicating the pty", e))?;
+        let writer = master.try_clone().map_err(|e| io("duplicating the pty", e))?;
+        Ok(Self {
+            stdout: Some(pipe::Receiver::from_owned_fd_unchecked(reader).map_err(|e| io("pty", e))?),
+            stdin: Some(pipe::Sender::from_owned_fd_unchecked(writer).map_err(|e| io("pty", e))?),
+            stderr: None,
+            pty: Some(master),
+        })
+    }
+}
+
 fn spawn(
     reaper: &Reaper,
     prepared: &mut Prepared,
@@ -224,15 +240,7 @@ fn spawn(
         // master never sees the terminal close.
         prepared.command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
         drop(pty.slave);
-        let reader = pty.master.try_clone().map_err(|e| io("duplicating the pty", e))?;
-        let writer = pty.master.try_clone().map_err(|e| io("duplicating the pty", e))?;
-        let streams = Streams {
-            stdout: Some(pipe::Receiver::from_owned_fd_unchecked(reader).map_err(|e| io("pty", e))?),
-            stdin: Some(pipe::Sender::from_owned_fd_unchecked(writer).map_err(|e| io("pty", e))?),
-            stderr: None,
-            pty: Some(pty.master),
-        };
-        return Ok((child, exit, streams));
+        return Ok((child, exit, Streams::of_pty(pty.master)?));
     }
     let stdin = if prepared.stdin { Stdio::piped() } else { Stdio::null() };
     prepared.command.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -278,15 +286,7 @@ async fn spawn_launched(
         let ws = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
         let pty = open_pty(&ws).map_err(|e| io("opening a pseudo-terminal", e))?;
         let slave = || pty.slave.try_clone().map_err(|e| io("duplicating the pty", e));
-        let reader = pty.master.try_clone().map_err(|e| io("duplicating the pty", e))?;
-        let writer = pty.master.try_clone().map_err(|e| io("duplicating the pty", e))?;
-        let streams = Streams {
-            stdout: Some(pipe::Receiver::from_owned_fd_unchecked(reader).map_err(|e| io("pty", e))?),
-            stdin: Some(pipe::Sender::from_owned_fd_unchecked(writer).map_err(|e| io("pty", e))?),
-            stderr: None,
-            pty: Some(pty.master),
-        };
-        ([slave()?, slave()?, slave()?], streams)
+        ([slave()?, slave()?, slave()?], Streams::of_pty(pty.master)?)
     } else {
         let (stdin_child, stdin) = if prepared.stdin {
             let (read, write) = pipe()?;
