@@ -10,7 +10,8 @@ use crate::{build, image, nested};
 /// MCP conformance suite; iasl(1) disassembles moat-vmm's ACPI tables to
 /// prove they parse; the network tests need pasta (network `open`),
 /// Chromium (preview links in a browser), ip(8) (a test network
-/// namespace), and openssl and git (an HTTPS Git host with a test CA).
+/// namespace), openssl and git (an HTTPS Git host with a test CA), and
+/// uidmap (rootless jails).
 const TEST_PACKAGES: &[(&str, &str)] = &[
     ("qemu-system-x86", "qemu-system-x86_64"),
     ("cpio", "cpio"),
@@ -21,6 +22,9 @@ const TEST_PACKAGES: &[(&str, &str)] = &[
     ("iproute2", "ip"),
     ("openssl", "openssl"),
     ("git", "git"),
+    // newuidmap and newgidmap: rootless jails, run by an unprivileged
+    // account the tests make.
+    ("uidmap", "newuidmap"),
 ];
 
 /// The official MCP conformance suite, and the Node.js it runs on (it

@@ -71,6 +71,13 @@ struct JailArgs {
     /// Network policy open: attach this pasta binary to the sandbox's network.
     #[arg(long)]
     pasta: Option<std::path::PathBuf>,
+    /// Run as an unprivileged user: --id-base and --gid-base are its
+    /// subordinate ranges, mapped with newuidmap and newgidmap.
+    #[arg(long, requires = "gid_base")]
+    rootless: bool,
+    /// Host gid of sandbox gid 0 (rootless; as root it is --id-base).
+    #[arg(long)]
+    gid_base: Option<u32>,
 }
 
 fn main() -> ExitCode {
@@ -151,6 +158,9 @@ fn run_jail(args: &JailArgs) -> ExitCode {
         cgroups_on_stdin: args.cgroups_on_stdin,
         ready_on_stdout: args.ready_on_stdout,
         pasta: args.pasta.clone(),
+        rootless: args
+            .rootless
+            .then_some(moat_agent::jail::Rootless { gid_base: args.gid_base.unwrap_or(args.id_base) }),
     };
     match moat_agent::jail::run(&spec) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),

@@ -11,6 +11,8 @@ use moat_core::cgroup::CgroupSupport;
 use moat_core::{BackendKind, HostVirtualization, Image, Moat, MoatConfig, NetworkPolicy, SandboxSpec};
 use moat_proto::{ExecRequest, WinSize};
 
+mod setup;
+
 /// Disposable, isolated Linux machines for AI agents.
 ///
 /// Every sandbox lives as long as the command that made it: `moat run`
@@ -78,6 +80,16 @@ enum Command {
         #[arg(long, default_value = "default")]
         image: String,
     },
+    /// As root, once: prepare a user to run moat without root (subordinate
+    /// ids, a delegated cgroup subtree, a copy of the image in its range).
+    Setup {
+        /// The user to prepare.
+        #[arg(long)]
+        user: String,
+        /// The image of root's to copy for the user.
+        #[arg(long, default_value = "default")]
+        image: String,
+    },
 }
 
 fn main() -> ExitCode {
@@ -119,6 +131,7 @@ async fn run(command: Command) -> Result<ExitCode> {
         Command::Rm { ids, all } => rm(&ids, all),
         Command::Tasks { remove } => tasks(&remove),
         Command::Doctor { image } => Ok(doctor(&image)),
+        Command::Setup { user, image } => setup::user(&user, &image).map(|()| ExitCode::SUCCESS),
     }
 }
 
@@ -384,6 +397,19 @@ fn doctor(image_name: &str) -> ExitCode {
         "user namespaces:         {}",
         if userns.trim().parse::<u64>().unwrap_or(0) > 0 { "available" } else { "disabled (jails cannot start)" }
     );
+    let user = moat_core::hostuser::HostUser::current();
+    let who = match (&user.ids, user.jail_problem()) {
+        _ if user.is_root() => "root (jails map host ids from 2000000000)".to_owned(),
+        (_, Some(problem)) => format!("{} (rootless): jails cannot start: {problem}", user.display_name()),
+        (Some((uids, gids)), None) => format!(
+            "{} (rootless): jails map subordinate uids from {} and gids from {}",
+            user.display_name(),
+            uids.start,
+            gids.start
+        ),
+        (None, None) => user.display_name(),
+    };
+    println!("runs as:                 {who}");
     let cgroups = CgroupSupport::probe();
     println!("cgroups:                 {}", cgroups.describe());
     let unlimited = moat_core::limits::allow_unlimited();
@@ -434,6 +460,17 @@ fn doctor(image_name: &str) -> ExitCode {
             image.manifest.packages.len()
         ),
         Err(e) => println!("image {image_name:?}:        {e} (images live in {})", data.join("images").display()),
+    }
+    if let (Ok(image), Some((uids, _))) = (Image::open(&data, image_name), user.ids)
+        && image.manifest.jail_id_base != uids.start
+    {
+        println!(
+            "image {image_name:?} for jails: owned for ids from {}, not this user's {}: as root, run `moat setup \
+             --user {}` (it copies the image into this user's range)",
+            image.manifest.jail_id_base,
+            uids.start,
+            user.display_name()
+        );
     }
     let image_root = data.join("images").join(image_name).join("rootfs");
     println!("extra CAs (MOAT_CA_FILE): {}", extra_cas(&image_root));

@@ -64,7 +64,22 @@ pub struct JailSpec {
     /// Network policy `open`: the `pasta` binary to attach to the sandbox's
     /// network namespace (see [`PASTA_ARGS`]).
     pub pasta: Option<PathBuf>,
+    /// Started by an unprivileged user, whose subordinate ranges start at
+    /// `id_base` (uids) and [`Rootless::gid_base`]: see [`enter_own_userns`].
+    pub rootless: Option<Rootless>,
 }
+
+/// What a rootless monitor needs beyond [`JailSpec::id_base`].
+#[derive(Debug, Clone, Copy)]
+pub struct Rootless {
+    /// Host gid of sandbox gid 0: the start of the user's subordinate gids.
+    pub gid_base: u32,
+}
+
+/// In a rootless monitor's own user namespace, the id the sandbox's ids
+/// start from: 0 is the user who started moat, 1 onwards its subordinate
+/// range (see [`enter_own_userns`]).
+const ROOTLESS_INNER_BASE: u32 = 1;
 
 /// How `pasta` serves an `open` sandbox: outbound NAT only. No port is
 /// forwarded into the sandbox (`-t none -u none`), none of the host's
@@ -142,6 +157,22 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     if nix::unistd::getppid() != parent {
         return Ok(1);
     }
+    // Rootless: from here on the monitor works as root of a user
+    // namespace of its own, and the sandbox's ids start at 1 there.
+    let rootless_spec;
+    let spec = match spec.rootless {
+        Some(rootless) => {
+            enter_own_userns(spec, rootless)?;
+            // The change of namespace cleared the parent-death signal.
+            step("PR_SET_PDEATHSIG", nix::sys::prctl::set_pdeathsig(Signal::SIGKILL))?;
+            if nix::unistd::getppid() != parent {
+                return Ok(1);
+            }
+            rootless_spec = JailSpec { id_base: ROOTLESS_INNER_BASE, ..spec.clone() };
+            &rootless_spec
+        }
+        None => spec,
+    };
     step("unshare(CLONE_NEWNS)", nix::sched::unshare(CloneFlags::CLONE_NEWNS))?;
     step(
         "making mounts private",
@@ -165,6 +196,9 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
                 None | Some(Err(_)) => return Ok(1),
             }
         }
+    }
+    if spec.rootless.is_some() {
+        give_user_cgroups(&user_cgroups, spec.id_base)?;
     }
     bind_user_cgroups(&root, &user_cgroups, spec.id_base)?;
     // Every process of the sandbox descends from here: join before clone.
@@ -209,6 +243,17 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     // over the host's.
     if spec.pasta.is_some() {
         step("switching the effective uid", nix::unistd::seteuid(Uid::from_raw(spec.id_base)))?;
+        if spec.rootless.is_some() {
+            // The switch left this process non-dumpable, and the clone
+            // would be too: its /proc files would then belong to host
+            // root, which a rootless monitor cannot override (host root
+            // has no id in its namespace), so it could not write the id
+            // maps nor hand pasta the namespaces. Dumpable, they belong to
+            // the clone's uid, one of this namespace's. Nothing but this
+            // monitor runs as that uid until the clone execs the agent,
+            // which makes itself non-dumpable again.
+            step("PR_SET_DUMPABLE", nix::sys::prctl::set_dumpable(true))?;
+        }
     }
     // SAFETY: the process is single-threaded (the caller's contract), so the
     // child, a copy of it on `stack`, holds no lock another thread owned; it
@@ -261,6 +306,80 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
             Ok(nix::sys::wait::WaitStatus::Signaled(_, signal, _)) => return Ok(128 + signal as i32),
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(JailError { step: "waiting for the sandbox".into(), source: e.into() }),
+        }
+    }
+}
+
+/// Puts this (single-threaded) monitor, started by an unprivileged user,
+/// into a user namespace of its own, mapped by the setuid helpers
+/// `newuidmap` and `newgidmap` from the user's subordinate ranges: id 0 is
+/// the user itself (so the monitor still owns the user's files: its state
+/// directory, its cgroups), ids 1 to `id_count` are the subordinate range
+/// from `spec.id_base` (uids) and `rootless.gid_base` (gids). The monitor
+/// then holds every capability over namespaces it makes from here, and
+/// none over the host's; the sandbox gets a user namespace of its own
+/// beneath this one mapping its ids from 1 (`map_ids`), so that its root
+/// is a subordinate id, never the user.
+///
+/// A process cannot map ids it does not own into its own namespace: a
+/// helper forked beforehand runs the two setuid programs on this process
+/// once it has unshared, and reports their status.
+fn enter_own_userns(spec: &JailSpec, rootless: Rootless) -> Result<(), JailError> {
+    let (uid, gid) = (nix::unistd::getuid().as_raw(), nix::unistd::getgid().as_raw());
+    let target = std::process::id();
+    let (go_rx, go_tx) = step("pipe", nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC))?;
+    let maps = [
+        ("newuidmap", format!("{target} 0 {uid} 1 {ROOTLESS_INNER_BASE} {} {}", spec.id_base, spec.id_count)),
+        ("newgidmap", format!("{target} 0 {gid} 1 {ROOTLESS_INNER_BASE} {} {}", rootless.gid_base, spec.id_count)),
+    ];
+    // SAFETY: the monitor is single-threaded (run's contract): the child
+    // holds no lock another thread owned. It waits for a byte, runs the
+    // two helpers and exits without returning.
+    match step("fork", unsafe { nix::unistd::fork() })? {
+        nix::unistd::ForkResult::Child => {
+            drop(go_tx);
+            let mut byte = [0u8; 1];
+            let go = File::from(go_rx).read_exact(&mut byte).is_ok();
+            let mapped = go
+                && maps.iter().all(|(helper, args)| {
+                    let status = std::process::Command::new(helper)
+                        .args(args.split(' '))
+                        .stdin(std::process::Stdio::null())
+                        .stdout(std::process::Stdio::null())
+                        .status();
+                    match status {
+                        Ok(s) if s.success() => true,
+                        Ok(s) => {
+                            eprintln!("moat-agent jail: {helper} {args} failed ({s})");
+                            false
+                        }
+                        Err(e) => {
+                            eprintln!("moat-agent jail: cannot run {helper} ({e}); `apt-get install uidmap`");
+                            false
+                        }
+                    }
+                });
+            // SAFETY: _exit ends this forked child at once, running no
+            // destructor of state it shares with its parent.
+            unsafe { libc::_exit(if mapped { 0 } else { 1 }) }
+        }
+        nix::unistd::ForkResult::Parent { child } => {
+            drop(go_rx);
+            let unshared = nix::sched::unshare(CloneFlags::CLONE_NEWUSER);
+            // The helper is told either way, and so never waits forever.
+            let _ = File::from(go_tx).write_all(if unshared.is_ok() { b"1" } else { b"" });
+            let status = nix::sys::wait::waitpid(child, None);
+            step("unshare(CLONE_NEWUSER)", unshared)?;
+            match status {
+                Ok(nix::sys::wait::WaitStatus::Exited(_, 0)) => Ok(()),
+                other => Err(JailError {
+                    step: "mapping the user's subordinate ids".into(),
+                    source: std::io::Error::other(format!(
+                        "newuidmap or newgidmap failed ({other:?}; the jail's log has their words): check that                          /etc/subuid and /etc/subgid give this user {} ids from {} and {} (`moat doctor`)",
+                        spec.id_count, spec.id_base, rootless.gid_base
+                    )),
+                }),
+            }
         }
     }
 }
@@ -365,23 +484,31 @@ struct RouteWatch(OwnedFd);
 
 impl RouteWatch {
     /// Opens the socket inside the namespace `netns` (a netlink socket
-    /// belongs to the namespace it was made in) and returns to this one.
-    /// The monitor is single-threaded: no other thread sees the switch.
+    /// belongs to the namespace it was made in), from a thread of its own
+    /// that enters the namespace and ends there: a rootless monitor could
+    /// enter the sandbox's namespace but not return to the host's (owned
+    /// by the host's user namespace, where it holds no capability), and
+    /// setns(2) moves only the calling thread.
     fn open(netns: &File) -> std::io::Result<Self> {
         use std::os::fd::FromRawFd;
-        let own = File::open("/proc/self/ns/net")?;
-        nix::sched::setns(netns, CloneFlags::CLONE_NEWNET)?;
-        // SAFETY: socket(2) with constant arguments; it returns a new
-        // descriptor or -1.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
-                libc::NETLINK_ROUTE,
-            )
-        };
-        let made = std::io::Error::last_os_error();
-        nix::sched::setns(&own, CloneFlags::CLONE_NEWNET)?;
+        let (fd, made) = std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    nix::sched::setns(netns, CloneFlags::CLONE_NEWNET)?;
+                    // SAFETY: socket(2) with constant arguments; it returns
+                    // a new descriptor or -1.
+                    let fd = unsafe {
+                        libc::socket(
+                            libc::AF_NETLINK,
+                            libc::SOCK_RAW | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+                            libc::NETLINK_ROUTE,
+                        )
+                    };
+                    Ok::<_, std::io::Error>((fd, std::io::Error::last_os_error()))
+                })
+                .join()
+                .map_err(|_| std::io::Error::other("the thread opening the route socket panicked"))?
+        })?;
         if fd < 0 {
             return Err(made);
         }
@@ -527,6 +654,25 @@ fn parse_user_cgroup(line: &str) -> Option<(String, PathBuf)> {
     let (name, dir) = line.strip_prefix("user ")?.split_once(' ')?;
     let plain = !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
     (plain && dir.starts_with('/')).then(|| (name.to_owned(), PathBuf::from(dir)))
+}
+
+/// Rootless: gives the sandbox's root its `user` cgroups, which the host,
+/// unprivileged, could not (only this namespace maps the ids it would
+/// chown to). Each stays the user's and becomes the group of sandbox root
+/// (`inner_base`), mode 0770: the agent makes its per-command cgroups in
+/// it, and the host can still remove them when the sandbox ends. Other
+/// host users cannot reach it: its parent is the user's, mode 0700 (the
+/// agent reaches it through its bind mount, not that path).
+fn give_user_cgroups(user_cgroups: &[(String, PathBuf)], inner_base: u32) -> Result<(), JailError> {
+    for (name, dir) in user_cgroups {
+        let what = format!("giving the sandbox its {name} user cgroup");
+        step(&what, nix::unistd::chown(dir, None, Some(Gid::from_raw(inner_base))))?;
+        step(&what, std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o770)))?;
+        if let Some(parent) = dir.parent() {
+            step(&what, std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700)))?;
+        }
+    }
+    Ok(())
 }
 
 /// Binds each `user` cgroup directory at `/.moat/cgroup/<controller>`

@@ -57,12 +57,19 @@ impl CgroupSupport {
             Self::V2 => vec![Path::new(ROOT).to_path_buf()],
             Self::V1 { controllers } => controllers.iter().map(|c| Path::new(ROOT).join(c)).collect(),
         };
+        let uid = nix::unistd::geteuid().as_raw();
         for dir in dirs {
             // The parent made already (by root) or the hierarchy to make it in.
-            let moat = dir.join("moat");
-            let check = if moat.is_dir() { moat } else { dir };
+            let parent = parent_in(&dir, uid);
+            let check = if parent.is_dir() || uid != 0 { parent } else { dir };
             if let Err(e) = nix::unistd::access(&check, nix::unistd::AccessFlags::W_OK) {
-                return Err(format!("this user cannot make cgroups in {} ({e})", check.display()));
+                let fix = if uid == 0 {
+                    String::new()
+                } else {
+                    let name = crate::hostuser::HostUser::current().display_name();
+                    format!("; as root, run `moat setup --user {name}` to delegate it")
+                };
+                return Err(format!("this user cannot make cgroups in {} ({e}){fix}", check.display()));
             }
         }
         Ok(())
@@ -133,19 +140,27 @@ impl Limits {
 }
 
 impl Cgroup {
-    /// Creates `moat/<id>` with `limits`; on v1 also its `agent` and `user`
-    /// children, `user` owned by `agent_uid` (the host uid of the sandbox's
-    /// root). Errors say which file refused.
-    pub fn create(support: &CgroupSupport, id: &str, limits: Limits, agent_uid: u32) -> std::io::Result<Option<Self>> {
+    /// Creates `moat/<id>` (for a user other than root, beneath its
+    /// delegated `moat/user-<uid>`) with `limits`; on v1 also its `agent`
+    /// and `user` children, `user` owned by `agent_uid` (the host uid of the
+    /// sandbox's root) when given. Errors say which file refused.
+    pub fn create(
+        support: &CgroupSupport,
+        id: &str,
+        limits: Limits,
+        agent_uid: Option<u32>,
+    ) -> std::io::Result<Option<Self>> {
         let cpu_max = format!("{} 100000", u64::from(limits.cpus.max(1)) * 100_000);
         match support {
             CgroupSupport::None => Ok(None),
             CgroupSupport::V2 => {
-                let parent = Path::new(ROOT).join("moat");
-                std::fs::create_dir_all(&parent)?;
-                // Controllers must be enabled on every level above the leaf.
-                for level in [Path::new(ROOT), parent.as_path()] {
-                    let _ = std::fs::write(level.join("cgroup.subtree_control"), "+memory +pids +cpu");
+                let parent = parent(Path::new(ROOT));
+                if nix::unistd::geteuid().is_root() {
+                    std::fs::create_dir_all(&parent)?;
+                    // Controllers must be enabled on every level above the leaf.
+                    for level in [Path::new(ROOT), parent.as_path()] {
+                        let _ = std::fs::write(level.join("cgroup.subtree_control"), "+memory +pids +cpu");
+                    }
                 }
                 let dir = parent.join(id);
                 std::fs::create_dir_all(&dir)?;
@@ -167,8 +182,14 @@ impl Cgroup {
             CgroupSupport::V1 { controllers } => {
                 let mut group = Self { dirs: Vec::new(), v2: false, split: true };
                 for controller in controllers {
-                    let dir = Path::new(ROOT).join(controller).join("moat").join(id);
-                    std::fs::create_dir_all(&dir)?;
+                    let dir = parent(&Path::new(ROOT).join(controller)).join(id);
+                    // Root makes `moat` as needed; a delegated user's
+                    // parent (`moat setup --user`) must be there already.
+                    if nix::unistd::geteuid().is_root() {
+                        std::fs::create_dir_all(&dir)?;
+                    } else {
+                        std::fs::create_dir(&dir)?;
+                    }
                     group.dirs.push((Some(*controller), dir.clone()));
                     let user = dir.join("user");
                     std::fs::create_dir_all(dir.join("agent"))?;
@@ -180,10 +201,14 @@ impl Cgroup {
                         }
                     }
                     // The agent makes its per-command cgroups here; the
-                    // limit files stay root's.
-                    let owner = Some(nix::unistd::Uid::from_raw(agent_uid));
-                    nix::unistd::chown(&user, owner, Some(nix::unistd::Gid::from_raw(agent_uid)))
-                        .map_err(|e| std::io::Error::other(format!("giving the sandbox its user cgroup: {e}")))?;
+                    // limit files stay root's. Rootless, the jail's monitor
+                    // gives it (only it may chown to the user's
+                    // subordinate ids).
+                    if let Some(agent_uid) = agent_uid {
+                        let owner = Some(nix::unistd::Uid::from_raw(agent_uid));
+                        nix::unistd::chown(&user, owner, Some(nix::unistd::Gid::from_raw(agent_uid)))
+                            .map_err(|e| std::io::Error::other(format!("giving the sandbox its user cgroup: {e}")))?;
+                    }
                 }
                 Ok(Some(group))
             }
@@ -269,8 +294,7 @@ impl Cgroup {
     /// Removes the cgroups of sandbox `id` left by a dead owner.
     pub fn remove_leftovers(id: &str) {
         let deadline = Instant::now() + REMOVE_GUARD;
-        let mut dirs = vec![Path::new(ROOT).join("moat").join(id)];
-        dirs.extend(V1_CONTROLLERS.iter().map(|c| Path::new(ROOT).join(c).join("moat").join(id)));
+        let dirs = sandbox_dirs(id);
         for dir in dirs.iter().filter(|d| d.exists()) {
             remove_tree(dir, deadline);
         }
@@ -315,11 +339,71 @@ fn v1_settings(controller: &str, limits: Limits) -> Vec<Setting> {
     }
 }
 
+/// Where this process's sandboxes' cgroups live in the hierarchy mounted
+/// at `hierarchy`: `moat/` for root; for any other user, the subtree root
+/// delegated to it (`moat/user-<uid>/`, see [`delegate`]). One user's
+/// sweeps and listings never reach another's sandboxes.
+pub fn parent(hierarchy: &Path) -> PathBuf {
+    parent_in(hierarchy, nix::unistd::geteuid().as_raw())
+}
+
+fn parent_in(hierarchy: &Path, uid: u32) -> PathBuf {
+    let moat = hierarchy.join("moat");
+    if uid == 0 { moat } else { moat.join(format!("user-{uid}")) }
+}
+
+/// Every directory sandbox `id` may have, one per hierarchy.
+fn sandbox_dirs(id: &str) -> Vec<PathBuf> {
+    let mut dirs = vec![parent(Path::new(ROOT)).join(id)];
+    dirs.extend(V1_CONTROLLERS.iter().map(|c| parent(&Path::new(ROOT).join(c)).join(id)));
+    dirs
+}
+
+/// What [`delegate`] did in one hierarchy, for `moat setup` to print.
+#[derive(Debug)]
+pub struct Delegated {
+    pub dir: PathBuf,
+    pub made: bool,
+}
+
+/// As root: gives user `uid` (group `gid`) a cgroup subtree of its own in
+/// every hierarchy this host offers, `moat/user-<uid>/`, where it makes
+/// its sandboxes' cgroups. The user owns the directory (to make cgroups
+/// in) and not its limit files, which root may set to cap all of the
+/// user's sandboxes together. On cgroup v2 the controllers are enabled
+/// down to it.
+pub fn delegate(support: &CgroupSupport, uid: u32, gid: u32) -> std::io::Result<Vec<Delegated>> {
+    let hierarchies: Vec<PathBuf> = match support {
+        CgroupSupport::None => return Err(std::io::Error::other("this host has no cgroups")),
+        CgroupSupport::V2 => vec![Path::new(ROOT).to_path_buf()],
+        CgroupSupport::V1 { controllers } => controllers.iter().map(|c| Path::new(ROOT).join(c)).collect(),
+    };
+    let mut done = Vec::new();
+    for hierarchy in hierarchies {
+        let dir = parent_in(&hierarchy, uid);
+        let made = !dir.is_dir();
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("making {}: {e}", dir.display())))?;
+        let mut owned = vec![dir.clone()];
+        if matches!(support, CgroupSupport::V2) {
+            for level in [hierarchy.as_path(), &hierarchy.join("moat"), &dir] {
+                write(level, "cgroup.subtree_control", "+memory +pids +cpu")?;
+            }
+            owned.extend(["cgroup.procs", "cgroup.subtree_control", "cgroup.threads"].map(|f| dir.join(f)));
+        }
+        for path in owned {
+            nix::unistd::chown(&path, Some(uid.into()), Some(gid.into()))
+                .map_err(|e| std::io::Error::other(format!("giving {} to uid {uid}: {e}", path.display())))?;
+        }
+        done.push(Delegated { dir, made });
+    }
+    Ok(done)
+}
+
 /// Removes the cgroups of sandbox `id` if no process is left in them
 /// (another data directory's live sandbox is never touched).
 pub fn remove_if_empty(id: &str) {
-    let mut dirs = vec![Path::new(ROOT).join("moat").join(id)];
-    dirs.extend(V1_CONTROLLERS.iter().map(|c| Path::new(ROOT).join(c).join("moat").join(id)));
+    let dirs = sandbox_dirs(id);
     // A live sandbox has its monitor and agent in `agent` (or, not split,
     // at the top): one read each tells, before any walk of its tree. Every
     // `moat` start sweeps, and other data directories' sandboxes are many.
@@ -366,8 +450,8 @@ fn count_procs(dir: &Path) -> usize {
 
 /// Ids of every sandbox cgroup on this host.
 pub fn sandbox_ids() -> Vec<String> {
-    let mut parents = vec![Path::new(ROOT).join("moat")];
-    parents.extend(V1_CONTROLLERS.iter().map(|c| Path::new(ROOT).join(c).join("moat")));
+    let mut parents = vec![parent(Path::new(ROOT))];
+    parents.extend(V1_CONTROLLERS.iter().map(|c| parent(&Path::new(ROOT).join(c))));
     let mut ids: Vec<String> = parents
         .iter()
         .filter_map(|p| std::fs::read_dir(p).ok())
@@ -397,7 +481,10 @@ const REMOVE_GUARD: Duration = Duration::from_secs(10);
 /// Removes the cgroup `dir` and every cgroup beneath it, deepest first.
 fn remove_tree(dir: &Path, deadline: Instant) {
     for dir in subtree(dir) {
-        remove_emptied(&dir, deadline);
+        if !remove_emptied(&dir, deadline) {
+            // Its parents cannot go either: one warning is enough.
+            return;
+        }
     }
 }
 
@@ -405,21 +492,23 @@ fn remove_tree(dir: &Path, deadline: Instant) {
 /// processes, they are thawed, SIGKILLed through pidfds and waited for on
 /// those pidfds (the kernel counts a process out of its cgroup before its
 /// pidfd reads ready): an event, not a sleep. Gives up at `deadline`.
-fn remove_emptied(dir: &Path, deadline: Instant) {
+fn remove_emptied(dir: &Path, deadline: Instant) -> bool {
     loop {
         let busy = match std::fs::remove_dir(dir) {
-            Ok(()) => return,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Ok(()) => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return true,
             Err(e) => e.raw_os_error() == Some(libc::EBUSY),
         };
         if !busy || Instant::now() >= deadline {
             tracing::warn!(dir = %dir.display(), "could not remove a sandbox cgroup");
-            return;
+            return false;
         }
         // A child made meanwhile (the sandbox's agent makes them) goes first.
         let children: Vec<PathBuf> = subtree(dir).into_iter().filter(|d| d != dir).collect();
         if !children.is_empty() {
-            children.iter().for_each(|child| remove_emptied(child, deadline));
+            if !children.iter().all(|child| remove_emptied(child, deadline)) {
+                return false;
+            }
             continue;
         }
         let _ = write(dir, "freezer.state", "THAWED");

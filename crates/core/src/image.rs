@@ -316,6 +316,123 @@ pub fn digest_tree(root: &Path) -> std::io::Result<TreeDigest> {
     Ok(TreeDigest { entries: lines.len() as u64, bytes, sha256: hex(&hasher.finalize()) })
 }
 
+/// Moves the owners of every entry of the tree `root` (symlinks not
+/// followed) from ids `from..from + JAIL_ID_COUNT` to the same offsets from
+/// `to`; returns how many inodes changed. setuid and setgid bits, which
+/// chown(2) clears, are set again. An entry owned outside the range (a
+/// tree shifted already, or not an image's) is an error, naming it.
+pub fn shift_ownership(root: &Path, from: u32, to: u32) -> std::io::Result<u64> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let shift = |id: u32, path: &Path| {
+        id.checked_sub(from).filter(|offset| *offset < JAIL_ID_COUNT).map(|offset| to + offset).ok_or_else(|| {
+            std::io::Error::other(format!(
+                "{} is owned by id {id}, outside the ids from {from} this tree should have; rebuild the image \
+                 from scratch (`cargo xtask image --force`)",
+                path.display()
+            ))
+        })
+    };
+    let mut count = 0u64;
+    // Hard links share an inode: shift each inode once.
+    let mut linked = std::collections::HashSet::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        let meta = std::fs::symlink_metadata(&path)?;
+        if !meta.is_dir() && meta.nlink() > 1 && !linked.insert((meta.dev(), meta.ino())) {
+            continue;
+        }
+        let (uid, gid) = (shift(meta.uid(), &path)?, shift(meta.gid(), &path)?);
+        std::os::unix::fs::lchown(&path, Some(uid), Some(gid))
+            .map_err(|e| std::io::Error::new(e.kind(), format!("chown {}: {e}", path.display())))?;
+        if !meta.file_type().is_symlink() && meta.mode() & 0o6000 != 0 {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(meta.mode() & 0o7777))?;
+        }
+        if meta.is_dir() {
+            for entry in std::fs::read_dir(&path)? {
+                stack.push(entry?.path());
+            }
+        }
+        count += 1;
+    }
+    Ok(count)
+}
+
+/// As root: copies `image` into the data directory `data_dir` of a user
+/// whose jails map ids from `base`, its `rootfs/` owned from `base`
+/// instead (a rootless jail can map only its user's subordinate ids), and
+/// gives the copy's files to `owner` (uid, gid). The other artifacts are
+/// hard links where the two directories share a file system (read-only to
+/// the user), else sparse copies. The copy gets its own manifest
+/// (`jail_id_base` and the tree's digest), and replaces an earlier copy
+/// whole: it is made beside it and renamed into place. Returns the copy.
+pub fn copy_for_user(image: &Image, data_dir: &Path, base: u32, owner: (u32, u32)) -> std::io::Result<Image> {
+    let io = |what: String| move |e: std::io::Error| std::io::Error::new(e.kind(), format!("{what}: {e}"));
+    let images = data_dir.join("images");
+    make_dirs_owned(&images, owner)?;
+    let dest = image_dir(data_dir, &image.name);
+    let work = images.join(format!(".{}.copy-{}", image.name, std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir(&work).map_err(io(format!("making {}", work.display())))?;
+    let result = (|| {
+        // cp(1) keeps modes, hard links, special files and extended
+        // attributes as they are; only the owners then move.
+        let status = std::process::Command::new("cp")
+            .args(["-a", "--sparse=always"])
+            .arg(image.path("rootfs"))
+            .arg(work.join("rootfs"))
+            .status()
+            .map_err(io("running cp".into()))?;
+        if !status.success() {
+            return Err(std::io::Error::other(format!(
+                "cp -a of {} failed ({status})",
+                image.path("rootfs").display()
+            )));
+        }
+        shift_ownership(&work.join("rootfs"), image.manifest.jail_id_base, base)?;
+        for file in image.manifest.artifacts.keys() {
+            let (from, to) = (image.path(file), work.join(file));
+            if std::fs::hard_link(&from, &to).is_err() {
+                let status = std::process::Command::new("cp")
+                    .args(["--sparse=always"])
+                    .arg(&from)
+                    .arg(&to)
+                    .status()
+                    .map_err(io("running cp".into()))?;
+                if !status.success() {
+                    return Err(std::io::Error::other(format!("copying {} failed ({status})", from.display())));
+                }
+            }
+        }
+        let mut manifest = image.manifest.clone();
+        manifest.jail_id_base = base;
+        manifest.rootfs = digest_tree(&work.join("rootfs"))?;
+        let text = serde_json::to_string_pretty(&manifest).map_err(std::io::Error::other)?;
+        std::fs::write(work.join("manifest.json"), text)?;
+        for path in [work.clone(), work.join("manifest.json")] {
+            std::os::unix::fs::lchown(&path, Some(owner.0), Some(owner.1))?;
+        }
+        if dest.exists() {
+            std::fs::remove_dir_all(&dest).map_err(io(format!("removing the earlier copy {}", dest.display())))?;
+        }
+        std::fs::rename(&work, &dest).map_err(io(format!("renaming the copy to {}", dest.display())))?;
+        Image::open(data_dir, &image.name).map_err(|e| std::io::Error::other(e.to_string()))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&work);
+    }
+    result
+}
+
+/// Makes `dir` and its missing parents, giving each one made to `owner`.
+fn make_dirs_owned(dir: &Path, owner: (u32, u32)) -> std::io::Result<()> {
+    let missing: Vec<&Path> = dir.ancestors().take_while(|d| !d.exists()).collect();
+    std::fs::create_dir_all(dir)?;
+    for made in missing {
+        std::os::unix::fs::lchown(made, Some(owner.0), Some(owner.1))?;
+    }
+    Ok(())
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -343,6 +460,35 @@ mod tests {
         };
         std::fs::write(dir.join("manifest.json"), serde_json::to_string(&manifest).expect("json")).expect("write");
         dir
+    }
+
+    #[test]
+    fn ownership_shifts_and_setuid_survives() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().join("root");
+        std::fs::create_dir_all(root.join("usr/bin")).expect("mkdir");
+        let su = root.join("usr/bin/su");
+        std::fs::write(&su, "x").expect("write");
+        if std::os::unix::fs::chown(&su, Some(0), Some(0)).is_err() {
+            eprintln!("skipping: chown needs root");
+            return;
+        }
+        std::fs::set_permissions(&su, std::fs::Permissions::from_mode(0o4755)).expect("chmod");
+        std::os::unix::fs::symlink("su", root.join("usr/bin/link")).expect("symlink");
+        std::fs::hard_link(&su, root.join("usr/bin/su2")).expect("hard link");
+        std::os::unix::fs::chown(dir.path(), Some(0), Some(0)).expect("chown");
+        for path in [&root, &root.join("usr"), &root.join("usr/bin")] {
+            std::os::unix::fs::chown(path, Some(0), Some(0)).expect("chown");
+        }
+        assert_eq!(shift_ownership(&root, 0, 1000).expect("shifts"), 5);
+        let meta = std::fs::metadata(&su).expect("stat");
+        assert_eq!((meta.uid(), meta.gid(), meta.mode() & 0o7777), (1000, 1000, 0o4755));
+        assert_eq!(std::fs::symlink_metadata(root.join("usr/bin/link")).expect("lstat").uid(), 1000);
+        let again = shift_ownership(&root, 0, 1000).expect_err("shifting from 0 twice is refused");
+        assert!(again.to_string().contains("outside the ids from 0"), "{again}");
+        assert_eq!(shift_ownership(&root, 1000, 500_000).expect("shifts on"), 5, "one range to another");
+        assert_eq!(std::fs::metadata(&su).expect("stat").uid(), 500_000);
     }
 
     #[test]

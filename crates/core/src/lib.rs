@@ -14,6 +14,7 @@ pub mod cgroup;
 pub mod error;
 pub mod grants;
 pub mod hostfs;
+pub mod hostuser;
 pub mod image;
 pub mod interpreter;
 pub mod limits;

@@ -584,7 +584,11 @@ async fn escapes_fail() {
         // Threat: gaining host privileges. Sandbox root is an unprivileged host uid.
         let info = moat.run(id, as_root("cat /proc/self/uid_map")).await.expect("runs");
         let map = String::from_utf8_lossy(&info.stdout);
-        assert_eq!(map.split_whitespace().collect::<Vec<_>>(), ["0", "2000000000", "65536"], "{map}");
+        // Rootless, the map is read against the monitor's own namespace,
+        // where 1 is the account's first subordinate id (the run's watch
+        // checks the host ids themselves).
+        let base = if rootless() { "1" } else { "2000000000" };
+        assert_eq!(map.split_whitespace().collect::<Vec<_>>(), ["0", base, "65536"], "{map}");
 
         // Threat: raising privileges with a set-uid binary. no_new_privs makes
         // the kernel ignore the bit: a set-uid-root copy of `id` still says 1000.
@@ -696,7 +700,7 @@ async fn escapes_fail() {
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
     let moat = moat(16).await;
-    let project = tempfile::Builder::new().prefix("project-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let project = tempfile::Builder::new().prefix("project-").tempdir_in(common::tmp_root()).expect("tempdir");
     let p = project.path();
     std::fs::write(p.join("main.py"), "print('hello')\n").expect("write");
     std::fs::write(p.join("delete_me.txt"), "bye\n").expect("write");
@@ -755,7 +759,7 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn copies_hold_the_host_boundary_against_a_hostile_sandbox() {
     let moat = moat(16).await;
-    let base = tempfile::Builder::new().prefix("copies-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let base = tempfile::Builder::new().prefix("copies-").tempdir_in(common::tmp_root()).expect("tempdir");
     let b = base.path();
     let marker = tempfile::Builder::new().prefix("moat-escape-").tempdir().expect("tempdir outside the roots");
     let escaped = marker.path().join("escaped");
@@ -834,7 +838,7 @@ async fn copies_hold_the_host_boundary_against_a_hostile_sandbox() {
 async fn a_sandbox_killed_mid_call_fails_alone_and_is_released() {
     let moat = moat(16).await;
     let bystander = moat.create(small()).await.expect("created").id;
-    let base = tempfile::Builder::new().prefix("faults-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let base = tempfile::Builder::new().prefix("faults-").tempdir_in(common::tmp_root()).expect("tempdir");
     let big = base.path().join("big.bin");
     // Long enough a transfer to be killed in the middle of (nested vsock
     // moves a few MiB a second).
@@ -958,7 +962,7 @@ async fn a_full_data_disk_fails_clearly_and_damages_nothing() {
             }
         }
     }
-    let top = tempfile::Builder::new().prefix("full-disk-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let top = tempfile::Builder::new().prefix("full-disk-").tempdir_in(common::tmp_root()).expect("tempdir");
     let data = top.path().join("data");
     std::fs::create_dir(&data).expect("mkdir");
     mount(Some("tmpfs"), &data, Some("tmpfs"), MsFlags::empty(), Some("size=16m,mode=0755")).expect("tmpfs");
@@ -1135,6 +1139,50 @@ fn jails_recover_on_a_cgroup_v2_host_in_the_nested_host() {
     assert_eq!(out.0, 0, "jails on cgroup v2 failed:\n{}", out.1);
 }
 
+/// The same contract for jails started by an unprivileged user (issue
+/// U1): an account made here, prepared once by `moat setup --user` as
+/// root, runs this binary's jail tests (escapes included) with
+/// `MOAT_TEST_ROOTLESS=1`. Meanwhile every process of that run is
+/// watched: none may have uid 0 on the host, and every process inside a
+/// sandbox (another pid namespace) runs as one of the account's
+/// subordinate ids, never as the account itself.
+#[test]
+#[ignore = "needs root (to make the account), the default image, the static agent and the moat binary; run by `cargo xtask test`"]
+fn jails_pass_the_same_contract_for_an_unprivileged_user() {
+    if std::env::var_os("MOAT_TEST_BACKEND").is_some() || rootless() {
+        return;
+    }
+    let account = common::rootless_account();
+    let tests: Vec<String> = contract_tests("").into_iter().filter(|t| !ROOT_ONLY.contains(&t.as_str())).collect();
+    assert!(ROOT_ONLY.iter().all(|t| contract_tests("").iter().any(|k| k == t)), "a test named in ROOT_ONLY is gone");
+    let mut command = account.test_binary();
+    command
+        .args(["--include-ignored", "--test-threads=1", "--exact"])
+        .args(&tests)
+        .env("MOAT_TEST_ROOTLESS", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = command.spawn().expect("the test binary starts as the account");
+    let watch = common::UidWatch::start(child.id(), account.subids);
+    let out = child.wait_with_output().expect("the run ends");
+    let seen = watch.stop();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the contract failed for {}'s jails:\n{text}", account.name);
+    assert!(seen.root.is_empty(), "processes of the rootless run had uid 0 on the host: {:?}", seen.root);
+    assert!(seen.misplaced.is_empty(), "sandbox processes ran outside the subordinate ids: {:?}", seen.misplaced);
+    assert!(seen.sandboxed > 0, "no sandbox process was seen: the watch saw nothing\n{text}");
+}
+
+/// The tests that need root itself, not only a sandbox: a full data disk
+/// is a file system the test mounts.
+const ROOT_ONLY: &[&str] = &["a_full_data_disk_fails_clearly_and_damages_nothing"];
+
+/// Whether this run is the unprivileged account's (see
+/// [`jails_pass_the_same_contract_for_an_unprivileged_user`]).
+fn rootless() -> bool {
+    std::env::var_os("MOAT_TEST_ROOTLESS").is_some()
+}
+
 /// How long one test may take in level 1 before its watchdog reports what
 /// hangs (the slowest take 2-3 minutes on a busy 2-core host; the whole
 /// microVM contract 8-10).
@@ -1236,7 +1284,7 @@ fn contract_tests(filter: &str) -> Vec<String> {
     let mut tests = String::from_utf8_lossy(&list.stdout)
         .lines()
         .filter_map(|l| l.strip_suffix(": test"))
-        .filter(|t| !t.ends_with("_in_the_nested_host") && t.contains(filter))
+        .filter(|t| !t.ends_with("_in_the_nested_host") && !t.ends_with("_unprivileged_user") && t.contains(filter))
         .map(str::to_owned)
         .collect::<Vec<_>>();
     // The bombs last: they load level 1 the most, and a level 1 that

@@ -124,7 +124,7 @@ pub fn build(name: &str, force: bool) -> Result<PathBuf> {
             step.done(&format!("{} allocated", human(used)));
 
             let step = Step::start("ownership", &format!("shifting rootfs/ to host ids from {JAIL_ID_BASE} for jails"));
-            let count = rootfs::shift_ownership(&work.join("rootfs"), JAIL_ID_BASE)?;
+            let count = image::shift_ownership(&work.join("rootfs"), 0, JAIL_ID_BASE)?;
             step.done(&format!("{count} entries"));
             let tree = image::digest_tree(&work.join("rootfs"))?;
             (packages, tree)

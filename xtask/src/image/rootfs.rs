@@ -2,7 +2,6 @@
 //! (the jail's overlay lower layer) and as an ext4 image (the VM's disk).
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::process::Command;
 
@@ -124,57 +123,4 @@ pub fn make_ext4(root: &Path, dest: &Path) -> Result<()> {
         bail!("mkfs.ext4 failed ({status})");
     }
     Ok(())
-}
-
-/// Shifts the owner of every entry under `root` by `base`, keeping modes
-/// (chown clears set-uid bits, which are restored).
-pub fn shift_ownership(root: &Path, base: u32) -> Result<u64> {
-    let mut count = 0u64;
-    // Hard links share an inode: shift each inode once.
-    let mut linked = std::collections::HashSet::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(path) = stack.pop() {
-        let meta = std::fs::symlink_metadata(&path).with_context(|| format!("stat {}", path.display()))?;
-        if !meta.is_dir() && meta.nlink() > 1 && !linked.insert((meta.dev(), meta.ino())) {
-            continue;
-        }
-        if meta.uid() >= base {
-            bail!("{} is already owned by a shifted id; rebuild the image from scratch with --force", path.display());
-        }
-        std::os::unix::fs::lchown(&path, Some(meta.uid() + base), Some(meta.gid() + base))
-            .with_context(|| format!("chown {}", path.display()))?;
-        if !meta.file_type().is_symlink() && meta.mode() & 0o6000 != 0 {
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(meta.mode() & 0o7777))?;
-        }
-        if meta.is_dir() {
-            for entry in std::fs::read_dir(&path)? {
-                stack.push(entry?.path());
-            }
-        }
-        count += 1;
-    }
-    Ok(count)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ownership_shifts_and_setuid_survives() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let root = dir.path().join("root");
-        std::fs::create_dir_all(root.join("usr/bin")).expect("mkdir");
-        let su = root.join("usr/bin/su");
-        std::fs::write(&su, "x").expect("write");
-        std::os::unix::fs::chown(&su, Some(0), Some(0)).expect("chown to root (tests run as root)");
-        std::fs::set_permissions(&su, std::fs::Permissions::from_mode(0o4755)).expect("chmod");
-        std::os::unix::fs::symlink("su", root.join("usr/bin/link")).expect("symlink");
-        std::fs::hard_link(&su, root.join("usr/bin/su2")).expect("hard link");
-        assert_eq!(shift_ownership(&root, 1000).expect("shifts"), 5);
-        let meta = std::fs::metadata(&su).expect("stat");
-        assert_eq!((meta.uid(), meta.gid(), meta.mode() & 0o7777), (1000, 1000, 0o4755));
-        assert_eq!(std::fs::symlink_metadata(root.join("usr/bin/link")).expect("lstat").uid(), 1000);
-        assert!(shift_ownership(&root, 1000).is_err(), "shifting twice must be refused");
-    }
 }

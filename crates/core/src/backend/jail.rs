@@ -11,6 +11,7 @@ use moat_proto::{AgentClient, UnixConnector};
 use crate::backend::{Backend, BackendKind, Instance};
 use crate::cgroup::{Cgroup, CgroupSupport, Limits};
 use crate::error::{CreateError, IoError};
+use crate::hostuser::HostUser;
 use crate::image::{Image, JAIL_ID_BASE, JAIL_ID_COUNT};
 use crate::process::Pidfd;
 use crate::sandbox::SandboxSpec;
@@ -35,6 +36,9 @@ const PIDS_MAX: u32 = 1024;
 pub struct JailBackend {
     agent: PathBuf,
     cgroups: CgroupSupport,
+    /// Who starts the jails: root maps [`JAIL_ID_BASE`], anyone else its
+    /// subordinate ranges (rootless).
+    user: HostUser,
 }
 
 /// A running jail.
@@ -51,7 +55,7 @@ pub struct Jail {
 
 impl JailBackend {
     pub fn new(agent: PathBuf) -> Self {
-        Self { agent, cgroups: CgroupSupport::probe() }
+        Self { agent, cgroups: CgroupSupport::probe(), user: HostUser::current() }
     }
 
     pub fn cgroups(&self) -> &CgroupSupport {
@@ -165,6 +169,19 @@ impl Backend for JailBackend {
             })?),
             _ => None,
         };
+        let refused = |reason: String| CreateError::StartFailed { id: id.into(), reason };
+        if let Some(problem) = self.user.jail_problem() {
+            return Err(refused(problem));
+        }
+        let root = crate::hostuser::Range { start: JAIL_ID_BASE, count: JAIL_ID_COUNT };
+        let (uids, gids) = self.user.ids.unwrap_or((root, root));
+        if image.manifest.jail_id_base != uids.start {
+            let name = self.user.display_name();
+            return Err(refused(format!(
+                "image {:?} is owned for jails that map host ids from {}, and {name}'s jails map its                  subordinate ids from {}: as root, run `moat setup --user {name}`, which copies the image                  into {name}'s data directory with its files' owners in that range",
+                image.name, image.manifest.jail_id_base, uids.start
+            )));
+        }
         let state = StateDir::create(data_dir, id).map_err(io("creating its state directory"))?;
         // Disk writes live in a tmpfs charged to the sandbox's memory: the
         // memory limit covers both.
@@ -179,8 +196,13 @@ impl Backend for JailBackend {
             .arg(&state.path)
             .arg("--agent")
             .arg(&self.agent)
-            .args(["--hostname", hostname, "--id-base", &JAIL_ID_BASE.to_string()])
+            .args(["--hostname", hostname, "--id-base", &uids.start.to_string()])
             .args(["--id-count", &JAIL_ID_COUNT.to_string(), "--disk-mib", &spec.disk_mib.to_string()]);
+        if !self.user.is_root() {
+            // The monitor enters a user namespace of the caller's own
+            // first (newuidmap, newgidmap) and builds the jail from there.
+            command.arg("--rootless").args(["--gid-base", &gids.start.to_string()]);
+        }
         if let Some(pasta) = &pasta {
             command.arg("--pasta").arg(pasta);
         }
@@ -209,7 +231,7 @@ impl Backend for JailBackend {
             }
         };
         state.record_monitor(monitor.id()).map_err(io("recording its monitor"))?;
-        let cgroup = match Cgroup::create(&self.cgroups, id, limits, JAIL_ID_BASE) {
+        let cgroup = match Cgroup::create(&self.cgroups, id, limits, self.user.is_root().then_some(JAIL_ID_BASE)) {
             Ok(Some(cgroup)) => Some(cgroup),
             Ok(None) if crate::limits::allow_unlimited() => None,
             Ok(None) => return Err(self.unlimited_refused(id, monitor, state, "this host has no cgroups")),

@@ -29,7 +29,7 @@ pub fn config(backend: BackendKind, max_sandboxes: usize, egress: EgressConfig) 
         backend,
         agent: agent(),
         max_sandboxes,
-        roots: vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))],
+        roots: vec![tmp_root()],
         copy_limit: moat_core::hostfs::DEFAULT_COPY_MAX_MIB << 20,
         pool_size: 0,
         pool_spec: SandboxSpec::default(),
@@ -38,6 +38,212 @@ pub fn config(backend: BackendKind, max_sandboxes: usize, egress: EgressConfig) 
         grants: moat_core::Grants::everything(),
         extra_ca: None,
     }
+}
+
+/// Where tests make the host directories they share with sandboxes (a
+/// root of their `Moat`): `$MOAT_TEST_TMPDIR` (the unprivileged account's
+/// own, in its run), else the target's temporary directory.
+pub fn tmp_root() -> PathBuf {
+    std::env::var_os("MOAT_TEST_TMPDIR").map_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")), PathBuf::from)
+}
+
+/// The unprivileged account rootless tests run as, prepared by `moat
+/// setup --user` (subordinate ids, delegated cgroups, its copy of the
+/// image), and a directory of its own holding what it runs.
+#[allow(dead_code)]
+pub struct Account {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub home: PathBuf,
+    /// The first of its subordinate uids: its sandboxes' root.
+    pub subids: u32,
+    /// Its own directory (removed on drop), with copies of the test
+    /// binary and agent: a checkout may lie where it cannot reach.
+    pub dir: tempfile::TempDir,
+}
+
+/// The account's name.
+#[allow(dead_code)]
+const ACCOUNT: &str = "moat-rootless";
+
+/// Makes (once) and prepares the account [`ACCOUNT`].
+#[allow(dead_code)]
+pub fn rootless_account() -> Account {
+    use std::os::unix::fs::PermissionsExt;
+    let known = |name: &str| nix::unistd::User::from_name(name).ok().flatten();
+    if known(ACCOUNT).is_none() {
+        let made = std::process::Command::new("useradd")
+            .args(["--create-home", "--shell", "/bin/sh", ACCOUNT])
+            .status()
+            .expect("useradd runs");
+        assert!(made.success(), "useradd {ACCOUNT} failed");
+    }
+    let user = known(ACCOUNT).expect("the account exists");
+    let bin_dir = std::env::var_os("MOAT_BIN_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/debug"), PathBuf::from);
+    let setup = std::process::Command::new(bin_dir.join("moat"))
+        .args(["setup", "--user", ACCOUNT])
+        .output()
+        .expect("moat setup runs (MOAT_BIN_DIR names the moat binary)");
+    let said = format!("{}{}", String::from_utf8_lossy(&setup.stdout), String::from_utf8_lossy(&setup.stderr));
+    assert!(
+        setup.status.success(),
+        "moat setup --user {ACCOUNT} failed:
+{said}"
+    );
+    eprintln!("{said}");
+    let subuid = std::fs::read_to_string("/etc/subuid").expect("/etc/subuid, written by setup");
+    let range = moat_core::hostuser::subordinate(&subuid, user.uid.as_raw(), Some(ACCOUNT)).expect("a range");
+    let dir = tempfile::Builder::new().prefix("moat-rootless-").tempdir().expect("a directory");
+    for path in [dir.path().to_path_buf(), dir.path().join("tmp")] {
+        std::fs::create_dir_all(&path).expect("mkdir");
+        std::os::unix::fs::chown(&path, Some(user.uid.as_raw()), Some(user.gid.as_raw())).expect("chown");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+    for (from, name) in [(std::env::current_exe().expect("this test binary"), "tests"), (agent(), "moat-agent")] {
+        std::fs::copy(&from, dir.path().join(name)).expect("copies what the account runs");
+    }
+    Account {
+        name: ACCOUNT.into(),
+        uid: user.uid.as_raw(),
+        gid: user.gid.as_raw(),
+        home: user.dir,
+        subids: range.start,
+        dir,
+    }
+}
+
+#[allow(dead_code)]
+impl Account {
+    /// This test binary (its copy) run as the account, with a clean
+    /// environment of the account's own.
+    pub fn test_binary(&self) -> std::process::Command {
+        let mut command = std::process::Command::new("setpriv");
+        command
+            .arg(format!("--reuid={}", self.uid))
+            .arg(format!("--regid={}", self.gid))
+            .arg("--init-groups")
+            .arg(self.dir.path().join("tests"))
+            .env_clear()
+            .env("HOME", &self.home)
+            .env("USER", &self.name)
+            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .env("MOAT_AGENT", self.dir.path().join("moat-agent"))
+            .env("MOAT_TEST_TMPDIR", self.dir.path().join("tmp"))
+            .current_dir(self.dir.path());
+        command
+    }
+}
+
+/// What [`UidWatch`] saw of a process tree's host uids.
+#[derive(Debug, Default)]
+#[allow(dead_code)]
+pub struct Seen {
+    /// Processes with uid 0 (real, effective, saved or file system).
+    pub root: Vec<String>,
+    /// Processes in another pid namespace (a sandbox's) whose uid is not
+    /// one of the subordinate range.
+    pub misplaced: Vec<String>,
+    /// How many sandbox processes were seen.
+    pub sandboxed: usize,
+}
+
+/// Watches the host uids of every process descending from a pid until
+/// stopped. A test's observer, not moat's: it samples /proc every few
+/// milliseconds, as nothing notifies of another user's new processes.
+#[allow(dead_code)]
+pub struct UidWatch {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Seen>,
+}
+
+#[allow(dead_code)]
+impl UidWatch {
+    pub fn start(top: u32, subids: u32) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut seen = Seen::default();
+            let mut noted = std::collections::HashSet::new();
+            let ours = std::fs::read_link("/proc/self/ns/pid").ok();
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                for (pid, status) in descendants(top) {
+                    let field = |name: &str| {
+                        status
+                            .lines()
+                            .find_map(|l| l.strip_prefix(name))
+                            .map(|v| v.split_whitespace().filter_map(|id| id.parse::<u32>().ok()).collect::<Vec<_>>())
+                    };
+                    let (Some(uids), Some(name)) =
+                        (field("Uid:"), status.lines().find_map(|l| l.strip_prefix("Name:")))
+                    else {
+                        continue;
+                    };
+                    let name = name.trim();
+                    let what = format!("{name} (pid {pid}, uids {uids:?})");
+                    let sandboxed = std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok() != ours;
+                    // setpriv is root until it has switched to the account
+                    // and exec'd the test; a sandbox's init is moat's own
+                    // code, still setting its ids, until it execs the
+                    // agent (then named `agent`).
+                    let switching = (pid == top && name == "setpriv") || (sandboxed && name == "moat-agent");
+                    // The system's set-uid helpers that map the account's
+                    // subordinate ids (shadow's, as rootless Podman uses
+                    // them): root by design, and not moat's.
+                    let helper = matches!(name, "newuidmap" | "newgidmap");
+                    if switching || helper || !noted.insert((pid, uids.clone())) {
+                        continue;
+                    }
+                    if uids.contains(&0) {
+                        seen.root.push(what);
+                    } else if sandboxed {
+                        seen.sandboxed += 1;
+                        if !uids.iter().all(|id| (subids..subids + 65536).contains(id)) {
+                            seen.misplaced.push(what);
+                        }
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            seen
+        });
+        Self { stop, thread }
+    }
+
+    pub fn stop(self) -> Seen {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("the watch ends")
+    }
+}
+
+/// Every live process below `top` (by parent pid), with its status text.
+#[allow(dead_code)]
+fn descendants(top: u32) -> Vec<(u32, String)> {
+    let mut parents = std::collections::HashMap::new();
+    let mut statuses = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().filter_map(Result::ok) {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else { continue };
+        let ppid = status.lines().find_map(|l| l.strip_prefix("PPid:")).and_then(|v| v.trim().parse::<u32>().ok());
+        if let Some(ppid) = ppid {
+            parents.insert(pid, ppid);
+        }
+        statuses.push((pid, status));
+    }
+    let below = |mut pid: u32| {
+        while let Some(&parent) = parents.get(&pid) {
+            if parent == top {
+                return true;
+            }
+            if parent <= 1 {
+                return false;
+            }
+            pid = parent;
+        }
+        false
+    };
+    statuses.into_iter().filter(|(pid, _)| *pid == top || below(*pid)).collect()
 }
 
 /// Runs `script` with `bash -c` in sandbox `id`: stdout then stderr, and

@@ -1,0 +1,121 @@
+//! `moat setup --user NAME`: what root prepares once so that user NAME can
+//! run moat without root (docs/operations.md, "Rootless").
+
+use std::path::PathBuf;
+
+use moat_core::cgroup::CgroupSupport;
+use moat_core::hostuser::{Range, free_range, subordinate};
+use moat_core::image::{Image, JAIL_ID_COUNT};
+
+use crate::Result;
+
+/// Prepares user `name` for rootless sandboxes: a subordinate id range
+/// (picked and added with usermod(8) when it has none), a delegated cgroup
+/// subtree in every hierarchy, and a copy of root's image `image` in its
+/// data directory with the rootfs owned in its range. Says what it did.
+pub fn user(name: &str, image: &str) -> Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        return Err("`moat setup --user` prepares another user for rootless sandboxes and needs root: run it \
+                    with sudo, once per user"
+            .into());
+    }
+    let user = nix::unistd::User::from_name(name)?
+        .ok_or_else(|| format!("there is no user {name:?} on this host (see `getent passwd`)"))?;
+    if user.uid.is_root() {
+        return Err("root needs no setup: it runs sandboxes as it is".into());
+    }
+    let (uid, gid) = (user.uid.as_raw(), user.gid.as_raw());
+
+    let read = |file: &str| std::fs::read_to_string(file).unwrap_or_default();
+    let (subuid, subgid) = (read("/etc/subuid"), read("/etc/subgid"));
+    let found = |text: &str| subordinate(text, uid, Some(name));
+    let (uids, _gids) = match (found(&subuid), found(&subgid)) {
+        (Some(uids), Some(gids)) => {
+            println!(
+                "subordinate ids: {name} has uids {} and gids {} (from /etc/subuid, /etc/subgid)",
+                show(uids),
+                show(gids)
+            );
+            (uids, gids)
+        }
+        _ => {
+            let range = free_range(&subuid, &subgid).ok_or("no free range of 65536 subordinate ids is left")?;
+            let span = format!("{}-{}", range.start, range.start + range.count - 1);
+            let status = std::process::Command::new("usermod")
+                .args(["--add-subuids", &span, "--add-subgids", &span, name])
+                .status()
+                .map_err(|e| format!("cannot run usermod ({e}): install Debian's passwd package"))?;
+            if !status.success() {
+                return Err(
+                    format!("usermod --add-subuids {span} --add-subgids {span} {name} failed ({status})").into()
+                );
+            }
+            println!("subordinate ids: gave {name} uids and gids {span} (usermod)");
+            (range, range)
+        }
+    };
+    for helper in ["newuidmap", "newgidmap"] {
+        if moat_core::programs::find_program(helper).is_none() {
+            println!("warning: {helper} is not installed; install it with `apt-get install uidmap`");
+        }
+    }
+
+    match CgroupSupport::probe() {
+        CgroupSupport::None => {
+            println!("cgroups: this host has none; {name}'s sandboxes are refused unless MOAT_ALLOW_UNLIMITED=1");
+        }
+        support => {
+            for delegated in moat_core::cgroup::delegate(&support, uid, gid)? {
+                let what = if delegated.made { "made" } else { "kept" };
+                println!("cgroups: {what} {} (owned by {name})", delegated.dir.display());
+            }
+            if support == CgroupSupport::V2 {
+                println!(
+                    "cgroups: on cgroup v2 a process may move only within a subtree it already runs in: start \
+                     {name}'s moat inside it, or use systemd's delegation (docs/operations.md, \"Rootless\")"
+                );
+            }
+        }
+    }
+
+    let source = Image::open(&moat_core::image::data_dir(), image)
+        .map_err(|e| format!("root's image {image:?} cannot be copied for {name}: {e}"))?;
+    let data = user_data_dir(&user);
+    // Only a copy that is there is opened (opening logs a missing one).
+    let current = moat_core::image::image_dir(&data, image)
+        .join("manifest.json")
+        .exists()
+        .then(|| Image::open(&data, image).ok())
+        .flatten();
+    let fresh = current.as_ref().is_some_and(|copy| {
+        copy.manifest.jail_id_base == uids.start
+            && copy.manifest.artifacts == source.manifest.artifacts
+            && copy.manifest.created == source.manifest.created
+    });
+    if fresh {
+        println!("image {image:?}: {name}'s copy in {} is current", data.display());
+    } else {
+        let started = std::time::Instant::now();
+        let copy = moat_core::image::copy_for_user(&source, &data, uids.start, (uid, gid))?;
+        println!(
+            "image {image:?}: copied into {} with its files owned from id {} ({:.1} s)",
+            copy.dir.display(),
+            uids.start,
+            started.elapsed().as_secs_f64()
+        );
+    }
+    println!(
+        "{name} can now run moat without root; `moat doctor`, run as {name}, checks the rest (/dev/kvm for microVMs)"
+    );
+    Ok(())
+}
+
+fn show(range: Range) -> String {
+    format!("{}-{} ({JAIL_ID_COUNT} of them map a jail's ids)", range.start, range.start + range.count - 1)
+}
+
+/// The data directory user `user`'s moat uses by default (as
+/// [`moat_core::image::data_dir`] finds it with that user's `HOME`).
+fn user_data_dir(user: &nix::unistd::User) -> PathBuf {
+    user.dir.join(".local/share/moat")
+}
