@@ -1108,11 +1108,33 @@ fn microvm_sandboxes_pass_the_same_contract_in_the_nested_host() {
     }
     // `MOAT_CONTRACT_FILTER=NAME` runs only the tests whose names hold NAME.
     let filter = std::env::var("MOAT_CONTRACT_FILTER").unwrap_or_default();
-    let tests = contract_tests(&filter);
+    let known = contract_tests("");
+    assert!(NOT_FOR_MICROVMS.iter().all(|t| known.iter().any(|k| k == t)), "a test named in NOT_FOR_MICROVMS is gone");
+    let tests: Vec<String> =
+        contract_tests(&filter).into_iter().filter(|t| !NOT_FOR_MICROVMS.contains(&t.as_str())).collect();
     assert!(!tests.is_empty(), "no test of this binary matches MOAT_CONTRACT_FILTER={filter:?}");
     let out = in_the_nested_host("vm", &tests);
     assert_eq!(out.0, 0, "the contract failed for microVMs:\n{}", out.1);
 }
+
+/// The contract tests the microVM run leaves out. Every minute in level 1
+/// runs under TCG, so it goes to what a microVM does differently (its
+/// VMM, its vsock transport, its own kernel's limits and cgroups, its
+/// pause, a guest root that owns the agent), not to what the jail run on
+/// this host has shown already:
+/// - jail-only subjects, which return at once for microVMs: the host
+///   kernel's surface, cgroup v1 launchers, reclaiming a background bomb
+///   through the host's cgroups, a full data disk under a jail's tmpfs;
+/// - host-side logic over the same agent: a task's import and patch, and
+///   giving up a Python session that never starts.
+const NOT_FOR_MICROVMS: &[&str] = &[
+    "the_kernel_surface_is_closed_to_sandbox_root",
+    "commands_are_born_in_their_cgroup_on_a_cgroup_v1_host",
+    "a_background_fork_bomb_is_reclaimed_by_the_next_command",
+    "a_full_data_disk_fails_clearly_and_damages_nothing",
+    "a_task_imports_a_project_and_turns_the_work_into_a_patch",
+    "a_python_session_that_never_starts_is_given_up",
+];
 
 /// Jails recover from their limits on a cgroup v2 host too: level 1 is one
 /// (cgroup2 mounted with `nsdelegate`, as systemd does; the image's
@@ -1256,15 +1278,6 @@ EOF
         payload
     };
     let out = moat_nested::run_steps(&bundle, tests, TESTS_PER_LEVEL_1, payload).expect("level 1 runs the tests");
-    // How long each test took, by the host's clock (level 1's drifts under
-    // TCG), in the last level 1.
-    let mut since = out.reached(moat_nested::Stage::PayloadStarted).unwrap_or_default();
-    for (at, mark) in &out.marks {
-        if let Some(test) = mark.strip_prefix("done ") {
-            eprintln!("{:>6.1} s  {test}", at.saturating_sub(since).as_secs_f64());
-            since = *at;
-        }
-    }
     eprintln!("{}", out.stdout_text());
     let console: Vec<&str> = out.console.lines().collect();
     let report = format!(

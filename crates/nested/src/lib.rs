@@ -89,6 +89,7 @@ pub fn run_steps(
         let given = &left[..left.len().min(per_level.max(1))];
         let (marks, stdout, result) = match machine::run(bundle, &payload(given)) {
             Ok(mut out) => {
+                report_step_times(&out);
                 let marks: Vec<String> = out.marks.iter().map(|(_, m)| m.clone()).collect();
                 (marks, std::mem::take(&mut out.stdout), Ok(out))
             }
@@ -128,6 +129,21 @@ pub fn run_steps(
                     left.len()
                 );
             }
+        }
+    }
+}
+
+/// Prints how long level 1 took to start the payload and then each step
+/// it finished, by the host's clock (level 1's drifts under TCG): where a
+/// run of steps spends its minutes, in the log of every run.
+fn report_step_times(out: &Output) {
+    let started = out.reached(Stage::PayloadStarted).unwrap_or_default();
+    eprintln!("moat-nested: {:>6.1} s  level 1 started the payload", started.as_secs_f64());
+    let mut since = started;
+    for (at, mark) in &out.marks {
+        if let Some(step) = mark.strip_prefix("done ") {
+            eprintln!("moat-nested: {:>6.1} s  {step}", at.saturating_sub(since).as_secs_f64());
+            since = *at;
         }
     }
 }
