@@ -35,6 +35,7 @@ impl StateDir {
         // a sweep: this process's own sweep (which runs beside its first
         // creates) passes it by.
         let _creating = Creating::mark(&path);
+        private_dir(&sandboxes_dir(data_dir))?;
         std::fs::create_dir_all(&path)?;
         let file = File::create(path.join("lock"))?;
         let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| std::io::Error::from(e))?;
@@ -53,6 +54,19 @@ impl StateDir {
             tracing::warn!(path = %self.path.display(), "cannot remove a sandbox state directory: {e}");
         }
     }
+}
+
+/// Makes `dir` and its missing parents mode 0700, and closes `dir` to
+/// others if it was open (made by an earlier moat, or under another
+/// umask): a user's sandboxes and tasks are that user's alone.
+pub fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    let meta = std::fs::metadata(dir)?;
+    if meta.mode() & 0o077 != 0 && meta.uid() == nix::unistd::geteuid().as_raw() {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
 }
 
 /// State directories this process is creating and has not locked yet.

@@ -1193,6 +1193,66 @@ fn jails_pass_the_same_contract_for_an_unprivileged_user() {
     assert!(seen.root.is_empty(), "processes of the rootless run had uid 0 on the host: {:?}", seen.root);
     assert!(seen.misplaced.is_empty(), "sandbox processes ran outside the subordinate ids: {:?}", seen.misplaced);
     assert!(seen.sandboxed > 0, "no sandbox process was seen: the watch saw nothing\n{text}");
+
+    // Its sandboxes are its own: mode 0700, and out of root's sight, as
+    // root's are out of its.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(account.home.join(".local/share/moat/sandboxes")).expect("its sandboxes").permissions();
+    assert_eq!(mode.mode() & 0o777, 0o700, "the account's sandboxes directory is open to others");
+    let moat_bin = std::env::var_os("MOAT_BIN_DIR")
+        .map_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/debug"), Into::into)
+        .join("moat");
+    // Root's, in a data directory of its own (its images those of the
+    // default one): no other test's sandboxes in its listing.
+    let root_data = tempfile::tempdir().expect("a data directory");
+    std::os::unix::fs::symlink(moat_core::image::data_dir().join("images"), root_data.path().join("images"))
+        .expect("root's images");
+    let mut roots = std::process::Command::new(&moat_bin)
+        .args(["run", "--backend", "jail", "--", "sleep", "60"])
+        .env("MOAT_AGENT", common::agent())
+        .env("MOAT_DATA_DIR", root_data.path())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("root's moat runs");
+    let root_ls = || {
+        let out = std::process::Command::new(&moat_bin)
+            .arg("ls")
+            .env("MOAT_DATA_DIR", root_data.path())
+            .output()
+            .expect("moat ls");
+        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains("sbx-")).map(str::to_owned).collect::<Vec<_>>()
+    };
+    let mut listed = root_ls();
+    for _ in 0..600 {
+        if !listed.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        listed = root_ls();
+    }
+    assert!(!listed.is_empty(), "root's sandbox never showed in root's moat ls");
+    let theirs = account.moat().arg("ls").output().expect("the account's moat ls");
+    let theirs = String::from_utf8_lossy(&theirs.stdout).into_owned();
+    assert!(!theirs.contains("sbx-"), "the account's moat ls lists root's sandbox: {theirs}");
+    let removed = account.moat().args(["rm", "--all"]).output().expect("the account's moat rm --all");
+    assert!(removed.status.success(), "{removed:?}");
+    assert_eq!(root_ls(), listed, "the account's rm --all touched root's sandbox");
+    let _ = roots.kill();
+    let _ = roots.wait();
+
+    // Network open: pasta, started by the account's monitor, configures
+    // the sandbox's interface (a default route).
+    let open = account
+        .moat()
+        .args(["run", "--backend", "jail", "--network", "open", "--", "cat", "/proc/net/route"])
+        .output()
+        .expect("the account's moat run");
+    let routes = String::from_utf8_lossy(&open.stdout);
+    assert!(
+        routes.lines().any(|l| l.split_whitespace().nth(1) == Some("00000000")),
+        "no default route in the account's open sandbox: {routes}{}",
+        String::from_utf8_lossy(&open.stderr)
+    );
 }
 
 /// The tests that need root itself, not only a sandbox: a full data disk

@@ -200,7 +200,7 @@ impl Moat {
             let id = record.task.id.clone();
             move |source| IoError { id, what: what.into(), source }
         };
-        std::fs::create_dir_all(task::tasks_dir(&self.inner.config.data_dir))
+        crate::state::private_dir(&task::tasks_dir(&self.inner.config.data_dir))
             .map_err(io("creating the task record"))?;
         std::fs::create_dir(dir).map_err(io("creating the task record"))?;
         hostfs::write_new(&record.patch_path, diff.as_bytes()).map_err(io("writing the patch"))?;

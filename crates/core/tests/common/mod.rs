@@ -101,7 +101,12 @@ pub fn rootless_account() -> Account {
         std::os::unix::fs::chown(&path, Some(user.uid.as_raw()), Some(user.gid.as_raw())).expect("chown");
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     }
-    for (from, name) in [(std::env::current_exe().expect("this test binary"), "tests"), (agent(), "moat-agent")] {
+    let copies = [
+        (std::env::current_exe().expect("this test binary"), "tests"),
+        (agent(), "moat-agent"),
+        (bin_dir.join("moat"), "moat"),
+    ];
+    for (from, name) in copies {
         std::fs::copy(&from, dir.path().join(name)).expect("copies what the account runs");
     }
     Account {
@@ -116,15 +121,24 @@ pub fn rootless_account() -> Account {
 
 #[allow(dead_code)]
 impl Account {
-    /// This test binary (its copy) run as the account, with a clean
-    /// environment of the account's own.
+    /// This test binary (its copy) run as the account.
     pub fn test_binary(&self) -> std::process::Command {
+        self.run(&self.dir.path().join("tests"))
+    }
+
+    /// The `moat` binary (its copy) run as the account.
+    pub fn moat(&self) -> std::process::Command {
+        self.run(&self.dir.path().join("moat"))
+    }
+
+    /// `program` run as the account, with a clean environment of its own.
+    fn run(&self, program: &std::path::Path) -> std::process::Command {
         let mut command = std::process::Command::new("setpriv");
         command
             .arg(format!("--reuid={}", self.uid))
             .arg(format!("--regid={}", self.gid))
             .arg("--init-groups")
-            .arg(self.dir.path().join("tests"))
+            .arg(program)
             .env_clear()
             .env("HOME", &self.home)
             .env("USER", &self.name)
