@@ -46,6 +46,7 @@ pub fn gate() -> Result<()> {
     let conformance = conformance_suite()?;
     // The nested host's level 1 gets the debug host binaries.
     nested::host_binaries()?;
+    let account = rootless_account(&root().join("target/debug/moat"))?;
     // Ignored tests are those that need root, the image, the static agent,
     // QEMU, busybox-static, the host binaries, the Python MCP SDKs and the
     // conformance suite, all provided above.
@@ -55,8 +56,25 @@ pub fn gate() -> Result<()> {
         .env("MOAT_BIN_DIR", root().join("target/debug"))
         .env("MOAT_NESTED_CACHE", root().join("target/nested"))
         .env("MOAT_TEST_PYTHONS", pythons)
-        .env("MOAT_CONFORMANCE_DIR", conformance))?;
+        .env("MOAT_CONFORMANCE_DIR", conformance)
+        .env("MOAT_TEST_ACCOUNT", account))?;
     fuzz_target_builds()
+}
+
+/// The unprivileged account the rootless tests run as (issue U1).
+const ACCOUNT: &str = "moat-rootless";
+
+/// Makes the account [`ACCOUNT`] if there is none, and prepares it as an
+/// operator would, once, as root: `moat setup --user` (subordinate ids,
+/// delegated cgroups, its copy of the image; the copy is kept while the
+/// image is unchanged). Returns its name.
+fn rootless_account() -> Result<&'static str> {
+    let known = std::process::Command::new("id").arg(ACCOUNT).output().is_ok_and(|o| o.status.success());
+    if !known {
+        run(std::process::Command::new("useradd").args(["--create-home", "--shell", "/bin/sh", ACCOUNT]))?;
+    }
+    run(std::process::Command::new(moat).args(["setup", "--user", ACCOUNT]))?;
+    Ok(ACCOUNT)
 }
 
 /// The official Python MCP SDKs the end-to-end tests drive moat-mcp with:
@@ -71,15 +89,28 @@ pub fn mcp_sdks() -> Result<String> {
             .args(["-c", &format!("import importlib.metadata as m; assert m.version('mcp') == '{version}'")])
             .output()
             .is_ok_and(|o| o.status.success());
-        if !installed {
+        // Debian's Python where there is one, not one under a user's home
+        // (pyenv's): the rootless tests run a copy of the environment as
+        // another account, which must reach its interpreter.
+        let system = std::process::Command::new(SYSTEM_PYTHON)
+            .args(["-c", "import venv, ensurepip"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        let on_system = std::fs::read_to_string(venv.join("pyvenv.cfg"))
+            .is_ok_and(|cfg| cfg.lines().any(|l| l.replace(' ', "") == "home=/usr/bin"));
+        if !installed || (system && !on_system) {
             let _ = std::fs::remove_dir_all(&venv);
-            run(std::process::Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+            let base = if system { SYSTEM_PYTHON } else { "python3" };
+            run(std::process::Command::new(base).arg("-m").arg("venv").arg(&venv))?;
             run(std::process::Command::new(&python).args(["-m", "pip", "install", "-q", &format!("mcp=={version}")]))?;
         }
         pythons.push(python.display().to_string());
     }
     Ok(pythons.join(":"))
 }
+
+/// Debian's Python 3 (packages python3 and python3-venv).
+const SYSTEM_PYTHON: &str = "/usr/bin/python3";
 
 /// Installs the conformance suite and its Node.js under
 /// `target/conformance` (once per version) and returns that folder.
@@ -119,10 +150,14 @@ pub fn bench() -> Result<()> {
     run(cargo().args(["bench", "--package", "moat-core", "--bench", "jail"]).env("MOAT_AGENT", &agent))?;
     // A sandbox's whole life: `moat run` as a process, and churn in one.
     run(cargo().args(["build", "--release", "--bin", "moat"]))?;
+    // Rootless beside root and beside bwrap run by the same account.
+    ensure_packages(&[("uidmap", "newuidmap")])?;
+    let account = rootless_account(&crate::host::root().join("target/release/moat"))?;
     run(cargo()
         .args(["bench", "--package", "moat-core", "--bench", "churn"])
         .env("MOAT_AGENT", &agent)
-        .env("MOAT_BIN", crate::host::root().join("target/release/moat")))?;
+        .env("MOAT_BIN", crate::host::root().join("target/release/moat"))
+        .env("MOAT_BENCH_ACCOUNT", account))?;
     // microVMs in the nested test host, with release host binaries (the
     // VMM's own memory is measured).
     ensure_packages(nested::NESTED_PACKAGES)?;

@@ -83,6 +83,9 @@ async fn bench() {
     let mut json = Vec::new();
     println!("whole-life benchmarks (bwrap measured in this run)");
     whole_process(&moat_bin, &agent, &mut json);
+    if let Some(account) = std::env::var_os("MOAT_BENCH_ACCOUNT") {
+        rootless(&moat_bin, &agent, &account.to_string_lossy(), &mut json);
+    }
 
     let config = MoatConfig {
         data_dir: moat_core::image::data_dir(),
@@ -180,6 +183,73 @@ fn whole_process(moat_bin: &Path, agent: &Path, json: &mut Vec<String>) {
         "\"moat_run_ms\":{moat_ms:.3},\"moat_run_cpu_ms\":{moat_cpu:.3},\"bwrap_ms\":{bwrap_ms:.3},\
          \"bwrap_cpu_ms\":{bwrap_cpu:.3},\"moat_run_ratio\":{:.3}",
         moat_ms / bwrap_ms
+    ));
+}
+
+/// Rootless (issue U1): `moat run --backend jail -- true` run by the
+/// unprivileged `account` (prepared by `moat setup --user`), alternating
+/// with root's `moat run` and with the same `bwrap … true` run by the
+/// account, [`RUNS`] each.
+fn rootless(moat_bin: &Path, agent: &Path, account: &str, json: &mut Vec<String>) {
+    use std::os::unix::fs::PermissionsExt;
+    let user = nix::unistd::User::from_name(account).ok().flatten().expect("MOAT_BENCH_ACCOUNT names an account");
+    // Copies the account can reach, wherever the checkout lies.
+    let dir = tempfile::Builder::new().prefix("moat-bench-rootless-").tempdir().expect("a directory");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    for (from, to) in [(moat_bin, "moat"), (agent, "moat-agent")] {
+        std::fs::copy(from, dir.path().join(to)).expect("copies what the account runs");
+    }
+    let as_account = |program: &Path| {
+        let mut command = Command::new("setpriv");
+        command
+            .arg(format!("--reuid={}", user.uid))
+            .arg(format!("--regid={}", user.gid))
+            .arg("--init-groups")
+            .arg(program)
+            .env_clear()
+            .env("HOME", &user.dir)
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .env("MOAT_AGENT", dir.path().join("moat-agent"));
+        command
+    };
+    let rootless_run = || {
+        let mut command = as_account(&dir.path().join("moat"));
+        command.args(["run", "--backend", "jail", "--", "true"]);
+        command
+    };
+    let account_bwrap = || {
+        let mut command = as_account(Path::new("/usr/bin/bwrap"));
+        command.args(BWRAP);
+        command
+    };
+    let root_run = || {
+        let mut command = Command::new(moat_bin);
+        command.args(["run", "--backend", "jail", "--", "true"]).env("MOAT_AGENT", agent);
+        command
+    };
+    for _ in 0..3 {
+        timed(&mut rootless_run());
+        timed(&mut account_bwrap());
+        timed(&mut root_run());
+    }
+    let (mut ours, mut base, mut root) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..RUNS {
+        ours.push(timed(&mut rootless_run()).0);
+        base.push(timed(&mut account_bwrap()).0);
+        root.push(timed(&mut root_run()).0);
+    }
+    let (ours, base, root) = (median(ours), median(base), median(root));
+    println!(
+        "  rootless `moat run --backend jail -- true` (as {account})  median {ours:.2} ms   (target <= 1.5x bwrap, \
+         <= 1.1x root's)"
+    );
+    println!("    baseline: bwrap --unshare-all true as {account}   median {base:.2} ms  -> ratio {:.2}x", ours / base);
+    println!("    baseline: root's moat run, same run           median {root:.2} ms  -> ratio {:.2}x", ours / root);
+    json.push(format!(
+        "\"rootless_run_ms\":{ours:.3},\"rootless_bwrap_ms\":{base:.3},\"rootless_root_run_ms\":{root:.3},\
+         \"rootless_bwrap_ratio\":{:.3},\"rootless_root_ratio\":{:.3}",
+        ours / base,
+        ours / root
     ));
 }
 

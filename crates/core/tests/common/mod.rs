@@ -3,6 +3,11 @@
 
 use std::path::PathBuf;
 
+// Also used by moat-mcp-bin's rootless Python SDK test (by path).
+mod uidwatch;
+#[allow(unused_imports)]
+pub use uidwatch::{Seen, UidWatch};
+
 use moat_core::{BackendKind, EgressConfig, Moat, MoatConfig, SandboxSpec};
 use moat_proto::ExecRequest;
 
@@ -49,7 +54,7 @@ pub fn tmp_root() -> PathBuf {
 
 /// The unprivileged account rootless tests run as, prepared by `moat
 /// setup --user` (subordinate ids, delegated cgroups, its copy of the
-/// image), and a directory of its own holding what it runs.
+/// image), and a directory of its own holding copies of what it runs.
 #[allow(dead_code)]
 pub struct Account {
     pub name: String,
@@ -63,38 +68,19 @@ pub struct Account {
     pub dir: tempfile::TempDir,
 }
 
-/// The account's name.
-#[allow(dead_code)]
-const ACCOUNT: &str = "moat-rootless";
-
-/// Makes (once) and prepares the account [`ACCOUNT`].
+/// Looks up the account `cargo xtask test` made and prepared (`moat
+/// setup --user`), named in `$MOAT_TEST_ACCOUNT`, and gives it copies of
+/// what it runs.
 #[allow(dead_code)]
 pub fn rootless_account() -> Account {
     use std::os::unix::fs::PermissionsExt;
-    let known = |name: &str| nix::unistd::User::from_name(name).ok().flatten();
-    if known(ACCOUNT).is_none() {
-        let made = std::process::Command::new("useradd")
-            .args(["--create-home", "--shell", "/bin/sh", ACCOUNT])
-            .status()
-            .expect("useradd runs");
-        assert!(made.success(), "useradd {ACCOUNT} failed");
-    }
-    let user = known(ACCOUNT).expect("the account exists");
+    let name = std::env::var("MOAT_TEST_ACCOUNT")
+        .expect("MOAT_TEST_ACCOUNT names the unprivileged account (made and set up by `cargo xtask test`)");
+    let user = nix::unistd::User::from_name(&name).ok().flatten().expect("the account exists");
     let bin_dir = std::env::var_os("MOAT_BIN_DIR")
         .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/debug"), PathBuf::from);
-    let setup = std::process::Command::new(bin_dir.join("moat"))
-        .args(["setup", "--user", ACCOUNT])
-        .output()
-        .expect("moat setup runs (MOAT_BIN_DIR names the moat binary)");
-    let said = format!("{}{}", String::from_utf8_lossy(&setup.stdout), String::from_utf8_lossy(&setup.stderr));
-    assert!(
-        setup.status.success(),
-        "moat setup --user {ACCOUNT} failed:
-{said}"
-    );
-    eprintln!("{said}");
     let subuid = std::fs::read_to_string("/etc/subuid").expect("/etc/subuid, written by setup");
-    let range = moat_core::hostuser::subordinate(&subuid, user.uid.as_raw(), Some(ACCOUNT)).expect("a range");
+    let range = moat_core::hostuser::subordinate(&subuid, user.uid.as_raw(), Some(&name)).expect("a range");
     let dir = tempfile::Builder::new().prefix("moat-rootless-").tempdir().expect("a directory");
     for path in [dir.path().to_path_buf(), dir.path().join("tmp")] {
         std::fs::create_dir_all(&path).expect("mkdir");
@@ -110,7 +96,7 @@ pub fn rootless_account() -> Account {
         std::fs::copy(&from, dir.path().join(name)).expect("copies what the account runs");
     }
     Account {
-        name: ACCOUNT.into(),
+        name,
         uid: user.uid.as_raw(),
         gid: user.gid.as_raw(),
         home: user.dir,
@@ -148,116 +134,6 @@ impl Account {
             .current_dir(self.dir.path());
         command
     }
-}
-
-/// What [`UidWatch`] saw of a process tree's host uids.
-#[derive(Debug, Default)]
-#[allow(dead_code)]
-pub struct Seen {
-    /// Processes with uid 0 (real, effective, saved or file system).
-    pub root: Vec<String>,
-    /// Processes in another pid namespace (a sandbox's) whose uid is not
-    /// one of the subordinate range.
-    pub misplaced: Vec<String>,
-    /// How many sandbox processes were seen.
-    pub sandboxed: usize,
-}
-
-/// Watches the host uids of every process descending from a pid until
-/// stopped. A test's observer, not moat's: it samples /proc every few
-/// milliseconds, as nothing notifies of another user's new processes.
-#[allow(dead_code)]
-pub struct UidWatch {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: std::thread::JoinHandle<Seen>,
-}
-
-#[allow(dead_code)]
-impl UidWatch {
-    pub fn start(top: u32, subids: u32) -> Self {
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let stopped = stop.clone();
-        let thread = std::thread::spawn(move || {
-            let mut seen = Seen::default();
-            let mut noted = std::collections::HashSet::new();
-            let ours = std::fs::read_link("/proc/self/ns/pid").ok();
-            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
-                for (pid, status) in descendants(top) {
-                    let field = |name: &str| {
-                        status
-                            .lines()
-                            .find_map(|l| l.strip_prefix(name))
-                            .map(|v| v.split_whitespace().filter_map(|id| id.parse::<u32>().ok()).collect::<Vec<_>>())
-                    };
-                    let (Some(uids), Some(name)) =
-                        (field("Uid:"), status.lines().find_map(|l| l.strip_prefix("Name:")))
-                    else {
-                        continue;
-                    };
-                    let name = name.trim();
-                    let what = format!("{name} (pid {pid}, uids {uids:?})");
-                    let sandboxed = std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok() != ours;
-                    // setpriv is root until it has switched to the account
-                    // and exec'd the test; a sandbox's init is moat's own
-                    // code, still setting its ids, until it execs the
-                    // agent (then named `agent`).
-                    let switching = (pid == top && name == "setpriv") || (sandboxed && name == "moat-agent");
-                    // The system's set-uid helpers that map the account's
-                    // subordinate ids (shadow's, as rootless Podman uses
-                    // them): root by design, and not moat's.
-                    let helper = matches!(name, "newuidmap" | "newgidmap");
-                    if switching || helper || !noted.insert((pid, uids.clone())) {
-                        continue;
-                    }
-                    if uids.contains(&0) {
-                        seen.root.push(what);
-                    } else if sandboxed {
-                        seen.sandboxed += 1;
-                        if !uids.iter().all(|id| (subids..subids + 65536).contains(id)) {
-                            seen.misplaced.push(what);
-                        }
-                    }
-                }
-                std::thread::sleep(std::time::Duration::from_millis(5));
-            }
-            seen
-        });
-        Self { stop, thread }
-    }
-
-    pub fn stop(self) -> Seen {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.thread.join().expect("the watch ends")
-    }
-}
-
-/// Every live process below `top` (by parent pid), with its status text.
-#[allow(dead_code)]
-fn descendants(top: u32) -> Vec<(u32, String)> {
-    let mut parents = std::collections::HashMap::new();
-    let mut statuses = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().filter_map(Result::ok) {
-        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
-        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else { continue };
-        let ppid = status.lines().find_map(|l| l.strip_prefix("PPid:")).and_then(|v| v.trim().parse::<u32>().ok());
-        if let Some(ppid) = ppid {
-            parents.insert(pid, ppid);
-        }
-        statuses.push((pid, status));
-    }
-    let below = |mut pid: u32| {
-        while let Some(&parent) = parents.get(&pid) {
-            if parent == top {
-                return true;
-            }
-            if parent <= 1 {
-                return false;
-            }
-            pid = parent;
-        }
-        false
-    };
-    statuses.into_iter().filter(|(pid, _)| *pid == top || below(*pid)).collect()
 }
 
 /// Runs `script` with `bash -c` in sandbox `id`: stdout then stderr, and
