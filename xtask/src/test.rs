@@ -67,8 +67,8 @@ const ACCOUNT: &str = "moat-rootless";
 /// Makes the account [`ACCOUNT`] if there is none, and prepares it as an
 /// operator would, once, as root: `moat setup --user` (subordinate ids,
 /// delegated cgroups, its copy of the image; the copy is kept while the
-/// image is unchanged). Returns its name.
-fn rootless_account() -> Result<&'static str> {
+/// image is unchanged), with the `moat` binary `moat`. Returns its name.
+pub fn rootless_account(moat: &std::path::Path) -> Result<&'static str> {
     let known = std::process::Command::new("id").arg(ACCOUNT).output().is_ok_and(|o| o.status.success());
     if !known {
         run(std::process::Command::new("useradd").args(["--create-home", "--shell", "/bin/sh", ACCOUNT]))?;

@@ -56,8 +56,26 @@ fn doctor_says_which_backend_and_why() {
     let out = moat(&["doctor"]);
     assert!(out.status.success(), "{out:?}");
     let text = String::from_utf8_lossy(&out.stdout);
-    for line in ["/dev/kvm:", "hardware virtualization:", "user namespaces:", "cgroups:", "backend auto uses:"] {
+    for line in
+        ["/dev/kvm:", "hardware virtualization:", "user namespaces:", "runs as:", "cgroups:", "backend auto uses:"]
+    {
         assert!(text.contains(line), "missing {line:?} in:\n{text}");
+    }
+}
+
+/// `moat setup --user` names what is wrong: a user that does not exist,
+/// root (which needs no setup), or a caller that is not root.
+#[test]
+fn setup_refuses_what_it_cannot_prepare() {
+    let out = moat(&["setup", "--user", "no-such-user-of-moat"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    if nix::unistd::geteuid().is_root() {
+        assert!(said.contains("there is no user \"no-such-user-of-moat\""), "{said}");
+        let out = moat(&["setup", "--user", "root"]);
+        assert!(String::from_utf8_lossy(&out.stderr).contains("root needs no setup"), "{out:?}");
+    } else {
+        assert!(said.contains("needs root") && said.contains("sudo"), "{said}");
     }
 }
 

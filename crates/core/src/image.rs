@@ -481,14 +481,15 @@ mod tests {
         for path in [&root, &root.join("usr"), &root.join("usr/bin")] {
             std::os::unix::fs::chown(path, Some(0), Some(0)).expect("chown");
         }
-        assert_eq!(shift_ownership(&root, 0, 1000).expect("shifts"), 5);
+        assert_eq!(shift_ownership(&root, 0, JAIL_ID_BASE).expect("shifts"), 5);
         let meta = std::fs::metadata(&su).expect("stat");
-        assert_eq!((meta.uid(), meta.gid(), meta.mode() & 0o7777), (1000, 1000, 0o4755));
-        assert_eq!(std::fs::symlink_metadata(root.join("usr/bin/link")).expect("lstat").uid(), 1000);
-        let again = shift_ownership(&root, 0, 1000).expect_err("shifting from 0 twice is refused");
+        assert_eq!((meta.uid(), meta.gid(), meta.mode() & 0o7777), (JAIL_ID_BASE, JAIL_ID_BASE, 0o4755));
+        assert_eq!(std::fs::symlink_metadata(root.join("usr/bin/link")).expect("lstat").uid(), JAIL_ID_BASE);
+        let again = shift_ownership(&root, 0, JAIL_ID_BASE).expect_err("shifting from 0 twice is refused");
         assert!(again.to_string().contains("outside the ids from 0"), "{again}");
-        assert_eq!(shift_ownership(&root, 1000, 500_000).expect("shifts on"), 5, "one range to another");
-        assert_eq!(std::fs::metadata(&su).expect("stat").uid(), 500_000);
+        assert_eq!(shift_ownership(&root, JAIL_ID_BASE, 500_000).expect("shifts on"), 5, "one range to another");
+        let meta = std::fs::metadata(&su).expect("stat");
+        assert_eq!((meta.uid(), meta.mode() & 0o7777), (500_000, 0o4755), "a user's copy keeps setuid bits");
     }
 
     #[test]

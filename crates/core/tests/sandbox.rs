@@ -1197,7 +1197,8 @@ fn jails_pass_the_same_contract_for_an_unprivileged_user() {
     // Its sandboxes are its own: mode 0700, and out of root's sight, as
     // root's are out of its.
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(account.home.join(".local/share/moat/sandboxes")).expect("its sandboxes").permissions();
+    let mode =
+        std::fs::metadata(account.home.join(".local/share/moat/sandboxes")).expect("its sandboxes").permissions();
     assert_eq!(mode.mode() & 0o777, 0o700, "the account's sandboxes directory is open to others");
     let moat_bin = std::env::var_os("MOAT_BIN_DIR")
         .map_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/debug"), Into::into)
@@ -1220,7 +1221,11 @@ fn jails_pass_the_same_contract_for_an_unprivileged_user() {
             .env("MOAT_DATA_DIR", root_data.path())
             .output()
             .expect("moat ls");
-        String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains("sbx-")).map(str::to_owned).collect::<Vec<_>>()
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.contains("sbx-"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
     };
     let mut listed = root_ls();
     for _ in 0..600 {

@@ -114,6 +114,14 @@ impl HostVirtualization {
     fn probe_at(kvm: &Path, cpuinfo: &Path) -> Self {
         let kvm_problem = match std::fs::OpenOptions::new().read(true).write(true).open(kvm) {
             Ok(_) => None,
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                let name = crate::hostuser::HostUser::current().display_name();
+                Some(format!(
+                    "{}: {e}; microVMs need it read-write: as root, run `usermod -aG kvm {name}` (then log in \
+                     again), or pick the jail backend",
+                    kvm.display()
+                ))
+            }
             Err(e) => Some(format!("{}: {e}", kvm.display())),
         };
         let cpu_flag = cpu_virt_flag(&std::fs::read_to_string(cpuinfo).unwrap_or_default());

@@ -95,14 +95,7 @@ pub fn rootless_account() -> Account {
     for (from, name) in copies {
         std::fs::copy(&from, dir.path().join(name)).expect("copies what the account runs");
     }
-    Account {
-        name,
-        uid: user.uid.as_raw(),
-        gid: user.gid.as_raw(),
-        home: user.dir,
-        subids: range.start,
-        dir,
-    }
+    Account { name, uid: user.uid.as_raw(), gid: user.gid.as_raw(), home: user.dir, subids: range.start, dir }
 }
 
 #[allow(dead_code)]

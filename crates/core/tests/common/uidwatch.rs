@@ -109,4 +109,3 @@ fn descendants(top: u32) -> Vec<(u32, String)> {
     };
     statuses.into_iter().filter(|(pid, _)| *pid == top || below(*pid)).collect()
 }
-
