@@ -457,6 +457,10 @@ pub enum LimitHit {
     Pids { limit: String },
     /// The kernel's OOM killer ended `kills` processes at the memory limit.
     Memory { limit_bytes: Option<u64>, kills: u64 },
+    /// The command stalled at the memory limit for `seconds` (the kernel
+    /// reclaiming its file pages again and again instead of ending it);
+    /// moat ends it.
+    MemoryStall { limit_bytes: Option<u64>, seconds: u64 },
 }
 
 /// The cgroup of one command: one directory per hierarchy.
@@ -601,6 +605,29 @@ impl ExecCgroup {
             }
         }
         None
+    }
+
+    /// How long, in microseconds, all of this command's processes have
+    /// stalled on memory so far (`memory.pressure` `full total=`), and how
+    /// often its memory limit was met (`memory.events` `max`): cgroup v2
+    /// only, `None` elsewhere (v1 keeps no pressure per cgroup).
+    pub fn memory_stall(&self) -> Option<(u64, u64)> {
+        let dir = self.dir("memory")?;
+        let pressure = std::fs::read_to_string(dir.join("memory.pressure")).ok()?;
+        let stalled = pressure
+            .lines()
+            .find_map(|l| l.strip_prefix("full "))?
+            .split_whitespace()
+            .find_map(|field| field.strip_prefix("total="))?
+            .parse()
+            .ok()?;
+        Some((stalled, counter(&dir.join("memory.events"), "max")))
+    }
+
+    /// The memory limit of this cgroup, in bytes, when it has one.
+    pub fn memory_limit(&self) -> Option<u64> {
+        let dir = self.dir("memory")?;
+        std::fs::read_to_string(dir.join(Self::memory_files(dir).1)).ok()?.trim().parse().ok()
     }
 
     /// Forks refused at the pids limit in this cgroup so far (its
@@ -788,6 +815,65 @@ impl ForkWatch {
     }
 }
 
+/// The periods of [`FORK_WATCH_PERIOD`] a [`MemoryWatch`] judges together:
+/// 3 s.
+const MEMORY_STALL_PERIODS: usize = 30;
+
+/// Tells a command that thrashes at its memory limit from one that meets
+/// it and goes on (a build whose page cache fills the limit and is
+/// reclaimed cheaply): fed [`ExecCgroup::memory_stall`] every
+/// [`FORK_WATCH_PERIOD`], it says to stop the command once, over the last
+/// [`MEMORY_STALL_PERIODS`] periods, all of its processes were stalled on
+/// memory for at least half the time and the limit was met in at least a
+/// third of the periods (a thrashing command waits on slow reads between
+/// its attempts, so not in every one). Without swap, a memory bomb whose
+/// binary's pages the kernel can still drop and read back may thrash like
+/// this for minutes before the OOM killer ends it, holding the sandbox's
+/// memory and CPU meanwhile.
+#[derive(Debug)]
+pub struct MemoryWatch {
+    last: Option<(u64, u64)>,
+    /// Per period of the window: time stalled, and whether the limit was met.
+    window: std::collections::VecDeque<(Duration, bool)>,
+}
+
+impl MemoryWatch {
+    /// Starts from the cgroup's figures when the command started.
+    pub fn new(baseline: Option<(u64, u64)>) -> Self {
+        Self { last: baseline, window: std::collections::VecDeque::with_capacity(MEMORY_STALL_PERIODS) }
+    }
+
+    /// Takes the figures now, `period` after the last; `true` when the
+    /// command is to be stopped.
+    pub fn observe(&mut self, now: Option<(u64, u64)>, period: Duration) -> bool {
+        let seen = match (self.last, now) {
+            (Some((stall_then, max_then)), Some((stall_now, max_now))) => {
+                Some((Duration::from_micros(stall_now.saturating_sub(stall_then)), max_now > max_then))
+            }
+            _ => None,
+        };
+        self.last = now;
+        let Some(seen) = seen else {
+            self.window.clear();
+            return false;
+        };
+        if self.window.len() == MEMORY_STALL_PERIODS {
+            self.window.pop_front();
+        }
+        self.window.push_back(seen);
+        let stalled: Duration = self.window.iter().map(|(stall, _)| *stall).sum();
+        let met = self.window.iter().filter(|(_, met)| *met).count();
+        self.window.len() == MEMORY_STALL_PERIODS
+            && stalled * 2 >= period * u32::try_from(MEMORY_STALL_PERIODS).unwrap_or(u32::MAX)
+            && met * 3 >= MEMORY_STALL_PERIODS
+    }
+
+    /// How long the command was watched stalling, for the report.
+    pub fn stalled_for(&self, period: Duration) -> Duration {
+        period * u32::try_from(self.window.len()).unwrap_or(u32::MAX)
+    }
+}
+
 /// Writes the report of a limit reached: which limit, what held it (`top`,
 /// from [`ExecCgroup::top_processes`]), what moat did (`killed` processes).
 pub fn describe(hit: &LimitHit, top: &str, killed: usize) -> String {
@@ -801,6 +887,14 @@ pub fn describe(hit: &LimitHit, top: &str, killed: usize) -> String {
                 "the sandbox's memory limit ({}): the kernel's OOM killer ended {kills} process{} (the largest)",
                 limit_bytes.map_or_else(|| "its size".to_owned(), |b| format!("{} MiB", b >> 20)),
                 plural(*kills)
+            ),
+            "use less memory, or create a sandbox with more memory_mib",
+        ),
+        LimitHit::MemoryStall { limit_bytes, seconds } => (
+            format!(
+                "the sandbox's memory limit ({}): it stalled there for {seconds} s, the kernel reclaiming instead of \
+                 ending it",
+                limit_bytes.map_or_else(|| "its size".to_owned(), |b| format!("{} MiB", b >> 20)),
             ),
             "use less memory, or create a sandbox with more memory_mib",
         ),
@@ -880,6 +974,40 @@ mod tests {
         assert!(!memory.contains("Held by"), "{memory}");
         for words in ["memory limit (512 MiB)", "OOM killer ended 1 process (the largest)", "Nothing of it is left"] {
             assert!(memory.contains(words), "{words:?} missing from {memory}");
+        }
+    }
+
+    #[test]
+    fn a_command_thrashing_at_its_memory_limit_is_stopped_and_one_reclaiming_cheaply_is_not() {
+        let period = FORK_WATCH_PERIOD;
+        let periods = u64::try_from(MEMORY_STALL_PERIODS).expect("small");
+        let stall = u64::try_from(period.as_micros()).expect("small") * 6 / 10;
+        // Stalled 60 % of the time, the limit met every other period:
+        // stopped once the window is full (3 s).
+        let mut bomb = MemoryWatch::new(Some((0, 0)));
+        for n in 1..periods {
+            assert!(!bomb.observe(Some((stall * n, n / 2)), period), "period {n}");
+        }
+        assert!(bomb.observe(Some((stall * periods, periods / 2 + 1)), period));
+        assert_eq!(bomb.stalled_for(period), Duration::from_secs(3));
+        // At the limit every period, but its page cache reclaimed cheaply
+        // (10 % stalled): a build, kept running.
+        let mut build = MemoryWatch::new(Some((0, 0)));
+        for n in 1..200u64 {
+            assert!(!build.observe(Some((n * stall / 6, n)), period), "period {n}");
+        }
+        // Stalled (on I/O, say) without meeting the limit: not a memory bomb.
+        let mut waiting = MemoryWatch::new(Some((0, 0)));
+        for n in 1..200u64 {
+            assert!(!waiting.observe(Some((n * stall, n / 10)), period), "the limit met one period in ten");
+        }
+        // cgroup v1: no pressure, no watch.
+        let mut v1 = MemoryWatch::new(None);
+        assert!((0..100).all(|_| !v1.observe(None, period)));
+        let report = describe(&LimitHit::MemoryStall { limit_bytes: Some(448 << 20), seconds: 3 }, "python3 ×1", 1);
+        for words in ["memory limit (448 MiB): it stalled there for 3 s", "Held by: python3", "killed its 1 remaining"]
+        {
+            assert!(report.contains(words), "{words:?} missing from {report}");
         }
     }
 

@@ -396,23 +396,34 @@ where
         })
     });
 
-    // A fork bomb is stopped at the pids limit, not left to churn there.
+    // A fork bomb is stopped at the pids limit, not left to churn there;
+    // a memory bomb thrashing at the memory limit, not left to stall there.
     let stopped = Arc::new(std::sync::Mutex::new(None));
     let (watch_done, mut watch_until) = oneshot::channel::<()>();
     let fork_watch = tree.cgroup.clone().map(|cgroup| {
         let (tree, stopped) = (tree.clone(), stopped.clone());
         tokio::spawn(async move {
-            let mut watch = crate::cgroup::ForkWatch::new(cgroup.failed_forks());
+            let period = crate::cgroup::FORK_WATCH_PERIOD;
+            let mut forks = crate::cgroup::ForkWatch::new(cgroup.failed_forks());
+            let mut memory = crate::cgroup::MemoryWatch::new(cgroup.memory_stall());
             loop {
                 tokio::select! {
                     _ = &mut watch_until => return,
-                    () = tokio::time::sleep(crate::cgroup::FORK_WATCH_PERIOD) => {}
+                    () = tokio::time::sleep(period) => {}
                 }
-                if watch.observe(cgroup.failed_forks()) {
-                    let report = tree.stop_at_limit().await;
-                    *stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = report;
-                    return;
-                }
+                let report = if forks.observe(cgroup.failed_forks()) {
+                    tree.stop_at_limit().await
+                } else if memory.observe(cgroup.memory_stall(), period) {
+                    let hit = crate::cgroup::LimitHit::MemoryStall {
+                        limit_bytes: cgroup.memory_limit(),
+                        seconds: memory.stalled_for(period).as_secs(),
+                    };
+                    tree.stop_with(hit).await
+                } else {
+                    continue;
+                };
+                *stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = report;
+                return;
             }
         })
     });
@@ -532,6 +543,21 @@ impl Tree {
     /// its stderr. The cgroup is kept until the command's end hands it back.
     async fn stop_at_limit(&self) -> Option<String> {
         self.kill_at_limit(false).await
+    }
+
+    /// Kills everything in the command's cgroup for `hit`, which moat
+    /// found (the kernel's counters do not say it), and returns the report.
+    async fn stop_with(&self, hit: crate::cgroup::LimitHit) -> Option<String> {
+        let _acting = self.acting.lock().await;
+        let cgroup = self.cgroup.clone()?;
+        tokio::task::spawn_blocking(move || {
+            let top = cgroup.top_processes();
+            let killed = cgroup.kill();
+            Some(crate::cgroup::describe(&hit, &top, killed))
+        })
+        .await
+        .ok()
+        .flatten()
     }
 
     /// When the command's cgroup reached a limit: kills everything in it

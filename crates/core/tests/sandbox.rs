@@ -1470,12 +1470,16 @@ async fn a_memory_bomb_is_reported_and_the_sandbox_recovers() {
         _ => small(),
     };
     let id = moat.create(spec).await.expect("created").id;
-    let grow = "python3 -c 'x = []\nwhile True: x.append(bytearray(1 << 20))'";
-    let (_, err, code, _) = bash(&moat, &id, grow, 120_000).await;
-    assert_ne!(code, Some(0));
-    for words in ["moat: this command reached the sandbox's memory limit", "OOM killer ended"] {
-        assert!(err.contains(words), "{words:?} missing from the command's stderr: {err}");
-    }
+    // 16 MiB at a time: each step needs more than the kernel can free by
+    // dropping the interpreter's own pages (with 1 MiB steps a microVM may
+    // thrash there, reading them back, until moat's stall watch ends it).
+    let grow = "python3 -c 'x = []\nwhile True: x.append(bytearray(1 << 24))'";
+    let (_, err, code, timed_out) = bash(&moat, &id, grow, 120_000).await;
+    assert!(code != Some(0) && !timed_out, "the bomb was not stopped at the limit: {err}");
+    assert!(err.contains("moat: this command reached the sandbox's memory limit"), "no report: {err}");
+    // Ended by the kernel's OOM killer, or by moat when it thrashed there
+    // instead (the kernel dropping and reading back its binary's pages).
+    assert!(err.contains("OOM killer ended") || err.contains("it stalled there"), "{err}");
     assert_recovered(&moat, &id).await;
     if nested() {
         // The guest's limit works; the rest is the jail run's.
