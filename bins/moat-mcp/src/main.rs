@@ -127,9 +127,20 @@ fn main() -> ExitCode {
 }
 
 async fn serve(config: ServerConfig, http: Option<(std::net::IpAddr, u16)>) -> ExitCode {
+    // Preview links where clients reach this server: its HTTP address (or
+    // MOAT_PREVIEW_URL's host); over stdio, the loopback.
+    let reached = http.map_or(std::net::SocketAddr::from(([127, 0, 0, 1], 0)), |(host, port)| (host, port).into());
+    let preview = match moat_core::net::preview::PreviewHost::for_http_from_env(reached) {
+        Ok(preview) => preview,
+        Err(e) => {
+            said!(ERROR, "{e}");
+            return ExitCode::from(2);
+        }
+    };
     let moat = match MoatConfig::from_env() {
         Ok(moat_config) => {
             let moat_config = MoatConfig {
+                preview,
                 backend: config.backend,
                 max_sandboxes: config.max_sandboxes,
                 pool_size: config.pool_size,

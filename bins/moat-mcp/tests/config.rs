@@ -6,7 +6,11 @@ use std::process::{Command, Stdio};
 
 fn start(env: &[(&str, &str)]) -> std::process::Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_moat-mcp"));
-    command.stdin(Stdio::null()).env_remove("MOAT_ROOTS").env_remove("MOAT_COPY_MAX_MIB");
+    command
+        .stdin(Stdio::null())
+        .env_remove("MOAT_ROOTS")
+        .env_remove("MOAT_COPY_MAX_MIB")
+        .env_remove("MOAT_PREVIEW_URL");
     for (key, value) in env {
         command.env(key, value);
     }
@@ -57,4 +61,14 @@ fn logs_take_a_level_by_any_name_and_append_to_the_log_file() {
     let out = start(&[("MOAT_LOG_FILE", "/proc/nonexistent/moat.log")]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("MOAT_LOG_FILE=/proc/nonexistent/moat.log: cannot open"));
+}
+
+#[test]
+fn a_bad_preview_url_stops_the_server() {
+    for url in ["https://box.example", "box.example", "http://user@box.example"] {
+        let out = start(&[("MOAT_PREVIEW_URL", url)]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "MOAT_PREVIEW_URL={url}: {err}");
+        assert!(err.contains("MOAT_PREVIEW_URL must be http://HOST"), "{err}");
+    }
 }

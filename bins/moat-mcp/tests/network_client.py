@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from mcp import ClientSession, StdioServerParameters
@@ -356,6 +357,19 @@ def raw_get(url, headers):
         return e.code, e.read().decode(errors="replace")
 
 
+def raw_get_headers(url, headers):
+    """GET with exactly these headers, following no redirect; returns
+    (status, response headers, body)."""
+    parsed = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=30)
+    target = parsed.path + ("?" + parsed.query if parsed.query else "")
+    connection.request("GET", target or "/", headers=headers)
+    response = connection.getresponse()
+    body = response.read().decode(errors="replace")
+    connection.close()
+    return response.status, response.headers, body
+
+
 async def preview_attacks(session, first, second):
     """Issue 15, item 8: a sandbox's server sees the headers it is sent. It
     must see no moat_* cookie (no link's token), no X-Moat header and not
@@ -365,7 +379,15 @@ async def preview_attacks(session, first, second):
     echo = await call(session, "preview_link", {"port": 8002})
     base = echo["url"].split("?")[0]
     host_port = base.split(":")[2].strip("/")
-    cookie = (f"app=1; moat_preview_{host_port}={echo['token']}; "
+    # The token opens the link once, for a session cookie (answered before
+    # anything reaches the sandbox).
+    status, headers, _ = raw_get_headers(echo["url"], {})
+    assert status == 303, (status, headers)
+    echo_session = headers["Set-Cookie"].split(";")[0].split("=", 1)[1]
+    assert echo_session != echo["token"], "the cookie is a session, not the token"
+    status, headers, body = raw_get_headers(echo["url"], {})
+    assert status == 403 and "opened already" in body, (status, body)
+    cookie = (f"app=1; moat_preview_{host_port}={echo_session}; "
               f"moat_preview_{first['url'].split(':')[2].split('/')[0]}={first['token']}; moat_other={second['token']}")
     for _ in range(100):
         status, body = raw_get(base + "headers", {"Cookie": cookie, "X-Moat-Token": "x"})
@@ -386,7 +408,7 @@ async def preview_attacks(session, first, second):
     # A page of the first link (its origin) cannot use the echo link, even
     # with the echo link's cookie: the browser says where the request is from.
     first_origin = "http://127.0.0.1:" + first["url"].split(":")[2].split("/")[0]
-    own = f"moat_preview_{host_port}={echo['token']}"
+    own = f"moat_preview_{host_port}={echo_session}"
     for headers in ({"Origin": first_origin}, {"Sec-Fetch-Site": "same-site"}, {"Sec-Fetch-Site": "cross-site"}):
         status, body = raw_get(base + "headers", {"Cookie": own, **headers})
         assert status == 403 and "another" in body, (headers, status, body)

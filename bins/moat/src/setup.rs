@@ -27,33 +27,39 @@ pub fn user(name: &str, image: &str) -> Result<()> {
     let (uid, gid) = (user.uid.as_raw(), user.gid.as_raw());
 
     let read = |file: &str| std::fs::read_to_string(file).unwrap_or_default();
-    let (subuid, subgid) = (read("/etc/subuid"), read("/etc/subgid"));
-    let found = |text: &str| subordinate(text, uid, Some(name));
-    let (uids, _gids) = match (found(&subuid), found(&subgid)) {
-        (Some(uids), Some(gids)) => {
-            println!(
-                "subordinate ids: {name} has uids {} and gids {} (from /etc/subuid, /etc/subgid)",
-                show(uids),
-                show(gids)
-            );
-            (uids, gids)
-        }
-        _ => {
-            let range = free_range(&subuid, &subgid).ok_or("no free range of 65536 subordinate ids is left")?;
-            let span = format!("{}-{}", range.start, range.start + range.count - 1);
-            let status = std::process::Command::new("usermod")
-                .args(["--add-subuids", &span, "--add-subgids", &span, name])
-                .status()
-                .map_err(|e| format!("cannot run usermod ({e}): install Debian's passwd package"))?;
-            if !status.success() {
-                return Err(
-                    format!("usermod --add-subuids {span} --add-subgids {span} {name} failed ({status})").into()
-                );
-            }
-            println!("subordinate ids: gave {name} uids and gids {span} (usermod)");
-            (range, range)
-        }
+    let found = || {
+        let (subuid, subgid) = (read("/etc/subuid"), read("/etc/subgid"));
+        (subordinate(&subuid, uid, Some(name)), subordinate(&subgid, uid, Some(name)), subuid, subgid)
     };
+    let (mut uids, mut gids, subuid, subgid) = found();
+    if uids.is_none() || gids.is_none() {
+        // Only what is missing is added, from a range free in both files.
+        let range = free_range(&subuid, &subgid).ok_or("no free range of 65536 subordinate ids is left")?;
+        let span = format!("{}-{}", range.start, range.start + range.count - 1);
+        let mut usermod = std::process::Command::new("usermod");
+        if uids.is_none() {
+            usermod.args(["--add-subuids", &span]);
+        }
+        if gids.is_none() {
+            usermod.args(["--add-subgids", &span]);
+        }
+        let status = usermod
+            .arg(name)
+            .status()
+            .map_err(|e| format!("cannot run usermod ({e}): install Debian's passwd package"))?;
+        if !status.success() {
+            return Err(format!("usermod adding the subordinate ids {span} to {name} failed ({status})").into());
+        }
+        println!("subordinate ids: gave {name} {span} (usermod)");
+        (uids, gids, _, _) = found();
+    }
+    let (Some(uids), Some(gids)) = (uids, gids) else {
+        return Err(format!(
+            "{name} still has no subordinate range of {JAIL_ID_COUNT} ids in /etc/subuid and /etc/subgid"
+        )
+        .into());
+    };
+    println!("subordinate ids: {name} maps uids {} and gids {} (/etc/subuid, /etc/subgid)", show(uids), show(gids));
     for helper in ["newuidmap", "newgidmap"] {
         if moat_core::programs::find_program(helper).is_none() {
             println!("warning: {helper} is not installed; install it with `apt-get install uidmap`");
@@ -111,7 +117,7 @@ pub fn user(name: &str, image: &str) -> Result<()> {
 }
 
 fn show(range: Range) -> String {
-    format!("{}-{} ({JAIL_ID_COUNT} of them map a jail's ids)", range.start, range.start + range.count - 1)
+    format!("{}-{}", range.start, range.start + range.count - 1)
 }
 
 /// The data directory user `user`'s moat uses by default (as

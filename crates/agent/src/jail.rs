@@ -375,7 +375,8 @@ fn enter_own_userns(spec: &JailSpec, rootless: Rootless) -> Result<(), JailError
                 other => Err(JailError {
                     step: "mapping the user's subordinate ids".into(),
                     source: std::io::Error::other(format!(
-                        "newuidmap or newgidmap failed ({other:?}; the jail's log has their words): check that                          /etc/subuid and /etc/subgid give this user {} ids from {} and {} (`moat doctor`)",
+                        "newuidmap or newgidmap failed ({other:?}; the jail's log has their words): check that \
+                         /etc/subuid and /etc/subgid give this user {} ids from {} and {} (`moat doctor`)",
                         spec.id_count, spec.id_base, rootless.gid_base
                     )),
                 }),

@@ -100,6 +100,7 @@ async fn bench() {
         // The benchmark is the operator: it grants what it asks for.
         grants: moat_core::Grants::everything(),
         extra_ca: None,
+        preview: moat_core::net::preview::PreviewHost::default(),
     };
     let moat = Moat::new(config).await.expect("moat starts");
     for _ in 0..3 {

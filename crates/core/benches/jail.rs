@@ -51,6 +51,7 @@ async fn bench() {
         // The test is the operator: it grants what it asks for.
         grants: moat_core::Grants::everything(),
         extra_ca: None,
+        preview: moat_core::net::preview::PreviewHost::default(),
     };
     let moat = Moat::new(config.clone()).await.expect("moat starts");
 

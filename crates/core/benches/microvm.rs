@@ -88,6 +88,7 @@ async fn bench(runs: usize) {
         // The test is the operator: it grants what it asks for.
         grants: moat_core::Grants::everything(),
         extra_ca: None,
+        preview: moat_core::net::preview::PreviewHost::default(),
     };
     let moat = Moat::new(config).await.expect("moat starts with the vm backend");
     let image = moat_core::Image::open(&data_dir, "default").expect("the default image");

@@ -429,8 +429,21 @@ async fn sandbox_root_cannot_forge_frames_to_the_hosts_loopback() {
 /// Headless Chromium, as root, with a fresh profile; returns the DOM it
 /// rendered for `url`.
 fn chromium_dom(url: &str) -> String {
+    chromium_dom_in(None, url)
+}
+
+/// [`chromium_dom`] from inside network namespace `netns`, when given.
+fn chromium_dom_in(netns: Option<&str>, url: &str) -> String {
     let profile = tempfile::Builder::new().prefix("chromium-").tempdir().expect("profile dir");
-    let out = Command::new("chromium")
+    let mut command = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, "chromium"]);
+            c
+        }
+        None => Command::new("chromium"),
+    };
+    let out = command
         .args([
             "--headless",
             "--no-sandbox",
@@ -448,6 +461,60 @@ fn chromium_dom(url: &str) -> String {
         .output()
         .expect("chromium runs (Debian package chromium)");
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The `name=value` of the session cookie a link's redirect sets.
+fn session_cookie(response: &str, host_port: u16) -> String {
+    let name = format!("moat_preview_{host_port}=");
+    let set = response.lines().find_map(|l| l.strip_prefix("Set-Cookie: ")).expect("a Set-Cookie header");
+    let pair = set.split(';').next().unwrap_or_default().to_owned();
+    assert!(pair.starts_with(&name) && pair.len() > name.len(), "{set}");
+    pair
+}
+
+/// A link for a remote client: with the listener on an address another
+/// machine reaches (here a veth's, seen from a network namespace), the
+/// link names that address, Chromium over there opens it once, and the
+/// host's loopback has no listener for it.
+#[tokio::test]
+#[ignore = "needs root, the default image, the static agent and Chromium; run by `cargo xtask test`"]
+async fn preview_links_open_from_another_machine() {
+    let netns = TestNetns::create("moatnet2", "10.213.9.1/30", "10.213.9.2/30");
+    let preview = moat_core::net::preview::PreviewHost::for_http("10.213.9.1:8080".parse().expect("an address"), None)
+        .expect("a preview host");
+    let config =
+        moat_core::MoatConfig { preview, ..common::config(moat_core::BackendKind::Jail, 8, EgressConfig::default()) };
+    let moat = moat_core::Moat::new(config).await.expect("moat starts");
+    let sandbox = moat.create(spec(NetworkPolicy::None)).await.expect("created");
+    let id = &sandbox.id;
+    let script = "mkdir -p /home/user/site && echo '<h1>seen from afar</h1>' > /home/user/site/index.html && \
+                  setsid nohup python3 -m http.server 8000 --bind 127.0.0.1 --directory /home/user/site > /tmp/srv.log 2>&1 < /dev/null &";
+    let (out, code) = sh(&moat, id, script).await;
+    assert_eq!(code, Some(0), "{out}");
+    let client = moat.client(id).expect("client");
+    for attempt in 0.. {
+        if client.port_forward(8000).await.is_ok() {
+            break;
+        }
+        assert!(attempt < 500, "the server in the sandbox did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let link = moat.preview_link(id, 8000).await.expect("a link");
+    assert!(link.url.starts_with(&format!("http://10.213.9.1:{}/?moat_token=", link.host_port)), "{}", link.url);
+    let url = link.url.clone();
+    let ns = netns.name.clone();
+    let dom = tokio::task::spawn_blocking(move || chromium_dom_in(Some(&ns), &url)).await.expect("joins");
+    assert!(dom.contains("seen from afar"), "Chromium in the other namespace rendered: {dom}");
+    let url = link.url.clone();
+    let ns = netns.name.clone();
+    let dom = tokio::task::spawn_blocking(move || chromium_dom_in(Some(&ns), &url)).await.expect("joins");
+    assert!(!dom.contains("seen from afar") && dom.contains("opened already"), "the link opened twice: {dom}");
+    assert!(
+        tokio::net::TcpStream::connect(("127.0.0.1", link.host_port)).await.is_err(),
+        "a remote link's listener is on the loopback too"
+    );
+    moat.destroy_all().await;
+    drop(netns);
 }
 
 /// One plain HTTP/1.1 GET; returns the status line and the rest.
@@ -476,7 +543,9 @@ async fn preview_links_work_in_a_browser_and_only_with_their_token() {
     let (out, code) = sh(&moat, id, &script).await;
     assert_eq!(code, Some(0), "{out}");
     let link = moat.preview_link(id, 8000).await.expect("a link");
-    assert_eq!(moat.preview_link(id, 8000).await.expect("again"), link, "one link per port");
+    let again = moat.preview_link(id, 8000).await.expect("again");
+    assert_eq!(again.host_port, link.host_port, "one listener per port");
+    assert_ne!(again.token, link.token, "a new one-time token each time");
     // Wait until the server inside answers through the agent.
     let client = moat.client(id).expect("client");
     for attempt in 0.. {
@@ -502,12 +571,16 @@ async fn preview_links_work_in_a_browser_and_only_with_their_token() {
     let cookie = format!("moat_preview_{}={}", other.host_port, link.token);
     let response = http_get(other.host_port, "/", Some(&cookie)).await;
     assert!(response.starts_with("HTTP/1.1 403"), "another port's token as a cookie: {response}");
-    // The right token: a redirect that sets the cookie, then the page.
+    // Chromium used the first token: it opens nothing any more.
     let response = http_get(link.host_port, &format!("/?moat_token={}", link.token), None).await;
+    assert!(response.starts_with("HTTP/1.1 403") && response.contains("opened already"), "{response}");
+    // An unused token: a redirect that sets a session cookie (not the
+    // token), then the page.
+    let response = http_get(again.host_port, &format!("/?moat_token={}", again.token), None).await;
     assert!(response.starts_with("HTTP/1.1 303"), "{response}");
-    let cookie = format!("moat_preview_{}={}", link.host_port, link.token);
-    assert!(response.contains(&format!("Set-Cookie: {cookie}")), "{response}");
-    let response = http_get(link.host_port, "/index.html", Some(&cookie)).await;
+    let cookie = session_cookie(&response, again.host_port);
+    assert!(!cookie.contains(&again.token), "the cookie is a session of its own: {cookie}");
+    let response = http_get(again.host_port, "/index.html", Some(&cookie)).await;
     assert!(response.starts_with("HTTP/1.0 200") && response.contains("served from the sandbox"), "{response}");
 
     // After the first request head the link splices raw bytes: an upgraded
@@ -541,12 +614,13 @@ while True:
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let ws = moat.preview_link(id, 8002).await.expect("a link for the upgrade server");
+    let opened = http_get(ws.host_port, &format!("/?moat_token={}", ws.token), None).await;
+    let ws_cookie = session_cookie(&opened, ws.host_port);
     {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", ws.host_port)).await.expect("connects");
         let request = format!(
-            "GET /socket HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nCookie: moat_preview_{}={}\r\n\r\n",
-            ws.host_port, ws.token
+            "GET /socket HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nCookie: {ws_cookie}\r\n\r\n"
         );
         stream.write_all(request.as_bytes()).await.expect("sends");
         let mut head =

@@ -1056,6 +1056,7 @@ async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {
         // The test is the operator: it grants what it asks for.
         grants: moat_core::Grants::everything(),
         extra_ca: None,
+        preview: moat_core::net::preview::PreviewHost::default(),
     };
     let moat = Moat::new(config).await.expect("moat starts");
     // A guard against a hang: microVMs under nested emulation take seconds each.

@@ -178,7 +178,9 @@ impl Backend for JailBackend {
         if image.manifest.jail_id_base != uids.start {
             let name = self.user.display_name();
             return Err(refused(format!(
-                "image {:?} is owned for jails that map host ids from {}, and {name}'s jails map its                  subordinate ids from {}: as root, run `moat setup --user {name}`, which copies the image                  into {name}'s data directory with its files' owners in that range",
+                "image {:?} is owned for jails that map host ids from {}, and {name}'s jails map its \
+                 subordinate ids from {}: as root, run `moat setup --user {name}`, which copies the image \
+                 into {name}'s data directory with its files' owners in that range",
                 image.name, image.manifest.jail_id_base, uids.start
             )));
         }

@@ -12,6 +12,7 @@ use crate::grants::Grants;
 use crate::hostfs;
 use crate::image;
 use crate::net::egress::EgressConfig;
+use crate::net::preview::PreviewHost;
 use crate::sandbox::SandboxSpec;
 use crate::trust::ExtraCa;
 
@@ -41,6 +42,9 @@ pub struct MoatConfig {
     /// CA certificates every new sandbox trusts beyond its image's
     /// (`MOAT_CA_FILE`; [`crate::trust`]).
     pub extra_ca: Option<ExtraCa>,
+    /// Where preview links listen and the host their URLs name: the
+    /// loopback, unless moat-mcp serves remote clients over HTTP.
+    pub preview: PreviewHost,
 }
 
 impl MoatConfig {
@@ -70,6 +74,7 @@ impl MoatConfig {
             egress: EgressConfig::from_env(),
             grants: Grants::everything(),
             extra_ca,
+            preview: PreviewHost::default(),
         })
     }
 }

@@ -440,19 +440,22 @@ impl Moat {
         Ok(entry.egress.as_ref().map(|(policy, _)| policy.allowed_hosts().into_iter().collect()).unwrap_or_default())
     }
 
-    /// A link on the host's loopback to `port` in sandbox `id`, valid until
-    /// the sandbox ends; asking again for the same port returns the same link.
+    /// A link to `port` in sandbox `id` (on the host's loopback, or where
+    /// [`MoatConfig::preview`] says), until the sandbox ends. Its token
+    /// opens it once; asking again for the same port gives the same
+    /// listener with a new token.
     pub async fn preview_link(&self, id: &str, port: u16) -> Result<PreviewLink, SandboxError> {
         if port == 0 {
             return Err(SandboxError::InvalidPort);
         }
+        let io = |source| IoError { id: id.into(), what: "making the preview link's token".into(), source };
         let (expires_at, existing) = {
             let sandboxes = self.inner.lock();
             let entry = sandboxes.get(id).ok_or_else(|| self.inner.unknown(id, &sandboxes))?;
-            (entry.info.expires_at, entry.previews.get(&port).map(Preview::link))
+            (entry.info.expires_at, entry.previews.get(&port).map(Preview::new_link))
         };
         if let Some(link) = existing {
-            return Ok(link);
+            return Ok(link.map_err(io)?);
         }
         let weak = Arc::downgrade(&self.inner);
         let sandbox = id.to_owned();
@@ -460,14 +463,12 @@ impl Moat {
             let inner = weak.upgrade().ok_or_else(|| SandboxError::Expired(sandbox.clone()))?;
             Moat { inner }.client(&sandbox)
         };
-        let preview = Preview::start(port, expires_at, Arc::new(connect)).await.map_err(|source| IoError {
-            id: id.into(),
-            what: "listening for the preview link".into(),
-            source,
-        })?;
+        let preview = Preview::start(port, expires_at, &self.inner.config.preview, Arc::new(connect))
+            .await
+            .map_err(|source| IoError { id: id.into(), what: "listening for the preview link".into(), source })?;
         let mut sandboxes = self.inner.lock();
         let entry = sandboxes.get_mut(id).ok_or_else(|| SandboxError::Expired(id.into()))?;
-        Ok(entry.previews.entry(port).or_insert(preview).link())
+        Ok(entry.previews.entry(port).or_insert(preview).new_link().map_err(io)?)
     }
 
     /// Suspends a sandbox now (as idleness would).

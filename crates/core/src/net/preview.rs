@@ -1,13 +1,18 @@
-//! Preview links: a listener on the host's loopback that forwards each
+//! Preview links: a listener (on the host's loopback, or on the address a
+//! remote client reaches moat-mcp at: [`PreviewHost`]) that forwards each
 //! connection to one port inside one sandbox, through the agent's
 //! `port_forward`, for whoever holds the link's token.
 //!
-//! A browser opens `http://127.0.0.1:<listener>/?moat_token=<token>`; the
+//! A browser opens `http://<host>:<listener>/?moat_token=<token>`; the
 //! link answers with a redirect that drops the token from the address and
-//! sets it as a cookie named after the listener's port (cookies ignore
+//! sets a session cookie named after the listener's port (cookies ignore
 //! ports, so each link has its own name). Later requests carry the cookie.
-//! Each link has its own token, valid for its own port only; the listener
-//! and every connection through it end with the sandbox.
+//! A token opens its link once: it is exchanged for the cookie on first
+//! use, and refused after (a link read from a log, a history or a shared
+//! screen opens nothing); asking for the link again mints a new token for
+//! the same listener. Tokens and sessions are valid for their own
+//! listener only; the listener and every connection through it end with
+//! the sandbox.
 //!
 //! Every request head on a connection is checked and cleaned, not only the
 //! first (keep-alive would otherwise carry later heads through unseen):
@@ -24,6 +29,7 @@
 //! is refused (411). After a WebSocket upgrade request, bytes flow
 //! unchanged both ways.
 
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -47,6 +53,89 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_CONNECTIONS: usize = 64;
 /// The query parameter that carries the token.
 pub const TOKEN_PARAM: &str = "moat_token";
+/// Unused tokens, used tokens and sessions one link remembers, each: the
+/// oldest go first.
+const REMEMBERED: usize = 64;
+
+/// Where preview links listen, and the host name their URLs carry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreviewHost {
+    /// The address listeners bind (port 0: the kernel picks one per link).
+    pub bind: IpAddr,
+    /// The host of the links' URLs: an address or a name, an IPv6 address
+    /// in brackets.
+    pub host: String,
+}
+
+impl Default for PreviewHost {
+    /// The host's loopback: links for a browser on this machine.
+    fn default() -> Self {
+        Self { bind: IpAddr::V4(Ipv4Addr::LOCALHOST), host: "127.0.0.1".into() }
+    }
+}
+
+impl PreviewHost {
+    /// Links for clients of an HTTP server listening on `http`: on its
+    /// address, named by `base` (`MOAT_PREVIEW_URL`, `http://HOST`) when
+    /// given, else by the address itself, or by this machine's host name
+    /// when the address is unspecified (0.0.0.0 or ::). A loopback server
+    /// without `base` gets loopback links, as over stdio.
+    pub fn for_http(http: SocketAddr, base: Option<&str>) -> Result<Self, String> {
+        let named = base.map(parse_base).transpose()?;
+        let ip = http.ip();
+        if ip.is_loopback() && named.is_none() {
+            return Ok(Self::default());
+        }
+        let host = match named {
+            Some(host) => host,
+            None if ip.is_unspecified() => nix::unistd::gethostname()
+                .ok()
+                .and_then(|name| name.into_string().ok())
+                .filter(|name| !name.is_empty())
+                .ok_or("moat-mcp listens on every address and this machine has no host name: set MOAT_PREVIEW_URL=http://HOST to name the host preview links use")?,
+            None => match ip {
+                IpAddr::V4(v4) => v4.to_string(),
+                IpAddr::V6(v6) => format!("[{v6}]"),
+            },
+        };
+        Ok(Self { bind: ip, host })
+    }
+
+    /// [`PreviewHost::for_http`] with `MOAT_PREVIEW_URL` from the environment.
+    pub fn for_http_from_env(http: SocketAddr) -> Result<Self, String> {
+        let base = std::env::var("MOAT_PREVIEW_URL").ok().filter(|v| !v.trim().is_empty());
+        Self::for_http(http, base.as_deref())
+    }
+
+    fn url(&self, port: u16, token: &str) -> String {
+        format!("http://{}:{port}/?{TOKEN_PARAM}={token}", self.host)
+    }
+}
+
+/// The host of a `MOAT_PREVIEW_URL` (`http://HOST`, a path or port after
+/// it ignored: each link has its own port); an error says what is allowed.
+fn parse_base(base: &str) -> Result<String, String> {
+    let rule = "MOAT_PREVIEW_URL must be http://HOST (a name or address that clients reach this machine at; \
+                each link adds its own port)";
+    let rest = base.trim().strip_prefix("http://").ok_or_else(|| {
+        if base.trim().starts_with("https://") {
+            format!("{rule}: preview links are served over plain HTTP, not {base:?}")
+        } else {
+            format!("{rule}, not {base:?}")
+        }
+    })?;
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let host = if let Some(v6) = authority.strip_prefix('[') {
+        v6.split_once(']').map(|(inside, _)| format!("[{inside}]")).unwrap_or_default()
+    } else {
+        authority.split(':').next().unwrap_or_default().to_owned()
+    };
+    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '[' | ']' | ':');
+    if host.is_empty() || host.contains('@') || !host.chars().all(plain) {
+        return Err(format!("{rule}, not {base:?}"));
+    }
+    Ok(host)
+}
 
 /// Secrets of the host side that no preview link forwards into a sandbox.
 static NEVER_FORWARD: Mutex<Vec<String>> = Mutex::new(Vec::new());
@@ -65,12 +154,13 @@ pub type Connect = Arc<dyn Fn() -> Result<AgentClient<UnixConnector>, SandboxErr
 /// What a caller gets: where to point a browser.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PreviewLink {
-    /// The URL with the token, ready for a browser.
+    /// The URL with the token, ready for a browser; it opens once.
     pub url: String,
     /// The port inside the sandbox.
     pub port: u16,
+    /// The one-time token in the URL.
     pub token: String,
-    /// The port of the listener on 127.0.0.1.
+    /// The port of the listener (on the [`PreviewHost`]).
     pub host_port: u16,
     /// Seconds since the Unix epoch: when the sandbox (and the link) ends.
     pub expires_at: u64,
@@ -79,7 +169,9 @@ pub struct PreviewLink {
 /// A live link; dropping it closes the listener and its connections.
 #[derive(Debug)]
 pub struct Preview {
+    /// The link without a token (`token` empty, the URL's ends at `=`).
     link: PreviewLink,
+    guard: Arc<Guard>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -90,45 +182,94 @@ impl Drop for Preview {
 }
 
 impl Preview {
-    pub async fn start(port: u16, expires_at: u64, connect: Connect) -> std::io::Result<Self> {
-        let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+    /// Listens on `host` for links to `port` in the sandbox.
+    pub async fn start(port: u16, expires_at: u64, host: &PreviewHost, connect: Connect) -> std::io::Result<Self> {
+        let listener = TcpListener::bind((host.bind, 0)).await?;
         let host_port = listener.local_addr()?.port();
-        let token = new_token()?;
-        let link = PreviewLink {
-            url: format!("http://127.0.0.1:{host_port}/?{TOKEN_PARAM}={token}"),
-            port,
-            token: token.clone(),
-            host_port,
-            expires_at,
-        };
+        let link = PreviewLink { url: host.url(host_port, ""), port, token: String::new(), host_port, expires_at };
         let guard = Arc::new(Guard {
-            token,
+            tokens: Mutex::default(),
             cookie: format!("moat_preview_{host_port}"),
-            origin: format!("http://127.0.0.1:{host_port}"),
+            origin: format!("http://{}:{host_port}", host.host),
             port,
         });
-        let task = tokio::spawn(serve(listener, guard, connect));
-        Ok(Self { link, task })
+        let task = tokio::spawn(serve(listener, guard.clone(), connect));
+        Ok(Self { link, guard, task })
     }
 
-    pub fn link(&self) -> PreviewLink {
-        self.link.clone()
+    /// A link with a fresh one-time token, for this listener.
+    pub fn new_link(&self) -> std::io::Result<PreviewLink> {
+        let token = new_token()?;
+        remember(&mut self.guard.tokens.lock().unwrap_or_else(PoisonError::into_inner).fresh, token.clone());
+        let url = self.link.url.replacen(&format!("{TOKEN_PARAM}="), &format!("{TOKEN_PARAM}={token}"), 1);
+        Ok(PreviewLink { url, token, ..self.link.clone() })
     }
 }
 
+/// Keeps `value` in `list`, dropping the oldest past [`REMEMBERED`].
+fn remember(list: &mut Vec<String>, value: String) {
+    if list.len() >= REMEMBERED {
+        list.remove(0);
+    }
+    list.push(value);
+}
+
+/// A link's secrets: one-time tokens not yet used, those used, and the
+/// sessions (cookie values) they were exchanged for.
+#[derive(Debug, Default)]
+struct Tokens {
+    fresh: Vec<String>,
+    used: Vec<String>,
+    sessions: Vec<String>,
+}
+
 struct Guard {
-    token: String,
+    tokens: Mutex<Tokens>,
     cookie: String,
-    /// The link's own origin, `http://127.0.0.1:<listener port>`.
+    /// The link's own origin, `http://<host>:<listener port>`.
     origin: String,
     port: u16,
 }
 
+/// Without its secrets: a `Preview` may be logged.
+impl std::fmt::Debug for Guard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Guard")
+            .field("cookie", &self.cookie)
+            .field("origin", &self.origin)
+            .field("port", &self.port)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether `value` is one of `secrets`, each compared in time that does
+/// not depend on where they differ.
+fn holds(secrets: &[String], value: &str) -> Option<usize> {
+    secrets.iter().position(|secret| bool::from(value.as_bytes().ct_eq(secret.as_bytes())))
+}
+
 impl Guard {
-    /// Whether `value` is this link's token, compared in time that does not
-    /// depend on where they differ.
-    fn is_token(&self, value: &str) -> bool {
-        value.as_bytes().ct_eq(self.token.as_bytes()).into()
+    /// Exchanges one-time `token` for a new session; why not when it
+    /// cannot be.
+    fn redeem(&self, token: &str) -> Result<String, &'static str> {
+        let mut tokens = self.tokens.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(at) = holds(&tokens.fresh, token) else {
+            return Err(if holds(&tokens.used, token).is_some() {
+                "this link was opened already: a link opens once; ask preview_link for a new one"
+            } else {
+                "the token in the address is not this link's"
+            });
+        };
+        let session = new_token().map_err(|_| "no session could be made (the host's random source failed)")?;
+        let used = tokens.fresh.remove(at);
+        remember(&mut tokens.used, used);
+        remember(&mut tokens.sessions, session.clone());
+        Ok(session)
+    }
+
+    /// Whether `value` is one of this link's sessions.
+    fn is_session(&self, value: &str) -> bool {
+        holds(&self.tokens.lock().unwrap_or_else(PoisonError::into_inner).sessions, value).is_some()
     }
 }
 
@@ -157,12 +298,16 @@ async fn serve(listener: TcpListener, guard: Arc<Guard>, connect: Connect) {
 /// What a request head asks for.
 #[derive(Debug, PartialEq, Eq)]
 enum Verdict {
-    /// The token is in the query: set the cookie and send the browser here.
-    /// `page`: answer with a page that navigates (for a navigation from
-    /// another site, whose redirect chain would stay cross-site).
+    /// The token is in the query and was exchanged for `session`: set the
+    /// cookie and send the browser here. `page`: answer with a page that
+    /// navigates (for a navigation from another site, whose redirect chain
+    /// would stay cross-site).
     Redirect {
         location: String,
         page: bool,
+        /// `None` when the request held a session of the link already (a
+        /// reload of the URL with its spent token, say).
+        session: Option<String>,
     },
     /// The cookie is right: forward.
     Forward,
@@ -227,12 +372,16 @@ fn judge(head: &Head, guard: &Guard) -> Verdict {
     let site = head.values("sec-fetch-site").next().map(str::to_ascii_lowercase);
     let own_pages = site.as_deref().is_none_or(|s| s == "same-origin" || s == "none");
     if let Some(value) = from_query {
-        if !guard.is_token(value) {
-            return Verdict::Refuse("the token in the address is not this link's");
-        }
+        let session = match guard.redeem(value) {
+            Ok(session) => Some(session),
+            // The token is spent (or another's), but this browser holds a
+            // session of the link: the address is cleaned, nothing more.
+            Err(_) if own_pages && holds_session(head, guard) => None,
+            Err(why) => return Verdict::Refuse(why),
+        };
         let location = if kept.is_empty() { path.to_owned() } else { format!("{path}?{}", kept.join("&")) };
         let location = if location.starts_with('/') { location } else { "/".into() };
-        return Verdict::Redirect { location, page: !own_pages };
+        return Verdict::Redirect { location, page: !own_pages, session };
     }
     if !own_pages {
         return Verdict::Refuse("a page of another site (another preview link's, say) may not use this link");
@@ -240,22 +389,30 @@ fn judge(head: &Head, guard: &Guard) -> Verdict {
     if head.values("origin").any(|origin| origin != guard.origin) {
         return Verdict::Refuse("a page of another origin (another preview link's, say) may not use this link");
     }
-    let mut cookies = head
-        .values("cookie")
+    if link_cookies(head, guard).next().is_none() {
+        return Verdict::Refuse("no token: open the link's full URL (with ?moat_token=…) first");
+    }
+    if holds_session(head, guard) {
+        Verdict::Forward
+    } else {
+        Verdict::Refuse("the cookie is no session of this link: open a new link from preview_link")
+    }
+}
+
+/// The values of the request's cookies named for this link.
+fn link_cookies<'a>(head: &'a Head, guard: &'a Guard) -> impl Iterator<Item = &'a str> + 'a {
+    head.values("cookie")
         .flat_map(|value| value.split(';'))
         .filter_map(|c| c.trim().split_once('='))
         .filter(|(name, _)| *name == guard.cookie)
-        .peekable();
-    if cookies.peek().is_none() {
-        return Verdict::Refuse("no token: open the link's full URL (with ?moat_token=…) first");
-    }
-    // Any cookie of this name with the right value counts: another page
-    // may set one of the same name, but cannot unset the right one.
-    if cookies.any(|(_, value)| guard.is_token(value)) {
-        Verdict::Forward
-    } else {
-        Verdict::Refuse("the cookie holds another token")
-    }
+        .map(|(_, value)| value)
+}
+
+/// Whether the request holds a session of this link. Any cookie of the
+/// link's name with the right value counts: another page may set one of
+/// the same name, but cannot unset the right one.
+fn holds_session(head: &Head, guard: &Guard) -> bool {
+    link_cookies(head, guard).any(|value| guard.is_session(value))
 }
 
 /// `head` as it may enter the sandbox: without `moat_*` cookies, `X-Moat-*`
@@ -325,8 +482,10 @@ async fn connection(mut stream: TcpStream, guard: &Guard, connect: &Connect) {
     };
     match judge(&head, guard) {
         Verdict::Refuse(why) => refuse(stream, guard, why).await,
-        Verdict::Redirect { location, page } => {
-            let cookie = format!("Set-Cookie: {}={}; Path=/; HttpOnly; SameSite=Strict\r\n", guard.cookie, guard.token);
+        Verdict::Redirect { location, page, session } => {
+            let cookie = session.map_or_else(String::new, |session| {
+                format!("Set-Cookie: {}={session}; Path=/; HttpOnly; SameSite=Strict\r\n", guard.cookie)
+            });
             if page {
                 // A navigation of the page's own (same-origin) carries the cookie.
                 let quoted = location.replace('&', "&amp;").replace('"', "&quot;").replace('<', "&lt;");
@@ -475,37 +634,84 @@ mod tests {
         Head::parse(text.as_bytes()).expect("a request head").expect("complete").0
     }
 
+    /// A link with two unused tokens ("a…" and "c…") and one session ("s…").
     fn guard() -> Guard {
         Guard {
-            token: "a".repeat(32),
+            tokens: Mutex::new(Tokens {
+                fresh: vec!["a".repeat(32), "c".repeat(32)],
+                used: Vec::new(),
+                sessions: vec!["s".repeat(32)],
+            }),
             cookie: "moat_preview_4000".into(),
             origin: "http://127.0.0.1:4000".into(),
             port: 8000,
         }
     }
 
+    /// The location, page and new session of a redirect that made one.
+    fn redirect(verdict: Verdict) -> (String, bool, String) {
+        match verdict {
+            Verdict::Redirect { location, page, session: Some(session) } => (location, page, session),
+            other => panic!("not a redirect with a new session: {other:?}"),
+        }
+    }
+
     #[test]
-    fn the_token_is_required_first_in_the_address_then_as_a_cookie() {
-        let token = "a".repeat(32);
+    fn a_token_opens_its_link_once_then_its_session_cookie_does() {
+        let (token, other) = ("a".repeat(32), "c".repeat(32));
         let g = guard();
+        let (location, page, session) =
+            redirect(judge(&parsed(&format!("GET /app?x=1&moat_token={token} HTTP/1.1\r\n\r\n")), &g));
+        assert_eq!((location.as_str(), page), ("/app?x=1", false));
+        assert!(session.len() == 32 && session != token, "a session of its own, not the token: {session}");
+        match judge(&parsed(&format!("GET /?moat_token={token} HTTP/1.1\r\n\r\n")), &g) {
+            Verdict::Refuse(why) => assert!(why.contains("opened already") && why.contains("preview_link"), "{why}"),
+            verdict => panic!("a used token opened the link again: {verdict:?}"),
+        }
+        // The spent token again, from the browser that holds its session
+        // (a reload): the address is cleaned, and no new session made.
+        let reload = format!("GET /app?moat_token={token} HTTP/1.1\r\nCookie: moat_preview_4000={session}\r\n\r\n");
         assert_eq!(
-            judge(&parsed(&format!("GET /app?x=1&moat_token={token} HTTP/1.1\r\n\r\n")), &g),
-            Verdict::Redirect { location: "/app?x=1".into(), page: false }
+            judge(&parsed(&reload), &g),
+            Verdict::Redirect { location: "/app".into(), page: false, session: None }
         );
-        assert_eq!(
-            judge(&parsed(&format!("GET /?moat_token={token} HTTP/1.1\r\n\r\n")), &g),
-            Verdict::Redirect { location: "/".into(), page: false }
-        );
-        assert_eq!(
-            judge(&parsed(&format!("GET /x HTTP/1.1\r\nCookie: a=b; moat_preview_4000={token}\r\n\r\n")), &g),
-            Verdict::Forward
-        );
+        let (location, _, second) = redirect(judge(&parsed(&format!("GET /?moat_token={other} HTTP/1.1\r\n\r\n")), &g));
+        assert_eq!(location, "/");
+        assert_ne!(second, session, "each opening gets its own session");
+        for good in [&session, &second, &"s".repeat(32)] {
+            let head = format!("GET /x HTTP/1.1\r\nCookie: a=b; moat_preview_4000={good}\r\n\r\n");
+            assert_eq!(judge(&parsed(&head), &g), Verdict::Forward);
+        }
         assert!(matches!(judge(&parsed("GET / HTTP/1.1\r\n\r\n"), &g), Verdict::Refuse(_)));
-        assert!(matches!(judge(&parsed("GET /?moat_token=bbbb HTTP/1.1\r\n\r\n"), &g), Verdict::Refuse(_)));
-        let other_link = format!("GET / HTTP/1.1\r\nCookie: moat_preview_4001={token}\r\n\r\n");
+        match judge(&parsed("GET /?moat_token=bbbb HTTP/1.1\r\n\r\n"), &g) {
+            Verdict::Refuse(why) => assert!(why.contains("not this link's"), "{why}"),
+            verdict => panic!("{verdict:?}"),
+        }
+        let other_link = format!("GET / HTTP/1.1\r\nCookie: moat_preview_4001={session}\r\n\r\n");
         assert!(matches!(judge(&parsed(&other_link), &g), Verdict::Refuse(_)), "another link's cookie does not count");
+        let token_as_cookie = format!("GET / HTTP/1.1\r\nCookie: moat_preview_4000={token}\r\n\r\n");
+        assert!(matches!(judge(&parsed(&token_as_cookie), &g), Verdict::Refuse(_)), "a token is no session");
         let wrong = format!("GET / HTTP/1.1\r\nCookie: moat_preview_4000={}\r\n\r\n", "b".repeat(32));
         assert!(matches!(judge(&parsed(&wrong), &g), Verdict::Refuse(_)));
+    }
+
+    #[test]
+    fn preview_hosts_follow_the_http_address_or_moat_preview_url() {
+        let at = |addr: &str| addr.parse::<SocketAddr>().expect("an address");
+        assert_eq!(PreviewHost::for_http(at("127.0.0.1:8080"), None), Ok(PreviewHost::default()));
+        let lan = PreviewHost::for_http(at("10.1.2.3:8080"), None).expect("a host");
+        assert_eq!((lan.bind.to_string(), lan.host.as_str()), ("10.1.2.3".into(), "10.1.2.3"));
+        assert_eq!(lan.url(4000, "t"), "http://10.1.2.3:4000/?moat_token=t");
+        let v6 = PreviewHost::for_http(at("[fd00::1]:8080"), None).expect("a host");
+        assert_eq!(v6.host, "[fd00::1]");
+        let named = PreviewHost::for_http(at("0.0.0.0:8080"), Some("http://devbox.lan:9999/x")).expect("a host");
+        assert_eq!((named.bind.to_string(), named.host.as_str()), ("0.0.0.0".into(), "devbox.lan"));
+        let tunnel = PreviewHost::for_http(at("127.0.0.1:8080"), Some("http://[fd00::2]")).expect("a host");
+        assert_eq!((tunnel.bind.to_string(), tunnel.host.as_str()), ("127.0.0.1".into(), "[fd00::2]"));
+        for bad in ["https://devbox.lan", "devbox.lan", "http://", "http://user@devbox", "http://a b"] {
+            let why = PreviewHost::for_http(at("0.0.0.0:1"), Some(bad)).expect_err(bad);
+            assert!(why.contains("MOAT_PREVIEW_URL must be http://HOST"), "{bad}: {why}");
+        }
     }
 
     #[test]
@@ -529,9 +735,9 @@ mod tests {
 
     #[test]
     fn pages_of_other_links_cannot_use_this_one() {
-        let token = "a".repeat(32);
+        let (token, session) = ("a".repeat(32), "s".repeat(32));
         let g = guard();
-        let cookie = format!("Cookie: moat_preview_4000={token}");
+        let cookie = format!("Cookie: moat_preview_4000={session}");
         for from_elsewhere in [
             format!("GET / HTTP/1.1\r\n{cookie}\r\nSec-Fetch-Site: same-site\r\n\r\n"),
             format!("GET / HTTP/1.1\r\n{cookie}\r\nSec-Fetch-Site: cross-site\r\n\r\n"),
@@ -545,14 +751,15 @@ mod tests {
                 "GET / HTTP/1.1\r\n{cookie}\r\nSec-Fetch-Site: same-origin\r\nOrigin: http://127.0.0.1:4000\r\n\r\n"
             ),
             format!("GET / HTTP/1.1\r\n{cookie}\r\nSec-Fetch-Site: none\r\n\r\n"),
-            format!("GET / HTTP/1.1\r\nCookie: moat_preview_4000=forged; moat_preview_4000={token}\r\n\r\n"),
+            format!("GET / HTTP/1.1\r\nCookie: moat_preview_4000=forged; moat_preview_4000={session}\r\n\r\n"),
         ] {
             assert_eq!(judge(&parsed(&own), &g), Verdict::Forward, "{own}");
         }
         // Opened from another site, the token's page navigates itself, so
         // that the cookie goes with a same-origin request.
         let opened = format!("GET /?moat_token={token} HTTP/1.1\r\nSec-Fetch-Site: cross-site\r\n\r\n");
-        assert_eq!(judge(&parsed(&opened), &g), Verdict::Redirect { location: "/".into(), page: true });
+        let (location, page, _) = redirect(judge(&parsed(&opened), &g));
+        assert_eq!((location.as_str(), page), ("/", true));
     }
 
     #[test]
@@ -569,7 +776,7 @@ mod tests {
 
     #[tokio::test]
     async fn every_request_on_a_kept_alive_connection_is_cleaned() {
-        let token = "a".repeat(32);
+        let token = "s".repeat(32);
         let g = guard();
         let first = format!("GET /1 HTTP/1.1\r\nCookie: moat_preview_4000={token}\r\n\r\n");
         let later = format!(

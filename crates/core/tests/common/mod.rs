@@ -42,6 +42,7 @@ pub fn config(backend: BackendKind, max_sandboxes: usize, egress: EgressConfig) 
         // The test is the operator: it grants what it asks for.
         grants: moat_core::Grants::everything(),
         extra_ca: None,
+        preview: moat_core::net::preview::PreviewHost::default(),
     }
 }
 

@@ -1,4 +1,5 @@
-//! `preview_link`: a token-guarded loopback link to a sandbox port.
+//! `preview_link`: a link to a sandbox port, guarded by a one-time token
+//! (on the loopback, or where moat-mcp serves remote clients).
 
 use schemars::JsonSchema;
 use serde::Deserialize;
