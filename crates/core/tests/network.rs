@@ -463,6 +463,27 @@ fn chromium_dom_in(netns: Option<&str>, url: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Serves `page` (no single quotes) from port 8000 in sandbox `id` with
+/// Python's http.server, and waits until it answers through the agent;
+/// returns the agent's client.
+async fn serve_page(moat: &Moat, id: &str, page: &str) -> moat_proto::AgentClient<moat_proto::UnixConnector> {
+    let script = format!(
+        "mkdir -p /home/user/site && printf '%s' '{page}' > /home/user/site/index.html && \
+         setsid nohup python3 -m http.server 8000 --bind 127.0.0.1 --directory /home/user/site > /tmp/srv.log 2>&1 < /dev/null &"
+    );
+    let (out, code) = sh(moat, id, &script).await;
+    assert_eq!(code, Some(0), "{out}");
+    let client = moat.client(id).expect("client");
+    for attempt in 0.. {
+        if client.port_forward(8000).await.is_ok() {
+            break;
+        }
+        assert!(attempt < 500, "the server in the sandbox did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    client
+}
+
 /// The `name=value` of the session cookie a link's redirect sets.
 fn session_cookie(response: &str, host_port: u16) -> String {
     let name = format!("moat_preview_{host_port}=");
@@ -487,18 +508,7 @@ async fn preview_links_open_from_another_machine() {
     let moat = moat_core::Moat::new(config).await.expect("moat starts");
     let sandbox = moat.create(spec(NetworkPolicy::None)).await.expect("created");
     let id = &sandbox.id;
-    let script = "mkdir -p /home/user/site && echo '<h1>seen from afar</h1>' > /home/user/site/index.html && \
-                  setsid nohup python3 -m http.server 8000 --bind 127.0.0.1 --directory /home/user/site > /tmp/srv.log 2>&1 < /dev/null &";
-    let (out, code) = sh(&moat, id, script).await;
-    assert_eq!(code, Some(0), "{out}");
-    let client = moat.client(id).expect("client");
-    for attempt in 0.. {
-        if client.port_forward(8000).await.is_ok() {
-            break;
-        }
-        assert!(attempt < 500, "the server in the sandbox did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    serve_page(&moat, id, "<h1>seen from afar</h1>").await;
     let link = moat.preview_link(id, 8000).await.expect("a link");
     assert!(link.url.starts_with(&format!("http://10.213.9.1:{}/?moat_token=", link.host_port)), "{}", link.url);
     let url = link.url.clone();
@@ -535,26 +545,11 @@ async fn preview_links_work_in_a_browser_and_only_with_their_token() {
     let moat = moat(EgressConfig::default()).await;
     let sandbox = moat.create(spec(NetworkPolicy::None)).await.expect("created");
     let id = &sandbox.id;
-    let page = "<html><body><h1 id=greeting>served from the sandbox</h1></body></html>";
-    let script = format!(
-        "mkdir -p /home/user/site && printf '%s' '{page}' > /home/user/site/index.html && \
-         setsid nohup python3 -m http.server 8000 --bind 127.0.0.1 --directory /home/user/site > /tmp/srv.log 2>&1 < /dev/null &"
-    );
-    let (out, code) = sh(&moat, id, &script).await;
-    assert_eq!(code, Some(0), "{out}");
+    let client = serve_page(&moat, id, "<html><body><h1 id=greeting>served from the sandbox</h1></body></html>").await;
     let link = moat.preview_link(id, 8000).await.expect("a link");
     let again = moat.preview_link(id, 8000).await.expect("again");
     assert_eq!(again.host_port, link.host_port, "one listener per port");
     assert_ne!(again.token, link.token, "a new one-time token each time");
-    // Wait until the server inside answers through the agent.
-    let client = moat.client(id).expect("client");
-    for attempt in 0.. {
-        if client.port_forward(8000).await.is_ok() {
-            break;
-        }
-        assert!(attempt < 500, "the server in the sandbox did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 
     let url = link.url.clone();
     let dom = tokio::task::spawn_blocking(move || chromium_dom(&url)).await.expect("joins");

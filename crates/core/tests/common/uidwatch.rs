@@ -47,7 +47,10 @@ impl UidWatch {
                     };
                     let name = name.trim();
                     let what = format!("{name} (pid {pid}, uids {uids:?})");
-                    let sandboxed = std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok() != ours;
+                    // A process that ended meanwhile has no namespace to
+                    // read: it is judged by what was read of it, or not at all.
+                    let Ok(ns) = std::fs::read_link(format!("/proc/{pid}/ns/pid")) else { continue };
+                    let sandboxed = Some(ns) != ours;
                     // setpriv is root until it has switched to the account
                     // and exec'd the test; a sandbox's init is moat's own
                     // code, still setting its ids, until it execs the
