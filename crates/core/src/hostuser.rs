@@ -6,8 +6,6 @@
 //! `newgidmap` (package `uidmap`), as rootless Podman does: sandbox root and
 //! `user` are then ids the user owns, neither the user itself nor host root.
 
-use std::path::Path;
-
 use crate::image::{JAIL_ID_BASE, JAIL_ID_COUNT};
 
 /// A subordinate id range: `count` ids from `start`.
@@ -118,11 +116,6 @@ pub fn free_range(subuid: &str, subgid: &str) -> Option<Range> {
     let start = u32::try_from(end).ok()?;
     (u64::from(start) + u64::from(JAIL_ID_COUNT) <= u64::from(JAIL_ID_BASE))
         .then_some(Range { start, count: JAIL_ID_COUNT })
-}
-
-/// Whether `path` exists and this process may read and write it.
-pub fn can_read_write(path: &Path) -> bool {
-    nix::unistd::access(path, nix::unistd::AccessFlags::R_OK | nix::unistd::AccessFlags::W_OK).is_ok()
 }
 
 #[cfg(test)]
