@@ -81,6 +81,19 @@ pub fn rootless_account(moat: &std::path::Path) -> Result<&'static str> {
 /// the last 1.x and a 2.x, each in its own virtual environment under
 /// `target/`. Returns their interpreters, colon-separated.
 pub fn mcp_sdks() -> Result<String> {
+    // Debian's python3 makes environments only with python3-venv, which a
+    // fresh machine may lack: installed when root can.
+    let system_has_venv = || {
+        std::process::Command::new(SYSTEM_PYTHON)
+            .args(["-c", "import venv, ensurepip"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if std::path::Path::new(SYSTEM_PYTHON).exists() && !system_has_venv() && crate::host::is_root() {
+        run(std::process::Command::new("apt-get")
+            .args(["install", "-y", "-q", "--no-install-recommends", "python3-venv"])
+            .env("DEBIAN_FRONTEND", "noninteractive"))?;
+    }
     let mut pythons = Vec::new();
     for (dir, version) in [("mcp-py1", "1.30.0"), ("mcp-py2", "2.3.0")] {
         let venv = crate::host::root().join("target").join(dir);
@@ -92,10 +105,7 @@ pub fn mcp_sdks() -> Result<String> {
         // Debian's Python where there is one, not one under a user's home
         // (pyenv's): the rootless tests run a copy of the environment as
         // another account, which must reach its interpreter.
-        let system = std::process::Command::new(SYSTEM_PYTHON)
-            .args(["-c", "import venv, ensurepip"])
-            .output()
-            .is_ok_and(|o| o.status.success());
+        let system = system_has_venv();
         let on_system = std::fs::read_to_string(venv.join("pyvenv.cfg"))
             .is_ok_and(|cfg| cfg.lines().any(|l| l.replace(' ', "") == "home=/usr/bin"));
         if !installed || (system && !on_system) {
