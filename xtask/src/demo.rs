@@ -32,7 +32,9 @@ pub fn run_demo() -> Result<()> {
         .arg(&server)
         .arg(&out)
         .env("MOAT_AGENT", &agent))?;
-    println!("\nAdd moat to an agent host (it starts moat-mcp over stdio, as root for jails; see docs/hosts.md):");
+    println!(
+        "\nAdd moat to an agent host (it starts moat-mcp over stdio as its user; a user other than root needs `sudo moat setup --user NAME` once, see docs/hosts.md):"
+    );
     for client in ["claude-code", "cursor", "vscode"] {
         println!("  {} init --client {client}", server.display());
     }
