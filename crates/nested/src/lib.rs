@@ -72,7 +72,8 @@ pub fn run_in(bundle: &Bundle, payload: &Payload) -> Result<Output> {
 /// `per_level` steps keeps them young. When one breaks
 /// ([`Error::Crashed`]), the steps it finished are not run again: a fresh
 /// level 1 gets the rest. The run gives up only when [`STEP_ATTEMPTS`]
-/// level 1s in a row break without finishing a step. The output is the
+/// level 1s in a row break without finishing a step. A step that failed
+/// right before its level 1 broke runs once more in the next one. The output is the
 /// last level 1's, with the stdout of every level 1 before it in front,
 /// and an exit code that is nonzero when any level 1 had a step fail.
 pub fn run_steps(
@@ -85,6 +86,7 @@ pub fn run_steps(
     let mut left: Vec<String> = steps.to_vec();
     let (mut earlier, mut failed) = (Vec::new(), false);
     let mut fruitless = 0;
+    let mut rerun: Vec<String> = Vec::new();
     loop {
         let given = &left[..left.len().min(per_level.max(1))];
         let (marks, stdout, result) = match machine::run(bundle, &payload(given)) {
@@ -100,8 +102,20 @@ pub fn run_steps(
             }
             Err(e) => return Err(e),
         };
-        let done: Vec<&str> = marks.iter().filter_map(|m| m.strip_prefix("done ")).collect();
-        failed |= marks.iter().any(|m| m.starts_with("failed "));
+        let mut done: Vec<&str> = marks.iter().filter_map(|m| m.strip_prefix("done ")).collect();
+        // A step that failed just before its level 1 broke most likely
+        // failed because it was breaking (a test's watchdog ending it while
+        // level 1's kernel crawled): it runs again, once, in the next.
+        if result.is_err()
+            && let Some(last) = done.last().copied()
+            && marks.iter().any(|m| m.strip_prefix("failed ") == Some(last))
+            && !rerun.iter().any(|r| r == last)
+        {
+            eprintln!("moat-nested: {last} failed as level 1 broke; it runs again in a fresh level 1");
+            rerun.push(last.to_owned());
+            done.pop();
+        }
+        failed |= marks.iter().filter_map(|m| m.strip_prefix("failed ")).any(|f| done.contains(&f));
         let before = left.len();
         left.retain(|step| !done.contains(&step.as_str()));
         earlier.extend_from_slice(&stdout);
