@@ -10,8 +10,8 @@ use crate::{build, image, nested};
 /// MCP conformance suite; iasl(1) disassembles moat-vmm's ACPI tables to
 /// prove they parse; the network tests need pasta (network `open`),
 /// Chromium (preview links in a browser), ip(8) (a test network
-/// namespace), openssl and git (an HTTPS Git host with a test CA), and
-/// uidmap (rootless jails).
+/// namespace), openssl and git (an HTTPS Git host with a test CA),
+/// OpenSSH (an SSH Git host), and uidmap (rootless jails).
 const TEST_PACKAGES: &[(&str, &str)] = &[
     ("qemu-system-x86", "qemu-system-x86_64"),
     ("cpio", "cpio"),
@@ -22,6 +22,11 @@ const TEST_PACKAGES: &[(&str, &str)] = &[
     ("iproute2", "ip"),
     ("openssl", "openssl"),
     ("git", "git"),
+    // A real SSH Git host (sshd in a test network namespace) and the
+    // host's ssh, which clones over SSH use.
+    ("openssh-server", "sshd"),
+    ("openssh-client", "ssh"),
+    ("openssh-client", "ssh-keygen"),
     // newuidmap and newgidmap: rootless jails, run by an unprivileged
     // account the tests make.
     ("uidmap", "newuidmap"),

@@ -9,6 +9,7 @@ use std::process::Command;
 fn moat_mcp(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_moat-mcp"));
     command.args(args).env_remove("MOAT_ALLOW_NETWORK").env_remove("MOAT_NETWORK").env_remove("MOAT_ALLOW_HOSTS");
+    command.env_remove("MOAT_ALLOW_SSH_KEY");
     command.envs(env.iter().copied()).stdin(std::process::Stdio::null()).output().expect("moat-mcp runs")
 }
 
@@ -33,6 +34,10 @@ fn help_shows_the_grants_in_force() {
     let help = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert!(help.contains("Grants in force") && help.contains("network up to none (MOAT_ALLOW_NETWORK)"), "{help}");
+    assert!(help.contains("SSH keys for clones not allowed (MOAT_ALLOW_SSH_KEY)"), "{help}");
+    let out = moat_mcp(&["--help"], &[("MOAT_ALLOW_SSH_KEY", "1")]);
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("SSH keys for clones allowed (MOAT_ALLOW_SSH_KEY)"), "{help}");
     let out = moat_mcp(&["--help"], &[("MOAT_ALLOW_NETWORK", "filtered"), ("MOAT_ALLOW_HOSTS", "api.example.com")]);
     let help = String::from_utf8_lossy(&out.stdout);
     assert!(help.contains("network up to filtered") && help.contains("api.example.com"), "{help}");

@@ -306,6 +306,11 @@ async def operator_grants(session, box):
     assert "MOAT_ALLOW_NETWORK" in message, message
     message = await call(session, "git_clone", {"url": "https://github.com/x/y"}, expect_error=True)
     assert "MOAT_ALLOW_NETWORK" in message, message
+    # An SSH key is the operator's to allow (MOAT_ALLOW_SSH_KEY), whatever the path.
+    for key in ("~/.ssh/id_ed25519", "/etc/ssh/ssh_host_ed25519_key"):
+        message = await call(session, "git_clone", {"url": "git@github.com:x/y.git", "ssh_key_path": key},
+                             expect_error=True)
+        assert "MOAT_ALLOW_SSH_KEY=1" in message and "does not let tool calls use SSH keys" in message, message
     for image in ("../../../../tmp", "../images/default", "/etc", "..", "a/b"):
         message = await call(session, "create_sandbox", {"image": image}, expect_error=True)
         assert "letters, digits" in message, message

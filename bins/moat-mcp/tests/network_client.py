@@ -14,8 +14,9 @@ Attacks of issue 15 (items 3, 7 and 8) are tried and must fail: hosts and
 networks beyond the grants; a user's ~/.gitconfig, /proc/*/environ and a
 redirect to another host against git_clone's token; moat cookies and host
 secrets reaching a sandbox's server, and one link's page using another's.
-Nothing leaves this machine. Exits non-zero with the reason when a check
-fails.
+Git over SSH (issue 19, item 1) goes to a real sshd in a network
+namespace of the test's (ssh_clones). Nothing leaves this machine. Exits
+non-zero with the reason when a check fails.
 """
 
 import asyncio
@@ -24,10 +25,12 @@ import http.client
 import http.cookiejar
 import http.server
 import os
+import socket
 import ssl
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -211,6 +214,147 @@ async def git_token_attacks(session, url, port, main):
     to_other = [(host, auth) for host, auth in GitHost.requests[before:] if host.startswith("other.test")]
     assert to_other, f"the redirect was not followed: {GitHost.requests[before:]}"
     assert all(not auth for _, auth in to_other), f"credentials went to another host: {to_other}"
+
+
+SSH_NS, SSH_HOST_IP, SSH_PEER_IP = "moatssh", "10.203.0.1", "10.203.0.2"
+
+
+class SshHost:
+    """A real OpenSSH server in a network namespace of its own, reached over
+    a veth pair: the test's SSH Git host. It lets in one key, as root, and
+    logs every command a client asks it to run (ForceCommand) before
+    running it."""
+
+    def __init__(self, work, served):
+        self.dir = os.path.join(work, "sshd")
+        self.keys = os.path.join(work, "keys")
+        os.makedirs(self.dir)
+        os.makedirs(self.keys)
+        self.host_key = os.path.join(self.dir, "host_key")
+        self.client_key = os.path.join(self.keys, "id_ed25519")
+        self.commands = os.path.join(self.dir, "commands")
+        run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "git-ssh.test", "-f", self.host_key)
+        run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "moat-test", "-f", self.client_key)
+        os.chmod(self.client_key, 0o600)
+        with open(os.path.join(self.dir, "authorized_keys"), "w") as f:
+            f.write(open(self.client_key + ".pub").read())
+        self.known_hosts = os.path.join(self.dir, "known_hosts")
+        with open(self.known_hosts, "w") as f:
+            f.write("git-ssh.test " + open(self.host_key + ".pub").read())
+        logger = os.path.join(self.dir, "log-command")
+        with open(logger, "w") as f:
+            f.write(f'#!/bin/sh\nprintf "%s\\n" "$SSH_ORIGINAL_COMMAND" >> {self.commands}\n'
+                    'exec /bin/sh -c "$SSH_ORIGINAL_COMMAND"\n')
+        os.chmod(logger, 0o755)
+        config = os.path.join(self.dir, "sshd_config")
+        with open(config, "w") as f:
+            f.write("\n".join([
+                f"ListenAddress {SSH_PEER_IP}", f"HostKey {self.host_key}", "PidFile none",
+                f"AuthorizedKeysFile {self.dir}/authorized_keys", "StrictModes no", "UsePAM no",
+                "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PermitRootLogin prohibit-password",
+                "AllowUsers root", f"ForceCommand {logger}", "LogLevel VERBOSE", ""]))
+        self.url = f"ssh://root@git-ssh.test{served}/repo.git"
+        self.scp_url = f"root@git-ssh.test:{served}/repo.git"
+        subprocess.run(["ip", "netns", "del", SSH_NS], capture_output=True)
+        run("ip", "netns", "add", SSH_NS)
+        try:
+            run("ip", "link", "add", "moatssh0", "type", "veth", "peer", "name", "moatssh1")
+            run("ip", "link", "set", "moatssh1", "netns", SSH_NS)
+            run("ip", "addr", "add", f"{SSH_HOST_IP}/30", "dev", "moatssh0")
+            run("ip", "link", "set", "moatssh0", "up")
+            for command in (["ip", "addr", "add", f"{SSH_PEER_IP}/30", "dev", "moatssh1"],
+                            ["ip", "link", "set", "moatssh1", "up"], ["ip", "link", "set", "lo", "up"]):
+                run("ip", "netns", "exec", SSH_NS, *command)
+            os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory
+            self.log = open(os.path.join(self.dir, "sshd.log"), "w")
+            self.process = subprocess.Popen(["ip", "netns", "exec", SSH_NS, "/usr/sbin/sshd", "-D", "-e", "-f", config],
+                                            stdout=self.log, stderr=subprocess.STDOUT)
+            for _ in range(100):
+                try:
+                    socket.create_connection((SSH_PEER_IP, 22), timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            else:
+                raise AssertionError(f"sshd did not start: {open(self.log.name).read()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def ran(self):
+        return open(self.commands).read().splitlines() if os.path.exists(self.commands) else []
+
+    def stop(self):
+        if getattr(self, "process", None):
+            self.process.terminate()
+            self.process.wait()
+        subprocess.run(["ip", "netns", "del", SSH_NS], capture_output=True)
+        subprocess.run(["ip", "link", "del", "moatssh0"], capture_output=True)
+
+
+async def ssh_clones(session, ssh, first, main, feature):
+    """Issue 19, item 1 (SSH): git_clone and task_start with an SSH URL and
+    a key the operator allows (MOAT_ALLOW_SSH_KEY=1, the key in MOAT_ROOTS).
+    The sandbox has no network: the host's ssh connects and relays. The key
+    never enters the sandbox or any output; the server only ever runs
+    git-upload-pack (nothing in the sandbox can push with the key); host
+    keys are checked; keys outside ~/.ssh and MOAT_ROOTS are refused."""
+    box = await call(session, "create_sandbox", {"name": "ssh-offline"})
+    assert box["network"] == "none", box
+    sid = box["sandbox_id"]
+    cloned = await call(session, "git_clone", {"url": ssh.url, "path": "/workspace/over-ssh",
+                                               "ssh_key_path": ssh.client_key, "sandbox_id": sid})
+    assert cloned == {"path": "/workspace/over-ssh", "commit": main}, cloned
+    out = await call(session, "run_command", {
+        "cmd": "cat /workspace/over-ssh/README; git -C /workspace/over-ssh remote get-url origin; "
+               "stat -c %U /workspace/over-ssh/README", "sandbox_id": sid})
+    assert out["stdout"] == f"hello from git\nsecond line\n{ssh.url}\nuser\n", out
+    pinned = await call(session, "git_clone", {"url": ssh.scp_url, "path": "pinned-ssh", "branch": "feature",
+                                               "commit": first, "ssh_key_path": ssh.client_key, "sandbox_id": sid})
+    assert pinned == {"path": "/home/user/pinned-ssh", "commit": first}, pinned
+    # The key's text is nowhere in the sandbox, and no relay is left.
+    secret_line = open(ssh.client_key).read().splitlines()[2]
+    await call(session, "write_file", {"path": "/tmp/keyline", "content": secret_line + "\n", "sandbox_id": sid})
+    out = await call(session, "run_command", {
+        "cmd": "grep -rlF -f /tmp/keyline /tmp /var/tmp /run /home /workspace 2>/dev/null "
+               "| grep -v '^/tmp/keyline$'; pgrep -c -x cat; ls /run | grep -c moat-git", "sandbox_id": sid})
+    assert out["stdout"].split() == ["0", "0"], f"the key or the relay stayed in the sandbox: {out}"
+    # A host whose key is not the pinned one (the same server under
+    # another name) is refused by ssh on the host.
+    message = await call(session, "git_clone", {"url": ssh.url.replace("git-ssh.test", "rogue-ssh.test"),
+                                                "path": "rogue", "ssh_key_path": ssh.client_key, "sandbox_id": sid},
+                         expect_error=True)
+    assert "Host key verification failed" in message, message
+    # Keys from anywhere else on the host, tokens with SSH, SSH without a key.
+    for path, why in ((ssh.host_key, "beneath ~/.ssh or a directory in MOAT_ROOTS"),
+                      ("/etc/ssh/ssh_host_ed25519_key", "beneath ~/.ssh or a directory in MOAT_ROOTS"),
+                      (ssh.keys + "/../sshd/host_key", "`..`"),
+                      (ssh.client_key + ".pub", "not an SSH private key")):
+        message = await call(session, "git_clone", {"url": ssh.url, "path": "x", "ssh_key_path": path,
+                                                    "sandbox_id": sid}, expect_error=True)
+        assert why in message, (path, message)
+    message = await call(session, "git_clone", {"url": ssh.url, "path": "x", "sandbox_id": sid}, expect_error=True)
+    assert "needs ssh_key_path" in message and "MOAT_ALLOW_SSH_KEY" in message, message
+    message = await call(session, "git_clone", {"url": ssh.url, "token": TOKEN, "ssh_key_path": ssh.client_key,
+                                                "sandbox_id": sid}, expect_error=True)
+    assert "apply to https URLs" in message, message
+    message = await call(session, "git_clone", {"url": "ssh://git@evil.test/x/y.git", "ssh_key_path": ssh.client_key,
+                                                "sandbox_id": sid}, expect_error=True)
+    assert "not a Git host" in message, message
+    # A task from an SSH URL: the cloned commit is its baseline.
+    task = await call(session, "task_start", {"source": ssh.scp_url, "branch": "feature",
+                                              "ssh_key_path": ssh.client_key})
+    assert (task["commit"], task["files"]) == (feature, 2), task
+    out = await call(session, "run_command", {"cmd": "cd /workspace && echo more >> FEATURE",
+                                              "sandbox_id": task["sandbox_id"]})
+    diff = await call(session, "task_diff", {"task_id": task["task_id"]})
+    assert "+more" in diff["diff"] and diff["summary"]["files_changed"] == 1, diff
+    await call(session, "task_finish", {"task_id": task["task_id"]})
+    ran = ssh.ran()
+    assert ran and all(c == f"git-upload-pack '{ssh.url.split('git-ssh.test', 1)[1]}'" or
+                       c == f"git-upload-pack '{ssh.scp_url.split(':', 1)[1]}'" for c in ran), ran
+    await call(session, "destroy_sandbox", {"sandbox_id": sid})
+    return secret_line
 
 
 async def checks(session, port, first, main, feature, ca_pem):
@@ -422,13 +566,18 @@ async def main(binary, work):
     served, first, main_commit, feature = make_repository(work)
     server = serve_git(served, cert, key)
     port = server.server_address[1]
+    ssh = SshHost(work, served)
     env = dict(
         os.environ,
         # The harness is the operator: it grants what the checks use.
         MOAT_ALLOW_NETWORK="filtered",
         MOAT_ALLOW_HOSTS="extra.test",
-        MOAT_GIT_HOSTS="git.test,other.test",
-        MOAT_TEST_RESOLVE="git.test=127.0.0.1,evil.test=127.0.0.1,other.test=127.0.0.1",
+        MOAT_GIT_HOSTS="git.test,other.test,git-ssh.test,rogue-ssh.test",
+        MOAT_ALLOW_SSH_KEY="1",
+        MOAT_SSH_KNOWN_HOSTS=ssh.known_hosts,
+        MOAT_ROOTS=ssh.keys,
+        MOAT_TEST_RESOLVE=f"git.test=127.0.0.1,evil.test=127.0.0.1,other.test=127.0.0.1,"
+                          f"git-ssh.test={SSH_PEER_IP},rogue-ssh.test={SSH_PEER_IP}",
         MOAT_TEST_EGRESS_NETS="127.0.0.1/32",
         MOAT_LOG_LEVEL="debug",
         # Every sandbox trusts the test server's CA (task_start's
@@ -436,17 +585,22 @@ async def main(binary, work):
         MOAT_CA_FILE=ca,
     )
     log_path = os.path.join(work, "moat-mcp.log")
-    with open(log_path, "w") as log:
-        async with stdio_client(StdioServerParameters(command=binary, args=[], env=env), errlog=log) as streams:
-            async with ClientSession(streams[0], streams[1]) as session:
-                await session.initialize()
-                await checks(session, port, first, main_commit, feature, open(ca).read())
+    try:
+        with open(log_path, "w") as log:
+            async with stdio_client(StdioServerParameters(command=binary, args=[], env=env), errlog=log) as streams:
+                async with ClientSession(streams[0], streams[1]) as session:
+                    await session.initialize()
+                    key_line = await ssh_clones(session, ssh, first, main_commit, feature)
+                    await checks(session, port, first, main_commit, feature, open(ca).read())
+    finally:
+        ssh.stop()
     server.shutdown()
     for text in SEEN:
         assert TOKEN not in text, f"the token leaked into a tool result: {text[:300]}"
+        assert key_line not in text, f"the SSH key leaked into a tool result: {text[:300]}"
     logged = open(log_path).read()
-    leaks = [line.replace(TOKEN, "<TOKEN>")[:400] for line in logged.splitlines() if TOKEN in line]
-    assert not leaks, f"the token leaked into moat-mcp's log: {leaks[:3]}"
+    leaks = [line.replace(TOKEN, "<TOKEN>")[:400] for line in logged.splitlines() if TOKEN in line or key_line in line]
+    assert not leaks, f"the token or the key leaked into moat-mcp's log: {leaks[:3]}"
     print("network client: all checks passed")
 
 

@@ -144,7 +144,11 @@ impl Grants {
         } else {
             format!("filtered sandboxes may reach {}", Self::hosts(egress).into_iter().collect::<Vec<_>>().join(", "))
         };
-        format!("network up to {} ({NETWORK_VAR}); {hosts}", self.network.as_str())
+        let ssh = if egress.ssh_keys { "allowed" } else { "not allowed" };
+        format!(
+            "network up to {} ({NETWORK_VAR}); {hosts}; SSH keys for clones {ssh} (MOAT_ALLOW_SSH_KEY)",
+            self.network.as_str()
+        )
     }
 }
 

@@ -122,6 +122,7 @@ pub fn remove_record(data_dir: &Path, id: &str) -> Result<(), TaskError> {
 /// Whether a task source names a Git remote rather than a host path.
 pub fn is_git_url(source: &str) -> bool {
     ["https://", "http://", "ssh://", "git://", "git@"].iter().any(|p| source.starts_with(p))
+        || crate::net::gitssh::SshRemote::parse(source).is_some()
 }
 
 /// Cuts `bytes` to [`LOG_OUTPUT_BYTES`] as text; the flag says whether it cut.

@@ -30,6 +30,10 @@ pub struct ServerConfig {
     pub allow_hosts: Vec<String>,
     /// `MOAT_GIT_HOSTS`: hosts `git_clone` may clone from.
     pub git_hosts: Vec<String>,
+    /// `MOAT_ALLOW_SSH_KEY=1`: clones over SSH may use a host key file.
+    pub ssh_keys: bool,
+    /// `MOAT_SSH_KNOWN_HOSTS`: the host keys SSH clones trust.
+    pub ssh_known_hosts: Option<std::path::PathBuf>,
     /// TEST ONLY `MOAT_TEST_EGRESS_NETS`: address ranges filtered sandboxes
     /// may reach although they are private or loopback.
     pub test_egress_nets: Vec<IpNet>,
@@ -151,6 +155,25 @@ impl ServerConfig {
         };
         let allow_hosts = hosts("MOAT_ALLOW_HOSTS", &[])?;
         let git_hosts = hosts("MOAT_GIT_HOSTS", DEFAULT_GIT_HOSTS)?;
+        let ssh_keys = match get("MOAT_ALLOW_SSH_KEY").as_deref().map(str::trim) {
+            None | Some("0" | "false" | "no") => false,
+            Some("1" | "true" | "yes") => true,
+            Some(other) => return Err(bad("MOAT_ALLOW_SSH_KEY", other, "1 (clones over SSH may use a key) or 0")),
+        };
+        let ssh_known_hosts = match get("MOAT_SSH_KNOWN_HOSTS") {
+            None => None,
+            Some(v) => {
+                let path = std::path::PathBuf::from(&v);
+                if !path.is_absolute() || !path.is_file() || v.chars().any(|c| c.is_whitespace() || c == '"') {
+                    return Err(bad(
+                        "MOAT_SSH_KNOWN_HOSTS",
+                        &v,
+                        "the absolute path of an existing known_hosts file, without spaces or quotes",
+                    ));
+                }
+                Some(path)
+            }
+        };
         let mut test_egress_nets = Vec::new();
         if let Some(v) = get("MOAT_TEST_EGRESS_NETS") {
             for net in v.split(',').map(str::trim).filter(|n| !n.is_empty()) {
@@ -183,6 +206,8 @@ impl ServerConfig {
             http_token,
             allow_hosts,
             git_hosts,
+            ssh_keys,
+            ssh_known_hosts,
             test_egress_nets,
             test_resolve,
             log_level,
@@ -195,6 +220,8 @@ impl ServerConfig {
         EgressConfig {
             allow_hosts: self.allow_hosts.clone(),
             git_hosts: self.git_hosts.clone(),
+            ssh_keys: self.ssh_keys,
+            ssh_known_hosts: self.ssh_known_hosts.clone(),
             test_nets: self.test_egress_nets.clone(),
             test_resolve: self.test_resolve.clone(),
         }
@@ -246,6 +273,9 @@ mod tests {
             (("MOAT_GIT_HOSTS", "https://github.com"), "host names"),
             (("MOAT_TEST_EGRESS_NETS", "10.0.0.0/40"), "address ranges"),
             (("MOAT_TEST_RESOLVE", "a.test"), "name=address"),
+            (("MOAT_ALLOW_SSH_KEY", "always"), "1 (clones over SSH may use a key) or 0"),
+            (("MOAT_SSH_KNOWN_HOSTS", "known_hosts"), "absolute path of an existing known_hosts file"),
+            (("MOAT_SSH_KNOWN_HOSTS", "/no/such/known_hosts"), "absolute path of an existing known_hosts file"),
         ];
         for ((var, value), allowed) in cases {
             let err = with(&[(var, value)]).expect_err(var).to_string();

@@ -57,6 +57,9 @@ pub const SYSTEM_DIRS: &[&str] = &[
 /// and a sandbox could otherwise make a million directories with one name.
 pub const MAX_DEPTH: usize = 128;
 
+/// The largest SSH private key [`HostRoots::read_ssh_key`] reads.
+pub const SSH_KEY_MAX: u64 = 16 << 10;
+
 /// The default of `MOAT_COPY_MAX_MIB`: the most one copy may move.
 pub const DEFAULT_COPY_MAX_MIB: u64 = 1024;
 
@@ -229,6 +232,8 @@ pub struct HostRoots {
     data_dir: Option<FileId>,
     /// The home directory, whose dot directories are never reachable.
     home: Option<FileId>,
+    /// `~/.ssh`, where [`HostRoots::read_ssh_key`] also reads keys from.
+    ssh_dir: Option<PathBuf>,
     /// The most one copy may move, in bytes.
     copy_limit: u64,
 }
@@ -298,7 +303,13 @@ impl HostRoots {
             }
             opened.push(Root { path, dir });
         }
-        Ok(Self { roots: opened, data_dir: data_id, home: home.as_deref().and_then(FileId::of_path), copy_limit })
+        Ok(Self {
+            roots: opened,
+            data_dir: data_id,
+            home: home.as_deref().and_then(FileId::of_path),
+            ssh_dir: home.map(|h| h.join(".ssh")),
+            copy_limit,
+        })
     }
 
     /// The most one copy may move, in bytes.
@@ -441,6 +452,58 @@ impl HostRoots {
         nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_SETFL(OFlag::empty()))
             .map_err(|e| self.refuse(path, e.desc()))?;
         Ok(Source { fd, kind, shown })
+    }
+
+    /// Reads the SSH private key at `path`, beneath `~/.ssh` or a root,
+    /// walked as [`HostRoots::open_source`] walks (no link followed, no
+    /// `..`). What is not a regular file of at most [`SSH_KEY_MAX`] bytes
+    /// holding a private key is refused; no error shows the file's text.
+    pub fn read_ssh_key(&self, path: &Path) -> Result<Vec<u8>, HostPathError> {
+        use std::io::Read;
+        let in_ssh_dir = self.ssh_dir.as_ref().filter(|dir| path.starts_with(dir));
+        let source = match in_ssh_dir {
+            Some(dir) => {
+                // The operator's own directory, opened by its name; what the
+                // model names beneath it is walked from its descriptor.
+                let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+                let fd = nix::fcntl::open(dir, flags, Mode::empty()).map_err(|e| self.refuse(path, e.desc()))?;
+                let view = Self {
+                    roots: vec![Root { path: dir.clone(), dir: fd }],
+                    data_dir: self.data_dir,
+                    home: None,
+                    ssh_dir: None,
+                    copy_limit: 0,
+                };
+                view.open_source(path)?
+            }
+            None => self.open_source(path).map_err(|e| {
+                let plain = path.is_absolute() && !path.components().any(|c| c == Component::ParentDir);
+                if plain && self.locate(path).is_err() {
+                    self.refuse(path, "an ssh_key_path must be beneath ~/.ssh or a directory in MOAT_ROOTS")
+                } else {
+                    e
+                }
+            })?,
+        };
+        if source.kind != SourceKind::File {
+            return Err(self.refuse(path, "not a file; give the path of a private key such as ~/.ssh/id_ed25519"));
+        }
+        let mut key = Vec::new();
+        std::fs::File::from(source.fd)
+            .take(SSH_KEY_MAX + 1)
+            .read_to_end(&mut key)
+            .map_err(|e| self.refuse(path, format!("cannot read it: {e}")))?;
+        let is_key = key.len() as u64 <= SSH_KEY_MAX
+            && String::from_utf8_lossy(&key)
+                .lines()
+                .any(|l| l.starts_with("-----BEGIN ") && l.ends_with("PRIVATE KEY-----"));
+        if !is_key {
+            return Err(self.refuse(
+                path,
+                "not an SSH private key (an OpenSSH or PEM file beginning `-----BEGIN ... PRIVATE KEY-----`)",
+            ));
+        }
+        Ok(key)
     }
 
     /// Checks that `path` is a new name beneath a root, and opens its parent.

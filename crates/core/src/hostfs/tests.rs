@@ -556,3 +556,28 @@ fn links_are_kept_while_the_host_renames_files() {
     renamer.join().expect("joins");
     assert_eq!(dropped, 0, "a link inside the copy was dropped in {dropped} of 100 copies");
 }
+
+#[test]
+fn ssh_keys_are_read_beneath_dot_ssh_or_a_root_and_nowhere_else() {
+    let f = fixture(MIB);
+    let key = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3Blbn\n-----END OPENSSH PRIVATE KEY-----\n";
+    let ssh = f.root.join("home/.ssh");
+    std::fs::write(ssh.join("id_ed25519"), key).expect("write");
+    std::fs::write(f.root.join("proj/deploy_key"), key).expect("write");
+    std::fs::write(f.outside.join("id_rsa"), key).expect("write");
+    assert_eq!(f.roots.read_ssh_key(&ssh.join("id_ed25519")).expect("in ~/.ssh"), key.as_bytes());
+    assert_eq!(f.roots.read_ssh_key(&f.root.join("proj/deploy_key")).expect("in a root"), key.as_bytes());
+    refused(f.roots.read_ssh_key(&f.outside.join("id_rsa")), "beneath ~/.ssh or a directory in MOAT_ROOTS");
+    // Links are not followed, in ~/.ssh as in a root.
+    symlink(f.outside.join("id_rsa"), ssh.join("linked")).expect("symlink");
+    refused(f.roots.read_ssh_key(&ssh.join("linked")), "symlink");
+    std::fs::create_dir(ssh.join("sub")).expect("mkdir");
+    refused(f.roots.read_ssh_key(&ssh.join("sub/../../../outside/id_rsa")), "`..`");
+    refused(f.roots.read_ssh_key(&ssh.join("sub")), "not a file");
+    // Another file is not read out as a key, and its text is in no error.
+    std::fs::write(ssh.join("config"), "Host *\n  ProxyCommand secret-command\n").expect("write");
+    let err = f.roots.read_ssh_key(&ssh.join("config")).expect_err("not a key").to_string();
+    assert!(err.contains("not an SSH private key") && !err.contains("secret-command"), "{err}");
+    std::fs::write(ssh.join("huge"), format!("{key}{}", "x".repeat(64 << 10))).expect("write");
+    refused(f.roots.read_ssh_key(&ssh.join("huge")), "not an SSH private key");
+}

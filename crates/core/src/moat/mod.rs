@@ -183,6 +183,12 @@ impl Moat {
         &self.inner.egress
     }
 
+    /// Reads an SSH private key for a clone (see
+    /// [`HostRoots::read_ssh_key`]): beneath `~/.ssh` or a shared root.
+    pub fn read_ssh_key(&self, path: &std::path::Path) -> Result<Vec<u8>, crate::HostPathError> {
+        self.inner.host.read_ssh_key(path)
+    }
+
     /// What the operator grants the specs of [`Moat::create`].
     pub fn grants(&self) -> &Grants {
         &self.inner.config.grants

@@ -191,6 +191,12 @@ pub struct EgressConfig {
     /// `MOAT_GIT_HOSTS`: the hosts `git_clone` may clone from (reachable
     /// from every filtered sandbox, so that git works from a shell too).
     pub git_hosts: Vec<String>,
+    /// `MOAT_ALLOW_SSH_KEY=1`: clones over SSH may use a key the tool
+    /// call names (beneath `~/.ssh` or a shared root).
+    pub ssh_keys: bool,
+    /// `MOAT_SSH_KNOWN_HOSTS`: the host keys SSH clones trust, instead of
+    /// the user's `~/.ssh/known_hosts`.
+    pub ssh_known_hosts: Option<PathBuf>,
     /// TEST ONLY (`MOAT_TEST_EGRESS_NETS`): address ranges that are
     /// reachable although private or loopback, so that tests can serve
     /// "registries" on this machine.
@@ -204,7 +210,7 @@ pub struct EgressConfig {
 pub const DEFAULT_GIT_HOSTS: &[&str] = &["github.com", "gitlab.com", "bitbucket.org"];
 
 impl EgressConfig {
-    /// `MOAT_ALLOW_HOSTS` and `MOAT_GIT_HOSTS` from the environment (for
+    /// `MOAT_ALLOW_HOSTS`, `MOAT_GIT_HOSTS` and the SSH settings from the environment (for
     /// tools without their own configuration, such as the `moat` CLI);
     /// names that are not host names are skipped with a warning. The test
     /// knobs are never read here.
@@ -229,6 +235,8 @@ impl EgressConfig {
         Self {
             allow_hosts: list("MOAT_ALLOW_HOSTS", &[]),
             git_hosts: list("MOAT_GIT_HOSTS", DEFAULT_GIT_HOSTS),
+            ssh_keys: std::env::var("MOAT_ALLOW_SSH_KEY").is_ok_and(|v| ["1", "true", "yes"].contains(&v.trim())),
+            ssh_known_hosts: std::env::var_os("MOAT_SSH_KNOWN_HOSTS").filter(|v| !v.is_empty()).map(PathBuf::from),
             ..Self::default()
         }
     }

@@ -2,4 +2,5 @@
 //! `filtered` ([`egress`]) and preview links into a sandbox ([`preview`]).
 
 pub mod egress;
+pub mod gitssh;
 pub mod preview;

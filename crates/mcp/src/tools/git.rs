@@ -22,6 +22,7 @@
 //! What git prints is scrubbed of the token anyway before it goes anywhere.
 
 use moat_core::NetworkPolicy;
+use moat_core::net::gitssh::{SshRemote, SshTransport};
 use moat_proto::ExecRequest;
 use schemars::JsonSchema;
 use serde::Deserialize;
@@ -39,6 +40,7 @@ pub(crate) struct GitClone {
     commit: Option<String>,
     username: Option<String>,
     token: Option<String>,
+    ssh_key_path: Option<String>,
     #[serde(flatten)]
     sandbox: SandboxRef,
 }
@@ -116,6 +118,46 @@ printf '%s
 ' "$stage" "$commit"
 "#;
 
+/// The clone over SSH, run as root: as [`CLONE_SCRIPT`], but git's "ssh"
+/// is a relay on this process's stdin and stdout, which moat connects to
+/// the host's `ssh` (`moat_core::net::gitssh`); everything it prints goes
+/// to stderr, its last line `moat-git-result STAGE COMMIT`.
+const SSH_CLONE_SCRIPT: &str = r#"set -eu
+exec 3<&0 4>&1 </dev/null >&2
+umask 077
+secret=$(mktemp -d /run/moat-git.XXXXXXXX)
+stage=$(mktemp -d /var/tmp/moat-clone.XXXXXXXX)
+trap 'rm -rf "$secret"; [ -n "${keep:-}" ] || rm -rf "$stage"' EXIT
+# git's stdin to the host's ssh (fd 4), the host's ssh (fd 3) to git's stdout;
+# each cat holds only its own end, so each side sees the other end.
+printf '#!/bin/sh\ncat <&3 4>&- 2>/dev/null &\nexec cat >&4 3<&-\n' > "$secret/ssh"
+chmod 700 "$secret/ssh"
+printf '[protocol]\n\tallow = never\n[protocol "ssh"]\n\tallow = always\n[core]\n\tsshCommand = %s\n[ssh]\n\tvariant = ssh\n' \
+  "$secret/ssh" > "$secret/config"
+export GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL="$secret/config" HOME="$secret" XDG_CONFIG_HOME="$secret"
+umask 022
+cd "$stage"
+if [ -n "$MOAT_GIT_BRANCH" ]; then
+  git clone -q --branch "$MOAT_GIT_BRANCH" -- "$MOAT_GIT_URL" repo
+else
+  git clone -q -- "$MOAT_GIT_URL" repo
+fi
+exec 3<&- 4>&-
+cd repo
+if [ -n "$MOAT_GIT_COMMIT" ]; then
+  git checkout -q "$MOAT_GIT_COMMIT" 2>/dev/null || {
+    echo "fatal: commit $MOAT_GIT_COMMIT is not in the clone; over SSH a commit must be on a branch or tag (give that branch too)"
+    exit 1
+  }
+fi
+commit=$(git rev-parse HEAD)
+cd /
+chown -R user:user "$stage"
+chmod 700 "$stage"
+keep=1
+echo "moat-git-result $stage $commit"
+"#;
+
 /// Moves the checkout from its staging directory into place, as `user`:
 /// a new directory, or into an empty one (a task's `/workspace`).
 const PLACE_SCRIPT: &str = r#"set -eu
@@ -134,13 +176,15 @@ fi
 /// A Git URL taken apart: its authority (host and port as git's
 /// credential requests name them, lower case) and its host (no port).
 fn url_host(url: &str) -> Result<(String, String), ToolError> {
-    let (scheme, rest) = url
-        .split_once("://")
-        .ok_or_else(|| ToolError(format!("url {url:?} is not an http(s) URL; use https://HOST/OWNER/REPO(.git)")))?;
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| {
+        ToolError(format!(
+            "url {url:?} is not an http(s) or SSH URL; use https://HOST/OWNER/REPO(.git) or git@HOST:OWNER/REPO"
+        ))
+    })?;
     if scheme != "https" {
         return Err(ToolError(format!(
-            "url scheme {scheme:?} is not supported; git_clone clones over https:// only (http would send \
-             credentials in the clear; ssh and git:// cannot pass the sandbox's proxy)"
+            "url scheme {scheme:?} is not supported; git_clone clones over https:// or SSH (ssh://USER@HOST/PATH \
+             or USER@HOST:PATH) only (http would send credentials in the clear; git:// authenticates nothing)"
         )));
     }
     let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
@@ -170,7 +214,10 @@ fn url_host(url: &str) -> Result<(String, String), ToolError> {
 
 /// `/workspace/<name>` for a URL ending in `<name>` or `<name>.git`.
 fn default_path(url: &str) -> Result<String, ToolError> {
-    let path = url.split_once("://").map_or("", |(_, rest)| rest.split_once('/').map_or("", |(_, path)| path));
+    let path = match SshRemote::parse(url) {
+        Some(Ok(remote)) => remote.path,
+        _ => url.split_once("://").map_or("", |(_, rest)| rest.split_once('/').map_or("", |(_, path)| path)).to_owned(),
+    };
     let path = path.split(['?', '#']).next().unwrap_or_default();
     let name = path.trim_end_matches('/').rsplit('/').next().unwrap_or_default();
     let name = name.strip_suffix(".git").unwrap_or(name);
@@ -216,6 +263,18 @@ pub(super) struct CloneRequest {
     commit: String,
     username: String,
     token: String,
+    /// Set for an SSH URL: the host's side of the clone.
+    ssh: Option<SshClone>,
+}
+
+/// An SSH clone's host side: where, with which key, trusting which host
+/// keys.
+pub(super) struct SshClone {
+    remote: SshRemote,
+    key: Vec<u8>,
+    known_hosts: Vec<std::path::PathBuf>,
+    /// Where to connect instead of resolving the host (tests only).
+    address: Option<std::net::IpAddr>,
 }
 
 /// What to clone, as the tools take it.
@@ -226,6 +285,7 @@ pub(super) struct CloneArgs<'a> {
     pub(super) commit: Option<&'a str>,
     pub(super) username: Option<&'a str>,
     pub(super) token: Option<&'a str>,
+    pub(super) ssh_key_path: Option<&'a str>,
 }
 
 impl CloneRequest {
@@ -238,7 +298,11 @@ impl CloneRequest {
         // Errors of the arguments are built from the URL, which has no token
         // in it (refused above) — but scrub them too.
         let refuse = |e: ToolError| ToolError(scrub(&e.0, &secrets));
-        let (authority, host) = url_host(url).map_err(refuse)?;
+        let remote = SshRemote::parse(url).transpose().map_err(ToolError)?;
+        let (authority, host) = match &remote {
+            Some(remote) => (remote.host.clone(), remote.host.clone()),
+            None => url_host(url).map_err(refuse)?,
+        };
         let git_hosts = &server.moat.egress_config().git_hosts;
         if !git_hosts.contains(&host) {
             return Err(ToolError(format!(
@@ -246,6 +310,18 @@ impl CloneRequest {
                 git_hosts.join(", ")
             )));
         }
+        // The operator's leave for SSH keys first: the more particular refusal.
+        let ssh = match remote {
+            Some(remote) => Some(SshClone::check(server, remote, args)?),
+            None if args.ssh_key_path.is_some() => {
+                return Err(ToolError(
+                    "ssh_key_path applies to SSH URLs (ssh://git@HOST/OWNER/REPO or git@HOST:OWNER/REPO); an https \
+                     URL takes username and token"
+                        .into(),
+                ));
+            }
+            None => None,
+        };
         // No sandbox is made or used when the operator grants no network.
         let grants = *server.moat.grants();
         if !grants.allows_network(NetworkPolicy::Filtered) {
@@ -277,7 +353,66 @@ impl CloneRequest {
             commit: commit.to_owned(),
             username: username.to_owned(),
             token: token.to_owned(),
+            ssh,
         })
+    }
+}
+
+impl SshClone {
+    /// Checks what an SSH clone needs beyond any clone's checks: the
+    /// operator's leave to use keys, the key (read now, beneath `~/.ssh`
+    /// or a shared root), and host keys to trust.
+    fn check(server: &Session<'_>, remote: SshRemote, args: &CloneArgs<'_>) -> Result<Self, ToolError> {
+        if args.token.is_some() || args.username.is_some() {
+            return Err(ToolError(
+                "username and token apply to https URLs; an SSH URL names its login (git@HOST:...) and \
+                 authenticates with ssh_key_path"
+                    .into(),
+            ));
+        }
+        let egress = server.moat.egress_config();
+        let Some(key_path) = args.ssh_key_path else {
+            return Err(ToolError(
+                "an SSH URL needs ssh_key_path, the host path of a private key (such as ~/.ssh/id_ed25519) that \
+                 the server's operator allows with MOAT_ALLOW_SSH_KEY=1; or clone the https URL"
+                    .into(),
+            ));
+        };
+        if !egress.ssh_keys {
+            return Err(ToolError(
+                "this server does not let tool calls use SSH keys; its operator may allow it with \
+                 MOAT_ALLOW_SSH_KEY=1, or clone the https URL with a token"
+                    .into(),
+            ));
+        }
+        let key_path = match key_path.strip_prefix("~/") {
+            Some(rest) => match std::env::var_os("HOME") {
+                Some(home) => std::path::Path::new(&home).join(rest),
+                None => {
+                    return Err(ToolError("ssh_key_path: ~ has no home directory here; give an absolute path".into()));
+                }
+            },
+            None => std::path::PathBuf::from(key_path),
+        };
+        let key = server.moat.read_ssh_key(&key_path).map_err(|e| ToolError(format!("ssh_key_path: {e}")))?;
+        let known_hosts = match &egress.ssh_known_hosts {
+            Some(pinned) => vec![pinned.clone()],
+            None => std::env::var_os("HOME")
+                .map(|home| std::path::Path::new(&home).join(".ssh/known_hosts"))
+                .filter(|file| file.is_file())
+                .into_iter()
+                .collect(),
+        };
+        if known_hosts.is_empty() {
+            return Err(ToolError(format!(
+                "no host key to check {} against: the server's user has no ~/.ssh/known_hosts; add the host \
+                 (ssh-keyscan {} >> ~/.ssh/known_hosts, after checking its fingerprint) or have the operator \
+                 set MOAT_SSH_KNOWN_HOSTS",
+                remote.host, remote.host
+            )));
+        }
+        let address = egress.test_resolve.iter().find(|(name, _)| *name == remote.host).map(|(_, address)| *address);
+        Ok(Self { remote, key, known_hosts, address })
     }
 }
 
@@ -291,6 +426,7 @@ async fn git_clone(server: &Session<'_>, args: GitClone) -> Outcome {
             commit: args.commit.as_deref(),
             username: args.username.as_deref(),
             token: args.token.as_deref(),
+            ssh_key_path: args.ssh_key_path.as_deref(),
         },
     )?;
     let id = args.sandbox.resolve(server).await?;
@@ -300,7 +436,10 @@ async fn git_clone(server: &Session<'_>, args: GitClone) -> Outcome {
 /// Clones as `request` says into sandbox `id`; the result names the path
 /// and the commit checked out.
 pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id: &str) -> Outcome {
-    let CloneRequest { url, authority, host: _, path, branch, commit, username, token } = request;
+    if let Some(ssh) = &request.ssh {
+        return clone_over_ssh(server, request, ssh, id).await;
+    }
+    let CloneRequest { url, authority, host: _, path, branch, commit, username, token, ssh: _ } = request;
     let (url, path) = (url.as_str(), path.clone());
     let secrets = [token.as_str()];
     let grants = *server.moat.grants();
@@ -357,15 +496,7 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
         if out.status.success() {
             let text = String::from_utf8_lossy(&out.stdout).into_owned();
             let stage = text.lines().next().unwrap_or_default().trim().to_owned();
-            let mut place = ExecRequest::argv(["bash", "-c", PLACE_SCRIPT]);
-            place.env = vec![("MOAT_GIT_STAGE".into(), stage), ("MOAT_GIT_DEST".into(), path.clone())];
-            place.user = Some("user".into());
-            place.timeout_ms = Some(CLONE_TIMEOUT_MS);
-            let placed = client.exec(place).await.map_err(lost)?.output_limited(1 << 20).await.map_err(lost)?;
-            if !placed.status.success() {
-                out.status = placed.status;
-                out.stderr = placed.stderr;
-            }
+            place(&client, &stage, &path, &mut out).await.map_err(lost)?;
         }
         Ok::<_, moat_core::SandboxError>(out)
     };
@@ -399,6 +530,82 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
     Ok(json!({ "path": path, "commit": commit }))
 }
 
+/// Moves a checkout from `stage` to `path` ([`PLACE_SCRIPT`]); a failure
+/// becomes `out`'s.
+async fn place(
+    client: &moat_proto::AgentClient<impl moat_proto::Connector>,
+    stage: &str,
+    path: &str,
+    out: &mut moat_proto::Output,
+) -> Result<(), moat_proto::ProtoError> {
+    let mut place = ExecRequest::argv(["bash", "-c", PLACE_SCRIPT]);
+    place.env = vec![("MOAT_GIT_STAGE".into(), stage.into()), ("MOAT_GIT_DEST".into(), path.into())];
+    place.user = Some("user".into());
+    place.timeout_ms = Some(CLONE_TIMEOUT_MS);
+    let placed = client.exec(place).await?.output_limited(1 << 20).await?;
+    if !placed.status.success() {
+        out.status = placed.status;
+        out.stderr = placed.stderr;
+    }
+    Ok(())
+}
+
+/// Clones over SSH into sandbox `id`: git runs there, its transport is
+/// the host's `ssh` with the key ([`moat_core::net::gitssh`]).
+async fn clone_over_ssh(server: &Session<'_>, request: &CloneRequest, ssh: &SshClone, id: &str) -> Outcome {
+    let CloneRequest { url, path, branch, commit, .. } = request;
+    let transport = SshTransport::new(&ssh.remote, &ssh.key, &ssh.known_hosts, ssh.address)
+        .map_err(|e| ToolError(format!("git clone of {url} cannot start: {e}")))?;
+    let mut exec = ExecRequest::argv(["bash", "-c", SSH_CLONE_SCRIPT]);
+    exec.env = vec![
+        ("MOAT_GIT_URL".into(), url.clone()),
+        ("MOAT_GIT_BRANCH".into(), branch.clone()),
+        ("MOAT_GIT_COMMIT".into(), commit.clone()),
+        ("GIT_TERMINAL_PROMPT".into(), "0".into()),
+    ];
+    exec.user = Some("root".into());
+    exec.cwd = Some("/".into());
+    exec.stdin = true;
+    exec.timeout_ms = Some(CLONE_TIMEOUT_MS);
+    let started_at = moat_core::timing::now();
+    let client = server.moat.client(id)?;
+    let handle = match client.exec(exec).await {
+        Ok(handle) => handle,
+        Err(source) => return Err(server.moat.agent_error(id, source).await.into()),
+    };
+    let relayed = transport.relay(handle).await;
+    let stderr = String::from_utf8_lossy(&relayed.stderr).into_owned();
+    let result = stderr.lines().rev().find_map(|l| l.strip_prefix("moat-git-result ")).map(str::to_owned);
+    let git_said: String = stderr.lines().filter(|l| !l.starts_with("moat-git-result ")).collect::<Vec<_>>().join("\n");
+    let mut out = match relayed.status {
+        Ok(status) => {
+            moat_proto::Output { stdout: Vec::new(), stderr: git_said.into_bytes(), status, truncated: false }
+        }
+        Err(Some(source)) => return Err(server.moat.agent_error(id, source).await.into()),
+        Err(None) => return Err(ToolError(format!("git clone of {url} cannot start: {}", relayed.ssh_stderr))),
+    };
+    let (stage, cloned) = result.as_deref().and_then(|r| r.split_once(' ')).unwrap_or_default();
+    if out.status.success() && !stage.is_empty() {
+        let placed = place(&client, stage, path, &mut out).await;
+        if let Err(source) = placed {
+            return Err(server.moat.agent_error(id, source).await.into());
+        }
+    }
+    server.moat.log_command(id, &format!("git_clone {url} into {path} (over SSH)"), started_at, &out);
+    if !out.status.success() || stage.is_empty() {
+        let mut why = if out.status.timed_out {
+            format!("the clone took longer than {} s", CLONE_TIMEOUT_MS / 1000)
+        } else {
+            String::from_utf8_lossy(&out.stderr).trim().to_owned()
+        };
+        if !relayed.ssh_stderr.is_empty() {
+            why = format!("ssh on the host said: {}\n{why}", relayed.ssh_stderr);
+        }
+        return Err(ToolError(format!("git clone of {url} failed: {}", why.trim())));
+    }
+    Ok(json!({ "path": path, "commit": cloned.trim() }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -429,11 +636,13 @@ mod tests {
             assert!(message(empty).contains("has no host or holds spaces or control characters"), "{empty}");
         }
         assert!(message("https://git.test$(id)/r").contains("has characters a host name cannot hold"));
-        assert!(message("git@github.com:a/b.git").contains("is not an http(s) URL"));
+        assert!(message("github.com/a/b.git").contains("is not an http(s) or SSH URL"));
         assert!(message("http://github.com/a/b").contains("url scheme \"http\" is not supported"));
         assert!(message("https://u:t@github.com/a/b").starts_with("put credentials in username and token"));
         assert_eq!(default_path("https://github.com/a/repo.git/").ok(), Some("/workspace/repo".into()));
         assert!(default_path("https://github.com/").is_err());
+        assert_eq!(default_path("git@github.com:o/repo.git").ok(), Some("/workspace/repo".into()));
+        assert_eq!(default_path("ssh://git@host.test:22/srv/git/tool").ok(), Some("/workspace/tool".into()));
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub(crate) struct TaskStart {
     commit: Option<String>,
     username: Option<String>,
     token: Option<String>,
+    ssh_key_path: Option<String>,
     name: Option<String>,
 }
 
@@ -91,10 +92,15 @@ async fn task_start(server: &Session<'_>, args: TaskStart) -> Outcome {
     if moat_core::task::is_git_url(&args.source) {
         return task_from_repository(server, args).await;
     }
-    if let Some(field) =
-        [("branch", &args.branch), ("commit", &args.commit), ("username", &args.username), ("token", &args.token)]
-            .into_iter()
-            .find_map(|(name, value)| value.is_some().then_some(name))
+    if let Some(field) = [
+        ("branch", &args.branch),
+        ("commit", &args.commit),
+        ("username", &args.username),
+        ("token", &args.token),
+        ("ssh_key_path", &args.ssh_key_path),
+    ]
+    .into_iter()
+    .find_map(|(name, value)| value.is_some().then_some(name))
     {
         return Err(ToolError(format!("{field} applies only to a source that is a Git URL (https://HOST/OWNER/REPO)")));
     }
@@ -123,6 +129,7 @@ async fn task_from_repository(server: &Session<'_>, args: TaskStart) -> Outcome 
             commit: args.commit.as_deref(),
             username: args.username.as_deref(),
             token: args.token.as_deref(),
+            ssh_key_path: args.ssh_key_path.as_deref(),
         },
     )?;
     let mut spec = SandboxSpec { name: args.name, ..server.defaults.clone() };
