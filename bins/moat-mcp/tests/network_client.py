@@ -227,7 +227,9 @@ class SshHost:
 
     def __init__(self, work, served):
         self.dir = os.path.join(work, "sshd")
-        self.keys = os.path.join(work, "keys")
+        # The operator's shared root (MOAT_ROOTS): the key, and a project.
+        self.shared = os.path.join(work, "shared")
+        self.keys = os.path.join(self.shared, "keys")
         os.makedirs(self.dir)
         os.makedirs(self.keys)
         self.host_key = os.path.join(self.dir, "host_key")
@@ -328,7 +330,7 @@ async def ssh_clones(session, ssh, first, main, feature):
     # Keys from anywhere else on the host, tokens with SSH, SSH without a key.
     for path, why in ((ssh.host_key, "beneath ~/.ssh or a directory in MOAT_ROOTS"),
                       ("/etc/ssh/ssh_host_ed25519_key", "beneath ~/.ssh or a directory in MOAT_ROOTS"),
-                      (ssh.keys + "/../sshd/host_key", "`..`"),
+                      (ssh.keys + "/../../sshd/host_key", "`..`"),
                       (ssh.client_key + ".pub", "not an SSH private key")):
         message = await call(session, "git_clone", {"url": ssh.url, "path": "x", "ssh_key_path": path,
                                                     "sandbox_id": sid}, expect_error=True)
@@ -355,6 +357,63 @@ async def ssh_clones(session, ssh, first, main, feature):
                        c == f"git-upload-pack '{ssh.scp_url.split(':', 1)[1]}'" for c in ran), ran
     await call(session, "destroy_sandbox", {"sandbox_id": sid})
     return secret_line
+
+
+GO_HELLO = """package main
+
+import "fmt"
+
+func main() { fmt.Println("hello from go") }
+"""
+
+
+async def runtimes(session, shared):
+    """Issue 19, item 2: the default image has Go and Rust (Debian's), and
+    create_sandbox and task_start take a runtime, whose toolchain's version
+    they report and whose registries a filtered sandbox reaches (instead of
+    Python's and Node's)."""
+    go = await call(session, "create_sandbox", {"name": "go-box", "runtime": "go", "network": "filtered"})
+    assert go["runtime"] == "go" and go["runtime_version"].startswith("go version go1."), go
+    gid = go["sandbox_id"]
+    await call(session, "write_file", {"path": "hello/main.go", "content": GO_HELLO, "sandbox_id": gid})
+    out = await call(session, "run_command", {
+        "cmd": "cd hello && go mod init example.com/hello 2>/dev/null && go vet . && go run .",
+        "sandbox_id": gid, "timeout": 600})
+    assert (out["stdout"], out["exit_code"]) == ("hello from go\n", 0), out
+    listed = await call(session, "list_sandboxes", {})
+    mine = next(s for s in listed["sandboxes"] if s["sandbox_id"] == gid)
+    assert (mine["runtime"], mine["runtime_version"]) == ("go", go["runtime_version"]), mine
+    hosts = set(mine["allowed_hosts"])
+    assert {"proxy.golang.org", "sum.golang.org"} <= hosts and "pypi.org" not in hosts, hosts
+    out = await call(session, "run_command", {"cmd": "curl -sS http://pypi.org/simple/", "sandbox_id": gid})
+    assert "pypi.org is not an allowed host" in out["stdout"] + out["stderr"], out
+    await call(session, "destroy_sandbox", {"sandbox_id": gid})
+
+    rust = await call(session, "create_sandbox", {"name": "rust-box", "runtime": "rust"})
+    assert rust["runtime_version"].startswith("rustc 1.") and ", cargo 1." in rust["runtime_version"], rust
+    out = await call(session, "run_command", {
+        "cmd": "cargo new -q --vcs none hello && cd hello && cargo run -q", "sandbox_id": rust["sandbox_id"],
+        "timeout": 600})
+    assert (out["stdout"], out["exit_code"]) == ("Hello, world!\n", 0), out
+    await call(session, "destroy_sandbox", {"sandbox_id": rust["sandbox_id"]})
+    for runtime, prefix in (("python", "Python 3."), ("node", "node v"), ("shell", "GNU bash")):
+        box = await call(session, "create_sandbox", {"runtime": runtime})
+        assert box["runtime_version"].startswith(prefix), box
+        await call(session, "destroy_sandbox", {"sandbox_id": box["sandbox_id"]})
+    message = await call(session, "create_sandbox", {"runtime": "cobol"}, expect_error=True)
+    assert "runtime" in message and "rust" in message, message
+
+    # A project whose files say shell; the caller says python.
+    project = os.path.join(shared, "project")
+    os.makedirs(project)
+    with open(os.path.join(project, "run.sh"), "w") as f:
+        f.write("echo hi\n")
+    detected = await call(session, "task_start", {"source": project})
+    assert detected["runtime"] == "shell" and detected["runtime_version"].startswith("GNU bash"), detected
+    await call(session, "task_finish", {"task_id": detected["task_id"]})
+    task = await call(session, "task_start", {"source": project, "runtime": "python"})
+    assert task["runtime"] == "python" and task["runtime_version"].startswith("Python 3."), task
+    await call(session, "task_finish", {"task_id": task["task_id"]})
 
 
 async def checks(session, port, first, main, feature, ca_pem):
@@ -575,7 +634,7 @@ async def main(binary, work):
         MOAT_GIT_HOSTS="git.test,other.test,git-ssh.test,rogue-ssh.test",
         MOAT_ALLOW_SSH_KEY="1",
         MOAT_SSH_KNOWN_HOSTS=ssh.known_hosts,
-        MOAT_ROOTS=ssh.keys,
+        MOAT_ROOTS=ssh.shared,
         MOAT_TEST_RESOLVE=f"git.test=127.0.0.1,evil.test=127.0.0.1,other.test=127.0.0.1,"
                           f"git-ssh.test={SSH_PEER_IP},rogue-ssh.test={SSH_PEER_IP}",
         MOAT_TEST_EGRESS_NETS="127.0.0.1/32",
@@ -591,6 +650,7 @@ async def main(binary, work):
                 async with ClientSession(streams[0], streams[1]) as session:
                     await session.initialize()
                     key_line = await ssh_clones(session, ssh, first, main_commit, feature)
+                    await runtimes(session, ssh.shared)
                     await checks(session, port, first, main_commit, feature, open(ca).read())
     finally:
         ssh.stop()

@@ -15,6 +15,32 @@ pub enum Runtime {
 }
 
 impl Runtime {
+    /// Every runtime, as tool calls name them.
+    pub const ALL: [Self; 5] = [Self::Python, Self::Node, Self::Go, Self::Rust, Self::Shell];
+
+    /// The name tool calls use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Python => "python",
+            Self::Node => "node",
+            Self::Go => "go",
+            Self::Rust => "rust",
+            Self::Shell => "shell",
+        }
+    }
+
+    /// A command that prints the version of the runtime's toolchain on its
+    /// first lines (and fails where the image lacks it).
+    pub fn version_command(self) -> &'static str {
+        match self {
+            Self::Python => "python3 --version && pip3 --version | cut -d' ' -f1-2",
+            Self::Node => "printf 'node %s\\n' \"$(node --version)\" && printf 'npm %s\\n' \"$(npm --version)\"",
+            Self::Go => "go version",
+            Self::Rust => "rustc --version && cargo --version",
+            Self::Shell => "bash --version | head -n 1",
+        }
+    }
+
     /// Guesses from the names of the project's top-level files.
     pub fn detect(names: &[String]) -> Self {
         let has = |n: &str| names.iter().any(|name| name == n);
@@ -48,5 +74,12 @@ mod tests {
         assert_eq!(Runtime::detect(&names(&["main.py"])), Runtime::Python);
         assert_eq!(Runtime::detect(&names(&["go.mod"])), Runtime::Go);
         assert_eq!(Runtime::detect(&names(&["run.sh"])), Runtime::Shell);
+    }
+
+    #[test]
+    fn names_are_the_serialized_ones() {
+        for runtime in Runtime::ALL {
+            assert_eq!(serde_json::to_value(runtime).expect("serializes"), runtime.as_str());
+        }
     }
 }

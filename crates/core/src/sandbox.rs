@@ -57,6 +57,11 @@ pub struct SandboxSpec {
     pub timeout_seconds: u64,
     /// Suspend after this long without use; 0 = never.
     pub idle_seconds: u64,
+    /// The toolchain the sandbox is for: under `filtered`, its registries
+    /// (instead of Python's and Node's); its version is checked and
+    /// reported at create.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<crate::runtime::Runtime>,
 }
 
 impl Default for SandboxSpec {
@@ -72,6 +77,7 @@ impl Default for SandboxSpec {
             env: Vec::new(),
             timeout_seconds: 3600,
             idle_seconds: 300,
+            runtime: None,
         }
     }
 }
@@ -178,6 +184,12 @@ pub struct Sandbox {
     /// Why a `failed` sandbox ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
+    /// The runtime it is for (asked for at create, or a task's) and the
+    /// version of that toolchain in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<crate::runtime::Runtime>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_version: Option<String>,
 }
 
 /// A spec field outside what is allowed: the field and what is allowed, in

@@ -40,6 +40,9 @@ pub struct Task {
     /// The host path the project came from.
     pub source: String,
     pub runtime: Runtime,
+    /// The version of the runtime's toolchain in the sandbox, when it has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_version: Option<String>,
     pub files: u64,
     pub started_at: u64,
 }

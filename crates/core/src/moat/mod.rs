@@ -39,6 +39,9 @@ use pool::fill_pool;
 /// connection; this only bounds the wait.
 const FAILURE_SETTLE: Duration = Duration::from_secs(3);
 
+/// How long a runtime's version command may take.
+const RUNTIME_PROBE_MS: u64 = 30_000;
+
 /// Failed sandboxes kept for `list` at most; the oldest go first.
 const FAILED_KEPT: usize = 64;
 
@@ -220,6 +223,9 @@ impl Moat {
             NetworkPolicy::Filtered => {
                 let log = Some(crate::state::sandboxes_dir(&self.inner.config.data_dir).join(&id).join("egress.log"));
                 let policy = Arc::new(SandboxEgress::new(self.inner.egress.clone(), spec.allow_hosts.clone(), log));
+                if let Some(runtime) = spec.runtime {
+                    policy.set_runtime(runtime);
+                }
                 match EgressProxy::start(machine.client(), policy.clone()).await {
                     Ok(proxy) => Some((policy, proxy)),
                     Err(source) => {
@@ -243,6 +249,8 @@ impl Moat {
             last_used_at: created,
             expires_at: created + spec.timeout_seconds,
             failure: None,
+            runtime: spec.runtime,
+            runtime_version: None,
             spec,
         };
         let rejected = {
@@ -273,7 +281,50 @@ impl Moat {
             let _ = tokio::task::spawn_blocking(move || drop(machine)).await;
             return Err(memory.unwrap_or(CreateError::LimitReached { max }));
         }
-        Ok(info)
+        let Some(runtime) = info.runtime else { return Ok(info) };
+        match self.runtime_version(&info.id, runtime).await {
+            Ok(version) => Ok(Sandbox { runtime_version: Some(version), ..info }),
+            Err(why) => {
+                let _ = self.destroy(&info.id).await;
+                Err(CreateError::StartFailed {
+                    id: info.id,
+                    reason: format!(
+                        "the image {} has no {} toolchain ({why}); use the default image, or another runtime",
+                        info.image,
+                        runtime.as_str()
+                    ),
+                })
+            }
+        }
+    }
+
+    /// The version of `runtime`'s toolchain in sandbox `id` (the first
+    /// lines of its version command, joined), recorded in its listing; the
+    /// reason when the command fails.
+    pub async fn runtime_version(&self, id: &str, runtime: crate::runtime::Runtime) -> Result<String, String> {
+        let mut request = moat_proto::ExecRequest::shell(runtime.version_command());
+        request.timeout_ms = Some(RUNTIME_PROBE_MS);
+        // Not through `run`: no task log records moat's own probe.
+        let out = match self.exec(id, request).await.map_err(|e| e.to_string())?.output_limited(RUN_OUTPUT_LIMIT).await
+        {
+            Ok(out) => out,
+            Err(source) => return Err(self.agent_error(id, source).await.to_string()),
+        };
+        if !out.status.success() {
+            let said = String::from_utf8_lossy(&out.stderr).lines().next().unwrap_or_default().trim().to_owned();
+            return Err(format!("`{}` failed: {said}", runtime.version_command()));
+        }
+        let version = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect::<Vec<_>>()
+            .join(", ");
+        if let Some(entry) = self.inner.lock().get_mut(id) {
+            entry.info.runtime = Some(runtime);
+            entry.info.runtime_version = Some(version.clone());
+        }
+        Ok(version)
     }
 
     /// The live sandboxes and the failed ones (state `failed`, with why).

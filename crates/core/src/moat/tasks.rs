@@ -32,6 +32,7 @@ impl Moat {
         let shown = source.shown.clone();
         let repository =
             hostfs::read_small(&source.fd, ".git/config").and_then(|c| crate::net::egress::repository_host(&c));
+        let asked = spec.runtime;
         let sandbox = self.create(spec).await?;
         let id = sandbox.id.clone();
         let result = async {
@@ -59,15 +60,22 @@ impl Moat {
                 return Err(e);
             }
         };
-        Ok(self.register_task(id, shown.display().to_string(), &packed.top, packed.files, repository))
+        let task = self.register_task(id, shown.display().to_string(), &packed.top, packed.files, repository, asked);
+        Ok(self.with_runtime_version(task).await)
     }
 
     /// Makes a task of sandbox `id`, whose `/workspace` already holds a Git
     /// checkout (a clone of `source` from `host`): its `HEAD` is the
     /// baseline. The runtime is detected from the checkout's top-level
-    /// names; a `filtered` sandbox may reach `host` when the operator allows
-    /// it.
-    pub async fn task_adopt(&self, id: &str, source: &str, host: Option<String>) -> Result<Task, TaskError> {
+    /// names unless `runtime` says; a `filtered` sandbox may reach `host`
+    /// when the operator allows it.
+    pub async fn task_adopt(
+        &self,
+        id: &str,
+        source: &str,
+        host: Option<String>,
+        runtime: Option<Runtime>,
+    ) -> Result<Task, TaskError> {
         let script = "cd /workspace && git rev-parse --verify -q HEAD >/dev/null && ls -A1 && \
             echo '@@moat-files@@' && git ls-files | wc -l";
         let out = self.run(id, ExecRequest::shell(script)).await?;
@@ -80,7 +88,25 @@ impl Moat {
         };
         let top: Vec<String> = names.lines().map(str::to_owned).collect();
         let files = files.trim().parse().unwrap_or(0);
-        Ok(self.register_task(id.into(), source.into(), &top, files, host))
+        let task = self.register_task(id.into(), source.into(), &top, files, host, runtime);
+        Ok(self.with_runtime_version(task).await)
+    }
+
+    /// `task` with the version of its runtime's toolchain (asked of the
+    /// sandbox unless its create did), also in the task kept in progress.
+    /// A toolchain the image lacks leaves the version unset.
+    async fn with_runtime_version(&self, mut task: Task) -> Task {
+        let known = self.get(&task.sandbox_id).ok().filter(|s| s.runtime == Some(task.runtime));
+        task.runtime_version = match known.and_then(|s| s.runtime_version) {
+            Some(version) => Some(version),
+            None => self.runtime_version(&task.sandbox_id, task.runtime).await.ok(),
+        };
+        if let Some((kept, _)) =
+            self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_mut(&task.id)
+        {
+            kept.runtime_version.clone_from(&task.runtime_version);
+        }
+        task
     }
 
     /// Records a task in progress for sandbox `id`, and lets a `filtered`
@@ -92,8 +118,9 @@ impl Moat {
         top: &[String],
         files: u64,
         repository: Option<String>,
+        asked: Option<Runtime>,
     ) -> Task {
-        let runtime = Runtime::detect(top);
+        let runtime = asked.unwrap_or_else(|| Runtime::detect(top));
         if let Some((policy, _)) = self.inner.lock().get(&id).and_then(|e| e.egress.as_ref()) {
             policy.set_runtime(runtime);
             // The checkout's remote is a file the model may have written
@@ -116,6 +143,7 @@ impl Moat {
             sandbox_id: id,
             source,
             runtime,
+            runtime_version: None,
             files,
             started_at: now(),
         };

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use moat_core::limits::MAX_ARGUMENT_ENTRIES;
-use moat_core::{NetworkPolicy, SandboxSpec};
+use moat_core::{NetworkPolicy, Runtime, SandboxSpec};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -20,6 +20,20 @@ enum NetworkName {
     None,
     Filtered,
     Open,
+}
+
+/// The runtimes by the names the contract gives them (the schema of
+/// [`Runtime`], which core states without `schemars`).
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+#[schemars(inline)]
+#[expect(dead_code, reason = "a schema only: arguments are read as Runtime")]
+pub(super) enum RuntimeName {
+    Python,
+    Node,
+    Go,
+    Rust,
+    Shell,
 }
 
 /// The arguments of `create_sandbox`.
@@ -47,6 +61,8 @@ pub(crate) struct CreateSandbox {
     timeout_seconds: Option<u64>,
     #[schemars(range(min = 0, max = SandboxSpec::MAX_IDLE_SECONDS))]
     idle_seconds: Option<u64>,
+    #[schemars(with = "Option<RuntimeName>")]
+    runtime: Option<Runtime>,
 }
 
 impl Tool for CreateSandbox {
@@ -106,6 +122,12 @@ fn sandbox_json(server: &Session<'_>, sandbox: &moat_core::Sandbox) -> Value {
     if let Some(failure) = &sandbox.failure {
         value["failure"] = json!(failure);
     }
+    if let Some(runtime) = sandbox.runtime {
+        value["runtime"] = json!(runtime);
+    }
+    if let Some(version) = &sandbox.runtime_version {
+        value["runtime_version"] = json!(version);
+    }
     value
 }
 
@@ -118,6 +140,7 @@ async fn create_sandbox(server: &Session<'_>, args: CreateSandbox) -> Outcome {
     spec.timeout_seconds = args.timeout_seconds.unwrap_or(spec.timeout_seconds);
     spec.idle_seconds = args.idle_seconds.unwrap_or(spec.idle_seconds);
     spec.network = args.network.unwrap_or(spec.network);
+    spec.runtime = args.runtime.or(spec.runtime);
     if let Some(hosts) = args.allow_hosts {
         spec.allow_hosts.extend(hosts.iter().map(|host| host.trim().to_ascii_lowercase()));
         if spec.network != NetworkPolicy::Filtered {
@@ -199,5 +222,13 @@ mod tests {
             assert_eq!(name.parse::<NetworkPolicy>().map(NetworkPolicy::as_str), Ok(name));
         }
         assert_eq!(names.len(), 3, "none, filtered, open");
+    }
+
+    #[test]
+    fn the_runtime_names_of_the_schema_are_cores() {
+        let schema = schemars::schema_for!(RuntimeName);
+        let names: Vec<&str> =
+            schema.get("enum").and_then(Value::as_array).expect("an enum").iter().filter_map(Value::as_str).collect();
+        assert_eq!(names, Runtime::ALL.map(Runtime::as_str));
     }
 }

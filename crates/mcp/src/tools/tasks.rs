@@ -23,6 +23,8 @@ pub(crate) struct TaskStart {
     token: Option<String>,
     ssh_key_path: Option<String>,
     name: Option<String>,
+    #[schemars(with = "Option<super::sandboxes::RuntimeName>")]
+    runtime: Option<moat_core::Runtime>,
 }
 
 impl Tool for TaskStart {
@@ -104,14 +106,11 @@ async fn task_start(server: &Session<'_>, args: TaskStart) -> Outcome {
     {
         return Err(ToolError(format!("{field} applies only to a source that is a Git URL (https://HOST/OWNER/REPO)")));
     }
-    let spec = SandboxSpec { name: args.name, ..server.defaults.clone() };
+    let spec = SandboxSpec { name: args.name, runtime: args.runtime, ..server.defaults.clone() };
     let task = server.moat.task_start(std::path::Path::new(&args.source), spec).await?;
     server.scope.adopt(&task.sandbox_id, true);
     server.scope.adopt_task(&task.id);
-    Ok(json!({
-        "task_id": task.id, "sandbox_id": task.sandbox_id, "runtime": task.runtime, "files": task.files,
-        "workspace": "/workspace",
-    }))
+    Ok(task_json(&task))
 }
 
 /// `task_start` from a Git URL: the clone is checked as `git_clone`'s
@@ -132,7 +131,7 @@ async fn task_from_repository(server: &Session<'_>, args: TaskStart) -> Outcome 
             ssh_key_path: args.ssh_key_path.as_deref(),
         },
     )?;
-    let mut spec = SandboxSpec { name: args.name, ..server.defaults.clone() };
+    let mut spec = SandboxSpec { name: args.name, runtime: args.runtime, ..server.defaults.clone() };
     if spec.network == NetworkPolicy::None {
         spec.network = NetworkPolicy::Filtered;
     }
@@ -143,7 +142,7 @@ async fn task_from_repository(server: &Session<'_>, args: TaskStart) -> Outcome 
     server.scope.adopt(&id, false);
     let adopted = async {
         let cloned = clone_into(server, &clone, &id).await?;
-        let task = server.moat.task_adopt(&id, &args.source, Some(clone.host.clone())).await?;
+        let task = server.moat.task_adopt(&id, &args.source, Some(clone.host.clone()), args.runtime).await?;
         Ok::<_, ToolError>((task, cloned))
     };
     let (task, cloned) = match adopted.await {
@@ -156,10 +155,21 @@ async fn task_from_repository(server: &Session<'_>, args: TaskStart) -> Outcome 
     };
     server.scope.adopt(&task.sandbox_id, true);
     server.scope.adopt_task(&task.id);
-    Ok(json!({
+    let mut value = task_json(&task);
+    value["commit"] = cloned["commit"].clone();
+    Ok(value)
+}
+
+/// What `task_start` returns of a started task.
+fn task_json(task: &moat_core::Task) -> serde_json::Value {
+    let mut value = json!({
         "task_id": task.id, "sandbox_id": task.sandbox_id, "runtime": task.runtime, "files": task.files,
-        "workspace": "/workspace", "commit": cloned["commit"],
-    }))
+        "workspace": "/workspace",
+    });
+    if let Some(version) = &task.runtime_version {
+        value["runtime_version"] = json!(version);
+    }
+    value
 }
 
 async fn task_diff(server: &Session<'_>, task_id: &str) -> Outcome {
