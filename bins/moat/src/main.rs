@@ -381,6 +381,34 @@ fn extra_cas(image_root: &Path) -> String {
     }
 }
 
+/// What clones over SSH (allowed by `MOAT_ALLOW_SSH_KEY=1`) need of this
+/// host: its `ssh`, and host keys to trust.
+fn ssh_readiness(egress: &moat_core::EgressConfig) -> String {
+    let Some(ssh) = moat_core::programs::find_program("ssh") else {
+        return "allowed, but this host has no ssh client (apt-get install openssh-client)".into();
+    };
+    let known = egress
+        .ssh_known_hosts
+        .clone()
+        .or_else(|| std::env::var_os("HOME").map(|home| std::path::Path::new(&home).join(".ssh/known_hosts")));
+    let entries = known
+        .as_ref()
+        .and_then(|file| std::fs::read_to_string(file).ok())
+        .map(|text| text.lines().filter(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#')).count());
+    match (known, entries) {
+        (Some(file), Some(n)) if n > 0 => {
+            format!("allowed; {} with host keys from {} ({n} entries)", ssh.display(), file.display())
+        }
+        (Some(file), entries) => format!(
+            "allowed, but {} {}: every clone will be refused until the hosts are added (ssh-keyscan HOST >> it, \
+             after checking the fingerprints) or MOAT_SSH_KNOWN_HOSTS names a pinned list",
+            file.display(),
+            if entries.is_some() { "holds no host key" } else { "cannot be read" }
+        ),
+        (None, _) => "allowed, but there is no home directory for ~/.ssh/known_hosts; set MOAT_SSH_KNOWN_HOSTS".into(),
+    }
+}
+
 fn doctor(image_name: &str) -> ExitCode {
     let host = HostVirtualization::probe();
     let kvm = match &host.kvm_problem {
@@ -500,6 +528,10 @@ fn doctor(image_name: &str) -> ExitCode {
             println!("grants (moat-mcp):       {}", grants.describe(&moat_core::EgressConfig::from_env()));
         }
         Err(e) => println!("grants (moat-mcp):       {e}; moat-mcp will not start"),
+    }
+    let egress = moat_core::EgressConfig::from_env();
+    if egress.ssh_keys {
+        println!("git over SSH:            {}", ssh_readiness(&egress));
     }
     let choice = host.choose(BackendKind::Auto);
     match (choice.kind, &vmm) {

@@ -94,6 +94,29 @@ fn doctor_reports_the_extra_cas() {
     assert!(text.contains("holds a private key") && text.contains("will not start"), "{text}");
 }
 
+/// With `MOAT_ALLOW_SSH_KEY=1`, `moat doctor` says whether clones over SSH
+/// can work here: the host's ssh and the host keys they would trust.
+#[test]
+fn doctor_says_what_clones_over_ssh_need() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let text =
+        |env: &[(&str, &std::ffi::OsStr)]| String::from_utf8_lossy(&moat_with(&["doctor"], env).stdout).into_owned();
+    let off = std::ffi::OsStr::new("0");
+    assert!(!text(&[("MOAT_ALLOW_SSH_KEY", off)]).contains("git over SSH:"));
+    let on = std::ffi::OsStr::new("1");
+    let known = dir.path().join("known_hosts");
+    std::fs::write(&known, "# pinned\n").expect("write");
+    let said = text(&[("MOAT_ALLOW_SSH_KEY", on), ("MOAT_SSH_KNOWN_HOSTS", known.as_os_str())]);
+    assert!(said.contains("git over SSH:") && said.contains("holds no host key"), "{said}");
+    std::fs::write(&known, "git.example.org ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample\n").expect("write");
+    let said = text(&[("MOAT_ALLOW_SSH_KEY", on), ("MOAT_SSH_KNOWN_HOSTS", known.as_os_str())]);
+    if moat_core::programs::find_program("ssh").is_some() {
+        assert!(said.contains("(1 entries)"), "{said}");
+    } else {
+        assert!(said.contains("no ssh client"), "{said}");
+    }
+}
+
 /// A CA certificate made with openssl in `dir` (its key beside it).
 fn made_ca(dir: &std::path::Path) -> std::path::PathBuf {
     let status = Command::new("openssl")
