@@ -73,7 +73,9 @@ pub fn run_in(bundle: &Bundle, payload: &Payload) -> Result<Output> {
 /// ([`Error::Crashed`]), the steps it finished are not run again: a fresh
 /// level 1 gets the rest. The run gives up only when [`STEP_ATTEMPTS`]
 /// level 1s in a row break without finishing a step. A step that failed
-/// right before its level 1 broke runs once more in the next one. The output is the
+/// right before its level 1 broke runs once more in the next one; a step
+/// that a level 1 broke on before finishing anything runs second in the
+/// next. The output is the
 /// last level 1's, with the stdout of every level 1 before it in front,
 /// and an exit code that is nonzero when any level 1 had a step fail.
 pub fn run_steps(
@@ -136,6 +138,12 @@ pub fn run_steps(
                 if fruitless >= STEP_ATTEMPTS {
                     return Err(e);
                 }
+                // A step that broke a fresh level 1 before finishing runs
+                // second in the next: some break a level 1 only as its
+                // first (a fresh level 1's cold caches).
+                if left.len() == before && left.len() > 1 {
+                    left.swap(0, 1);
+                }
                 eprintln!(
                     "moat-nested: {e}\nmoat-nested: {} of {} steps done; the other {} run in a fresh level 1",
                     steps.len() - left.len(),
@@ -164,7 +172,7 @@ fn report_step_times(out: &Output) {
 
 /// How many level 1s in a row may break without finishing a step before a
 /// run of steps gives up.
-pub const STEP_ATTEMPTS: u32 = 4;
+pub const STEP_ATTEMPTS: u32 = 6;
 
 /// Level 1s a payload gets when they break under it (a payload's own
 /// failures are never retried).
