@@ -22,6 +22,10 @@ pub const PACKAGES: &[&str] = &[
     "build-essential",
     "nodejs",
     "npm",
+    // Go and Rust, Debian's: `runtime: go` and `runtime: rust` sandboxes.
+    "golang-go",
+    "rustc",
+    "cargo",
     "procps",
     "less",
 ];
