@@ -105,6 +105,7 @@ pub fn run_steps(
             Err(e) => return Err(e),
         };
         let mut done: Vec<&str> = marks.iter().filter_map(|m| m.strip_prefix("done ")).collect();
+        let finished_any = !done.is_empty();
         // A step that failed just before its level 1 broke most likely
         // failed because it was breaking (a test's watchdog ending it while
         // level 1's kernel crawled): it runs again, once, in the next.
@@ -140,8 +141,9 @@ pub fn run_steps(
                 }
                 // A step that broke a fresh level 1 before finishing runs
                 // second in the next: some break a level 1 only as its
-                // first (a fresh level 1's cold caches).
-                if left.len() == before && left.len() > 1 {
+                // first (a fresh level 1's cold caches). A step that
+                // finished (failed) and runs again keeps its place.
+                if !finished_any && left.len() > 1 {
                     left.swap(0, 1);
                 }
                 eprintln!(

@@ -122,18 +122,25 @@ fn a_level_2_debian_guest_boots_under_qemu_with_kvm_in_level_1() {
 fn a_run_of_steps_resumes_after_level_1_breaks() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let bundle = moat_nested::bundle::prepare(&moat_nested::Sources::from_env().expect("sources")).expect("bundle");
-    let steps: Vec<String> = ["one", "two", "three", "four", "five"].map(String::from).to_vec();
+    let steps: Vec<String> = ["one", "two", "three", "four", "five", "six"].map(String::from).to_vec();
     let mut payloads = Vec::new();
     // Two steps a level 1. The first does one and fails two, and ends; the
     // second fails three and then panics its kernel, so three runs again
-    // (and passes) in the third, with four; the fourth must run five.
+    // (and passes) in the third, with four, keeping its place. The fourth
+    // panics in five before finishing anything, so five runs second in the
+    // fifth, after six.
     let out = moat_nested::run_steps(&bundle, &steps, 2, |given| {
         payloads.push(given.to_vec());
-        let breaks = if payloads.len() == 2 { "three" } else { "none" };
+        let (fails, breaks) = match payloads.len() {
+            2 => ("three", "three"),
+            4 => ("none", "five"),
+            _ => ("none", "none"),
+        };
         Payload::script(&format!(
             r#"for s in {}; do
     echo "ran $s"
-    [ $s = two ] || [ $s = {breaks} ] && echo "failed $s" > "$MOAT_NESTED_MARKS"
+    [ $s = {breaks} ] && [ $s != {fails} ] && {{ echo c > /proc/sysrq-trigger; sleep 60; }}
+    [ $s = two ] || [ $s = {fails} ] && echo "failed $s" > "$MOAT_NESTED_MARKS"
     echo "done $s" > "$MOAT_NESTED_MARKS"
     [ $s = {breaks} ] && {{ echo c > /proc/sysrq-trigger; sleep 60; }}
 done
@@ -143,9 +150,15 @@ exit 0"#,
     })
     .expect("the steps run");
     let names = |n: &[&str]| n.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
-    let expected = [names(&["one", "two"]), names(&["three", "four"]), names(&["three", "four"]), names(&["five"])];
+    let expected = [
+        names(&["one", "two"]),
+        names(&["three", "four"]),
+        names(&["three", "four"]),
+        names(&["five", "six"]),
+        names(&["six", "five"]),
+    ];
     assert_eq!(payloads, expected);
-    let ran = "ran one\nran two\nran three\nran three\nran four\nran five\n";
+    let ran = "ran one\nran two\nran three\nran three\nran four\nran five\nran six\nran five\n";
     assert_eq!(out.stdout_text(), ran, "{}", out.stderr_text());
     assert_ne!(out.code, 0, "step two's failure in the first level 1 is kept");
 }
