@@ -3,36 +3,21 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 
 /// The workspace root (xtask lives one level below it).
 pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 
+pub use moat_image::host::{is_root, output};
+
 /// Runs `command` in the workspace root, echoing it; fails on a non-zero exit.
 pub fn run(command: &mut Command) -> Result<()> {
     if command.get_current_dir().is_none() {
         command.current_dir(root());
     }
-    eprintln!("$ {}", describe(command));
-    let status = command.status().with_context(|| format!("cannot start {}", describe(command)))?;
-    if !status.success() {
-        bail!("{} failed ({status})", describe(command));
-    }
-    Ok(())
-}
-
-/// Runs `command` and returns its stdout.
-pub fn output(command: &mut Command) -> Result<String> {
-    let out = command.output().with_context(|| format!("cannot start {}", describe(command)))?;
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
-}
-
-fn describe(command: &Command) -> String {
-    let mut parts = vec![command.get_program().to_string_lossy().into_owned()];
-    parts.extend(command.get_args().map(|a| a.to_string_lossy().into_owned()));
-    parts.join(" ")
+    moat_image::host::run(command)
 }
 
 pub fn cargo() -> Command {
@@ -56,38 +41,7 @@ pub const BASE_PACKAGES: &[(&str, &str)] = &[
 /// Installs missing host packages with apt-get when root, or says exactly
 /// what to install.
 pub fn ensure_packages(packages: &[(&str, &str)]) -> Result<()> {
-    let mut missing: Vec<&str> = packages.iter().filter(|(_, program)| !on_path(program)).map(|(p, _)| *p).collect();
-    missing.sort_unstable();
-    missing.dedup();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    if !is_root() || !on_path("apt-get") {
-        bail!(
-            "missing host packages: {}; install them with: sudo apt-get install -y {}",
-            missing.join(", "),
-            missing.join(" ")
-        );
-    }
-    run(Command::new("apt-get").arg("update").arg("-q"))?;
-    // Packages the tests need start no service on this machine (an sshd
-    // listening on port 22 among them): Debian's policy-rc.d says no to
-    // every start while they install, unless the machine has its own.
-    let policy = std::path::Path::new("/usr/sbin/policy-rc.d");
-    let ours = !policy.exists();
-    if ours {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::write(policy, "#!/bin/sh\n# moat's xtask, while it installs test packages\nexit 101\n")?;
-        std::fs::set_permissions(policy, std::fs::Permissions::from_mode(0o755))?;
-    }
-    let installed = run(Command::new("apt-get")
-        .args(["install", "-y", "-q", "--no-install-recommends"])
-        .args(&missing)
-        .env("DEBIAN_FRONTEND", "noninteractive"));
-    if ours {
-        std::fs::remove_file(policy)?;
-    }
-    installed
+    moat_image::host::ensure_packages(packages).map(|_| ())
 }
 
 /// Makes `/dev/net/tun` usable by pasta, which runs as the sandbox's
@@ -110,21 +64,4 @@ pub fn ensure_tun() -> Result<()> {
     eprintln!("xtask: {TUN} was mode {mode:04o}, which stops rootless pasta; setting Debian's usual 0666");
     std::fs::set_permissions(TUN, std::fs::Permissions::from_mode(0o666))?;
     Ok(())
-}
-
-/// Whether `program` is installed, on PATH or in the sbin directories a
-/// non-login root shell may lack.
-pub fn on_path(program: &str) -> bool {
-    let sbin = ["/usr/sbin", "/sbin"].map(PathBuf::from);
-    std::env::var_os("PATH")
-        .map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
-        .unwrap_or_default()
-        .into_iter()
-        .chain(sbin)
-        .any(|dir| dir.join(program).is_file())
-}
-
-pub fn is_root() -> bool {
-    // The uid of the xtask process: `id -u` avoids a libc dependency here.
-    output(Command::new("id").arg("-u")).is_ok_and(|uid| uid.trim() == "0")
 }

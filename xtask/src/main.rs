@@ -7,6 +7,7 @@
 
 mod build;
 mod demo;
+mod dist;
 mod host;
 mod image;
 mod load;
@@ -38,6 +39,8 @@ enum Task {
     },
     /// Show moat working end to end.
     Demo,
+    /// Build the Debian package (target/dist/moat_VERSION_amd64.deb).
+    Dist(dist::DistArgs),
     /// Build (or verify) a sandbox image under the data directory.
     Image {
         /// Image name: `default` is what users get.
@@ -75,6 +78,7 @@ fn main() -> ExitCode {
         Task::Bench { kind: None } => test::bench(),
         Task::Bench { kind: Some(BenchKind::Load(args)) } => load::bench_load(&args),
         Task::Demo => demo::run_demo(),
+        Task::Dist(args) => dist::dist(&args).map(|_| ()),
         Task::Image { name, force } => image::build(&name, force).map(|_| ()),
         // It exits with the status of the command run in level 1.
         Task::Nested { command } => return nested::main(command),

@@ -3,7 +3,7 @@
 use anyhow::Result;
 
 use crate::host::{BASE_PACKAGES, cargo, ensure_packages, ensure_tun, root, run};
-use crate::{build, image, nested};
+use crate::{build, dist, image, nested};
 
 /// What the tests use beyond the base packages: QEMU boots the image in the
 /// microVM boot test; cpio(1) checks the initramfs writer; npm installs the
@@ -51,10 +51,13 @@ pub fn gate() -> Result<()> {
     let conformance = conformance_suite()?;
     // The nested host's level 1 gets the debug host binaries.
     nested::host_binaries()?;
+    // The Debian package, of those same debug binaries (a release build
+    // would add minutes): the dist test installs it on a fresh Debian.
+    let deb = dist::dist(&dist::DistArgs::of_test_build())?;
     let account = rootless_account(&root().join("target/debug/moat"))?;
     // Ignored tests are those that need root, the image, the static agent,
-    // QEMU, busybox-static, the host binaries, the Python MCP SDKs and the
-    // conformance suite, all provided above.
+    // QEMU, busybox-static, the host binaries, the Python MCP SDKs, the
+    // conformance suite and the package, all provided above.
     run(cargo()
         .args(["test", "--workspace", "--no-fail-fast", "--", "--include-ignored"])
         .env("MOAT_AGENT", &agent)
@@ -62,7 +65,8 @@ pub fn gate() -> Result<()> {
         .env("MOAT_NESTED_CACHE", root().join("target/nested"))
         .env("MOAT_TEST_PYTHONS", pythons)
         .env("MOAT_CONFORMANCE_DIR", conformance)
-        .env("MOAT_TEST_ACCOUNT", account))?;
+        .env("MOAT_TEST_ACCOUNT", account)
+        .env("MOAT_DEB", deb))?;
     fuzz_target_builds()
 }
 

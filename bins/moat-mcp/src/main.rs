@@ -14,7 +14,7 @@ use rmcp::ServiceExt;
 /// Without a command it serves MCP over stdio (what agent hosts start).
 /// Configuration comes from MOAT_* environment variables (docs/operations.md).
 #[derive(Debug, Parser)]
-#[command(version)]
+#[command(name = "moat-mcp", version)]
 struct Cli {
     /// Serve streamable HTTP at http://HOST:PORT/mcp instead of stdio.
     /// Every request needs `Authorization: Bearer <token>`: MOAT_HTTP_TOKEN,
@@ -75,6 +75,17 @@ macro_rules! said {
 }
 
 fn main() -> ExitCode {
+    // `cargo xtask dist` asks each binary for its manual pages, rendered
+    // from this very parser (clap_mangen), so they never drift from --help.
+    if let Some(dir) = manual_dir() {
+        return match clap_mangen::generate_to(Cli::command().after_help(grants_help()), &dir) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("moat-mcp: cannot write manual pages into {}: {e}", dir.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
     let matches = Cli::command().after_help(grants_help()).get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
@@ -301,4 +312,14 @@ fn init(client: Host, scope: Scope, print: bool) -> ExitCode {
     let token_dir = moat_mcp::http::token_dir(&moat_core::image::data_dir());
     println!("{}", moat_mcp::hosts::http_token_help(&token_dir));
     ExitCode::SUCCESS
+}
+
+/// The directory of `NAME --write-manual DIR`, a hidden option of the
+/// package build.
+fn manual_dir() -> Option<std::path::PathBuf> {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    match &args[..] {
+        [flag, dir] if flag == "--write-manual" => Some(dir.into()),
+        _ => None,
+    }
 }

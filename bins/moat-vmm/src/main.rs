@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use moat_vmm::arch::x86_64::boot::BootError;
 use moat_vmm::builder::{BuildError, build_microvm_on};
 use moat_vmm::config::{self, ConfigError, DiskConfig, NetConfig, VmConfig, VsockConfig};
@@ -104,6 +104,17 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    // `cargo xtask dist` asks each binary for its manual pages, rendered
+    // from this very parser (clap_mangen), so they never drift from --help.
+    if let Some(dir) = manual_dir() {
+        return match clap_mangen::generate_to(Args::command(), &dir) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("moat-vmm: cannot write manual pages into {}: {e}", dir.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
     let started = Instant::now();
     let args = Args::parse();
     tracing_subscriber::fmt()
@@ -284,4 +295,14 @@ fn chain(e: &dyn std::error::Error) -> String {
 fn fail(code: u8, e: &dyn std::error::Error) -> ExitCode {
     eprintln!("moat-vmm: {}", chain(e));
     ExitCode::from(code)
+}
+
+/// The directory of `NAME --write-manual DIR`, a hidden option of the
+/// package build.
+fn manual_dir() -> Option<std::path::PathBuf> {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    match &args[..] {
+        [flag, dir] if flag == "--write-manual" => Some(dir.into()),
+        _ => None,
+    }
 }

@@ -6,11 +6,12 @@ use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use moat_core::cgroup::CgroupSupport;
 use moat_core::{BackendKind, HostVirtualization, Image, Moat, MoatConfig, NetworkPolicy, SandboxSpec};
 use moat_proto::{ExecRequest, WinSize};
 
+mod fix;
 mod setup;
 
 /// Disposable, isolated Linux machines for AI agents.
@@ -18,7 +19,7 @@ mod setup;
 /// Every sandbox lives as long as the command that made it: `moat run`
 /// creates one, runs a command in it and destroys it.
 #[derive(Debug, Parser)]
-#[command(version)]
+#[command(name = "moat", version)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -26,7 +27,7 @@ struct Cli {
 
 #[derive(Debug, clap::Args)]
 struct SandboxArgs {
-    /// Image to boot (built with `cargo xtask image --name NAME`).
+    /// Image to boot (built with `moat image build --name NAME`).
     #[arg(long, default_value = "default")]
     image: String,
     /// Isolation backend: auto, vm or jail.
@@ -44,6 +45,20 @@ struct SandboxArgs {
     /// Disk (writes to the root file system) limit in MiB.
     #[arg(long = "disk", default_value_t = 2048)]
     disk_mib: u64,
+}
+
+#[derive(Debug, Subcommand)]
+enum ImageCommand {
+    /// As root: build the image from Debian's archive around this
+    /// installation's agent, or verify it when it is up to date.
+    Build {
+        /// Image name: `default` is what sandboxes get.
+        #[arg(long, default_value = "default")]
+        name: String,
+        /// Rebuild everything even when the image is up to date.
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -77,8 +92,19 @@ enum Command {
     },
     /// Check this host: virtualization, namespaces, cgroups, the image, the backend.
     Doctor {
+        /// The image to check (and, with --fix, to build when missing).
         #[arg(long, default_value = "default")]
         image: String,
+        /// First install what is missing: the host packages moat uses (as
+        /// root, with apt-get), /dev/net/tun's mode, and the image when
+        /// there is none; says what it did, or what to run where it cannot.
+        #[arg(long)]
+        fix: bool,
+    },
+    /// Sandbox images.
+    Image {
+        #[command(subcommand)]
+        command: ImageCommand,
     },
     /// As root, once: prepare a user to run moat without root (subordinate
     /// ids, a delegated cgroup subtree, a copy of the image in its range).
@@ -93,6 +119,17 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // `cargo xtask dist` asks each binary for its manual pages, rendered
+    // from this very parser (clap_mangen), so they never drift from --help.
+    if let Some(dir) = manual_dir() {
+        return match clap_mangen::generate_to(Cli::command(), &dir) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("moat: cannot write manual pages into {}: {e}", dir.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
     let cli = Cli::parse();
     let logs = moat_core::log::from_env(moat_core::log::LogLevel::Warn)
         .and_then(|(level, file)| moat_core::log::init(level, &[], file.as_deref()));
@@ -130,7 +167,18 @@ async fn run(command: Command) -> Result<ExitCode> {
         Command::Ls => ls(),
         Command::Rm { ids, all } => rm(&ids, all),
         Command::Tasks { remove } => tasks(&remove),
-        Command::Doctor { image } => Ok(doctor(&image)),
+        Command::Doctor { image, fix: false } => Ok(doctor(&image)),
+        Command::Doctor { image, fix: true } => {
+            let fixed = fix::missing(&image);
+            println!();
+            let report = doctor(&image);
+            Ok(if fixed { report } else { ExitCode::FAILURE })
+        }
+        Command::Image { command: ImageCommand::Build { name, force } } => {
+            let agent = moat_core::moat::find_agent()?;
+            moat_image::build(&name, force, &agent)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Setup { user, image } => setup::user(&user, &image).map(|()| ExitCode::SUCCESS),
     }
 }
@@ -545,4 +593,14 @@ fn doctor(image_name: &str) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+/// The directory of `NAME --write-manual DIR`, a hidden option of the
+/// package build.
+fn manual_dir() -> Option<std::path::PathBuf> {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    match &args[..] {
+        [flag, dir] if flag == "--write-manual" => Some(dir.into()),
+        _ => None,
+    }
 }

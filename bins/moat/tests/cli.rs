@@ -44,7 +44,7 @@ fn bad_options_get_clear_errors() {
     assert_eq!(out.status.code(), Some(2), "clap's usage error");
     assert!(String::from_utf8_lossy(&out.stderr).contains("allowed are auto, vm, jail"), "{out:?}");
     let out = moat(&["run", "--image", "nope", "--", "true"]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("cargo xtask image --name nope"), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("moat image build --name nope"), "{out:?}");
     let out = moat(&["rm", "sbx-00000000"]);
     assert_eq!(out.status.code(), Some(1));
     let out = moat(&["tasks", "--rm", "task-nope"]);
@@ -154,4 +154,25 @@ fn help_explains_the_commands() {
     for command in ["run", "shell", "ls", "rm", "tasks", "doctor"] {
         assert!(text.contains(command), "{command} missing from --help:\n{text}");
     }
+}
+
+#[test]
+fn image_build_refuses_a_bad_name_before_anything_else() {
+    for name in ["", "../etc", "-rf", "a b"] {
+        let out = moat(&["image", "build", &format!("--name={name}")]);
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("Image name {name:?} is not valid")), "{err}");
+        assert!(err.contains("letters, digits, '-' or '_'"), "{err}");
+    }
+}
+
+#[test]
+fn each_binary_writes_its_manual_pages() {
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let out = moat(&["--write-manual", &dir.path().display().to_string()]);
+    assert!(out.status.success(), "{out:?}");
+    let page = std::fs::read_to_string(dir.path().join("moat-doctor.1")).expect("moat-doctor.1");
+    assert!(page.contains(".TH moat-doctor 1") && page.contains("\\-\\-fix"), "{page}");
+    assert!(dir.path().join("moat-image-build.1").is_file());
 }

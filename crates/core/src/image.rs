@@ -50,7 +50,7 @@ pub fn data_dir() -> PathBuf {
 
 /// What [`valid_name`] allows, for error messages.
 pub const NAME_RULE: &str = "1 to 64 letters, digits, '-' or '_' (such as default), naming an image built with \
-                             `cargo xtask image --name NAME`, and optionally @ and its version (name@3f2a9c1b0d4e) to \
+                             `moat image build --name NAME`, and optionally @ and its version (name@3f2a9c1b0d4e) to \
                              insist on that build";
 
 /// How many hex digits of the manifest's SHA-256 name an image's version.
@@ -141,18 +141,18 @@ pub enum ImageError {
     /// Where it was looked for (`path`) is kept for the host's log, not
     /// shown: the caller may be a model, which learns no host path.
     #[error(
-        "Image {name:?} is not built; build it with `cargo xtask image --name {name}` (`moat doctor` shows where images live)"
+        "Image {name:?} is not built; build it as root with `moat image build --name {name}` (`cargo xtask image --name {name}` in a checkout; `moat doctor` shows where images live)"
     )]
     Missing { name: String, path: PathBuf },
     #[error(
-        "Image {name:?} has an unreadable manifest ({reason}); rebuild it with `cargo xtask image --name {name} --force`"
+        "Image {name:?} has an unreadable manifest ({reason}); rebuild it as root with `moat image build --name {name} --force`"
     )]
     BadManifest { name: String, reason: String },
     #[error(
-        "Image {name:?} uses manifest format {found}, this build reads {FORMAT_VERSION}; rebuild it with `cargo xtask image --name {name} --force`"
+        "Image {name:?} uses manifest format {found}, this build reads {FORMAT_VERSION}; rebuild it as root with `moat image build --name {name} --force`"
     )]
     Format { name: String, found: u32 },
-    #[error("Image {name:?} is corrupt: {what}; rebuild it with `cargo xtask image --name {name} --force`")]
+    #[error("Image {name:?} is corrupt: {what}; rebuild it as root with `moat image build --name {name} --force`")]
     Corrupt { name: String, what: String },
     /// `name@version` asked for a build the image no longer is.
     #[error(
@@ -507,7 +507,7 @@ mod tests {
         std::fs::write(dir.join("vmlinux"), b"\x7fELF fake kernex").expect("same size, other bytes");
         let err = Image::open(data.path(), "t").expect("sizes match").verify().expect_err("hash differs");
         assert!(err.to_string().contains("vmlinux does not match"), "{err}");
-        assert!(err.to_string().contains("cargo xtask image --name t --force"), "{err}");
+        assert!(err.to_string().contains("moat image build --name t --force"), "{err}");
 
         std::fs::write(dir.join("vmlinux"), b"short").expect("write");
         let err = Image::open(data.path(), "t").expect_err("size differs");
@@ -539,7 +539,7 @@ mod tests {
     fn missing_and_unreadable_images_say_how_to_build() {
         let data = tempfile::tempdir().expect("tempdir");
         let err = Image::open(data.path(), "default").expect_err("missing");
-        assert!(err.to_string().contains("cargo xtask image --name default"), "{err}");
+        assert!(err.to_string().contains("moat image build --name default"), "{err}");
         assert!(!err.to_string().contains(&data.path().display().to_string()), "no host path: {err}");
         let dir = image_dir(data.path(), "default");
         std::fs::create_dir_all(&dir).expect("mkdir");

@@ -18,7 +18,7 @@
 //! never for absolute claims: everything runs under TCG emulation.
 
 pub mod bundle;
-pub mod cpio;
+pub use moat_image::cpio;
 mod error;
 pub mod level2;
 mod machine;

@@ -99,7 +99,9 @@ pub(super) fn choose_backend(config: &MoatConfig) -> Result<Runner, ConfigError>
 
 /// Where the agent binary is: `$MOAT_AGENT`, else the static build
 /// (`target/x86_64-unknown-linux-gnu/release/moat-agent`, as `cargo xtask
-/// build` makes it) near the current executable, else `moat-agent` beside it.
+/// build` makes it) near the current executable, else the package's
+/// (`PREFIX/lib/moat/moat-agent` for `PREFIX/bin/moat`), else `moat-agent`
+/// beside it.
 pub fn find_agent() -> Result<PathBuf, ConfigError> {
     if let Some(path) = std::env::var_os("MOAT_AGENT") {
         let path = PathBuf::from(path);
@@ -112,7 +114,10 @@ pub fn find_agent() -> Result<PathBuf, ConfigError> {
     let exe = std::env::current_exe().map_err(|e| ConfigError::AgentMissing(e.to_string()))?;
     let dirs: Vec<&Path> = exe.ancestors().skip(1).take(3).collect();
     let static_builds = dirs.iter().map(|d| d.join("x86_64-unknown-linux-gnu/release/moat-agent"));
-    let candidates: Vec<PathBuf> = static_builds.chain(dirs.iter().take(2).map(|d| d.join("moat-agent"))).collect();
+    // Installed from the Debian package: `/usr/bin/moat`, `/usr/lib/moat/moat-agent`.
+    let installed = dirs.get(1).map(|prefix| prefix.join("lib/moat/moat-agent"));
+    let candidates: Vec<PathBuf> =
+        static_builds.chain(installed).chain(dirs.iter().take(2).map(|d| d.join("moat-agent"))).collect();
     candidates.iter().find(|p| p.is_file()).cloned().ok_or_else(|| {
         ConfigError::AgentMissing(format!(
             "looked at {}",

@@ -4,11 +4,11 @@
 use std::io::Write;
 use std::path::Path;
 
+use crate::cpio::Cpio;
 use anyhow::{Context, Result};
 use flate2::Compression;
 use flate2::write::GzEncoder;
 use moat_agent::boot::{ModuleDeps, module_name};
-use moat_nested::cpio::Cpio;
 
 /// The modules a microVM needs before its root disk: the virtio-mmio
 /// transport, the disk, vsock for the agent, overlay, entropy; and the

@@ -1,4 +1,6 @@
-//! `cargo xtask image`: build, cache and verify a sandbox image.
+//! moat's sandbox images: built from Debian's archive, cached and verified
+//! under the data directory. `cargo xtask image` and `moat image build`
+//! (and `moat doctor --fix`) both build with [`build`].
 //!
 //! The image is assembled in `images/.NAME.build-PID/` and renamed into
 //! place only when complete, so a sandbox never sees half an image. A run
@@ -6,6 +8,8 @@
 //! existing image's manifest only verifies it; when just the agent or the
 //! kernel changed, the root file system is reused.
 
+pub mod cpio;
+pub mod host;
 mod initramfs;
 mod kernel;
 mod rootfs;
@@ -15,15 +19,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use moat_core::image::{self, Artifact, FILE_ARTIFACTS, FORMAT_VERSION, Image, JAIL_ID_BASE, KernelInfo, Manifest};
 
-use crate::build;
 use crate::host::{ensure_packages, is_root, run};
 
-/// Host packages an image build needs.
-const HOST_PACKAGES: &[(&str, &str)] = &[
+/// Host packages an image build needs, each with a program it provides.
+pub const HOST_PACKAGES: &[(&str, &str)] = &[
     ("mmdebstrap", "mmdebstrap"),
     ("e2fsprogs", "mkfs.ext4"),
     ("kmod", "depmod"),
@@ -35,13 +38,45 @@ const HOST_PACKAGES: &[(&str, &str)] = &[
 /// Bumped when the way images are put together changes.
 const RECIPE_VERSION: &str = "3";
 
-pub fn build(name: &str, force: bool) -> Result<PathBuf> {
+/// Why an image could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("Image name {0:?} is not valid: use 1-64 letters, digits, '-' or '_'")]
+    Name(String),
+    #[error(
+        "Building an image needs root (mmdebstrap --mode=root, and ownership of the jails' root file system): run it \
+         with sudo, or, as root, `moat setup --user NAME` to give a user a copy of root's image"
+    )]
+    NotRoot,
+    #[error("The agent {0} cannot be read: build it (`cargo xtask build`) or set MOAT_AGENT")]
+    Agent(PathBuf, #[source] std::io::Error),
+    /// The build drives a dozen Debian tools (apt, mmdebstrap, depmod,
+    /// mkfs.ext4); each failure carries the command and what it printed,
+    /// added as context where it happened.
+    #[error("Building image {name:?} failed")]
+    Failed {
+        name: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+/// Builds the image `name` under the data directory around `agent` (the
+/// static moat-agent, its `/init`), or only verifies it when its inputs are
+/// unchanged (`force` rebuilds everything). Installs the host packages the
+/// build needs. Returns the image's directory.
+pub fn build(name: &str, force: bool, agent: &Path) -> std::result::Result<PathBuf, BuildError> {
     validate_name(name)?;
     if !is_root() {
-        bail!(
-            "building an image needs root (mmdebstrap --mode=root, ownership of the jail's root file system); run it with sudo"
-        );
+        return Err(BuildError::NotRoot);
     }
+    if let Err(e) = std::fs::File::open(agent) {
+        return Err(BuildError::Agent(agent.to_owned(), e));
+    }
+    build_as_root(name, force, agent).map_err(|e| BuildError::Failed { name: name.to_owned(), source: e.into() })
+}
+
+fn build_as_root(name: &str, force: bool, agent: &Path) -> Result<PathBuf> {
     ensure_packages(HOST_PACKAGES)?;
     let data = image::data_dir();
     let images = data.join("images");
@@ -51,7 +86,6 @@ pub fn build(name: &str, force: bool) -> Result<PathBuf> {
     let final_dir = image::image_dir(&data, name);
     let started = Instant::now();
 
-    let agent = build::static_agent()?;
     // A fresh machine may have no package lists yet: update once and retry.
     let (kernel_package, kernel_version) = match kernel::resolve() {
         Ok(found) => found,
@@ -60,7 +94,7 @@ pub fn build(name: &str, force: bool) -> Result<PathBuf> {
             kernel::resolve()?
         }
     };
-    let inputs = inputs(&agent, &kernel_package, &kernel_version)?;
+    let inputs = inputs(agent, &kernel_package, &kernel_version)?;
 
     let existing = Image::open(&data, name).ok();
     if !force
@@ -90,7 +124,7 @@ pub fn build(name: &str, force: bool) -> Result<PathBuf> {
     step.done(&format!("vmlinux {} ({}, PVH entry: {})", kernel.release, human(vmlinux.len() as u64), yes(pvh)));
 
     let step = Step::start("initramfs", "the static agent as /init and its modules");
-    let modules = initramfs::build(&work.join("initramfs.cpio.gz"), &agent, &kernel.modules_dir(), &kernel.release)?;
+    let modules = initramfs::build(&work.join("initramfs.cpio.gz"), agent, &kernel.modules_dir(), &kernel.release)?;
     let size = std::fs::metadata(work.join("initramfs.cpio.gz"))?.len();
     step.done(&format!("{} modules, {}", modules.len(), human(size)));
 
@@ -163,15 +197,12 @@ pub fn build(name: &str, force: bool) -> Result<PathBuf> {
     Ok(final_dir)
 }
 
-fn validate_name(name: &str) -> Result<()> {
+fn validate_name(name: &str) -> std::result::Result<(), BuildError> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
         && !name.starts_with('-');
-    if !ok {
-        bail!("invalid image name {name:?}: use 1-64 letters, digits, '-' or '_'");
-    }
-    Ok(())
+    if ok { Ok(()) } else { Err(BuildError::Name(name.to_owned())) }
 }
 
 fn inputs(agent: &Path, kernel_package: &str, kernel_version: &str) -> Result<BTreeMap<String, String>> {
