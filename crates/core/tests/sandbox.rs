@@ -601,6 +601,25 @@ async fn escapes_fail() {
         assert_eq!(out.trim(), "1000", "a set-uid binary raised privileges");
     }
 
+    // And after all that, the sandbox still answers.
+    let (out, _) = sh(&moat, id, "echo still-here").await;
+    assert_eq!(out.trim(), "still-here");
+    std::fs::remove_file(&marker).ok();
+    moat.destroy_all().await;
+}
+
+/// A sandbox that exhausts its memory, disk or processes hurts only
+/// itself. (Split from `escapes_fail`, so that in the nested host a level 1
+/// that breaks under one of these loads loses only this step.)
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn memory_disk_and_fork_bombs_are_contained() {
+    let moat = moat(16).await;
+    let sandbox =
+        moat.create(SandboxSpec { memory_mib: 128, disk_mib: 64, ..SandboxSpec::default() }).await.expect("created");
+    let id = sandbox.id.as_str();
+    let jail = backend() == moat_core::BackendKind::Jail;
+
     // Threat: exhausting host memory. The cgroup limit kills the hog, not the
     // host. (The bytes must be written: untouched allocations cost nothing.)
     let out = moat
@@ -643,6 +662,22 @@ async fn escapes_fail() {
     if jail && moat_core::cgroup::CgroupSupport::probe() != moat_core::cgroup::CgroupSupport::None {
         assert!(forked < 1100, "forked {forked} processes past the pids limit");
     }
+
+    // And after all that, the sandbox still answers.
+    let (out, _) = sh(&moat, id, "echo still-here").await;
+    assert_eq!(out.trim(), "still-here");
+    moat.destroy_all().await;
+}
+
+/// Output floods stream through, or are cut in the sandbox on the tools'
+/// path, without the owner buffering them.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn output_floods_are_bounded() {
+    let moat = moat(16).await;
+    let sandbox =
+        moat.create(SandboxSpec { memory_mib: 128, disk_mib: 64, ..SandboxSpec::default() }).await.expect("created");
+    let id = sandbox.id.as_str();
 
     // Threat: flooding output. 200 MiB streams through without the owner
     // buffering it (the reader here counts and drops).
@@ -692,7 +727,6 @@ async fn escapes_fail() {
     // And after all that, the sandbox still answers.
     let (out, _) = sh(&moat, id, "echo still-here").await;
     assert_eq!(out.trim(), "still-here");
-    std::fs::remove_file(&marker).ok();
     moat.destroy_all().await;
 }
 
