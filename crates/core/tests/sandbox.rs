@@ -1157,7 +1157,7 @@ fn microvm_sandboxes_pass_the_same_contract_in_the_nested_host() {
     let tests: Vec<String> =
         contract_tests(&filter).into_iter().filter(|t| !NOT_FOR_MICROVMS.contains(&t.as_str())).collect();
     assert!(!tests.is_empty(), "no test of this binary matches MOAT_CONTRACT_FILTER={filter:?}");
-    let out = in_the_nested_host("vm", &tests);
+    let out = in_the_nested_host("vm", &tests, false);
     assert_eq!(out.0, 0, "the contract failed for microVMs:\n{}", out.1);
 }
 
@@ -1180,6 +1180,48 @@ const NOT_FOR_MICROVMS: &[&str] = &[
     "a_python_session_that_never_starts_is_given_up",
 ];
 
+/// microVMs for an unprivileged user (issue U1): in level 1, an account
+/// whose only grant is the `kvm` group (read-write `/dev/kvm`) — no
+/// subordinate ids, no cgroup delegation, no set-uid helper, its own data
+/// directory — runs these tests with `MOAT_TEST_BACKEND=vm`, while a watch
+/// checks that no moat-vmm, passt or test process of the run has uid 0.
+#[test]
+#[ignore = "needs the default image, the moat binaries, QEMU and busybox-static (the nested test host); run by `cargo xtask test`"]
+fn microvm_sandboxes_run_for_an_unprivileged_user_in_the_nested_host() {
+    if std::env::var_os("MOAT_TEST_BACKEND").is_some() {
+        return;
+    }
+    let tests: Vec<String> =
+        ["a_sandbox_runs_debian_as_user_and_moves_files", "escapes_fail", "sandboxes_never_outlive_a_killed_owner"]
+            .map(String::from)
+            .to_vec();
+    let known = contract_tests("");
+    assert!(tests.iter().all(|t| known.contains(t)), "a test named here is gone: {tests:?}");
+    let out = in_the_nested_host("vm", &tests, true);
+    assert_eq!(out.0, 0, "microVMs failed for an unprivileged user:\n{}", out.1);
+    assert!(out.1.contains("account: 1001, /dev/kvm 660 993"), "the tests ran as the account:\n{}", out.1);
+}
+
+/// The account [`microvm_sandboxes_run_for_an_unprivileged_user_in_the_nested_host`]
+/// makes in level 1: `/etc/passwd` and `/etc/group` lines, `/dev/kvm`
+/// given to its `kvm` group (mode 0660, as udev leaves it), and its data
+/// directory with links to the image's files (the microVM backend reads
+/// only those).
+const L1_ACCOUNT: &str = r#"[ -f /etc/passwd ] || echo 'root:x:0:0::/root:/bin/sh' > /etc/passwd
+[ -f /etc/group ] || echo 'root:x:0:' > /etc/group
+echo 'moat-rootless:x:1001:1001::/home/moat-rootless:/bin/sh' >> /etc/passwd
+echo 'moat-rootless:x:1001:' >> /etc/group
+echo 'kvm:x:993:moat-rootless' >> /etc/group
+chgrp 993 /dev/kvm && chmod 0660 /dev/kvm
+for image in /root/.local/share/moat/images/*; do
+    dst=/home/moat-rootless/.local/share/moat/images/${image##*/}
+    mkdir -p "$dst/rootfs"
+    for f in "$image"/*; do [ -d "$f" ] || ln -s "$(readlink -f "$f")" "$dst/"; done
+done
+chown -R 1001:1001 /home/moat-rootless
+echo "account: $(su -s /bin/sh moat-rootless -c 'id -u'), /dev/kvm $(stat -c '%a %g' /dev/kvm)"
+"#;
+
 /// Jails recover from their limits on a cgroup v2 host too: level 1 is one
 /// (cgroup2 mounted with `nsdelegate`, as systemd does; the image's
 /// `rootfs/` from the bundle), so the recovery tests run there with
@@ -1201,7 +1243,7 @@ fn jails_recover_on_a_cgroup_v2_host_in_the_nested_host() {
     .to_vec();
     let known = contract_tests("");
     assert!(tests.iter().all(|t| known.contains(t)), "a test named here is gone: {tests:?}");
-    let out = in_the_nested_host("jail", &tests);
+    let out = in_the_nested_host("jail", &tests, false);
     assert_eq!(out.0, 0, "jails on cgroup v2 failed:\n{}", out.1);
 }
 
@@ -1328,7 +1370,7 @@ const TESTS_PER_LEVEL_1: usize = 5;
 /// `backend`, one process per test, resuming in a fresh level 1 where a
 /// broken one stopped. Returns the exit code and a report: what the tests
 /// printed, then level 1's console tail.
-fn in_the_nested_host(backend: &str, tests: &[String]) -> (i32, String) {
+fn in_the_nested_host(backend: &str, tests: &[String], unprivileged: bool) -> (i32, String) {
     let (bundle, name) = moat_nested::bundle_with_this_program().expect("the level-1 bundle");
     // Task tests import projects from the target's temporary directory.
     let tmp = env!("CARGO_TARGET_TMPDIR");
@@ -1336,13 +1378,34 @@ fn in_the_nested_host(backend: &str, tests: &[String]) -> (i32, String) {
     // limit) that, when it hangs, shows what level 1 was doing: its
     // processes and each microVM's console and moat-vmm log. A failed
     // test's whole output is printed as soon as it ends.
+    // As the account: each test through su, and a watch for uid 0 among
+    // the run's processes (level 1's own are root: only these are named).
+    let (account, run_test, watch, check) = if unprivileged {
+        (
+            format!("{L1_ACCOUNT}chmod 1777 {tmp}\n"),
+            format!(
+                "su -s /bin/sh moat-rootless -c \"exec env HOME=/home/moat-rootless USER=moat-rootless {name} \
+                 --include-ignored --test-threads=1 --nocapture --exact $t\""
+            ),
+            r#"( while sleep 1; do for p in /proc/[0-9]*; do
+        case "$(cat $p/comm 2>/dev/null)" in moat-vmm|passt|sandbox-*|moat) ;; *) continue ;; esac
+        grep -q '^Uid:[[:space:]]*0[[:space:]]' $p/status 2>/dev/null && echo "$(cat $p/comm) $(cat $p/cmdline | tr '\0' ' ')"
+    done; done > /tmp/as-root.txt 2>/dev/null ) &
+    rootwatch=$!"#,
+            r#"kill $rootwatch
+    if [ -s /tmp/as-root.txt ]; then echo "processes with uid 0:"; sort -u /tmp/as-root.txt; code=1; fi"#,
+        )
+    } else {
+        (String::new(), format!("{name} --include-ignored --test-threads=1 --nocapture --exact \"$t\""), "", "")
+    };
     let payload = |tests: &[String]| {
         let mut payload = moat_nested::Payload::script(&format!(
             r#"mkdir -p {tmp}
-cat > /contract.sh <<'EOF'
+{account}cat > /contract.sh <<'EOF'
 failed=0
 for t in {tests}; do
-    {name} --include-ignored --test-threads=1 --nocapture --exact "$t" > /tmp/contract-test.out 2>&1 &
+    {watch}
+    {run_test} > /tmp/contract-test.out 2>&1 &
     test=$!
     (
         sleep {WATCHDOG_SECS}
@@ -1358,6 +1421,7 @@ for t in {tests}; do
     wait $test
     code=$?
     kill $watchdog 2>/dev/null
+    {check}
     if [ $code = 0 ]; then
         echo "test $t ... ok"
     else
