@@ -1194,16 +1194,12 @@ fn microvm_sandboxes_run_for_an_unprivileged_user_in_the_nested_host() {
     // What differs for the account is moat-vmm's start and jail, and the
     // files it may reach: three short tests (Debian itself runs the same
     // as in the root contract), about a minute in level 1.
-    let tests: Vec<String> = [
+    let tests = [
         "copies_hold_the_host_boundary_against_a_hostile_sandbox",
         "escapes_fail",
         "sandboxes_never_outlive_a_killed_owner",
-    ]
-    .map(String::from)
-    .to_vec();
-    let known = contract_tests("");
-    assert!(tests.iter().all(|t| known.contains(t)), "a test named here is gone: {tests:?}");
-    let out = in_the_nested_host("vm", &tests, true);
+    ];
+    let out = named_in_the_nested_host("vm", &tests, true);
     assert_eq!(out.0, 0, "microVMs failed for an unprivileged user:\n{}", out.1);
     assert!(out.1.contains("account: 1001, /dev/kvm 660 993"), "the tests ran as the account:\n{}", out.1);
 }
@@ -1238,18 +1234,14 @@ fn jails_recover_on_a_cgroup_v2_host_in_the_nested_host() {
     if std::env::var_os("MOAT_TEST_BACKEND").is_some() {
         return;
     }
-    let tests: Vec<String> = [
+    let tests = [
         "a_fork_bomb_is_reported_and_the_sandbox_recovers",
         "a_memory_bomb_is_reported_and_the_sandbox_recovers",
         "a_timed_out_command_is_killed_with_what_left_its_group",
         "background_processes_of_a_well_behaved_command_keep_running",
         "the_kernel_surface_is_closed_to_sandbox_root",
-    ]
-    .map(String::from)
-    .to_vec();
-    let known = contract_tests("");
-    assert!(tests.iter().all(|t| known.contains(t)), "a test named here is gone: {tests:?}");
-    let out = in_the_nested_host("jail", &tests, false);
+    ];
+    let out = named_in_the_nested_host("jail", &tests, false);
     assert_eq!(out.0, 0, "jails on cgroup v2 failed:\n{}", out.1);
 }
 
@@ -1371,6 +1363,14 @@ const WATCHDOG_SECS: u64 = 900;
 /// that boot microVMs one after another break now and then, more often
 /// the longer they run (docs/testing.md).
 const TESTS_PER_LEVEL_1: usize = 5;
+
+/// [`in_the_nested_host`] for tests named here, each checked to exist.
+fn named_in_the_nested_host(backend: &str, names: &[&str], unprivileged: bool) -> (i32, String) {
+    let known = contract_tests("");
+    assert!(names.iter().all(|t| known.iter().any(|k| k == t)), "a test named here is gone: {names:?}");
+    let tests: Vec<String> = names.iter().map(|t| (*t).to_owned()).collect();
+    in_the_nested_host(backend, &tests, unprivileged)
+}
 
 /// Runs `tests` of this binary in the nested host with `MOAT_TEST_BACKEND`
 /// `backend`, one process per test, resuming in a fresh level 1 where a
