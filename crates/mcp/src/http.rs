@@ -358,7 +358,13 @@ fn json_rpc_answer(status: StatusCode, answer: &serde_json::Value) -> Response {
 
 fn refuse(status: StatusCode, message: String) -> Response {
     tracing::info!(%status, "refused an HTTP request: {message}");
-    (status, message).into_response()
+    let mut response = (status, message).into_response();
+    // A refused request's body is left unread, so the server closes the
+    // connection after answering: saying so keeps a client from sending
+    // its next request down it (the conformance suite's next request
+    // failed with "other side closed" when it raced the close).
+    response.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
 }
 
 /// Compares secrets in time that does not depend on where they differ.
