@@ -78,7 +78,7 @@ pub fn dist(args: &DistArgs) -> Result<PathBuf> {
     // Where moat finds it when installed (`moat_core::moat::find_agent`).
     install(&agent, &lib_dir.join("moat-agent"), 0o755)?;
     for page in std::fs::read_dir(&man_dir)? {
-        run(Command::new("gzip").args(["-9", "-n"]).arg(page?.path()))?;
+        gzip(&page?.path())?;
     }
     install(&root().join("README.md"), &doc_dir.join("README.md"), 0o644)?;
     for doc in std::fs::read_dir(root().join("docs"))? {
@@ -114,6 +114,20 @@ fn install(from: &Path, to: &Path, mode: u32) -> Result<()> {
     if mode & 0o111 != 0 {
         run(Command::new("strip").arg("--strip-debug").arg(to))?;
     }
+    Ok(())
+}
+
+/// Replaces `path` by `path.gz`, compressed as `gzip -9n` would: no name
+/// and no time in the header, so the package is the same for the same pages.
+fn gzip(path: &Path) -> Result<()> {
+    let text = std::fs::read(path)?;
+    let mut out = path.as_os_str().to_owned();
+    out.push(".gz");
+    let file = std::fs::File::create(&out)?;
+    let mut encoder = flate2::GzBuilder::new().mtime(0).write(file, flate2::Compression::best());
+    std::io::Write::write_all(&mut encoder, &text)?;
+    encoder.finish()?;
+    std::fs::remove_file(path)?;
     Ok(())
 }
 

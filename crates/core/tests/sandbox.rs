@@ -461,6 +461,12 @@ async fn the_kernel_surface_is_closed_to_sandbox_root() {
     moat.destroy_all().await;
 }
 
+/// After an attack, the sandbox still answers.
+async fn still_answers(moat: &Moat, id: &str) {
+    let (out, _) = sh(moat, id, "echo still-here").await;
+    assert_eq!(out.trim(), "still-here");
+}
+
 /// A Moat and the small sandbox the hostile tests attack from.
 async fn hostile() -> (Moat, moat_core::Sandbox) {
     let moat = moat(16).await;
@@ -608,8 +614,7 @@ async fn escapes_fail() {
     }
 
     // And after all that, the sandbox still answers.
-    let (out, _) = sh(&moat, id, "echo still-here").await;
-    assert_eq!(out.trim(), "still-here");
+    still_answers(&moat, id).await;
     std::fs::remove_file(&marker).ok();
     moat.destroy_all().await;
 }
@@ -668,8 +673,7 @@ async fn memory_disk_and_fork_bombs_are_contained() {
     }
 
     // And after all that, the sandbox still answers.
-    let (out, _) = sh(&moat, id, "echo still-here").await;
-    assert_eq!(out.trim(), "still-here");
+    still_answers(&moat, id).await;
     moat.destroy_all().await;
 }
 
@@ -737,8 +741,7 @@ async fn output_floods_are_bounded() {
     assert_eq!((out.stdout.as_slice(), out.truncated), (b"after\n".as_slice(), false));
 
     // And after all that, the sandbox still answers.
-    let (out, _) = sh(&moat, id, "echo still-here").await;
-    assert_eq!(out.trim(), "still-here");
+    still_answers(&moat, id).await;
     moat.destroy_all().await;
 }
 

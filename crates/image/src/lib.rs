@@ -197,11 +197,10 @@ fn build_as_root(name: &str, force: bool, agent: &Path) -> Result<PathBuf> {
     Ok(final_dir)
 }
 
+/// An image name as every image is named ([`image::valid_name`]), and,
+/// for a new one, not starting with `-`, which tools would read as an option.
 fn validate_name(name: &str) -> std::result::Result<(), BuildError> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-        && !name.starts_with('-');
+    let ok = image::valid_name(name) && !name.starts_with('-');
     if ok { Ok(()) } else { Err(BuildError::Name(name.to_owned())) }
 }
 
