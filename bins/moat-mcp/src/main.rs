@@ -287,8 +287,9 @@ fn init(client: Host, scope: Scope, print: bool) -> ExitCode {
         Ok(exe) => exe,
         Err(e) => return fail(format!("cannot tell where moat-mcp is: {e}")),
     };
+    let launch = moat_mcp::hosts::Launch::new(&command, delegating_systemd_run().as_deref());
     let existing = std::fs::read_to_string(&path).ok();
-    let (text, replaced) = match moat_mcp::hosts::merge(client, existing.as_deref(), &command) {
+    let (text, replaced) = match moat_mcp::hosts::merge(client, existing.as_deref(), &launch) {
         Ok(merged) => merged,
         Err(e) => return fail(format!("{}: {e}", path.display())),
     };
@@ -308,10 +309,23 @@ fn init(client: Host, scope: Scope, print: bool) -> ExitCode {
         return fail(format!("cannot write {}: {e}", path.display()));
     }
     let verb = if replaced { "updated the moat entry in" } else { "added moat to" };
-    println!("{verb} {} (command: {})", path.display(), command.display());
+    println!("{verb} {} (command: {})", path.display(), launch.describe());
     let token_dir = moat_mcp::http::token_dir(&moat_core::image::data_dir());
     println!("{}", moat_mcp::hosts::http_token_help(&token_dir));
     ExitCode::SUCCESS
+}
+
+/// systemd-run, where a user's moat-mcp must start through it: on a
+/// cgroup v2 host, as a user other than root, with a systemd user manager
+/// (`$XDG_RUNTIME_DIR/systemd`) to make the delegated scope. Elsewhere
+/// (root, cgroup v1, no systemd) moat-mcp starts as it is.
+fn delegating_systemd_run() -> Option<std::path::PathBuf> {
+    let v2 = moat_core::cgroup::CgroupSupport::probe() == moat_core::cgroup::CgroupSupport::V2;
+    let user = moat_core::hostuser::HostUser::current();
+    let manager = std::env::var_os("XDG_RUNTIME_DIR")
+        .map_or_else(|| std::path::PathBuf::from(format!("/run/user/{}", user.uid)), std::path::PathBuf::from)
+        .join("systemd");
+    (v2 && !user.is_root() && manager.is_dir()).then(|| moat_core::programs::find_program("systemd-run")).flatten()
 }
 
 /// The directory of `NAME --write-manual DIR`, a hidden option of the

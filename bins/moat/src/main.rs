@@ -49,8 +49,10 @@ struct SandboxArgs {
 
 #[derive(Debug, Subcommand)]
 enum ImageCommand {
-    /// As root: build the image from Debian's archive around this
-    /// installation's agent, or verify it when it is up to date.
+    /// Build the image from Debian's archive around this installation's
+    /// agent, or verify it when it is up to date. As root with mmdebstrap's
+    /// root mode; as any other user with its unshare mode, the files owned
+    /// by the user's subordinate ids (`moat setup --user` gives a range).
     Build {
         /// Image name: `default` is what sandboxes get.
         #[arg(long, default_value = "default")]
@@ -58,6 +60,13 @@ enum ImageCommand {
         /// Rebuild everything even when the image is up to date.
         #[arg(long)]
         force: bool,
+    },
+    /// Remove an image from the data directory (a rootless build's files
+    /// included, which only moat can delete). Remove its sandboxes first.
+    Rm {
+        /// Image name.
+        #[arg(long)]
+        name: String,
     },
 }
 
@@ -177,6 +186,11 @@ async fn run(command: Command) -> Result<ExitCode> {
         Command::Image { command: ImageCommand::Build { name, force } } => {
             let agent = moat_core::moat::find_agent()?;
             moat_image::build(&name, force, &agent)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Image { command: ImageCommand::Rm { name } } => {
+            let dir = moat_image::remove(&name)?;
+            println!("removed image {name:?} ({})", dir.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Setup { user, image } => setup::user(&user, &image).map(|()| ExitCode::SUCCESS),
@@ -541,8 +555,9 @@ fn doctor(image_name: &str) -> ExitCode {
         && image.manifest.jail_id_base != uids.start
     {
         println!(
-            "image {image_name:?} for jails: owned for ids from {}, not this user's {}: as root, run `moat setup \
-             --user {}` (it copies the image into this user's range)",
+            "image {image_name:?} for jails: owned for ids from {}, not this user's {}: build one in this user's \
+             range with `moat image build --name {image_name}`, or as root run `moat setup --user {}` (it copies \
+             root's image into it)",
             image.manifest.jail_id_base,
             uids.start,
             user.display_name()

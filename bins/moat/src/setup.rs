@@ -78,7 +78,9 @@ pub fn user(name: &str, image: &str) -> Result<()> {
             if support == CgroupSupport::V2 {
                 println!(
                     "cgroups: on cgroup v2 a process may move only within a subtree it already runs in: start \
-                     {name}'s moat inside it, or use systemd's delegation (docs/operations.md, \"Rootless\")"
+                     {name}'s moat below it, or, under systemd, in a delegated scope of its own (`systemd-run \
+                     --user --scope -p Delegate=yes -- moat-mcp`, which `moat-mcp init` writes; \
+                     docs/operations.md, \"Rootless\")"
                 );
             }
         }

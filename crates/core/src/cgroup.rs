@@ -58,6 +58,9 @@ impl CgroupSupport {
             Self::V1 { controllers } => controllers.iter().map(|c| Path::new(ROOT).join(c)).collect(),
         };
         let uid = nix::unistd::geteuid().as_raw();
+        if *self == Self::V2 && uid != 0 {
+            return delegated_v2().as_ref().map(|_| ()).map_err(Clone::clone);
+        }
         for dir in dirs {
             // The parent made already (by root) or the hierarchy to make it in.
             let parent = parent_in(&dir, uid);
@@ -154,6 +157,11 @@ impl Cgroup {
         match support {
             CgroupSupport::None => Ok(None),
             CgroupSupport::V2 => {
+                if !nix::unistd::geteuid().is_root()
+                    && let Err(e) = delegated_v2()
+                {
+                    return Err(std::io::Error::other(e.clone()));
+                }
                 let parent = parent(Path::new(ROOT));
                 if nix::unistd::geteuid().is_root() {
                     std::fs::create_dir_all(&parent)?;
@@ -341,10 +349,123 @@ fn v1_settings(controller: &str, limits: Limits) -> Vec<Setting> {
 
 /// Where this process's sandboxes' cgroups live in the hierarchy mounted
 /// at `hierarchy`: `moat/` for root; for any other user, the subtree root
-/// delegated to it (`moat/user-<uid>/`, see [`delegate`]). One user's
+/// delegated to it (`moat/user-<uid>/`, see [`delegate`]), or on cgroup v2
+/// the delegated cgroup it was started in ([`delegated_v2`]). One user's
 /// sweeps and listings never reach another's sandboxes.
 pub fn parent(hierarchy: &Path) -> PathBuf {
-    parent_in(hierarchy, nix::unistd::geteuid().as_raw())
+    let uid = nix::unistd::geteuid().as_raw();
+    if uid != 0
+        && hierarchy == Path::new(ROOT)
+        && CgroupSupport::probe() == CgroupSupport::V2
+        && let Ok(dir) = delegated_v2()
+    {
+        return dir.clone();
+    }
+    parent_in(hierarchy, uid)
+}
+
+/// The leaf a process that owns its cgroup moves itself into, so that the
+/// cgroup may enable controllers for its sandboxes' cgroups beside it
+/// (cgroup v2 keeps processes only in leaves).
+pub const SERVER_LEAF: &str = "moat";
+
+/// On cgroup v2, for a user other than root: the cgroup its sandboxes'
+/// cgroups are made in, found once per process (the first call may move
+/// this process; make it before starting children, as
+/// [`prepare`] does). v2 lets a process move another only within a
+/// subtree whose `cgroup.procs` it may write and that holds both, so
+/// moat must run inside what was delegated to it:
+///
+/// - below `moat/user-<uid>/`, which root delegated with `moat setup
+///   --user` and put this process's session under: its sandboxes go there;
+/// - in a cgroup of its own that the user owns, as `systemd-run --user
+///   --scope -p Delegate=yes` makes (or `user@UID.service`'s subtree): moat
+///   moves itself into its leaf [`SERVER_LEAF`], enables the memory, pids
+///   and CPU controllers, and its sandboxes go beside that leaf.
+///
+/// Anything else is an error that says how to start moat.
+pub fn delegated_v2() -> &'static Result<PathBuf, String> {
+    static FOUND: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    FOUND.get_or_init(|| {
+        let own = std::fs::read_to_string("/proc/self/cgroup")
+            .map_err(|e| format!("cannot read /proc/self/cgroup ({e})"))
+            .and_then(|text| own_v2_cgroup(&text).ok_or_else(|| "/proc/self/cgroup names no cgroup v2 path".into()))?;
+        let found = resolve_v2(Path::new(ROOT), &own, nix::unistd::geteuid().as_raw(), std::process::id());
+        match &found {
+            Ok(dir) => tracing::debug!(dir = %dir.display(), "sandbox cgroups go in the delegated cgroup"),
+            Err(e) => tracing::warn!("no delegated cgroup for sandboxes: {e}"),
+        }
+        found
+    })
+}
+
+/// Finds the delegated cgroup early, before this process has children
+/// (which would share its cgroup). Does nothing for root or on v1.
+pub fn prepare() {
+    if !nix::unistd::geteuid().is_root() && CgroupSupport::probe() == CgroupSupport::V2 {
+        let _ = delegated_v2();
+    }
+}
+
+/// The path in `/proc/self/cgroup`'s text of the v2 hierarchy (`0::/…`).
+fn own_v2_cgroup(text: &str) -> Option<String> {
+    text.lines().find_map(|l| l.strip_prefix("0::")).map(|p| p.trim().to_owned())
+}
+
+/// [`delegated_v2`] for a process `pid` of user `uid` in the cgroup `own`
+/// (as `/proc/self/cgroup` names it) of the hierarchy at `root`.
+fn resolve_v2(root: &Path, own: &str, uid: u32, pid: u32) -> Result<PathBuf, String> {
+    use std::os::unix::fs::MetadataExt;
+    let own_dir = root.join(own.trim_start_matches('/'));
+    let setup = parent_in(root, uid);
+    let how = "start moat in a cgroup of its own delegated to this user: `systemd-run --user --scope -p \
+               Delegate=yes moat-mcp …` under systemd (docs/operations.md, \"Rootless\"), or as root, `moat setup \
+               --user NAME` and start NAME's moat below the cgroup it delegates";
+    if own_dir.starts_with(&setup) && own_dir != setup {
+        return Ok(setup);
+    }
+    let owned = std::fs::metadata(&own_dir).is_ok_and(|m| m.uid() == uid)
+        && nix::unistd::access(&own_dir.join("cgroup.procs"), nix::unistd::AccessFlags::W_OK).is_ok()
+        && nix::unistd::access(&own_dir.join("cgroup.subtree_control"), nix::unistd::AccessFlags::W_OK).is_ok();
+    if !owned {
+        return Err(format!("this user cannot make cgroups where moat runs ({}, not delegated to it); {how}", own));
+    }
+    let leaf = own_dir.join(SERVER_LEAF);
+    let others: Vec<String> = std::fs::read_to_string(own_dir.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|p| p.trim() != pid.to_string())
+        .map(str::to_owned)
+        .collect();
+    if !others.is_empty() {
+        return Err(format!(
+            "moat runs in the cgroup {own}, delegated to this user, beside other processes ({}): a cgroup that \
+             holds processes cannot give its children limits; {how}",
+            others.join(", ")
+        ));
+    }
+    let fail = |what: &str, e: std::io::Error| format!("{what} in the delegated cgroup {own} failed ({e}); {how}");
+    match std::fs::create_dir(&leaf) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(fail("making the leaf moat", e)),
+        _ => {}
+    }
+    std::fs::write(leaf.join("cgroup.procs"), pid.to_string()).map_err(|e| fail("moving moat into its leaf", e))?;
+    let offered = std::fs::read_to_string(own_dir.join("cgroup.controllers")).unwrap_or_default();
+    let offered: Vec<&str> = offered.split_whitespace().collect();
+    let missing: Vec<&str> = ["memory", "pids"].into_iter().filter(|c| !offered.contains(c)).collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "the cgroup {own} is delegated without the {} controller: sandboxes' limits need memory and pids; \
+             delegate them (systemd: `-p Delegate=yes` delegates every controller; for user@.service, \
+             `Delegate=pids memory cpu`)",
+            missing.join(" and ")
+        ));
+    }
+    let enable: Vec<String> =
+        ["memory", "pids", "cpu"].into_iter().filter(|c| offered.contains(c)).map(|c| format!("+{c}")).collect();
+    std::fs::write(own_dir.join("cgroup.subtree_control"), enable.join(" "))
+        .map_err(|e| fail("enabling the memory and pids controllers", e))?;
+    Ok(own_dir)
 }
 
 fn parent_in(hierarchy: &Path, uid: u32) -> PathBuf {
@@ -613,6 +734,66 @@ mod tests {
         remove_tree(&dir, Instant::now() + Duration::from_secs(10));
         assert!(!dir.exists(), "the cgroup is removed");
         assert!(sleeper.wait().expect("reaps sleep").code().is_none(), "sleep was killed");
+    }
+
+    /// A cgroup v2 hierarchy in a temporary directory: `own` holding
+    /// `procs`, offering `controllers`.
+    fn fake_v2(own: &str, procs: &str, controllers: &str) -> tempfile::TempDir {
+        let root = tempfile::tempdir().expect("tempdir");
+        let dir = root.path().join(own.trim_start_matches('/'));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        for (file, text) in [("cgroup.procs", procs), ("cgroup.controllers", controllers), ("cgroup.subtree_control", "")]
+        {
+            std::fs::write(dir.join(file), text).expect("write");
+        }
+        root
+    }
+
+    #[test]
+    fn own_cgroup_is_read_from_proc_self_cgroup() {
+        assert_eq!(own_v2_cgroup("0::/user.slice/run-1.scope\n").as_deref(), Some("/user.slice/run-1.scope"));
+        assert_eq!(own_v2_cgroup("4:memory:/x\n"), None);
+    }
+
+    /// A cgroup of its own (`systemd-run --user --scope -p Delegate=yes`):
+    /// moat moves into its leaf and enables the controllers beside it.
+    #[test]
+    fn a_delegated_cgroup_of_its_own_takes_the_sandboxes_beside_moat() {
+        let me = nix::unistd::geteuid().as_raw();
+        let own = "/user.slice/user-1001.slice/user@1001.service/app.slice/run-r1.scope";
+        let root = fake_v2(own, "4242\n", "cpuset cpu io memory pids\n");
+        let dir = resolve_v2(root.path(), own, me, 4242).expect("delegated");
+        assert_eq!(dir, root.path().join(own.trim_start_matches('/')));
+        assert_eq!(std::fs::read_to_string(dir.join("moat/cgroup.procs")).expect("leaf").trim(), "4242");
+        assert_eq!(std::fs::read_to_string(dir.join("cgroup.subtree_control")).expect("control"), "+memory +pids +cpu");
+    }
+
+    #[test]
+    fn a_shared_or_foreign_or_partial_cgroup_is_refused_with_how_to_start_moat() {
+        let me = nix::unistd::geteuid().as_raw();
+        let own = "/user.slice/user-1001.slice/session-3.scope";
+        let shared = fake_v2(own, "4242\n77\n", "memory pids\n");
+        let err = resolve_v2(shared.path(), own, me, 4242).expect_err("shared");
+        assert!(err.contains("beside other processes (77)") && err.contains("systemd-run --user --scope"), "{err}");
+
+        let foreign = fake_v2(own, "4242\n", "memory pids\n");
+        let err = resolve_v2(foreign.path(), own, me + 1, 4242).expect_err("not the user's");
+        assert!(err.contains("not delegated to it") && err.contains("moat setup --user"), "{err}");
+
+        let partial = fake_v2(own, "4242\n", "cpu pids\n");
+        let err = resolve_v2(partial.path(), own, me, 4242).expect_err("no memory controller");
+        assert!(err.contains("without the memory controller"), "{err}");
+    }
+
+    /// Below what `moat setup --user` delegated: the sandboxes go there,
+    /// and nothing moves.
+    #[test]
+    fn below_the_setup_delegation_the_sandboxes_go_in_it() {
+        let own = "/moat/user-1001/session";
+        let root = fake_v2(own, "4242\n", "memory pids\n");
+        let dir = resolve_v2(root.path(), own, 1001, 4242).expect("delegated by setup");
+        assert_eq!(dir, root.path().join("moat/user-1001"));
+        assert!(!root.path().join("moat/user-1001/session/moat").exists(), "moat stays where it was started");
     }
 
     const LIMITS: Limits = Limits { memory_bytes: 3072 << 20, pids: 1024, cpus: 2 };

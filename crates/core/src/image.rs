@@ -244,13 +244,20 @@ impl Image {
 
     /// Hashes every artifact and the `rootfs/` tree against the manifest.
     pub fn verify(&self) -> Result<(), ImageError> {
+        self.verify_with(digest_tree)
+    }
+
+    /// [`Image::verify`], with the tree's digest taken by `digest` (a
+    /// rootless build lists its tree from inside a user namespace, where
+    /// its subordinate-owned directories can be read).
+    pub fn verify_with(&self, digest: impl FnOnce(&Path) -> std::io::Result<TreeDigest>) -> Result<(), ImageError> {
         for (file, artifact) in &self.manifest.artifacts {
             let actual = hash_file(&self.dir.join(file)).map_err(|e| self.corrupt(format!("{file}: {e}")))?;
             if actual.sha256 != artifact.sha256 {
                 return Err(self.corrupt(format!("{file} does not match its SHA-256 in the manifest")));
             }
         }
-        let tree = digest_tree(&self.dir.join("rootfs")).map_err(|e| self.corrupt(format!("rootfs/: {e}")))?;
+        let tree = digest(&self.dir.join("rootfs")).map_err(|e| self.corrupt(format!("rootfs/: {e}")))?;
         if tree != self.manifest.rootfs {
             return Err(self.corrupt(format!(
                 "rootfs/ has {} entries and {} bytes, the manifest says {} and {}",
@@ -289,8 +296,7 @@ pub fn hash_file(path: &Path) -> std::io::Result<Artifact> {
 /// The [`TreeDigest`] of a directory tree (symlinks not followed).
 pub fn digest_tree(root: &Path) -> std::io::Result<TreeDigest> {
     use std::os::unix::fs::MetadataExt;
-    let mut lines = Vec::new();
-    let mut bytes = 0u64;
+    let mut entries = Vec::new();
     let mut stack = vec![root.to_path_buf()];
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir)? {
@@ -299,21 +305,51 @@ pub fn digest_tree(root: &Path) -> std::io::Result<TreeDigest> {
             let meta = std::fs::symlink_metadata(&path)?;
             if meta.is_dir() {
                 stack.push(path.clone());
-            } else if meta.is_file() {
-                bytes += meta.len();
             }
             let rel = path.strip_prefix(root).unwrap_or(&path);
             let size = if meta.is_file() { meta.len() } else { 0 };
-            lines.push(format!("{} {:o} {} {} {}", rel.display(), meta.mode(), meta.uid(), meta.gid(), size));
+            entries.push(TreeEntry {
+                path: rel.display().to_string(),
+                mode: meta.mode(),
+                uid: meta.uid(),
+                gid: meta.gid(),
+                size,
+            });
         }
     }
-    lines.sort_unstable();
-    let mut hasher = Sha256::new();
-    for line in &lines {
-        hasher.update(line.as_bytes());
-        hasher.update(b"\n");
+    Ok(TreeDigest::of(entries))
+}
+
+/// One entry of a tree, as [`TreeDigest`] records it: its path beneath the
+/// root, `st_mode` (type and permissions), host owner, and size (regular
+/// files; 0 for everything else).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeEntry {
+    pub path: String,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+}
+
+impl TreeDigest {
+    /// The digest of a tree's entries, in any order: one line per entry,
+    /// sorted, hashed. Whoever lists the entries (a walk as root, or
+    /// find(1) in a rootless build's user namespace) gets the same digest.
+    pub fn of(entries: Vec<TreeEntry>) -> Self {
+        let bytes = entries.iter().map(|e| e.size).sum();
+        let mut lines: Vec<String> = entries
+            .iter()
+            .map(|e| format!("{} {:o} {} {} {}", e.path, e.mode, e.uid, e.gid, e.size))
+            .collect();
+        lines.sort_unstable();
+        let mut hasher = Sha256::new();
+        for line in &lines {
+            hasher.update(line.as_bytes());
+            hasher.update(b"\n");
+        }
+        Self { entries: lines.len() as u64, bytes, sha256: hex(&hasher.finalize()) }
     }
-    Ok(TreeDigest { entries: lines.len() as u64, bytes, sha256: hex(&hasher.finalize()) })
 }
 
 /// Moves the owners of every entry of the tree `root` (symlinks not

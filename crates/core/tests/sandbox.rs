@@ -1223,12 +1223,68 @@ echo 'kvm:x:993:moat-rootless' >> /etc/group
 chgrp 993 /dev/kvm && chmod 0660 /dev/kvm
 for image in /root/.local/share/moat/images/*; do
     dst=/home/moat-rootless/.local/share/moat/images/${image##*/}
-    mkdir -p "$dst/rootfs"
-    for f in "$image"/*; do [ -d "$f" ] || ln -s "$(readlink -f "$f")" "$dst/"; done
+    mkdir -p "$dst"
+    for f in "$image"/*; do ln -s "$(readlink -f "$f")" "$dst/"; done
 done
 chown -R 1001:1001 /home/moat-rootless
 echo "account: $(su -s /bin/sh moat-rootless -c 'id -u'), /dev/kvm $(stat -c '%a %g' /dev/kvm)"
 "#;
+
+/// What [`jails_run_for_an_unprivileged_user_in_a_delegated_cgroup_in_the_nested_host`]
+/// adds to [`L1_ACCOUNT`]: the account's subordinate ids (from root's jail
+/// ids, which the image's tree is owned from), and `/scope.sh`, which runs
+/// a test as the account in a cgroup of its own, delegated to it as
+/// `systemd-run --user --scope -p Delegate=yes` makes one under
+/// `user@1001.service`: the memory, pids and CPU controllers enabled down
+/// to `app.slice`, and the scope's directory, `cgroup.procs`,
+/// `cgroup.subtree_control` and `cgroup.threads` the account's. The test
+/// process is alone in it (su execs).
+const L1_DELEGATED_SCOPE: &str = r#"echo 'moat-rootless:JAIL_ID_BASE:65536' > /etc/subuid
+echo 'moat-rootless:JAIL_ID_BASE:65536' > /etc/subgid
+slice=/sys/fs/cgroup
+for level in user.slice user-1001.slice user@1001.service app.slice ''; do
+    for c in memory pids cpu; do echo +$c > $slice/cgroup.subtree_control; done
+    [ -n "$level" ] && slice=$slice/$level && mkdir -p $slice
+done
+cat > /scope.sh <<'SCOPE'
+scope=/sys/fs/cgroup/user.slice/user-1001.slice/user@1001.service/app.slice/run-$$.scope
+mkdir $scope
+chown 1001:1001 $scope $scope/cgroup.procs $scope/cgroup.subtree_control $scope/cgroup.threads
+echo $$ > $scope/cgroup.procs
+echo $scope > /tmp/scope.path
+exec su -s /bin/sh moat-rootless -c "exec env HOME=/home/moat-rootless USER=moat-rootless MOAT_TEST_ROOTLESS=1 $*"
+SCOPE
+"#;
+
+/// Jails without root on a cgroup v2 host (issue U1): in level 1 (cgroup
+/// v2, `nsdelegate`, as systemd mounts it) an account with subordinate ids
+/// and no other grant runs rootless jail tests, each from a cgroup
+/// delegated to it alone (see [`L1_DELEGATED_SCOPE`]): moat moves into its
+/// leaf, enables the controllers, and makes its sandboxes' cgroups beside
+/// it, whose limits the bombs then meet. A watch fails the run if any of
+/// its processes has uid 0.
+#[test]
+#[ignore = "needs the default image, the moat binaries, QEMU and busybox-static (the nested test host); run by `cargo xtask test`"]
+fn jails_run_for_an_unprivileged_user_in_a_delegated_cgroup_in_the_nested_host() {
+    if std::env::var_os("MOAT_TEST_BACKEND").is_some() || rootless() {
+        return;
+    }
+    let tests = [
+        "a_fork_bomb_is_reported_and_the_sandbox_recovers",
+        "a_memory_bomb_is_reported_and_the_sandbox_recovers",
+        "escapes_fail",
+    ];
+    let out = named_in_the_nested_host("jail", &tests, true);
+    assert_eq!(out.0, 0, "rootless jails on cgroup v2 failed:\n{}", out.1);
+    for test in tests {
+        let line = out.1.lines().find(|l| l.starts_with(&format!("delegated scope of {test}: ")));
+        assert!(
+            line.is_some_and(|l| l.contains("memory pids") && l.ends_with(", moat in its leaf")),
+            "{test} did not run its sandboxes in its delegated cgroup ({line:?}):\n{}",
+            out.1
+        );
+    }
+}
 
 /// Jails recover from their limits on a cgroup v2 host too: level 1 is one
 /// (cgroup2 mounted with `nsdelegate`, as systemd does; the image's
@@ -1350,6 +1406,72 @@ fn jails_pass_the_same_contract_for_an_unprivileged_user() {
     );
 }
 
+/// An unprivileged user builds an image of its own (issue U1): `moat image
+/// build --force` as the account prepared by `moat setup --user` runs
+/// mmdebstrap's unshare mode in its subordinate range. The image is then
+/// checked as jails and microVMs read it — the manifest maps jail ids from
+/// the account's range, the tree is owned from there (`user` at
+/// range + 1000), the ext4 disk holds the sandbox's own ids (debugfs:
+/// `/home/user` is 1000) — and used: the account's jail runs on it as
+/// `user`, Python included. A second build only verifies it; `moat image
+/// rm` deletes it, subordinate-owned files and all. In the gate it runs
+/// on this binary's second thread, beside the nested host's tests, whose
+/// level 1 leaves a core idle.
+#[test]
+#[ignore = "needs root (to make the account), the network (Debian's archive), mmdebstrap and the moat binary; run by `cargo xtask test`"]
+fn images_build_for_an_unprivileged_user() {
+    use std::os::unix::fs::MetadataExt;
+    if std::env::var_os("MOAT_TEST_BACKEND").is_some() || rootless() {
+        return;
+    }
+    let account = common::rootless_account();
+    let name = "user-built";
+    let text = |out: &std::process::Output| {
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    };
+    let mut build = account.moat();
+    // The mirror root's image came from, when the machine names one.
+    build.envs(std::env::var("MOAT_DEBIAN_MIRROR").ok().map(|mirror| ("MOAT_DEBIAN_MIRROR", mirror)));
+    let built = build.args(["image", "build", "--force", "--name", name]).output().expect("moat image build");
+    assert!(built.status.success(), "the account's image build failed:\n{}", text(&built));
+    assert!(text(&built).contains("mmdebstrap --mode=unshare"), "not built in a user namespace:\n{}", text(&built));
+
+    let dir = account.home.join(".local/share/moat/images").join(name);
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).expect("its manifest"))
+            .expect("JSON");
+    assert_eq!(manifest["jail_id_base"], account.subids, "jail ids not from the account's range");
+    let owner = |path: &str| std::fs::symlink_metadata(dir.join(path)).map(|m| (m.uid(), m.gid())).expect(path);
+    assert_eq!(owner("rootfs"), (account.subids, account.subids), "the tree's root is not sandbox root's");
+    assert_eq!(owner("rootfs/home/user"), (account.subids + 1000, account.subids + 1000));
+    assert_eq!(owner("manifest.json"), (account.uid, account.gid), "the account does not own its image");
+    let disk = std::process::Command::new("debugfs")
+        .args(["-R", "stat /home/user"])
+        .arg(dir.join("rootfs.ext4"))
+        .output()
+        .expect("debugfs");
+    let stat = String::from_utf8_lossy(&disk.stdout);
+    assert!(
+        stat.lines().any(|l| l.split_whitespace().take(4).eq(["User:", "1000", "Group:", "1000"])),
+        "the microVM disk's /home/user is not 1000:1000:\n{stat}"
+    );
+
+    let ran = account
+        .moat()
+        .args(["run", "--backend", "jail", "--image", name, "--"])
+        .args(["sh", "-c", "id -un; stat -c %u:%g /home/user /etc/shadow; python3 -c 'print(6 * 7)'"])
+        .output()
+        .expect("moat run");
+    assert!(ran.status.success(), "a jail on the account's image failed:\n{}", text(&ran));
+    assert_eq!(String::from_utf8_lossy(&ran.stdout), "user\n1000:1000\n0:42\n42\n", "{}", text(&ran));
+
+    let again = account.moat().args(["image", "build", "--name", name]).output().expect("moat image build");
+    assert!(again.status.success() && text(&again).contains("up to date"), "not verified:\n{}", text(&again));
+    let removed = account.moat().args(["image", "rm", "--name", name]).output().expect("moat image rm");
+    assert!(removed.status.success(), "{}", text(&removed));
+    assert!(!dir.exists(), "the image is still there after moat image rm");
+}
+
 /// The tests that need root itself, not only a sandbox: a full data disk
 /// is a file system the test mounts.
 const ROOT_ONLY: &[&str] = &["a_full_data_disk_fails_clearly_and_damages_nothing"];
@@ -1392,23 +1514,42 @@ fn in_the_nested_host(backend: &str, tests: &[String], unprivileged: bool) -> (i
     // test's whole output is printed as soon as it ends.
     // As the account: each test through su, and a watch for uid 0 among
     // the run's processes (level 1's own are root: only these are named).
+    // Jails as the account also get subordinate ids and, per test, a
+    // delegated cgroup of their own (see L1_DELEGATED_SCOPE).
     let (account, run_test, watch, check) = if unprivileged {
+        let (jail_setup, run_test, scope_check) = if backend == "jail" {
+            (
+                L1_DELEGATED_SCOPE.replace("JAIL_ID_BASE", &moat_core::image::JAIL_ID_BASE.to_string()),
+                format!("sh /scope.sh {name} --include-ignored --test-threads=1 --nocapture --exact $t"),
+                r#"scope=$(cat /tmp/scope.path)
+    echo "delegated scope of $t: $(cat $scope/cgroup.subtree_control)$([ -d $scope/moat ] && echo ', moat in its leaf')""#,
+            )
+        } else {
+            (
+                String::new(),
+                format!(
+                    "su -s /bin/sh moat-rootless -c \"exec env HOME=/home/moat-rootless USER=moat-rootless {name} \
+                     --include-ignored --test-threads=1 --nocapture --exact $t\""
+                ),
+                "",
+            )
+        };
         (
-            format!("{L1_ACCOUNT}chmod 1777 {tmp}\n"),
-            format!(
-                "su -s /bin/sh moat-rootless -c \"exec env HOME=/home/moat-rootless USER=moat-rootless {name} \
-                 --include-ignored --test-threads=1 --nocapture --exact $t\""
-            ),
+            format!("{L1_ACCOUNT}{jail_setup}chmod 1777 {tmp}\n"),
+            run_test,
             r#"( while sleep 1; do for p in /proc/[0-9]*; do
         case "$(cat $p/comm 2>/dev/null)" in moat-vmm|passt|sandbox-*|moat) ;; *) continue ;; esac
         grep -q '^Uid:[[:space:]]*0[[:space:]]' $p/status 2>/dev/null && echo "$(cat $p/comm) $(cat $p/cmdline | tr '\0' ' ')"
     done; done > /tmp/as-root.txt 2>/dev/null ) &
     rootwatch=$!"#,
-            r#"kill $rootwatch
-    if [ -s /tmp/as-root.txt ]; then echo "processes with uid 0:"; sort -u /tmp/as-root.txt; code=1; fi"#,
+            format!(
+                r#"kill $rootwatch
+    if [ -s /tmp/as-root.txt ]; then echo "processes with uid 0:"; sort -u /tmp/as-root.txt; code=1; fi
+    {scope_check}"#
+            ),
         )
     } else {
-        (String::new(), format!("{name} --include-ignored --test-threads=1 --nocapture --exact \"$t\""), "", "")
+        (String::new(), format!("{name} --include-ignored --test-threads=1 --nocapture --exact \"$t\""), "", String::new())
     };
     let payload = |tests: &[String]| {
         let mut payload = moat_nested::Payload::script(&format!(

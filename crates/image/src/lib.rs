@@ -13,6 +13,7 @@ pub mod host;
 mod initramfs;
 mod kernel;
 mod rootfs;
+mod userns;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -21,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use moat_core::hostuser::HostUser;
 use moat_core::image::{self, Artifact, FILE_ARTIFACTS, FORMAT_VERSION, Image, JAIL_ID_BASE, KernelInfo, Manifest};
 
 use crate::host::{ensure_packages, is_root, run};
@@ -43,13 +45,21 @@ const RECIPE_VERSION: &str = "3";
 pub enum BuildError {
     #[error("Image name {0:?} is not valid: use 1-64 letters, digits, '-' or '_'")]
     Name(String),
-    #[error(
-        "Building an image needs root (mmdebstrap --mode=root, and ownership of the jails' root file system): run it \
-         with sudo, or, as root, `moat setup --user NAME` to give a user a copy of root's image"
-    )]
-    NotRoot,
+    /// A user other than root cannot build (no subordinate ids, say): what
+    /// to change, in words.
+    #[error("Building an image as this user is not possible yet: {0}")]
+    Rootless(String),
     #[error("The agent {0} cannot be read: build it (`cargo xtask build`) or set MOAT_AGENT")]
     Agent(PathBuf, #[source] std::io::Error),
+    #[error("There is no image {name:?} at {} (`moat image build --name {name}` builds one)", dir.display())]
+    Missing { name: String, dir: PathBuf },
+    #[error("Removing image {name:?} failed; what is left is in {}", dir.display())]
+    Remove {
+        name: String,
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     /// The build drives a dozen Debian tools (apt, mmdebstrap, depmod,
     /// mkfs.ext4); each failure carries the command and what it printed,
     /// added as context where it happened.
@@ -61,22 +71,76 @@ pub enum BuildError {
     },
 }
 
+/// Who builds, and so who owns the jails' root file system.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Builder {
+    /// mmdebstrap `--mode=root`; the tree then moves to [`JAIL_ID_BASE`].
+    Root,
+    /// Any other user: mmdebstrap `--mode=unshare`, the tree owned from
+    /// the user's subordinate range, which starts at `base` ([`userns`]).
+    User { base: u32 },
+}
+
+impl Builder {
+    fn base(self) -> u32 {
+        match self {
+            Self::Root => JAIL_ID_BASE,
+            Self::User { base } => base,
+        }
+    }
+
+    /// Removes a build or an old image, whoever owns its files.
+    fn remove(self, path: &Path) -> std::io::Result<()> {
+        match self {
+            Self::Root => std::fs::remove_dir_all(path),
+            Self::User { .. } => userns::remove_tree(path),
+        }
+    }
+}
+
 /// Builds the image `name` under the data directory around `agent` (the
 /// static moat-agent, its `/init`), or only verifies it when its inputs are
 /// unchanged (`force` rebuilds everything). Installs the host packages the
-/// build needs. Returns the image's directory.
+/// build needs (as root; a user is told the line to run). Root builds with
+/// mmdebstrap's root mode; any other user with its unshare mode, the files
+/// owned by the user's subordinate ids. Returns the image's directory.
 pub fn build(name: &str, force: bool, agent: &Path) -> std::result::Result<PathBuf, BuildError> {
     validate_name(name)?;
-    if !is_root() {
-        return Err(BuildError::NotRoot);
-    }
+    let builder = if is_root() {
+        Builder::Root
+    } else {
+        Builder::User { base: userns::base(&HostUser::current()).map_err(|e| BuildError::Rootless(e.to_string()))? }
+    };
     if let Err(e) = std::fs::File::open(agent) {
         return Err(BuildError::Agent(agent.to_owned(), e));
     }
-    build_as_root(name, force, agent).map_err(|e| BuildError::Failed { name: name.to_owned(), source: e.into() })
+    build_as(builder, name, force, agent).map_err(|e| BuildError::Failed { name: name.to_owned(), source: e.into() })
 }
 
-fn build_as_root(name: &str, force: bool, agent: &Path) -> Result<PathBuf> {
+/// Removes the image `name` from the data directory: renamed aside first,
+/// so no sandbox starts from half of it, then deleted. A user's own build,
+/// whose files its subordinate ids own, is deleted from inside its user
+/// namespace ([`userns`]). Sandboxes started from it should be gone first:
+/// a jail's root file system is the image's tree. Returns where it was.
+pub fn remove(name: &str) -> std::result::Result<PathBuf, BuildError> {
+    validate_name(name)?;
+    let data = image::data_dir();
+    let dir = image::image_dir(&data, name);
+    if !dir.join("manifest.json").exists() {
+        return Err(BuildError::Missing { name: name.to_owned(), dir });
+    }
+    let builder = if is_root() { Builder::Root } else { Builder::User { base: 0 } };
+    let aside = data.join("images").join(format!(".{name}.old-{}", std::process::id()));
+    let failed = |dir: &Path| {
+        let dir = dir.to_owned();
+        move |source| BuildError::Remove { name: name.to_owned(), dir, source }
+    };
+    std::fs::rename(&dir, &aside).map_err(failed(&dir))?;
+    builder.remove(&aside).map_err(failed(&aside))?;
+    Ok(dir)
+}
+
+fn build_as(builder: Builder, name: &str, force: bool, agent: &Path) -> Result<PathBuf> {
     ensure_packages(HOST_PACKAGES)?;
     let data = image::data_dir();
     let images = data.join("images");
@@ -102,15 +166,18 @@ fn build_as_root(name: &str, force: bool, agent: &Path) -> Result<PathBuf> {
         && image.manifest.inputs == inputs
     {
         let step = Step::start("verify", "checking every artifact against the manifest");
-        image.verify()?;
+        match builder {
+            Builder::Root => image.verify()?,
+            Builder::User { base } => image.verify_with(|tree| userns::digest_tree(tree, base))?,
+        }
         step.done(&format!("up to date ({})", human(image_size(image))));
         report(&final_dir, image, started);
         return Ok(final_dir);
     }
 
-    clean_stale_builds(&images, name);
+    clean_stale_builds(builder, &images, name);
     let work = images.join(format!(".{name}.build-{}", std::process::id()));
-    let _cleanup = RemoveOnDrop(work.clone());
+    let _cleanup = RemoveOnDrop(builder, work.clone());
     std::fs::create_dir_all(&work)?;
 
     let step = Step::start("kernel", &format!("{kernel_package} {kernel_version}"));
@@ -128,7 +195,15 @@ fn build_as_root(name: &str, force: bool, agent: &Path) -> Result<PathBuf> {
     let size = std::fs::metadata(work.join("initramfs.cpio.gz"))?.len();
     step.done(&format!("{} modules, {}", modules.len(), human(size)));
 
-    let reuse = existing.as_ref().filter(|image| !force && image.manifest.inputs.get("rootfs") == inputs.get("rootfs"));
+    // Root links the old tree's files into the new image. A user may not
+    // (the kernel refuses hard links to files of other owners, and those
+    // are its subordinate ids'), so it builds the tree again.
+    let reuse = existing.as_ref().filter(|image| {
+        builder == Builder::Root
+            && image.manifest.jail_id_base == JAIL_ID_BASE
+            && !force
+            && image.manifest.inputs.get("rootfs") == inputs.get("rootfs")
+    });
     let (packages, tree) = match reuse {
         Some(old) => {
             let step = Step::start("rootfs", "unchanged: linking the existing root file system");
@@ -138,29 +213,47 @@ fn build_as_root(name: &str, force: bool, agent: &Path) -> Result<PathBuf> {
             (old.manifest.packages.clone(), old.manifest.rootfs.clone())
         }
         None => {
+            let mode = match builder {
+                Builder::Root => "root",
+                Builder::User { .. } => "unshare",
+            };
             let step = Step::start(
                 "rootfs",
                 &format!(
-                    "mmdebstrap {} with {} packages (log: {})",
+                    "mmdebstrap --mode={mode} {} with {} packages (log: {})",
                     rootfs::SUITE,
                     rootfs::PACKAGES.len(),
                     cache.join("mmdebstrap.log").display()
                 ),
             );
-            rootfs::debootstrap(&work.join("rootfs"), &cache.join("mmdebstrap.log"))?;
-            let packages = rootfs::package_versions(&work.join("rootfs"))?;
-            step.done(&format!("{} packages installed", packages.len()));
+            let tree = work.join("rootfs");
+            rootfs::debootstrap(&tree, &cache.join("mmdebstrap.log"), mode)?;
+            if let Builder::User { base } = builder {
+                userns::check_owner(&tree, base)?;
+            }
+            let packages = rootfs::package_versions(&tree)?;
+            step.done(&format!("{} packages installed (mmdebstrap --mode={mode})", packages.len()));
 
             let step = Step::start("rootfs.ext4", &format!("{} MiB ext4 disk for microVMs", rootfs::EXT4_SIZE_MIB));
-            rootfs::make_ext4(&work.join("rootfs"), &work.join("rootfs.ext4"))?;
+            match builder {
+                Builder::Root => rootfs::make_ext4(&tree, &work.join("rootfs.ext4"))?,
+                Builder::User { .. } => userns::make_ext4(&tree, &work.join("rootfs.ext4"))?,
+            }
             let used = std::fs::metadata(work.join("rootfs.ext4"))
                 .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)?;
             step.done(&format!("{} allocated", human(used)));
 
-            let step = Step::start("ownership", &format!("shifting rootfs/ to host ids from {JAIL_ID_BASE} for jails"));
-            let count = image::shift_ownership(&work.join("rootfs"), 0, JAIL_ID_BASE)?;
-            step.done(&format!("{count} entries"));
-            let tree = image::digest_tree(&work.join("rootfs"))?;
+            let tree = match builder {
+                Builder::Root => {
+                    let step =
+                        Step::start("ownership", &format!("shifting rootfs/ to host ids from {JAIL_ID_BASE} for jails"));
+                    let count = image::shift_ownership(&tree, 0, JAIL_ID_BASE)?;
+                    step.done(&format!("{count} entries"));
+                    image::digest_tree(&tree)?
+                }
+                // Owned from the user's range already, as its jails map it.
+                Builder::User { base } => userns::digest_tree(&tree, base)?,
+            };
             (packages, tree)
         }
     };
@@ -180,7 +273,7 @@ fn build_as_root(name: &str, force: bool, agent: &Path) -> Result<PathBuf> {
         inputs,
         artifacts,
         rootfs: tree,
-        jail_id_base: JAIL_ID_BASE,
+        jail_id_base: builder.base(),
     };
     std::fs::write(work.join("manifest.json"), serde_json::to_string_pretty(&manifest)? + "\n")?;
     step.done("written");
@@ -191,7 +284,7 @@ fn build_as_root(name: &str, force: bool, agent: &Path) -> Result<PathBuf> {
         std::fs::rename(&final_dir, &old)?;
     }
     std::fs::rename(&work, &final_dir)?;
-    let _ = std::fs::remove_dir_all(&old);
+    let _ = builder.remove(&old);
     let image = Image::open(&data, name)?;
     report(&final_dir, &image, started);
     Ok(final_dir)
@@ -224,7 +317,7 @@ fn inputs(agent: &Path, kernel_package: &str, kernel_version: &str) -> Result<BT
 }
 
 /// Removes build directories that crashed runs left behind.
-fn clean_stale_builds(images: &Path, name: &str) {
+fn clean_stale_builds(builder: Builder, images: &Path, name: &str) {
     let Ok(entries) = std::fs::read_dir(images) else { return };
     for entry in entries.filter_map(Result::ok) {
         let file = entry.file_name().to_string_lossy().into_owned();
@@ -238,17 +331,17 @@ fn clean_stale_builds(images: &Path, name: &str) {
             && !Path::new(&format!("/proc/{pid}")).exists()
         {
             eprintln!("removing a leftover build directory {}", entry.path().display());
-            let _ = std::fs::remove_dir_all(entry.path());
+            let _ = builder.remove(&entry.path());
         }
     }
 }
 
-struct RemoveOnDrop(PathBuf);
+struct RemoveOnDrop(Builder, PathBuf);
 
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
-        if self.0.exists() {
-            let _ = std::fs::remove_dir_all(&self.0);
+        if self.1.exists() {
+            let _ = self.0.remove(&self.1);
         }
     }
 }

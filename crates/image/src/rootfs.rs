@@ -50,11 +50,12 @@ const CUSTOMIZE: &[&str] = &[
     r#"rm -rf "$1/var/lib/apt/lists/"* "$1/var/cache/apt/"*.bin"#,
 ];
 
-/// Runs mmdebstrap into `dest` (a directory that must not exist), logging to `log`.
-pub fn debootstrap(dest: &Path, log: &Path) -> Result<()> {
+/// Runs mmdebstrap in `mode` (`root`, or `unshare` for a user other than
+/// root) into `dest` (a directory that must not exist), logging to `log`.
+pub fn debootstrap(dest: &Path, log: &Path, mode: &str) -> Result<()> {
     let log_file = std::fs::File::create(log)?;
     let mut command = Command::new("mmdebstrap");
-    command.args(["--mode=root", "--variant=minbase", "--format=directory"]);
+    command.arg(format!("--mode={mode}")).args(["--variant=minbase", "--format=directory"]);
     command.arg(format!("--include={}", PACKAGES.join(",")));
     for hook in CUSTOMIZE {
         command.arg(format!("--customize-hook={hook}"));
@@ -105,21 +106,46 @@ pub fn package_versions(root: &Path) -> Result<BTreeMap<String, String>> {
 /// copy-on-write overlay; unused blocks cost the sparse base nothing).
 pub const EXT4_SIZE_MIB: u64 = 8192;
 
-/// Makes `dest` an ext4 image holding `root`, with ids as they are (0 and 1000).
-pub fn make_ext4(root: &Path, dest: &Path) -> Result<()> {
-    let status = Command::new("mkfs.ext4")
+/// mkfs.ext4's options for the VM's disk, before `-d TREE FILE SIZE`.
+pub fn ext4_args() -> Vec<String> {
+    [
         // Inode tables and journal zeroed now, in the shared base, not by
         // ext4's lazy init in every VM on first mount (64 MiB of zeros per
         // sandbox, and I/O while it runs).
-        .args(["-q", "-F", "-L", "moat-root", "-E", "root_owner=0:0,lazy_itable_init=0,lazy_journal_init=0"])
+        "-q",
+        "-F",
+        "-L",
+        "moat-root",
+        "-E",
+        "root_owner=0:0,lazy_itable_init=0,lazy_journal_init=0",
         // No blocks reserved for root (a sandbox's root may write what its
         // user may: the agent leaves `disk_mib` free for both); an inode per
         // 32 KiB and a 64 MiB journal, the metadata each VM's overlay
         // leaves room for (see moat-core's `rootdisk`).
-        .args(["-m", "0", "-i", "32768", "-J", "size=64", "-d"])
+        "-m",
+        "0",
+        "-i",
+        "32768",
+        "-J",
+        "size=64",
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+/// The size argument that ends mkfs.ext4's command line.
+pub fn ext4_size() -> String {
+    format!("{EXT4_SIZE_MIB}M")
+}
+
+/// Makes `dest` an ext4 image holding `root`, with ids as they are (0 and 1000).
+pub fn make_ext4(root: &Path, dest: &Path) -> Result<()> {
+    let status = Command::new("mkfs.ext4")
+        .args(ext4_args())
+        .arg("-d")
         .arg(root)
         .arg(dest)
-        .arg(format!("{EXT4_SIZE_MIB}M"))
+        .arg(ext4_size())
         .stdout(std::process::Stdio::null())
         .status()
         .context("cannot start mkfs.ext4")?;

@@ -62,12 +62,46 @@ impl Host {
     }
 
     /// moat's entry for this host.
-    fn entry(self, command: &Path) -> Value {
-        let mut entry = json!({ "command": command, "args": [] });
+    fn entry(self, launch: &Launch) -> Value {
+        let mut entry = json!({ "command": launch.command, "args": launch.args });
         if self == Self::VsCode {
             entry["type"] = json!("stdio");
         }
         entry
+    }
+}
+
+/// How a host starts moat-mcp: a program and its arguments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Launch {
+    pub command: std::path::PathBuf,
+    pub args: Vec<String>,
+}
+
+impl Launch {
+    /// `moat_mcp` itself, or, where `systemd_run` is given (a user other
+    /// than root, on a cgroup v2 host with a systemd user manager), through
+    /// `systemd-run --user --scope -p Delegate=yes`: a cgroup of its own,
+    /// delegated to the user, in which moat gives its jails their limits
+    /// (docs/operations.md, "Rootless"). `--scope` runs it in the
+    /// foreground, its stdio the host's.
+    pub fn new(moat_mcp: &Path, systemd_run: Option<&Path>) -> Self {
+        match systemd_run {
+            None => Self { command: moat_mcp.to_owned(), args: Vec::new() },
+            Some(systemd_run) => Self {
+                command: systemd_run.to_owned(),
+                args: ["--user", "--scope", "--quiet", "--collect", "-p", "Delegate=yes", "--"]
+                    .iter()
+                    .map(|a| (*a).to_owned())
+                    .chain([moat_mcp.display().to_string()])
+                    .collect(),
+            },
+        }
+    }
+
+    /// The command line, for a message.
+    pub fn describe(&self) -> String {
+        std::iter::once(self.command.display().to_string()).chain(self.args.iter().cloned()).collect::<Vec<_>>().join(" ")
     }
 }
 
@@ -88,7 +122,7 @@ pub fn http_token_help(token_dir: &Path) -> String {
 /// `existing` (the file's text, if any) with moat added or replaced under
 /// the host's servers key. Fails, touching nothing, on a file that is not a
 /// JSON object.
-pub fn merge(host: Host, existing: Option<&str>, command: &Path) -> Result<(String, bool), String> {
+pub fn merge(host: Host, existing: Option<&str>, launch: &Launch) -> Result<(String, bool), String> {
     let mut root = match existing.map(str::trim).filter(|t| !t.is_empty()) {
         None => Value::Object(Map::new()),
         Some(text) => serde_json::from_str::<Value>(text)
@@ -99,7 +133,7 @@ pub fn merge(host: Host, existing: Option<&str>, command: &Path) -> Result<(Stri
     let Some(servers) = servers.as_object_mut() else {
         return Err(format!("its {:?} is not an object; fix it first", host.servers_key()));
     };
-    let replaced = servers.insert("moat".into(), host.entry(command)).is_some();
+    let replaced = servers.insert("moat".into(), host.entry(launch)).is_some();
     Ok((serde_json::to_string_pretty(&root).unwrap_or_default() + "\n", replaced))
 }
 
@@ -110,20 +144,34 @@ mod tests {
     #[test]
     fn merges_keep_other_servers_and_settings() {
         let existing = r#"{"theme": "dark", "mcpServers": {"other": {"command": "x"}}}"#;
-        let (text, replaced) = merge(Host::Cursor, Some(existing), Path::new("/opt/moat-mcp")).expect("merges");
+        let (text, replaced) = merge(Host::Cursor, Some(existing), &Launch::new(Path::new("/opt/moat-mcp"), None)).expect("merges");
         let value: Value = serde_json::from_str(&text).expect("json");
         assert!(!replaced);
         assert_eq!(value["theme"], "dark");
         assert_eq!(value["mcpServers"]["other"]["command"], "x");
         assert_eq!(value["mcpServers"]["moat"]["command"], "/opt/moat-mcp");
-        let (again, replaced) = merge(Host::Cursor, Some(&text), Path::new("/opt/moat-mcp")).expect("merges");
+        let (again, replaced) = merge(Host::Cursor, Some(&text), &Launch::new(Path::new("/opt/moat-mcp"), None)).expect("merges");
         assert!(replaced);
         assert_eq!(again, text);
     }
 
+    /// On a cgroup v2 host, a user's moat-mcp starts in a delegated scope
+    /// of its own: systemd-run, then moat-mcp, stdio untouched.
+    #[test]
+    fn a_delegated_scope_wraps_moat_mcp_in_systemd_run() {
+        let launch = Launch::new(Path::new("/usr/bin/moat-mcp"), Some(Path::new("/usr/bin/systemd-run")));
+        let (text, _) = merge(Host::ClaudeCode, None, &launch).expect("merges");
+        let value: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(value["mcpServers"]["moat"]["command"], "/usr/bin/systemd-run");
+        let args: Vec<&str> =
+            value["mcpServers"]["moat"]["args"].as_array().expect("args").iter().filter_map(Value::as_str).collect();
+        assert_eq!(args, ["--user", "--scope", "--quiet", "--collect", "-p", "Delegate=yes", "--", "/usr/bin/moat-mcp"]);
+        assert_eq!(Launch::new(Path::new("/m"), None).args, Vec::<String>::new());
+    }
+
     #[test]
     fn vscode_uses_servers_with_a_type() {
-        let (text, _) = merge(Host::VsCode, None, Path::new("/m")).expect("merges");
+        let (text, _) = merge(Host::VsCode, None, &Launch::new(Path::new("/m"), None)).expect("merges");
         let value: Value = serde_json::from_str(&text).expect("json");
         assert_eq!(value["servers"]["moat"]["type"], "stdio");
         assert!(value.get("mcpServers").is_none());
@@ -131,7 +179,7 @@ mod tests {
 
     #[test]
     fn the_http_token_help_says_where_the_token_is() {
-        let help = http_token_help(Path::new("/run/user/1000/moat"));
+        let help = http_token_help(&Launch::new(Path::new("/run/user/1000/moat"), None));
         assert!(help.contains("MOAT_HTTP_TOKEN") && help.contains("/run/user/1000/moat/http-<port>.token"), "{help}");
         assert!(help.contains("Authorization: Bearer"), "{help}");
     }
@@ -139,11 +187,11 @@ mod tests {
     #[test]
     fn broken_files_are_left_alone() {
         assert!(
-            merge(Host::ClaudeCode, Some("{not json"), Path::new("/m")).expect_err("bad").contains("not valid JSON")
+            merge(Host::ClaudeCode, Some("{not json"), &Launch::new(Path::new("/m"), None)).expect_err("bad").contains("not valid JSON")
         );
-        assert!(merge(Host::ClaudeCode, Some("[1]"), Path::new("/m")).expect_err("bad").contains("not a JSON object"));
-        assert!(merge(Host::ClaudeCode, Some(r#"{"mcpServers": 3}"#), Path::new("/m")).is_err());
-        assert!(Host::Windsurf.config_path(Scope::Project, Path::new("/p"), Path::new("/h")).is_err());
+        assert!(merge(Host::ClaudeCode, Some("[1]"), &Launch::new(Path::new("/m"), None)).expect_err("bad").contains("not a JSON object"));
+        assert!(merge(Host::ClaudeCode, Some(r#"{"mcpServers": 3}"#), &Launch::new(Path::new("/m"), None)).is_err());
+        assert!(Host::Windsurf.config_path(Scope::Project, Path::new("/p"), &Launch::new(Path::new("/h"), None)).is_err());
         assert!("zed".parse::<Host>().expect_err("unknown").contains("allowed are"));
     }
 }

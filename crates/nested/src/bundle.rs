@@ -383,6 +383,15 @@ fn plan(sources: &Sources, image: &Image) -> Result<Plan> {
         disk.insert("usr/bin/passt".to_owned(), passt.clone());
         dynamic.push(passt);
     }
+    // newuidmap and newgidmap (set-uid root, which the copy keeps): the
+    // rootless jails of an unprivileged account in level 1 (optional as
+    // passt is).
+    for helper in ["newuidmap", "newgidmap"] {
+        if let Some(path) = find_program(helper) {
+            disk.insert(format!("usr/bin/{helper}"), path.clone());
+            dynamic.push(path);
+        }
+    }
     for binary in &dynamic {
         for library in shared_libraries(binary)? {
             disk.insert(library_destination(&library)?, library);

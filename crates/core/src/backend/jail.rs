@@ -55,6 +55,9 @@ pub struct Jail {
 
 impl JailBackend {
     pub fn new(agent: PathBuf) -> Self {
+        // A rootless moat on cgroup v2 finds (and moves into) its delegated
+        // cgroup before it has children to share it with.
+        crate::cgroup::prepare();
         Self { agent, cgroups: CgroupSupport::probe(), user: HostUser::current() }
     }
 
@@ -179,9 +182,10 @@ impl Backend for JailBackend {
             let name = self.user.display_name();
             return Err(refused(format!(
                 "image {:?} is owned for jails that map host ids from {}, and {name}'s jails map its \
-                 subordinate ids from {}: as root, run `moat setup --user {name}`, which copies the image \
-                 into {name}'s data directory with its files' owners in that range",
-                image.name, image.manifest.jail_id_base, uids.start
+                 subordinate ids from {}: build it in that range as {name} with `moat image build --name {}`, \
+                 or as root run `moat setup --user {name}`, which copies root's image into {name}'s data \
+                 directory with its files' owners in that range",
+                image.name, image.manifest.jail_id_base, uids.start, image.name
             )));
         }
         let state = StateDir::create(data_dir, id).map_err(io("creating its state directory"))?;
