@@ -167,6 +167,28 @@ fn image_build_refuses_a_bad_name_before_anything_else() {
     }
 }
 
+/// `moat image rm` refuses a bad name as the build does, and says how to
+/// build an image that is not there; nothing else in the data directory
+/// is touched.
+#[test]
+fn image_rm_names_what_is_missing_and_keeps_the_rest() {
+    let data = tempfile::tempdir().expect("a data directory");
+    let keep = data.path().join("images/keep");
+    std::fs::create_dir_all(&keep).expect("mkdir");
+    std::fs::write(keep.join("manifest.json"), "{}").expect("write");
+    let env = [("MOAT_DATA_DIR", data.path().as_os_str())];
+    let out = moat_with(&["image", "rm", "--name", "nope"], &env);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("There is no image \"nope\"") && err.contains("moat image build --name nope"), "{err}");
+    let out = moat_with(&["image", "rm", "--name=../images/keep"], &env);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not valid"), "{out:?}");
+    assert!(keep.join("manifest.json").exists(), "another image was touched");
+    let out = moat_with(&["image", "rm", "--name", "keep"], &env);
+    assert!(out.status.success(), "{out:?}");
+    assert!(!keep.exists() && data.path().join("images").is_dir(), "only the image is gone");
+}
+
 #[test]
 fn each_binary_writes_its_manual_pages() {
     let dir = tempfile::tempdir().expect("a scratch directory");

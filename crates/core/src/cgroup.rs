@@ -742,7 +742,8 @@ mod tests {
         let root = tempfile::tempdir().expect("tempdir");
         let dir = root.path().join(own.trim_start_matches('/'));
         std::fs::create_dir_all(&dir).expect("mkdir");
-        for (file, text) in [("cgroup.procs", procs), ("cgroup.controllers", controllers), ("cgroup.subtree_control", "")]
+        for (file, text) in
+            [("cgroup.procs", procs), ("cgroup.controllers", controllers), ("cgroup.subtree_control", "")]
         {
             std::fs::write(dir.join(file), text).expect("write");
         }

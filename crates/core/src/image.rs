@@ -338,10 +338,8 @@ impl TreeDigest {
     /// find(1) in a rootless build's user namespace) gets the same digest.
     pub fn of(entries: Vec<TreeEntry>) -> Self {
         let bytes = entries.iter().map(|e| e.size).sum();
-        let mut lines: Vec<String> = entries
-            .iter()
-            .map(|e| format!("{} {:o} {} {} {}", e.path, e.mode, e.uid, e.gid, e.size))
-            .collect();
+        let mut lines: Vec<String> =
+            entries.iter().map(|e| format!("{} {:o} {} {} {}", e.path, e.mode, e.uid, e.gid, e.size)).collect();
         lines.sort_unstable();
         let mut hasher = Sha256::new();
         for line in &lines {

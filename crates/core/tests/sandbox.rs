@@ -1438,8 +1438,7 @@ fn images_build_for_an_unprivileged_user() {
 
     let dir = account.home.join(".local/share/moat/images").join(name);
     let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).expect("its manifest"))
-            .expect("JSON");
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).expect("its manifest")).expect("JSON");
     assert_eq!(manifest["jail_id_base"], account.subids, "jail ids not from the account's range");
     let owner = |path: &str| std::fs::symlink_metadata(dir.join(path)).map(|m| (m.uid(), m.gid())).expect(path);
     assert_eq!(owner("rootfs"), (account.subids, account.subids), "the tree's root is not sandbox root's");
@@ -1549,7 +1548,12 @@ fn in_the_nested_host(backend: &str, tests: &[String], unprivileged: bool) -> (i
             ),
         )
     } else {
-        (String::new(), format!("{name} --include-ignored --test-threads=1 --nocapture --exact \"$t\""), "", String::new())
+        (
+            String::new(),
+            format!("{name} --include-ignored --test-threads=1 --nocapture --exact \"$t\""),
+            "",
+            String::new(),
+        )
     };
     let payload = |tests: &[String]| {
         let mut payload = moat_nested::Payload::script(&format!(

@@ -245,8 +245,10 @@ fn build_as(builder: Builder, name: &str, force: bool, agent: &Path) -> Result<P
 
             let tree = match builder {
                 Builder::Root => {
-                    let step =
-                        Step::start("ownership", &format!("shifting rootfs/ to host ids from {JAIL_ID_BASE} for jails"));
+                    let step = Step::start(
+                        "ownership",
+                        &format!("shifting rootfs/ to host ids from {JAIL_ID_BASE} for jails"),
+                    );
                     let count = image::shift_ownership(&tree, 0, JAIL_ID_BASE)?;
                     step.done(&format!("{count} entries"));
                     image::digest_tree(&tree)?

@@ -115,7 +115,7 @@ fn parse_listing(listing: &[u8], base: u32) -> std::io::Result<Vec<TreeEntry>> {
     let fields: Vec<&[u8]> = listing.split(|b| *b == 0).collect();
     // The listing ends with a NUL: the last split is empty.
     let fields = fields.split_last().map_or(&[][..], |(_, rest)| rest);
-    if fields.len() % 6 != 0 {
+    if !fields.len().is_multiple_of(6) {
         return Err(bad("a record with other than six fields"));
     }
     let number = |field: &[u8], radix: u32| {
@@ -178,7 +178,8 @@ mod tests {
 
     #[test]
     fn a_listing_becomes_host_owned_entries() {
-        let listing = b"etc\0d\x00755\x000\x000\x004096\0etc/shadow\0f\x00640\x000\x0042\x00501\0bin\0l\x00777\x000\x000\x007\0";
+        let listing =
+            b"etc\0d\x00755\x000\x000\x004096\0etc/shadow\0f\x00640\x000\x0042\x00501\0bin\0l\x00777\x000\x000\x007\0";
         let entries = parse_listing(listing, 100_000).expect("parses");
         assert_eq!(
             entries,

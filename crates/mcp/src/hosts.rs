@@ -101,7 +101,10 @@ impl Launch {
 
     /// The command line, for a message.
     pub fn describe(&self) -> String {
-        std::iter::once(self.command.display().to_string()).chain(self.args.iter().cloned()).collect::<Vec<_>>().join(" ")
+        std::iter::once(self.command.display().to_string())
+            .chain(self.args.iter().cloned())
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 }
 
@@ -144,13 +147,15 @@ mod tests {
     #[test]
     fn merges_keep_other_servers_and_settings() {
         let existing = r#"{"theme": "dark", "mcpServers": {"other": {"command": "x"}}}"#;
-        let (text, replaced) = merge(Host::Cursor, Some(existing), &Launch::new(Path::new("/opt/moat-mcp"), None)).expect("merges");
+        let (text, replaced) =
+            merge(Host::Cursor, Some(existing), &Launch::new(Path::new("/opt/moat-mcp"), None)).expect("merges");
         let value: Value = serde_json::from_str(&text).expect("json");
         assert!(!replaced);
         assert_eq!(value["theme"], "dark");
         assert_eq!(value["mcpServers"]["other"]["command"], "x");
         assert_eq!(value["mcpServers"]["moat"]["command"], "/opt/moat-mcp");
-        let (again, replaced) = merge(Host::Cursor, Some(&text), &Launch::new(Path::new("/opt/moat-mcp"), None)).expect("merges");
+        let (again, replaced) =
+            merge(Host::Cursor, Some(&text), &Launch::new(Path::new("/opt/moat-mcp"), None)).expect("merges");
         assert!(replaced);
         assert_eq!(again, text);
     }
@@ -165,7 +170,10 @@ mod tests {
         assert_eq!(value["mcpServers"]["moat"]["command"], "/usr/bin/systemd-run");
         let args: Vec<&str> =
             value["mcpServers"]["moat"]["args"].as_array().expect("args").iter().filter_map(Value::as_str).collect();
-        assert_eq!(args, ["--user", "--scope", "--quiet", "--collect", "-p", "Delegate=yes", "--", "/usr/bin/moat-mcp"]);
+        assert_eq!(
+            args,
+            ["--user", "--scope", "--quiet", "--collect", "-p", "Delegate=yes", "--", "/usr/bin/moat-mcp"]
+        );
         assert_eq!(Launch::new(Path::new("/m"), None).args, Vec::<String>::new());
     }
 
@@ -179,7 +187,7 @@ mod tests {
 
     #[test]
     fn the_http_token_help_says_where_the_token_is() {
-        let help = http_token_help(&Launch::new(Path::new("/run/user/1000/moat"), None));
+        let help = http_token_help(Path::new("/run/user/1000/moat"));
         assert!(help.contains("MOAT_HTTP_TOKEN") && help.contains("/run/user/1000/moat/http-<port>.token"), "{help}");
         assert!(help.contains("Authorization: Bearer"), "{help}");
     }
@@ -187,11 +195,17 @@ mod tests {
     #[test]
     fn broken_files_are_left_alone() {
         assert!(
-            merge(Host::ClaudeCode, Some("{not json"), &Launch::new(Path::new("/m"), None)).expect_err("bad").contains("not valid JSON")
+            merge(Host::ClaudeCode, Some("{not json"), &Launch::new(Path::new("/m"), None))
+                .expect_err("bad")
+                .contains("not valid JSON")
         );
-        assert!(merge(Host::ClaudeCode, Some("[1]"), &Launch::new(Path::new("/m"), None)).expect_err("bad").contains("not a JSON object"));
+        assert!(
+            merge(Host::ClaudeCode, Some("[1]"), &Launch::new(Path::new("/m"), None))
+                .expect_err("bad")
+                .contains("not a JSON object")
+        );
         assert!(merge(Host::ClaudeCode, Some(r#"{"mcpServers": 3}"#), &Launch::new(Path::new("/m"), None)).is_err());
-        assert!(Host::Windsurf.config_path(Scope::Project, Path::new("/p"), &Launch::new(Path::new("/h"), None)).is_err());
+        assert!(Host::Windsurf.config_path(Scope::Project, Path::new("/p"), Path::new("/h")).is_err());
         assert!("zed".parse::<Host>().expect_err("unknown").contains("allowed are"));
     }
 }
