@@ -146,7 +146,11 @@ fn main() -> ExitCode {
         eprintln!("moat: {e}");
         return ExitCode::from(2);
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    // One thread: the CLI drives one sandbox (or a listing) at a time, and
+    // a pool of workers would cost every short `moat run` their start and
+    // the wake-ups between them (inter-processor interrupts, dear in a VM).
+    // Blocking work goes to tokio's blocking threads as before.
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("moat: cannot start: {e}");
