@@ -218,6 +218,10 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     step("chdir to the sandbox root", nix::unistd::chdir(&root))?;
 
     let (ready_rx, ready_tx) = step("pipe", nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC))?;
+    // The sandbox's init watches this monitor through a pidfd (opened
+    // close-on-exec) across the moment its parent-death signal is reset.
+    let own_pid = i32::try_from(std::process::id()).unwrap_or(i32::MAX);
+    let lifeline = step("pidfd_open of the monitor", crate::pidfd::Pidfd::of_pid(own_pid))?;
     let mut stack = vec![0u8; 256 * 1024];
     let flags = CloneFlags::CLONE_NEWUSER
         | CloneFlags::CLONE_NEWNS
@@ -228,7 +232,7 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
         | CloneFlags::CLONE_NEWCGROUP;
     let mut ready_rx = Some(ready_rx);
     let child = Box::new(|| {
-        let code = match sandbox_init(spec, ready_rx.take(), &listener) {
+        let code = match sandbox_init(spec, ready_rx.take(), &listener, &lifeline) {
             Ok(never) => match never {},
             Err(e) => {
                 eprintln!("moat-agent jail: {e}: {}", e.source);
@@ -811,6 +815,7 @@ fn sandbox_init(
     spec: &JailSpec,
     ready: Option<OwnedFd>,
     listener: &std::os::unix::net::UnixListener,
+    monitor: &crate::pidfd::Pidfd,
 ) -> Result<std::convert::Infallible, JailError> {
     step("PR_SET_PDEATHSIG", nix::sys::prctl::set_pdeathsig(Signal::SIGKILL))?;
     let mut byte = [0u8; 1];
@@ -820,6 +825,14 @@ fn sandbox_init(
     step("setgroups", nix::unistd::setgroups(&[]))?;
     step("setresgid", nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0)))?;
     step("setresuid", nix::unistd::setresuid(Uid::from_raw(0), Uid::from_raw(0), Uid::from_raw(0)))?;
+    // The change of credentials cleared the parent-death signal set above
+    // (prctl(2)): without it this init, and the sandbox with it, would
+    // outlive a killed monitor. Set it again, then check that the monitor
+    // did not end in between (its pidfd reads ready once it has).
+    step("PR_SET_PDEATHSIG", nix::sys::prctl::set_pdeathsig(Signal::SIGKILL))?;
+    if crate::pidfd::wait_all(std::slice::from_ref(monitor), std::time::Instant::now()) {
+        return step("checking that the monitor lives", Err(std::io::Error::other("it has ended")));
+    }
 
     // The overlay was mounted in the monitor's namespace, so here it is a
     // locked mount, which pivot_root refuses: bind it onto itself to get one

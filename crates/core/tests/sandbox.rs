@@ -276,6 +276,29 @@ async fn sandboxes_never_outlive_a_killed_owner() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(!std::path::Path::new(&format!("/proc/{monitor}")).exists(), "the sandbox outlived its owner");
+    // And so does everything inside: no process is left in the sandbox's
+    // cgroups (its init's parent-death signal must survive its change of
+    // credentials, which clears it).
+    let left = || -> Vec<String> {
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|p| p.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()))
+            .filter(|p| std::fs::read_to_string(p.path().join("cgroup")).is_ok_and(|c| c.contains(&id)))
+            .map(|p| {
+                let cmdline = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+                format!("{} {}", p.file_name().to_string_lossy(), String::from_utf8_lossy(&cmdline).replace('\0', " "))
+            })
+            .collect()
+    };
+    for _ in 0..500 {
+        if left().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(left(), Vec::<String>::new(), "processes of the sandbox outlived its owner");
     assert!(state.exists(), "nothing swept yet");
     let _moat = moat(16).await;
     // The sweep runs beside the new Moat's first creates, not before them.
