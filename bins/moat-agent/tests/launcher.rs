@@ -1,7 +1,7 @@
 //! A launcher started from the real binary: commands through it run with
-//! their streams, environment, directory and exit status, a missing
-//! program is named, and the launcher serves the next command and ends
-//! when the agent lets it go.
+//! their streams, environment, directory, terminal, credentials and exit
+//! status, a missing program or directory is named, and the launcher
+//! serves the next command and ends when the agent lets it go.
 
 use std::io::Read;
 use std::os::fd::OwnedFd;
@@ -81,6 +81,41 @@ async fn commands_run_through_a_launcher_until_it_is_let_go() {
     let lines: Vec<&str> = said.lines().map(str::trim).collect();
     assert_eq!(lines.first().copied(), Some("tty"), "{said}");
     assert!(lines.get(1).is_some_and(|t| t.starts_with("pts/")), "no controlling terminal: {said}");
+
+    // A working directory that is not there is named, and the launcher
+    // serves on: the failed child shared its memory and left it whole.
+    let launcher = slot.lock().expect("the slot").take().expect("back after a terminal");
+    let mut nowhere = launch(&["true"]);
+    nowhere.cwd = "/no/such/directory".into();
+    let refused = launcher.start(&nowhere, [null(), null(), null()], slot.clone()).await.expect("the launcher answers");
+    assert_eq!(
+        refused.err(),
+        Some(NotStarted { errno: nix::libc::ENOENT, what: "entering the working directory".into() })
+    );
+
+    // Another user's credentials, all of them (as root only: anyone else
+    // may not take them).
+    let launcher = slot.lock().expect("the slot").take().expect("back after a failed start");
+    if nix::unistd::geteuid().is_root() {
+        let (out_read, out_write) = pipe();
+        let mut nobody = launch(&[
+            "sh",
+            "-c",
+            "echo $(id -u) $(id -g) $(id -G) $(awk '/^Uid:/{print $2 $3 $4 $5}' /proc/$$/status)",
+        ]);
+        nobody.user = Some((65534, 65534, vec![65534, 100]));
+        let (_, exit) = launcher
+            .start(&nobody, [null(), out_write, null()], slot.clone())
+            .await
+            .expect("the launcher answers")
+            .expect("sh starts");
+        let mut out = String::new();
+        std::fs::File::from(out_read).read_to_string(&mut out).expect("the output");
+        assert_eq!(exit.await.expect("an exit"), Exit::Code(0));
+        assert_eq!(out.trim(), "65534 65534 65534 100 65534655346553465534", "real, effective, saved and file ids");
+    } else {
+        *slot.lock().expect("the slot") = Some(launcher);
+    }
 
     // Let go, it ends (and is reaped).
     drop(slot.lock().expect("the slot").take().expect("back after a terminal"));

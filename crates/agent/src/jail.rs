@@ -338,20 +338,31 @@ fn enter_own_userns(spec: &JailSpec, rootless: Rootless) -> Result<(), JailError
     ];
     // SAFETY: the monitor is single-threaded (run's contract): the child
     // holds no lock another thread owned. It waits for a byte, runs the
-    // two helpers and exits without returning.
+    // two helpers side by side and exits without returning.
     match step("fork", unsafe { nix::unistd::fork() })? {
         nix::unistd::ForkResult::Child => {
             drop(go_tx);
             let mut byte = [0u8; 1];
             let go = File::from(go_rx).read_exact(&mut byte).is_ok();
+            // Both helpers at once: each writes a map of its own, and the
+            // jail's start waits for the slower one instead of their sum.
+            let started: Vec<_> = if go {
+                maps.iter()
+                    .map(|(helper, args)| {
+                        let child = std::process::Command::new(helper)
+                            .args(args.split(' '))
+                            .stdin(std::process::Stdio::null())
+                            .stdout(std::process::Stdio::null())
+                            .spawn();
+                        (helper, args, child)
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
             let mapped = go
-                && maps.iter().all(|(helper, args)| {
-                    let status = std::process::Command::new(helper)
-                        .args(args.split(' '))
-                        .stdin(std::process::Stdio::null())
-                        .stdout(std::process::Stdio::null())
-                        .status();
-                    match status {
+                && started.into_iter().fold(true, |all, (helper, args, child)| {
+                    let ok = match child.and_then(|mut c| c.wait()) {
                         Ok(s) if s.success() => true,
                         Ok(s) => {
                             eprintln!("moat-agent jail: {helper} {args} failed ({s})");
@@ -361,7 +372,8 @@ fn enter_own_userns(spec: &JailSpec, rootless: Rootless) -> Result<(), JailError
                             eprintln!("moat-agent jail: cannot run {helper} ({e}); `apt-get install uidmap`");
                             false
                         }
-                    }
+                    };
+                    all && ok
                 });
             // SAFETY: _exit ends this forked child at once, running no
             // destructor of state it shares with its parent.

@@ -167,7 +167,7 @@ impl Cgroup {
                     std::fs::create_dir_all(&parent)?;
                     // Controllers must be enabled on every level above the leaf.
                     for level in [Path::new(ROOT), parent.as_path()] {
-                        let _ = std::fs::write(level.join("cgroup.subtree_control"), "+memory +pids +cpu");
+                        let _ = enable_controllers(level, true);
                     }
                 }
                 let dir = parent.join(id);
@@ -461,11 +461,26 @@ fn resolve_v2(root: &Path, own: &str, uid: u32, pid: u32) -> Result<PathBuf, Str
             missing.join(" and ")
         ));
     }
-    let enable: Vec<String> =
-        ["memory", "pids", "cpu"].into_iter().filter(|c| offered.contains(c)).map(|c| format!("+{c}")).collect();
-    std::fs::write(own_dir.join("cgroup.subtree_control"), enable.join(" "))
+    enable_controllers(&own_dir, offered.contains(&"cpu"))
         .map_err(|e| fail("enabling the memory and pids controllers", e))?;
     Ok(own_dir)
+}
+
+/// Enables for the children of `dir` the controllers sandboxes' limits
+/// need: memory and pids, or an error; then, with `cpu`, the cpu
+/// controller in a write of its own, whose failure is let be. The kernel
+/// takes or refuses one write whole, and the cpu controller can be
+/// refused where the others are not (a real-time thread in the subtree):
+/// a sandbox without its CPU share is still bounded in memory and
+/// processes.
+fn enable_controllers(dir: &Path, cpu: bool) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut control = std::fs::OpenOptions::new().append(true).open(dir.join("cgroup.subtree_control"))?;
+    control.write_all(b"+memory +pids\n")?;
+    if cpu && let Err(e) = control.write_all(b"+cpu\n") {
+        tracing::info!(dir = %dir.display(), "sandboxes get no CPU share here: the cpu controller was refused ({e})");
+    }
+    Ok(())
 }
 
 fn parent_in(hierarchy: &Path, uid: u32) -> PathBuf {
@@ -508,7 +523,9 @@ pub fn delegate(support: &CgroupSupport, uid: u32, gid: u32) -> std::io::Result<
         let mut owned = vec![dir.clone()];
         if matches!(support, CgroupSupport::V2) {
             for level in [hierarchy.as_path(), &hierarchy.join("moat"), &dir] {
-                write(level, "cgroup.subtree_control", "+memory +pids +cpu")?;
+                enable_controllers(level, true).map_err(|e| {
+                    std::io::Error::new(e.kind(), format!("enabling memory and pids in {}: {e}", level.display()))
+                })?;
             }
             owned.extend(["cgroup.procs", "cgroup.subtree_control", "cgroup.threads"].map(|f| dir.join(f)));
         }
@@ -766,7 +783,14 @@ mod tests {
         let dir = resolve_v2(root.path(), own, me, 4242).expect("delegated");
         assert_eq!(dir, root.path().join(own.trim_start_matches('/')));
         assert_eq!(std::fs::read_to_string(dir.join("moat/cgroup.procs")).expect("leaf").trim(), "4242");
-        assert_eq!(std::fs::read_to_string(dir.join("cgroup.subtree_control")).expect("control"), "+memory +pids +cpu");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("cgroup.subtree_control")).expect("control"),
+            "+memory +pids\n+cpu\n",
+            "memory and pids in one write, cpu (which may be refused alone) in another"
+        );
+        let no_cpu = fake_v2(own, "4242\n", "memory pids\n");
+        let dir = resolve_v2(no_cpu.path(), own, me, 4242).expect("delegated without cpu");
+        assert_eq!(std::fs::read_to_string(dir.join("cgroup.subtree_control")).expect("control"), "+memory +pids\n");
     }
 
     #[test]
