@@ -29,6 +29,29 @@ async fn exit_codes_output_and_environment() {
     assert_eq!(lines[2], agent.dir().to_string_lossy());
 }
 
+/// A command starts as a fresh program would: no signal blocked or
+/// ignored (the agent, a Rust program, ignores SIGPIPE and handles
+/// SIGCHLD), a session of its own.
+#[tokio::test]
+async fn commands_start_with_default_signals_in_a_session_of_their_own() {
+    let agent = TestAgent::start().await;
+    let out = agent
+        .client()
+        .run(ExecRequest::argv([
+            "sh",
+            "-c",
+            "grep -E '^Sig(Blk|Ign)' /proc/self/status; ps -o sid= -o pgid= -p $$; echo $$",
+        ]))
+        .await
+        .expect("runs");
+    let stdout = String::from_utf8(out.stdout).expect("utf8");
+    let lines: Vec<&str> = stdout.lines().map(str::trim).collect();
+    assert_eq!(lines.get(..2), Some(&["SigBlk:\t0000000000000000", "SigIgn:\t0000000000000000"][..]), "{stdout}");
+    let ids: Vec<&str> = lines.get(2).map(|l| l.split_whitespace().collect()).unwrap_or_default();
+    let pid = lines.get(3).copied().unwrap_or_default();
+    assert_eq!(ids, [pid, pid], "the command leads its session and group: {stdout}");
+}
+
 #[tokio::test]
 async fn argv_is_not_split_by_a_shell() {
     let agent = TestAgent::start().await;

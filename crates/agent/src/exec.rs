@@ -8,8 +8,7 @@
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -18,15 +17,15 @@ use bytes::{Bytes, BytesMut};
 use moat_proto::conn::{FrameSink, FrameStream};
 use moat_proto::{AgentMsg, ClientMsg, Connection, ExecRequest, ExitStatus, Frame, StreamId, WinSize, WireError};
 use nix::sys::signal::{Signal, killpg};
-use nix::unistd::{Gid, Pid, Uid};
+use nix::unistd::Pid;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::unix::pipe;
 use tokio::sync::oneshot;
 
 use crate::error::{check_path, invalid, io_error};
 use crate::launcher::{Launch, Launcher, NotStarted};
-use crate::reaper::{Exit, Reaper, pid_of};
-use crate::users::{self, UserEntry};
+use crate::reaper::{Exit, Reaper};
+use crate::users;
 
 /// The longest timeout a request may ask for.
 const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -48,6 +47,10 @@ struct Prepared {
     timeout: Option<Duration>,
     /// uid, gid and groups to take, when not the agent's.
     user: Option<(u32, u32, Vec<u32>)>,
+    /// The `cgroup.procs` descriptors of the command's cgroups, joined by
+    /// the child before anything else (empty through a launcher, which
+    /// is in them already).
+    join: Vec<i32>,
 }
 
 /// Checks `req` and builds its command; the child joins the cgroups whose
@@ -111,56 +114,8 @@ fn prepare(req: &ExecRequest, join: Vec<i32>) -> Result<Prepared, WireError> {
         command.env("TERM", "xterm-256color");
     }
     command.envs(req.env.iter().map(|(k, v)| (k, v)));
-    become_user(&mut command, &user, req.pty.is_some(), join);
     let switch = (nix::unistd::geteuid().as_raw() != user.uid).then(|| (user.uid, user.gid, user.groups.clone()));
-    Ok(Prepared { command, pty: req.pty, stdin: req.stdin, timeout, user: switch })
-}
-
-/// Makes the child join its command's cgroups (`join`), lead a new session
-/// (and so a new process group), take its PTY as controlling terminal, and
-/// drop to `user`.
-fn become_user(command: &mut Command, user: &UserEntry, pty: bool, join: Vec<i32>) {
-    let me = nix::unistd::geteuid();
-    let switch = me.as_raw() != user.uid;
-    if !switch && !pty && join.is_empty() {
-        // Nothing to do between fork and exec but leave the caller's process
-        // group: std can then use posix_spawn (a vfork), far cheaper than
-        // fork for a multi-threaded parent.
-        command.process_group(0);
-        return;
-    }
-    let uid = Uid::from_raw(user.uid);
-    let gid = Gid::from_raw(user.gid);
-    let groups: Vec<Gid> = user.groups.iter().copied().map(Gid::from_raw).collect();
-    let setup = move || child_setup(&join, pty, switch.then_some((uid, gid, groups.as_slice())));
-    // SAFETY: `setup` runs in the forked child before exec and only makes
-    // async-signal-safe system calls (see `child_setup`); it allocates
-    // nothing: `groups` and `join` were built before the fork.
-    unsafe {
-        command.pre_exec(setup);
-    }
-}
-
-/// Runs in the child between fork and exec: the command's cgroups (while
-/// the child still has the agent's credentials, which may move it), new
-/// session, controlling terminal, credentials. System calls only: no
-/// allocation, no locks.
-fn child_setup(join: &[i32], pty: bool, user: Option<(Uid, Gid, &[Gid])>) -> std::io::Result<()> {
-    crate::cgroup::join(join)?;
-    nix::unistd::setsid()?;
-    if pty {
-        // SAFETY: fd 0 is the PTY slave std installed as stdin; TIOCSCTTY
-        // takes an int argument and touches no memory of ours.
-        if unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0) } < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    if let Some((uid, gid, groups)) = user {
-        nix::unistd::setgroups(groups)?;
-        nix::unistd::setgid(gid)?;
-        nix::unistd::setuid(uid)?;
-    }
-    Ok(())
+    Ok(Prepared { command, pty: req.pty, stdin: req.stdin, timeout, user: switch, join })
 }
 
 /// A pseudo-terminal pair opened close-on-exec, so that no other process the
@@ -223,55 +178,10 @@ impl Streams {
     }
 }
 
-fn spawn(
-    reaper: &Reaper,
-    prepared: &mut Prepared,
-) -> Result<(std::process::Child, oneshot::Receiver<Exit>, Streams), WireError> {
-    let program = prepared.command.get_program().to_string_lossy().into_owned();
-    let spawn_error = |e: std::io::Error| spawn_error(&program, &e);
-    let io = |what: &str, e: std::io::Error| io_error(what, &e);
-    if let Some(size) = prepared.pty {
-        let ws = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
-        let pty = open_pty(&ws).map_err(|e| io("opening a pseudo-terminal", e))?;
-        let slave = |fd: &OwnedFd| fd.try_clone().map(Stdio::from).map_err(|e| io("duplicating the pty", e));
-        prepared.command.stdin(slave(&pty.slave)?).stdout(slave(&pty.slave)?).stderr(slave(&pty.slave)?);
-        let (child, exit) = reaper.spawn(&mut prepared.command).map_err(spawn_error)?;
-        // The command still holds copies of the slave: drop them, or the
-        // master never sees the terminal close.
-        prepared.command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
-        drop(pty.slave);
-        return Ok((child, exit, Streams::of_pty(pty.master)?));
-    }
-    let stdin = if prepared.stdin { Stdio::piped() } else { Stdio::null() };
-    prepared.command.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let (mut child, exit) = reaper.spawn(&mut prepared.command).map_err(spawn_error)?;
-    let streams = Streams {
-        stdin: match child.stdin.take() {
-            Some(s) => Some(pipe::Sender::from_owned_fd(s.into()).map_err(|e| io("stdin pipe", e))?),
-            None => None,
-        },
-        stdout: match child.stdout.take() {
-            Some(s) => Some(pipe::Receiver::from_owned_fd(s.into()).map_err(|e| io("stdout pipe", e))?),
-            None => None,
-        },
-        stderr: match child.stderr.take() {
-            Some(s) => Some(pipe::Receiver::from_owned_fd(s.into()).map_err(|e| io("stderr pipe", e))?),
-            None => None,
-        },
-        pty: None,
-    };
-    Ok((child, exit, streams))
-}
-
-/// Starts `prepared` through its cgroup's launcher ([`crate::launcher`]);
-/// returns the command's pid, its exit, and the agent's ends of its streams.
-async fn spawn_launched(
-    launcher: Launcher,
-    slot: crate::cgroup::LauncherSlot,
-    prepared: &Prepared,
-) -> Result<(i32, oneshot::Receiver<Exit>, Streams), WireError> {
+/// The command as a [`Launch`], the three streams its child gets, and
+/// the agent's ends of them.
+fn launch_of(prepared: &Prepared) -> Result<(Launch, [OwnedFd; 3], Streams), WireError> {
     let command = &prepared.command;
-    let program = command.get_program().to_string_lossy().into_owned();
     let io = |what: &str, e: std::io::Error| io_error(what, &e);
     let text = |s: &std::ffi::OsStr| s.to_string_lossy().into_owned();
     let launch = Launch {
@@ -305,14 +215,38 @@ async fn spawn_launched(
         };
         ([stdin_child, out_write, err_write], streams)
     };
+    Ok((launch, stdio, streams))
+}
+
+/// What a command that did not start says, by the step that failed.
+fn not_started(program: &str, NotStarted { errno, what }: NotStarted) -> WireError {
+    let e = std::io::Error::from_raw_os_error(errno);
+    if what == "exec" { spawn_error(program, &e) } else { io_error(&format!("starting {program} ({what})"), &e) }
+}
+
+/// Starts `prepared` from the agent itself ([`crate::spawn`]); returns
+/// the command's pid, its exit, and the agent's ends of its streams.
+fn spawn(reaper: &Reaper, prepared: &Prepared) -> Result<(i32, oneshot::Receiver<Exit>, Streams), WireError> {
+    let program = prepared.command.get_program().to_string_lossy().into_owned();
+    let (launch, stdio, streams) = launch_of(prepared)?;
+    match reaper.spawn_with(|| crate::spawn::start(&launch, stdio, &prepared.join)) {
+        Ok((pid, exit)) => Ok((pid, exit, streams)),
+        Err(why) => Err(not_started(&program, why)),
+    }
+}
+
+/// Starts `prepared` through its cgroup's launcher ([`crate::launcher`]);
+/// returns the command's pid, its exit, and the agent's ends of its streams.
+async fn spawn_launched(
+    launcher: Launcher,
+    slot: crate::cgroup::LauncherSlot,
+    prepared: &Prepared,
+) -> Result<(i32, oneshot::Receiver<Exit>, Streams), WireError> {
+    let program = prepared.command.get_program().to_string_lossy().into_owned();
+    let (launch, stdio, streams) = launch_of(prepared)?;
     match launcher.start(&launch, stdio, slot).await {
         Ok(Ok((pid, exit))) => Ok((pid, exit, streams)),
-        Ok(Err(NotStarted { errno, what })) if what == "exec" => {
-            Err(spawn_error(&program, &std::io::Error::from_raw_os_error(errno)))
-        }
-        Ok(Err(NotStarted { errno, what })) => {
-            Err(io_error(&format!("starting {program} ({what})"), &std::io::Error::from_raw_os_error(errno)))
-        }
+        Ok(Err(why)) => Err(not_started(&program, why)),
         Err(e) => Err(io_error(&format!("starting {program} through its cgroup's launcher"), &e)),
     }
 }
@@ -350,9 +284,7 @@ where
             let slot = cgroup.as_ref().map(crate::cgroup::ExecCgroup::launcher_slot).unwrap_or_default();
             spawn_launched(launcher, slot, &prepared).await.map(|(pid, exit, streams)| (prepared, pid, exit, streams))
         }
-        Ok(mut prepared) => spawn(&reaper, &mut prepared)
-            .map(|(child, exit, streams)| (pid_of(&child), exit, streams))
-            .map(|(pid, exit, streams)| (prepared, pid, exit, streams)),
+        Ok(prepared) => spawn(&reaper, &prepared).map(|(pid, exit, streams)| (prepared, pid, exit, streams)),
     };
     if let Some(cgroup) = cgroup.as_mut() {
         cgroup.joined();

@@ -9,7 +9,7 @@
 //!
 //! So each command cgroup of a v1 host gets a launcher: a small process of
 //! this binary (`moat-agent launcher`), moved into the cgroup once when the
-//! cgroup is made, that forks each command the agent asks for. A child is
+//! cgroup is made, that starts each command the agent asks for. A child is
 //! born in its parent's cgroups, so a command cgroup reused for the next
 //! command costs no migration at all. (cgroup v2 has `CLONE_INTO_CGROUP`
 //! for the same end; there the agent is a microVM's own PID 1, alone in its
@@ -22,11 +22,9 @@
 //! when it could not), then `{"code": C}` or `{"signal": S}` when it exits.
 //! The launcher ends when the agent closes the socket.
 //!
-//! Written by hand: the launcher is single-threaded and runs before and
-//! after `fork` what a `posix_spawn` cannot (session, controlling terminal,
-//! credentials); no crate spawns from a process of its own over a socket.
+//! Written by hand: no crate spawns from a process of its own over a
+//! socket. A command starts as the agent's own do ([`crate::spawn`]).
 
-use std::ffi::CString;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::process::{Command, Stdio};
@@ -340,174 +338,11 @@ fn reply(socket: &OwnedFd, value: &serde_json::Value) -> io::Result<()> {
     std::fs::File::from(socket.try_clone()?).write_all(&frame)
 }
 
-/// The stack the child of [`start`] runs on until it execs: its set-up is
-/// a few shallow calls. Allocated untouched (calloc of this size maps
-/// fresh pages), so only the pages it uses are ever made.
-const CHILD_STACK: usize = 256 << 10;
-
-/// Starts the command and waits until it has exec'd (its exec-error pipe
-/// closes) or failed (the pipe carries the errno of the failing step).
-///
-/// The child is made with `CLONE_VM | CLONE_VFORK`, as `posix_spawn(3)`
-/// makes its own: it runs in the launcher's memory, on a stack of its
-/// own, while the launcher waits, so no page table is copied and nothing
-/// is copied on write, and the exec drops no copy of the launcher. A fork
-/// cost each command about a third of the launcher's share of a start
-/// (docs/benchmarks.md). Written by hand because `posix_spawn` cannot
-/// take credentials or a controlling terminal (see the module's comment).
+/// Starts the command in this (already joined) cgroup: see
+/// [`crate::spawn::start`].
 fn start(launch: &Launch, stdio: Vec<OwnedFd>) -> Result<i32, NotStarted> {
-    let fail = |what: &str, errno: nix::errno::Errno| NotStarted { errno: errno as i32, what: what.to_owned() };
-    if stdio.len() != 3 {
-        return Err(fail("receiving the standard streams", nix::errno::Errno::EBADF));
-    }
-    let cstring = |s: &str| CString::new(s).map_err(|_| fail("reading the request", nix::errno::Errno::EINVAL));
-    let argv: Vec<CString> = launch.argv.iter().map(|a| cstring(a)).collect::<Result<_, _>>()?;
-    let env: Vec<CString> = launch.env.iter().map(|e| cstring(e)).collect::<Result<_, _>>()?;
-    let cwd = cstring(&launch.cwd)?;
-    let Some(program) = launch.argv.first() else { return Err(fail("reading the request", nix::errno::Errno::EINVAL)) };
-    let candidates: Vec<CString> = if program.contains('/') {
-        vec![cstring(program)?]
-    } else {
-        let path = launch.env.iter().find_map(|e| e.strip_prefix("PATH=")).unwrap_or("/usr/bin:/bin");
-        path.split(':')
-            .map(|dir| if dir.is_empty() { "." } else { dir })
-            .map(|dir| cstring(&format!("{dir}/{program}")))
-            .collect::<Result<_, _>>()?
-    };
-    let null_terminated = |strings: &[CString]| -> Vec<*const libc::c_char> {
-        strings.iter().map(|s| s.as_ptr()).chain(std::iter::once(std::ptr::null())).collect()
-    };
-    let (report_read, report_write) =
-        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| fail("making a pipe", e))?;
-    let prepared = Prepared {
-        stdio: stdio.iter().map(AsRawFd::as_raw_fd).collect(),
-        argv: null_terminated(&argv),
-        env: null_terminated(&env),
-        cwd: &cwd,
-        candidates: &candidates,
-        user: launch.user.as_ref().map(|(uid, gid, groups)| (*uid, *gid, groups.as_slice())),
-        pty: launch.pty,
-        report: report_write.as_raw_fd(),
-    };
-    let mut stack = vec![0u8; CHILD_STACK];
-    // The stack grows down from its end, aligned as the ABI wants.
-    let top = (stack.as_mut_ptr() as usize + stack.len()) & !0xf;
-    // SAFETY: the child runs `child_entry` on `stack` with `prepared`,
-    // both alive until clone returns: CLONE_VFORK suspends this thread
-    // until the child has exec'd or exited, and the launcher is
-    // single-threaded, so no other thread runs in the memory the child
-    // shares. The child allocates nothing and takes no lock (see `child`).
-    let pid = unsafe {
-        libc::clone(
-            child_entry,
-            top as *mut libc::c_void,
-            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-            std::ptr::from_ref(&prepared).cast_mut().cast(),
-        )
-    };
-    drop(stack);
-    if pid < 0 {
-        return Err(fail("starting the command", nix::errno::Errno::last()));
-    }
-    drop(report_write);
-    drop(stdio);
-    let mut report = Vec::new();
-    let _ = std::fs::File::from(report_read).read_to_end(&mut report);
-    if report.len() < 4 {
-        return Ok(pid);
-    }
-    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
-    let errno = i32::from_le_bytes([report[0], report[1], report[2], report[3]]);
-    Err(NotStarted { errno, what: String::from_utf8_lossy(&report[4..]).into_owned() })
-}
-
-/// Everything the child of [`start`] uses, made before the clone: it runs
-/// in the launcher's memory and allocates nothing.
-struct Prepared<'a> {
-    stdio: Vec<RawFd>,
-    /// Null-terminated arrays of pointers into the request's strings.
-    argv: Vec<*const libc::c_char>,
-    env: Vec<*const libc::c_char>,
-    cwd: &'a CString,
-    candidates: &'a [CString],
-    user: Option<(u32, u32, &'a [u32])>,
-    pty: bool,
-    /// The exec-error pipe's writing end (close-on-exec).
-    report: RawFd,
-}
-
-/// The child's entry: sets up and execs, or reports the failing step on
-/// the pipe and exits.
-extern "C" fn child_entry(arg: *mut libc::c_void) -> libc::c_int {
-    // SAFETY: `arg` is the `Prepared` that `start` keeps alive while this
-    // child runs (its thread waits, CLONE_VFORK).
-    let prepared = unsafe { &*arg.cast::<Prepared<'_>>() };
-    let (errno, what) = child(prepared);
-    let code = (errno as i32).to_le_bytes();
-    // SAFETY: plain writes of buffers that outlive the calls, then _exit,
-    // which ends the child at once, running nothing of the launcher's (no
-    // atexit handlers, no buffered output).
-    unsafe {
-        libc::write(prepared.report, code.as_ptr().cast(), code.len());
-        libc::write(prepared.report, what.as_ptr().cast(), what.len());
-        libc::_exit(127)
-    }
-}
-
-/// The child's set-up; returns only on failure, with the errno and the
-/// step. System calls only, made directly: glibc's wrappers for the
-/// credential calls may signal the other threads of the process whose
-/// memory this child shares.
-fn child(prepared: &Prepared<'_>) -> (nix::errno::Errno, &'static str) {
-    let failed = |what| (nix::errno::Errno::last(), what);
-    for (target, fd) in (0..).zip(&prepared.stdio) {
-        // dup2 clears close-on-exec on the copy: the command keeps 0, 1, 2.
-        // SAFETY: `fd` is open in this process; dup2 touches no memory.
-        if unsafe { libc::dup2(*fd, target) } < 0 {
-            return failed("setting up the standard streams");
-        }
-    }
-    // SAFETY: each call below passes only integers, or pointers to
-    // buffers `start` keeps alive (the working directory, the groups,
-    // argv and the environment, null-terminated).
-    unsafe {
-        // Rust ignores SIGPIPE in its programs, and an ignored signal
-        // stays ignored across exec: the command gets the default back.
-        // The child has its own copy of the dispositions (no
-        // CLONE_SIGHAND): the launcher's stay as they are.
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-        if libc::setsid() < 0 {
-            return failed("starting a session");
-        }
-        if prepared.pty && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-            return failed("taking the terminal");
-        }
-        if libc::chdir(prepared.cwd.as_ptr()) < 0 {
-            return failed("entering the working directory");
-        }
-        if let Some((uid, gid, groups)) = prepared.user {
-            if libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) < 0 {
-                return failed("setting groups");
-            }
-            if libc::syscall(libc::SYS_setresgid, gid, gid, gid) < 0 {
-                return failed("setting the group id");
-            }
-            if libc::syscall(libc::SYS_setresuid, uid, uid, uid) < 0 {
-                return failed("setting the user id");
-            }
-        }
-    }
-    // As execvp(3): the first candidate that execs; EACCES from any of them
-    // wins over a later ENOENT.
-    let mut error = nix::errno::Errno::ENOENT;
-    for candidate in prepared.candidates {
-        // SAFETY: null-terminated arrays of pointers to live C strings.
-        unsafe { libc::execve(candidate.as_ptr(), prepared.argv.as_ptr(), prepared.env.as_ptr()) };
-        match nix::errno::Errno::last() {
-            nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR => {}
-            nix::errno::Errno::EACCES => error = nix::errno::Errno::EACCES,
-            other => return (other, "exec"),
-        }
-    }
-    (error, "exec")
+    let stdio: [OwnedFd; 3] = stdio
+        .try_into()
+        .map_err(|_| NotStarted { errno: libc::EBADF, what: "receiving the standard streams".into() })?;
+    crate::spawn::start(launch, stdio, &[])
 }

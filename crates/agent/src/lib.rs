@@ -30,6 +30,7 @@ pub mod pidfd;
 pub mod reaper;
 pub mod seccomp;
 pub mod server;
+pub mod spawn;
 pub mod tarball;
 pub mod users;
 

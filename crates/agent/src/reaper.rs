@@ -66,6 +66,17 @@ impl Reaper {
         Ok((child, rx))
     }
 
+    /// [`Reaper::spawn`] for a child that `start` makes and returns the
+    /// pid of (or why it did not start): registered under the same lock,
+    /// so that its exit cannot be reaped before it is waited for.
+    pub fn spawn_with<E>(&self, start: impl FnOnce() -> Result<i32, E>) -> Result<(i32, oneshot::Receiver<Exit>), E> {
+        let mut waiting = self.lock();
+        let pid = start()?;
+        let (tx, rx) = oneshot::channel();
+        waiting.insert(pid, tx);
+        Ok((pid, rx))
+    }
+
     /// Reaps every child that has exited.
     pub fn reap(&self) {
         let mut waiting = self.lock();
