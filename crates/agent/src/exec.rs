@@ -229,7 +229,7 @@ fn not_started(program: &str, NotStarted { errno, what }: NotStarted) -> WireErr
 fn spawn(reaper: &Reaper, prepared: &Prepared) -> Result<(i32, oneshot::Receiver<Exit>, Streams), WireError> {
     let program = prepared.command.get_program().to_string_lossy().into_owned();
     let (launch, stdio, streams) = launch_of(prepared)?;
-    match reaper.spawn_with(|| crate::spawn::start(&launch, stdio, &prepared.join)) {
+    match reaper.spawn(|| crate::spawn::start(&launch, stdio, &prepared.join)) {
         Ok((pid, exit)) => Ok((pid, exit, streams)),
         Err(why) => Err(not_started(&program, why)),
     }

@@ -27,7 +27,6 @@
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::process::{Command, Stdio};
 
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 use tokio::io::unix::AsyncFd;
@@ -122,30 +121,23 @@ impl Launcher {
             None,
             nix::sys::socket::SockFlag::SOCK_CLOEXEC,
         )?;
-        let mut command = Command::new(program);
-        std::os::unix::process::CommandExt::arg0(&mut command, "moat-agent");
-        command.arg(SUBCOMMAND).env_clear().stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
-        let join = join.to_vec();
-        let theirs_fd = theirs.as_raw_fd();
-        let setup = move || {
-            crate::cgroup::join(&join)?;
-            // dup2 leaves the copy open across exec (no close-on-exec).
-            // SAFETY: both descriptors are open in this child; dup2 touches
-            // no memory.
-            if unsafe { libc::dup2(theirs_fd, SOCKET_FD) } < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
+        let null = || std::fs::File::open("/dev/null").map(OwnedFd::from);
+        let program = program.to_string_lossy();
+        let launch = Launch {
+            argv: vec!["moat-agent".into(), SUBCOMMAND.into()],
+            env: Vec::new(),
+            cwd: "/".into(),
+            user: None,
+            pty: false,
         };
-        // SAFETY: `setup` runs in the forked child before exec and makes
-        // only async-signal-safe system calls (write(2) and dup2(2)); `join`
-        // was built before the fork.
-        unsafe {
-            std::os::unix::process::CommandExt::pre_exec(&mut command, setup);
-        }
-        let (child, _exit) = reaper.spawn(&mut command)?;
+        let extras = crate::spawn::Extras { program: Some(&program), fd3: Some(&theirs) };
+        let stdio = [null()?, null()?, null()?];
+        let (pid, _exit) = reaper.spawn(|| crate::spawn::start_with(&launch, stdio, join, &extras)).map_err(
+            |NotStarted { errno, what }| {
+                io::Error::new(io::Error::from_raw_os_error(errno).kind(), format!("starting a launcher ({what})"))
+            },
+        )?;
         drop(theirs);
-        let pid = crate::reaper::pid_of(&child);
         nix::fcntl::fcntl(&ours, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK))?;
         Ok(Self { pid, socket: ours })
     }

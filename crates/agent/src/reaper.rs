@@ -9,7 +9,7 @@
 //! with the loop.
 
 use std::collections::HashMap;
-use std::process::{Child, Command};
+use std::process::Child;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use nix::errno::Errno;
@@ -57,19 +57,11 @@ impl Reaper {
         self.waiting.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Spawns `command` and returns the child with a receiver of its exit.
-    pub fn spawn(&self, command: &mut Command) -> std::io::Result<(Child, oneshot::Receiver<Exit>)> {
-        let mut waiting = self.lock();
-        let child = command.spawn()?;
-        let (tx, rx) = oneshot::channel();
-        waiting.insert(pid_of(&child), tx);
-        Ok((child, rx))
-    }
-
-    /// [`Reaper::spawn`] for a child that `start` makes and returns the
-    /// pid of (or why it did not start): registered under the same lock,
-    /// so that its exit cannot be reaped before it is waited for.
-    pub fn spawn_with<E>(&self, start: impl FnOnce() -> Result<i32, E>) -> Result<(i32, oneshot::Receiver<Exit>), E> {
+    /// A child that `start` makes (see [`crate::spawn`]) and returns the
+    /// pid of, or why it did not start, with a receiver of its exit:
+    /// registered under the lock the reaping takes, so that its exit cannot
+    /// be reaped before it is waited for.
+    pub fn spawn<E>(&self, start: impl FnOnce() -> Result<i32, E>) -> Result<(i32, oneshot::Receiver<Exit>), E> {
         let mut waiting = self.lock();
         let pid = start()?;
         let (tx, rx) = oneshot::channel();

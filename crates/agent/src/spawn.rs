@@ -42,12 +42,33 @@ const CHILD_STACK: usize = 256 << 10;
 /// no signal blocked and every signal the caller handles or ignores back
 /// at its default.
 pub fn start(launch: &Launch, stdio: [OwnedFd; 3], join: &[RawFd]) -> Result<i32, NotStarted> {
+    start_with(launch, stdio, join, &Extras::default())
+}
+
+/// What some starts add to a [`Launch`].
+#[derive(Debug, Default)]
+pub struct Extras<'a> {
+    /// The program to run, when not `argv[0]` (which it then only names).
+    pub program: Option<&'a str>,
+    /// A descriptor the command finds as its descriptor 3.
+    pub fd3: Option<&'a OwnedFd>,
+}
+
+/// [`start`], with [`Extras`].
+pub fn start_with(
+    launch: &Launch,
+    stdio: [OwnedFd; 3],
+    join: &[RawFd],
+    extras: &Extras<'_>,
+) -> Result<i32, NotStarted> {
     let fail = |what: &str, errno: nix::errno::Errno| NotStarted { errno: errno as i32, what: what.to_owned() };
     let cstring = |s: &str| CString::new(s).map_err(|_| fail("reading the request", nix::errno::Errno::EINVAL));
     let argv: Vec<CString> = launch.argv.iter().map(|a| cstring(a)).collect::<Result<_, _>>()?;
     let env: Vec<CString> = launch.env.iter().map(|e| cstring(e)).collect::<Result<_, _>>()?;
     let cwd = cstring(&launch.cwd)?;
-    let Some(program) = launch.argv.first() else { return Err(fail("reading the request", nix::errno::Errno::EINVAL)) };
+    let Some(program) = extras.program.or(launch.argv.first().map(String::as_str)) else {
+        return Err(fail("reading the request", nix::errno::Errno::EINVAL));
+    };
     let candidates: Vec<CString> = if program.contains('/') {
         vec![cstring(program)?]
     } else {
@@ -60,24 +81,29 @@ pub fn start(launch: &Launch, stdio: [OwnedFd; 3], join: &[RawFd]) -> Result<i32
     let null_terminated = |strings: &[CString]| -> Vec<*const libc::c_char> {
         strings.iter().map(|s| s.as_ptr()).chain(std::iter::once(std::ptr::null())).collect()
     };
-    // The child moves each stream onto 0, 1 and 2 in turn: none may sit
-    // there already, where an earlier move would overwrite it.
-    let stdio: Vec<OwnedFd> = stdio
-        .into_iter()
-        .map(|fd| {
-            if fd.as_raw_fd() > 2 {
-                return Ok(fd);
-            }
-            nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(3))
-                // SAFETY: F_DUPFD_CLOEXEC just returned this new descriptor.
-                .map(|raw| unsafe { std::os::fd::FromRawFd::from_raw_fd(raw) })
-                .map_err(|e| fail("setting up the standard streams", e))
-        })
-        .collect::<Result<_, _>>()?;
+    // The child moves each stream onto 0, 1, 2 (and 3) in turn: none may
+    // sit there already, where an earlier move would overwrite it.
+    let above_3 = |fd: &OwnedFd| -> Result<Option<OwnedFd>, NotStarted> {
+        if fd.as_raw_fd() > 3 {
+            return Ok(None);
+        }
+        nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(4))
+            // SAFETY: F_DUPFD_CLOEXEC just returned this new descriptor.
+            .map(|raw| Some(unsafe { std::os::fd::FromRawFd::from_raw_fd(raw) }))
+            .map_err(|e| fail("setting up the standard streams", e))
+    };
+    let stdio: Vec<OwnedFd> =
+        stdio.into_iter().map(|fd| Ok(above_3(&fd)?.unwrap_or(fd))).collect::<Result<_, NotStarted>>()?;
+    let fd3_copy = match extras.fd3 {
+        Some(fd) => above_3(fd)?,
+        None => None,
+    };
+    let fd3 = fd3_copy.as_ref().or(extras.fd3).map(AsRawFd::as_raw_fd);
     let (report_read, report_write) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| fail("making a pipe", e))?;
     let prepared = Prepared {
         stdio: [stdio[0].as_raw_fd(), stdio[1].as_raw_fd(), stdio[2].as_raw_fd()],
+        fd3,
         join,
         argv: null_terminated(&argv),
         env: null_terminated(&env),
@@ -115,6 +141,7 @@ pub fn start(launch: &Launch, stdio: [OwnedFd; 3], join: &[RawFd]) -> Result<i32
     }
     drop(report_write);
     drop(stdio);
+    drop(fd3_copy);
     let mut report = Vec::new();
     let _ = std::fs::File::from(report_read).read_to_end(&mut report);
     if report.len() < 4 {
@@ -167,6 +194,7 @@ struct KernelSigaction {
 /// Everything the child uses, made before the clone.
 struct Prepared<'a> {
     stdio: [RawFd; 3],
+    fd3: Option<RawFd>,
     /// `cgroup.procs` descriptors to write the child's pid to.
     join: &'a [RawFd],
     /// Null-terminated arrays of pointers into the request's strings.
@@ -231,8 +259,8 @@ fn child(prepared: &Prepared<'_>) -> (nix::errno::Errno, &'static str) {
                 return failed("joining the command's cgroup");
             }
         }
-        for (target, fd) in (0..).zip(prepared.stdio) {
-            // dup2 clears close-on-exec on the copy: the command keeps 0, 1, 2.
+        for (target, fd) in (0..).zip(prepared.stdio.into_iter().chain(prepared.fd3)) {
+            // dup2 clears close-on-exec on the copy: the command keeps 0, 1, 2 (and 3).
             if libc::dup2(fd, target) < 0 {
                 return failed("setting up the standard streams");
             }
