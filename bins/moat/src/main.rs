@@ -72,7 +72,8 @@ enum ImageCommand {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run a command in a fresh sandbox, streaming its output; exits with its exit code.
+    /// Run a command in a fresh sandbox, streaming its output; exits with its exit code. Piped or
+    /// redirected input goes to the command; a terminal's does not (use `moat shell`).
     Run {
         #[command(flatten)]
         sandbox: SandboxArgs,
@@ -230,10 +231,39 @@ async fn interrupted() {
 
 async fn run_command(args: SandboxArgs, cmd: Vec<String>) -> Result<ExitCode> {
     let (moat, id) = start(&args).await?;
+    // Piped or redirected input goes to the command (`… | moat run -- cat`);
+    // a terminal's stays here, as `docker run` without `-i` leaves it
+    // (`moat shell` is for typing into a sandbox).
+    let piped = !std::io::IsTerminal::is_terminal(&std::io::stdin());
     let result = async {
-        let mut handle = moat.exec(&id, ExecRequest::argv(cmd)).await?;
+        let mut request = ExecRequest::argv(cmd);
+        request.stdin = piped;
+        let mut handle = moat.exec(&id, request).await?;
         let mut stdout = handle.take_stdout().ok_or("no stdout")?;
         let mut stderr = handle.take_stderr().ok_or("no stderr")?;
+        if let Some(mut stdin) = handle.take_stdin() {
+            // Read on a thread of its own, not the runtime's: a writer that
+            // never closes the pipe (`sleep 100 | moat run -- true`) must
+            // not keep this process from exiting once the command is done.
+            let (tx, mut rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(4);
+            std::thread::spawn(move || {
+                let mut input = std::io::stdin().lock();
+                let mut buf = vec![0u8; 64 << 10];
+                while let Ok(n @ 1..) = std::io::Read::read(&mut input, &mut buf) {
+                    if tx.blocking_send(bytes::Bytes::copy_from_slice(&buf[..n])).is_err() {
+                        return;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                while let Some(chunk) = rx.recv().await {
+                    if stdin.write(chunk).await.is_err() {
+                        return;
+                    }
+                }
+                let _ = stdin.close().await;
+            });
+        }
         let copy_out = async {
             let mut out = std::io::stdout();
             while let Some(chunk) = stdout.recv().await {

@@ -10,13 +10,21 @@ fn moat(args: &[&str]) -> std::process::Output {
 
 /// `moat args…` with `env` added to its environment.
 fn moat_with(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> std::process::Output {
+    let mut command = moat_command(args);
+    command.envs(env.iter().copied());
+    command.output().expect("moat runs")
+}
+
+/// `moat args…`, finding the static agent of this tree unless
+/// `MOAT_AGENT` names one.
+fn moat_command(args: &[&str]) -> Command {
     let mut command = Command::new(MOAT);
-    command.args(args).envs(env.iter().copied());
+    command.args(args);
     if std::env::var_os("MOAT_AGENT").is_none() {
         let agent = concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/x86_64-unknown-linux-gnu/release/moat-agent");
         command.env("MOAT_AGENT", agent);
     }
-    command.output().expect("moat runs")
+    command
 }
 
 #[test]
@@ -28,6 +36,30 @@ fn run_streams_output_and_passes_the_exit_code_through() {
     assert_eq!(String::from_utf8_lossy(&out.stderr), "err\n");
     let killed = moat(&["run", "--", "sh", "-c", "kill -9 $$"]);
     assert_eq!(killed.status.code(), Some(137), "{killed:?}");
+}
+
+/// Piped input reaches the command, to its end; and a writer that never
+/// closes the pipe does not keep `moat run` once the command is done.
+#[test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+fn run_passes_piped_input_to_the_command() {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = moat_command(&["run", "--", "sh", "-c", "wc -c; echo end"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("moat runs");
+    let mut input = child.stdin.take().expect("stdin");
+    let writer = std::thread::spawn(move || input.write_all(&vec![b'x'; 3 << 20]));
+    let out = child.wait_with_output().expect("moat ends");
+    writer.join().expect("the writer").expect("all input taken");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).split_whitespace().collect::<Vec<_>>(), ["3145728", "end"]);
+
+    let mut child = moat_command(&["run", "--", "true"]).stdin(Stdio::piped()).spawn().expect("moat runs");
+    let _open = child.stdin.take();
+    let status = child.wait().expect("moat ends while its input is still open");
+    assert!(status.success(), "{status}");
 }
 
 #[test]
