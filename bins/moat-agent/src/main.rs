@@ -227,9 +227,16 @@ async fn run(init_mode: bool, listen: ListenAddr) -> ExitCode {
                 }
             }
             tracing::info!(?listen, "listening");
+            // The accept loop on a worker, not this thread (which only
+            // waits for signals): a connection then starts on the worker
+            // that saw it, with no thread woken in between.
+            let serving = tokio::spawn(agent.clone().serve(listener));
             tokio::select! {
-                result = agent.clone().serve(listener) => {
-                    let e = result.err().map_or_else(|| "listener closed".to_owned(), |e| e.to_string());
+                result = serving => {
+                    let e = match result {
+                        Ok(result) => result.err().map_or_else(|| "listener closed".to_owned(), |e| e.to_string()),
+                        Err(e) => format!("the accept loop failed: {e}"),
+                    };
                     eprintln!("moat-agent: {e}");
                     ExitCode::FAILURE
                 }
