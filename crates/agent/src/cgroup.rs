@@ -928,13 +928,14 @@ fn rss_kib(pid: i32) -> u64 {
 }
 
 /// Moves the calling process into the cgroups whose `cgroup.procs` files
-/// `fds` are. Runs between fork and exec: one `write(2)` per file, nothing
-/// that allocates or locks.
+/// `fds` are. Runs in a command's child before its exec
+/// ([`crate::spawn`]): one `write(2)` per file, nothing that allocates or
+/// locks.
 pub fn join(fds: &[i32]) -> std::io::Result<()> {
     for &fd in fds {
         // SAFETY: `fd` is an open descriptor the parent opened for this
-        // child (kept open across the fork); write(2) reads the one static
-        // byte and is async-signal-safe.
+        // child; write(2) reads the one static byte and is
+        // async-signal-safe.
         if unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) } < 0 {
             return Err(std::io::Error::last_os_error());
         }

@@ -8,7 +8,6 @@
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -41,16 +40,22 @@ const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 
 /// A checked request, ready to spawn.
 struct Prepared {
-    command: Command,
+    /// What the child runs, as a launcher takes it.
+    launch: Launch,
     pty: Option<WinSize>,
     stdin: bool,
     timeout: Option<Duration>,
-    /// uid, gid and groups to take, when not the agent's.
-    user: Option<(u32, u32, Vec<u32>)>,
     /// The `cgroup.procs` descriptors of the command's cgroups, joined by
     /// the child before anything else (empty through a launcher, which
     /// is in them already).
     join: Vec<i32>,
+}
+
+impl Prepared {
+    /// The program, as the request named it.
+    fn program(&self) -> &str {
+        self.launch.argv.first().map_or("", String::as_str)
+    }
 }
 
 /// Checks `req` and builds its command; the child joins the cgroups whose
@@ -101,21 +106,31 @@ fn prepare(req: &ExecRequest, join: Vec<i32>) -> Result<Prepared, WireError> {
         None => "/".into(),
     };
 
-    let mut command = Command::new(program);
-    command.args(&argv[1..]).current_dir(cwd).env_clear();
-    command
-        .env("PATH", DEFAULT_PATH)
-        .env("HOME", &user.home)
-        .env("USER", &user.name)
-        .env("LOGNAME", &user.name)
-        .env("SHELL", &user.shell)
-        .env("LANG", "C.UTF-8");
+    // The request's variables override moat's own, each name once.
+    let home = user.home.to_string_lossy();
+    let mut env: std::collections::BTreeMap<&str, &str> = [
+        ("PATH", DEFAULT_PATH),
+        ("HOME", &*home),
+        ("USER", &user.name),
+        ("LOGNAME", &user.name),
+        ("SHELL", &user.shell),
+        ("LANG", "C.UTF-8"),
+    ]
+    .into_iter()
+    .collect();
     if req.pty.is_some() {
-        command.env("TERM", "xterm-256color");
+        env.insert("TERM", "xterm-256color");
     }
-    command.envs(req.env.iter().map(|(k, v)| (k, v)));
+    env.extend(req.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     let switch = (nix::unistd::geteuid().as_raw() != user.uid).then(|| (user.uid, user.gid, user.groups.clone()));
-    Ok(Prepared { command, pty: req.pty, stdin: req.stdin, timeout, user: switch, join })
+    let launch = Launch {
+        env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
+        argv,
+        cwd: cwd.to_string_lossy().into_owned(),
+        user: switch,
+        pty: req.pty.is_some(),
+    };
+    Ok(Prepared { launch, pty: req.pty, stdin: req.stdin, timeout, join })
 }
 
 /// A pseudo-terminal pair opened close-on-exec, so that no other process the
@@ -178,19 +193,10 @@ impl Streams {
     }
 }
 
-/// The command as a [`Launch`], the three streams its child gets, and
-/// the agent's ends of them.
-fn launch_of(prepared: &Prepared) -> Result<(Launch, [OwnedFd; 3], Streams), WireError> {
-    let command = &prepared.command;
+/// The three streams the command's child gets, and the agent's ends of
+/// them.
+fn streams_of(prepared: &Prepared) -> Result<([OwnedFd; 3], Streams), WireError> {
     let io = |what: &str, e: std::io::Error| io_error(what, &e);
-    let text = |s: &std::ffi::OsStr| s.to_string_lossy().into_owned();
-    let launch = Launch {
-        argv: std::iter::once(command.get_program()).chain(command.get_args()).map(text).collect(),
-        env: command.get_envs().filter_map(|(k, v)| Some(format!("{}={}", text(k), text(v?)))).collect(),
-        cwd: command.get_current_dir().map_or_else(|| "/".into(), |d| d.to_string_lossy().into_owned()),
-        user: prepared.user.clone(),
-        pty: prepared.pty.is_some(),
-    };
     let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| io("making a pipe", e.into()));
     let (stdio, streams) = if let Some(size) = prepared.pty {
         let ws = libc::winsize { ws_row: size.rows, ws_col: size.cols, ws_xpixel: 0, ws_ypixel: 0 };
@@ -215,7 +221,7 @@ fn launch_of(prepared: &Prepared) -> Result<(Launch, [OwnedFd; 3], Streams), Wir
         };
         ([stdin_child, out_write, err_write], streams)
     };
-    Ok((launch, stdio, streams))
+    Ok((stdio, streams))
 }
 
 /// What a command that did not start says, by the step that failed.
@@ -227,11 +233,10 @@ fn not_started(program: &str, NotStarted { errno, what }: NotStarted) -> WireErr
 /// Starts `prepared` from the agent itself ([`crate::spawn`]); returns
 /// the command's pid, its exit, and the agent's ends of its streams.
 fn spawn(reaper: &Reaper, prepared: &Prepared) -> Result<(i32, oneshot::Receiver<Exit>, Streams), WireError> {
-    let program = prepared.command.get_program().to_string_lossy().into_owned();
-    let (launch, stdio, streams) = launch_of(prepared)?;
-    match reaper.spawn(|| crate::spawn::start(&launch, stdio, &prepared.join)) {
+    let (stdio, streams) = streams_of(prepared)?;
+    match reaper.spawn(|| crate::spawn::start(&prepared.launch, stdio, &prepared.join)) {
         Ok((pid, exit)) => Ok((pid, exit, streams)),
-        Err(why) => Err(not_started(&program, why)),
+        Err(why) => Err(not_started(prepared.program(), why)),
     }
 }
 
@@ -242,11 +247,11 @@ async fn spawn_launched(
     slot: crate::cgroup::LauncherSlot,
     prepared: &Prepared,
 ) -> Result<(i32, oneshot::Receiver<Exit>, Streams), WireError> {
-    let program = prepared.command.get_program().to_string_lossy().into_owned();
-    let (launch, stdio, streams) = launch_of(prepared)?;
-    match launcher.start(&launch, stdio, slot).await {
+    let program = prepared.program();
+    let (stdio, streams) = streams_of(prepared)?;
+    match launcher.start(&prepared.launch, stdio, slot).await {
         Ok(Ok((pid, exit))) => Ok((pid, exit, streams)),
-        Ok(Err(why)) => Err(not_started(&program, why)),
+        Ok(Err(why)) => Err(not_started(program, why)),
         Err(e) => Err(io_error(&format!("starting {program} through its cgroup's launcher"), &e)),
     }
 }

@@ -254,10 +254,8 @@ fn child(prepared: &Prepared<'_>) -> (nix::errno::Errno, &'static str) {
         libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
         // The cgroups first, while the child has the agent's credentials,
         // which may move it.
-        for &procs in prepared.join {
-            if libc::write(procs, b"0".as_ptr().cast(), 1) < 0 {
-                return failed("joining the command's cgroup");
-            }
+        if crate::cgroup::join(prepared.join).is_err() {
+            return failed("joining the command's cgroup");
         }
         for (target, fd) in (0..).zip(prepared.stdio.into_iter().chain(prepared.fd3)) {
             // dup2 clears close-on-exec on the copy: the command keeps 0, 1, 2 (and 3).
