@@ -164,6 +164,11 @@ struct Names {
     /// hierarchy costs more than the rest of an exec, and moving a process
     /// into one stalls every fork on the host ([`crate::launcher`]).
     free: Vec<(String, Option<Launcher>)>,
+    /// The counters, at its command's start, of each cgroup whose command
+    /// left processes running in it: what that command alone counted is
+    /// what [`UserCgroups::reclaim`] judges (a reused cgroup's counters
+    /// also hold its earlier commands' events).
+    left: std::collections::HashMap<String, Counters>,
 }
 
 /// How many empty command cgroups are kept for reuse.
@@ -394,20 +399,29 @@ impl UserCgroups {
     fn kill_runaways(&self) -> Vec<String> {
         let mut killed = Vec::new();
         for dir in self.idle_exec_dirs() {
-            let exec = ExecCgroup::existing(&self.hierarchies, &dir);
+            let mut exec = ExecCgroup::existing(&self.hierarchies, &dir);
+            exec.baseline = self.names().left.get(&dir).copied().unwrap_or_default();
             if exec.process_count() > 0 && exec.reached_limit().is_some() {
                 let top = exec.top_processes();
                 let count = exec.kill();
                 killed.push(format!("{count} processes of an earlier command that reached a limit ({top})"));
             }
-            exec.remove_if_empty();
+            self.remove_idle(&exec);
         }
         killed
     }
 
     fn sweep(&self) {
         for dir in self.idle_exec_dirs() {
-            ExecCgroup::existing(&self.hierarchies, &dir).remove_if_empty();
+            self.remove_idle(&ExecCgroup::existing(&self.hierarchies, &dir));
+        }
+    }
+
+    /// Removes an earlier command's cgroup once its processes are gone.
+    fn remove_idle(&self, exec: &ExecCgroup) {
+        if exec.process_count() == 0 {
+            exec.remove();
+            self.names().left.remove(&exec.name);
         }
     }
 
@@ -719,33 +733,31 @@ impl ExecCgroup {
         }
     }
 
-    /// Removes the command's directories (only empty ones go).
-    pub fn remove_if_empty(&self) {
-        if self.process_count() == 0 {
-            self.remove();
-        }
-    }
-
     /// Hands a command's cgroup back once the command is done: kept for
     /// the next command when empty (up to [`KEPT_FREE`]), removed when
     /// empty beyond that, left to the sweep while background processes run
-    /// in it. With `defer_launcher`, a clean cgroup that has no launcher
+    /// in it. With `defer_launcher`, an empty cgroup that has no launcher
     /// yet (on cgroup v1) stays active and is returned for
     /// [`ExecCgroup::equip`] once the command's answer is sent.
+    ///
+    /// One whose command reached a limit is reused too, once its processes
+    /// are killed: each command reads its own baseline of the counters.
+    /// Making a fresh one for each command of a sandbox that keeps
+    /// reaching its limit (a fork bomb lit again and again) would move a
+    /// process into a new cgroup each time, and on cgroup v1 every such
+    /// move stalls every fork on the host ([`crate::launcher`]).
     pub fn release(&self, defer_launcher: bool) -> bool {
         let Some(owner) = self.owner else { return false };
         if self.released.swap(true, Ordering::SeqCst) {
             return false;
         }
         let empty = self.process_count() == 0;
-        // One that counted a limit is not reused: the counters of a cgroup
-        // left with background processes must be its last command's alone,
-        // for [`UserCgroups::reclaim`].
-        let counted = self.counters();
-        let clean = counted.pids_max == 0 && counted.oom_kills == 0;
         let launcher = self.take_launcher();
         let mut names = owner.names();
-        if empty && clean && names.free.len() < KEPT_FREE {
+        if !empty {
+            names.left.insert(self.name.clone(), self.baseline);
+        }
+        if empty && names.free.len() < KEPT_FREE {
             if launcher.is_none() && owner.launchers() && defer_launcher {
                 return true;
             }

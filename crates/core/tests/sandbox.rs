@@ -1214,13 +1214,15 @@ fn microvm_sandboxes_pass_the_same_contract_in_the_nested_host() {
 /// this host has shown already:
 /// - jail-only subjects, which return at once for microVMs: the host
 ///   kernel's surface, cgroup v1 launchers, reclaiming a background bomb
-///   through the host's cgroups, a full data disk under a jail's tmpfs;
+///   through the host's cgroups, reusing a cgroup after a limit, a full
+///   data disk under a jail's tmpfs;
 /// - host-side logic over the same agent: a task's import and patch, and
 ///   giving up a Python session that never starts.
 const NOT_FOR_MICROVMS: &[&str] = &[
     "the_kernel_surface_is_closed_to_sandbox_root",
     "commands_are_born_in_their_cgroup_on_a_cgroup_v1_host",
     "a_background_fork_bomb_is_reclaimed_by_the_next_command",
+    "a_cgroup_that_reached_a_limit_is_reused_and_later_work_in_it_is_left_alone",
     "a_full_data_disk_fails_clearly_and_damages_nothing",
     "a_task_imports_a_project_and_turns_the_work_into_a_patch",
     "a_python_session_that_never_starts_is_given_up",
@@ -1723,6 +1725,46 @@ async fn a_fork_bomb_is_reported_and_the_sandbox_recovers() {
         assert!(err.contains(words), "{words:?} missing from the command's stderr: {err}");
     }
     assert_recovered(&moat, &id).await;
+    moat.destroy_all().await;
+}
+
+/// The cgroup of a command that reached a limit is used again once its
+/// processes are killed (a fresh one per command would move a process
+/// into it, which on cgroup v1 stalls every fork on the host), and what a
+/// later command leaves running there is judged by that command's own
+/// counters: the bomb's events do not get it killed.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_cgroup_that_reached_a_limit_is_reused_and_later_work_in_it_is_left_alone() {
+    // The agent's bookkeeping, the same in both backends.
+    if nested() {
+        return;
+    }
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let whose = "grep -m1 -o 'exec-[0-9]*' /proc/self/cgroup";
+    let bomb = format!("{whose}; bash -c ':(){{ :|:& }};:'; sleep 60; echo survived");
+    let (out, err, _, _) = bash(&moat, &id, &bomb, 120_000).await;
+    assert!(err.contains("moat: this command reached the sandbox's process limit"), "{out}{err}");
+    let bombed = out.lines().next().unwrap_or_default().to_owned();
+    assert!(bombed.starts_with("exec-"), "no command cgroup: {out}{err}");
+    // The cgroup is freed once the bomb's answer is sent (with a launcher
+    // on cgroup v1): a later command finds it. (A guard against a hang.)
+    let mut reused = false;
+    for _ in 0..20 {
+        let (out, err, code, _) =
+            bash(&moat, &id, &format!("{whose}; setsid sleep 3000 >/dev/null 2>&1 &"), 60_000).await;
+        assert_eq!(code, Some(0), "{out}{err}");
+        if out.trim() == bombed {
+            reused = true;
+            break;
+        }
+    }
+    assert!(reused, "no later command ran in {bombed}, the cgroup whose command reached the limit");
+    let (_, err, code, _) = bash(&moat, &id, "echo ok", 60_000).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(!err.contains("reached a limit"), "a later command's work was killed for the bomb's events: {err}");
+    assert!(count_processes(&moat, &id, "sleep 3000").await >= 1, "the background sleep was killed");
     moat.destroy_all().await;
 }
 
