@@ -62,12 +62,23 @@ async fn an_abandoned_write_leaves_the_old_file() {
     let client = agent.client();
     client.info().await.expect("agent alive");
     assert_eq!(std::fs::read_to_string(&path).expect("read"), "original");
-    let leftovers: Vec<_> = std::fs::read_dir(agent.dir())
-        .expect("list")
-        .filter_map(Result::ok)
-        .filter(|e| e.file_name().to_string_lossy().starts_with(".moat-write-"))
-        .collect();
-    assert!(leftovers.is_empty(), "{leftovers:?}");
+    // The abandoned connection is served on a task of its own, which sees
+    // the hang-up when it next reads: give it a while (a bound on an event,
+    // not a measure of speed) to remove its temporary file.
+    let leftovers = || -> Vec<_> {
+        std::fs::read_dir(agent.dir())
+            .expect("list")
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().starts_with(".moat-write-"))
+            .map(|e| e.path())
+            .collect()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !leftovers().is_empty() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(leftovers().is_empty(), "{:?}", leftovers());
+    assert_eq!(std::fs::read_to_string(&path).expect("read"), "original");
 }
 
 #[tokio::test]

@@ -51,6 +51,30 @@ pub const FORK_WATCH_PERIOD: Duration = Duration::from_millis(100);
 /// keeps running; a fork bomb fails thousands of forks a second.
 const FORK_FAILING_PERIODS: u32 = 3;
 
+/// The periods a [`ForkWatch`] also judges together (3 s): a bomb of
+/// shells fails in bursts, since bash sleeps 1, 2, 4 and 8 s before it
+/// tries a failed fork again; at a limit of 60 its failures rise in one
+/// period of every ten to twenty (measured: 36, 36 and 51 failed forks at
+/// 0, 1.0 and 2.9 s), never in periods in a row.
+const FORK_WINDOW: usize = 30;
+
+/// Within [`FORK_WINDOW`], forks that failed in at least
+/// [`FORK_FAILING_PERIODS`] of its periods and at least this many times
+/// in all stop the command: dozens of failed forks a second, again and
+/// again, is churning at the limit, not a build that met it.
+const FORK_WINDOW_FAILURES: u64 = 64;
+
+/// How long a sandbox cools down after moat killed a command's processes
+/// at the pids limit: its next commands may start [`COOLING_SHARE`] of
+/// the limit, so that a fork bomb lit again and again stops early each
+/// time. Each kill starts the time again.
+const COOLING: Duration = Duration::from_secs(60);
+
+/// What share of the pids limit a cooling sandbox's commands have: a
+/// sixteenth (60 of a jail's 960), and no fewer than [`COOLING_FLOOR`].
+const COOLING_SHARE: u64 = 16;
+const COOLING_FLOOR: u64 = 32;
+
 /// What [`ExecCgroup::top_processes`] says of an empty cgroup.
 const NOTHING_LEFT: &str = "no process left";
 
@@ -150,6 +174,9 @@ pub struct UserCgroups {
     making: Mutex<()>,
     /// What [`UserCgroups::reclaim_for_later`] did, for the next command to say.
     reclaimed: Mutex<Vec<String>>,
+    /// Until when commands start under the lower pids limit of a sandbox
+    /// cooling down ([`COOLING`]).
+    cooling_until: Mutex<Option<Instant>>,
     /// The agent's reaper, which launchers are spawned through.
     reaper: OnceLock<std::sync::Arc<Reaper>>,
 }
@@ -228,6 +255,7 @@ impl UserCgroups {
             names: Mutex::default(),
             making: Mutex::default(),
             reclaimed: Mutex::default(),
+            cooling_until: Mutex::default(),
             reaper: OnceLock::new(),
         }
     }
@@ -284,16 +312,65 @@ impl UserCgroups {
     /// counted in its own cgroup's events.
     pub fn create_exec(&'static self, reaper: &std::sync::Arc<Reaper>) -> std::io::Result<ExecCgroup> {
         let _ = self.reaper.set(reaper.clone());
-        if let Some(exec) = self.reuse_free() {
-            return Ok(exec);
+        let exec = match self.reuse_free() {
+            Some(exec) => exec,
+            None => {
+                // A poisoned lock guards nothing but the order of makers.
+                let _making = self.making.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                // One made meanwhile (the agent makes one ahead at start) is taken.
+                match self.reuse_free() {
+                    Some(exec) => exec,
+                    None => self.make_exec()?,
+                }
+            }
+        };
+        self.set_pids_limit(&exec);
+        Ok(exec)
+    }
+
+    /// Starts (or starts again) the sandbox's cooling down after moat
+    /// killed a command's processes at the pids limit; returns the lower
+    /// limit its next commands have, when the sandbox has a pids limit.
+    fn cool_down(&self) -> Option<u64> {
+        let until = Instant::now() + COOLING;
+        *self.cooling_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(until);
+        self.pids_limits().map(|(_, cooling)| cooling)
+    }
+
+    /// The lower pids limit commands start with now, while the sandbox
+    /// cools down.
+    fn cooling(&self) -> Option<u64> {
+        let until = *self.cooling_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        until.filter(|until| Instant::now() < *until).and_then(|_| self.pids_limits()).map(|(_, cooling)| cooling)
+    }
+
+    /// The `user` cgroup's pids limit and a cooling sandbox's share of it;
+    /// `None` without a pids controller or a limit.
+    fn pids_limits(&self) -> Option<(u64, u64)> {
+        let user = self.hierarchies.iter().find(|h| h.is("pids"))?;
+        let limit: u64 = std::fs::read_to_string(user.dir.join("pids.max")).ok()?.trim().parse().ok()?;
+        Some((limit, (limit / COOLING_SHARE).max(COOLING_FLOOR).min(limit)))
+    }
+
+    /// Gives a command's cgroup the pids limit a command starting now
+    /// has: the `user` cgroup's, or the lower one while the sandbox cools
+    /// down.
+    fn set_pids_limit(&self, exec: &ExecCgroup) {
+        let Some((limit, cooling)) = self.pids_limits() else { return };
+        let mut until = self.cooling_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if until.is_some_and(|until| Instant::now() >= until) {
+            *until = None;
         }
-        // A poisoned lock guards nothing but the order of makers.
-        let _making = self.making.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        // One made meanwhile (the agent makes one ahead at start) is taken.
-        if let Some(exec) = self.reuse_free() {
-            return Ok(exec);
+        let wanted = if until.is_some() { cooling } else { limit };
+        drop(until);
+        if let Some(dir) = exec.dir("pids") {
+            let file = dir.join("pids.max");
+            if std::fs::read_to_string(&file).ok().and_then(|now| now.trim().parse::<u64>().ok()) != Some(wanted)
+                && let Err(e) = std::fs::write(&file, wanted.to_string())
+            {
+                tracing::warn!("could not set {}: {e}", file.display());
+            }
         }
-        self.make_exec()
     }
 
     /// A free command cgroup, checked empty and opened, if one waits.
@@ -384,7 +461,14 @@ impl UserCgroups {
     pub fn reclaim(&self) -> Option<String> {
         let mut killed = std::mem::take(&mut *self.reclaimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         killed.extend(self.kill_runaways());
-        (!killed.is_empty()).then(|| format!("moat: killed {} to free the sandbox.\n", killed.join("; ")))
+        if killed.is_empty() {
+            return None;
+        }
+        let mut note = format!("moat: killed {} to free the sandbox.\n", killed.join("; "));
+        if let Some(limit) = self.cooling() {
+            note.push_str(&format!("moat: {}.\n", cooling_words(limit)));
+        }
+        Some(note)
     }
 
     /// [`UserCgroups::reclaim`] between commands (a fork bomb left in the
@@ -401,10 +485,15 @@ impl UserCgroups {
         for dir in self.idle_exec_dirs() {
             let mut exec = ExecCgroup::existing(&self.hierarchies, &dir);
             exec.baseline = self.names().left.get(&dir).copied().unwrap_or_default();
-            if exec.process_count() > 0 && exec.reached_limit().is_some() {
+            if exec.process_count() > 0
+                && let Some(hit) = exec.reached_limit()
+            {
                 let top = exec.top_processes();
                 let count = exec.kill();
                 killed.push(format!("{count} processes of an earlier command that reached a limit ({top})"));
+                if matches!(hit, LimitHit::Pids { .. }) {
+                    self.cool_down();
+                }
             }
             self.remove_idle(&exec);
         }
@@ -733,6 +822,14 @@ impl ExecCgroup {
         }
     }
 
+    /// After moat killed this command's processes at the pids limit: the
+    /// sandbox cools down ([`COOLING`]); returns the note for the
+    /// command's report.
+    pub fn cool_down(&self) -> Option<String> {
+        let cooling = self.owner?.cool_down()?;
+        Some(format!("moat: {}.\n", cooling_words(cooling)))
+    }
+
     /// Hands a command's cgroup back once the command is done: kept for
     /// the next command when empty (up to [`KEPT_FREE`]), removed when
     /// empty beyond that, left to the sweep while background processes run
@@ -806,24 +903,34 @@ impl Drop for ExecCgroup {
 /// Tells a command whose forks keep failing at the pids limit from one that
 /// met it once: fed the failed-fork counter every [`FORK_WATCH_PERIOD`],
 /// it says to stop the command once the count rose [`FORK_FAILING_PERIODS`]
-/// times in a row.
+/// times in a row, or in bursts of at least [`FORK_WINDOW_FAILURES`]
+/// within [`FORK_WINDOW`] periods.
 #[derive(Debug)]
 pub struct ForkWatch {
     last: u64,
     rising: u32,
+    /// How much the counter rose in each of the last [`FORK_WINDOW`] periods.
+    window: std::collections::VecDeque<u64>,
 }
 
 impl ForkWatch {
     /// Starts from the counter's value when the command started.
     pub fn new(baseline: u64) -> Self {
-        Self { last: baseline, rising: 0 }
+        Self { last: baseline, rising: 0, window: std::collections::VecDeque::with_capacity(FORK_WINDOW) }
     }
 
     /// Takes the counter's value now; `true` when the command is to be stopped.
     pub fn observe(&mut self, failed_forks: u64) -> bool {
-        self.rising = if failed_forks > self.last { self.rising + 1 } else { 0 };
+        let rose = failed_forks.saturating_sub(self.last);
+        self.rising = if rose > 0 { self.rising + 1 } else { 0 };
         self.last = failed_forks;
-        self.rising >= FORK_FAILING_PERIODS
+        if self.window.len() == FORK_WINDOW {
+            self.window.pop_front();
+        }
+        self.window.push_back(rose);
+        let periods = self.window.iter().filter(|rose| **rose > 0).count() as u32;
+        let failures: u64 = self.window.iter().sum();
+        self.rising >= FORK_FAILING_PERIODS || (periods >= FORK_FAILING_PERIODS && failures >= FORK_WINDOW_FAILURES)
     }
 }
 
@@ -919,6 +1026,15 @@ pub fn describe(hit: &LimitHit, top: &str, killed: usize) -> String {
     };
     format!(
         "\nmoat: this command reached {what}.{held} {done}; the sandbox is ready for the next command ({advice}).\n"
+    )
+}
+
+/// What a sandbox cooling down may do, in words.
+fn cooling_words(limit: u64) -> String {
+    format!(
+        "for the next {} s this sandbox's commands may run at most {limit} processes at once, since moat had to kill \
+         a command that ran away at its process limit",
+        COOLING.as_secs()
     )
 }
 
@@ -1034,9 +1150,52 @@ mod tests {
         assert!(bomb.observe(4100));
         // A build that meets the limit now and then keeps running.
         let mut burst = ForkWatch::new(0);
-        for failed in [0, 3, 3, 7, 9, 9, 9, 12, 12] {
+        for failed in [0, 3, 3, 7, 9, 9, 9, 12, 12, 12, 12, 15, 15, 20, 20, 20, 20, 20, 24] {
             assert!(!burst.observe(failed), "stopped at {failed}");
         }
+        // A bomb of shells at a limit of 60, whose forks fail in bursts
+        // between the shells' pauses (as measured), is stopped at its
+        // third burst.
+        let mut shells = ForkWatch::new(0);
+        let mut failed = 0;
+        for period in 0..29 {
+            failed += match period {
+                0 | 10 => 36,
+                _ => 0,
+            };
+            assert!(!shells.observe(failed), "stopped in period {period}");
+        }
+        assert!(shells.observe(failed + 51), "not stopped after bursts of 36, 36 and 51 failed forks");
+    }
+
+    #[test]
+    fn a_sandbox_cools_down_after_a_runaway_with_a_lower_pids_limit_for_its_commands() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let pids = dir.path().join("pids");
+        std::fs::create_dir_all(pids.join("exec-1")).expect("made");
+        std::fs::write(pids.join("cgroup.procs"), "").expect("written");
+        std::fs::write(pids.join("pids.max"), "960\n").expect("written");
+        std::fs::write(pids.join("exec-1/pids.max"), "960\n").expect("written");
+        let cgroups = UserCgroups::discover(dir.path()).expect("found");
+        let exec = ExecCgroup::existing(&cgroups.hierarchies, "exec-1");
+        let limit = || std::fs::read_to_string(pids.join("exec-1/pids.max")).expect("read").trim().to_owned();
+        cgroups.set_pids_limit(&exec);
+        assert_eq!((limit(), cgroups.cooling()), ("960".into(), None));
+        assert_eq!(cgroups.cool_down(), Some(60));
+        cgroups.set_pids_limit(&exec);
+        assert_eq!((limit(), cgroups.cooling()), ("60".into(), Some(60)));
+        // Once the time has passed, commands start with the whole limit.
+        *cgroups.cooling_until.lock().expect("unpoisoned") = Some(Instant::now() - Duration::from_secs(1));
+        cgroups.set_pids_limit(&exec);
+        assert_eq!((limit(), cgroups.cooling()), ("960".into(), None));
+        // A small limit keeps a floor, and never grows.
+        std::fs::write(pids.join("pids.max"), "200\n").expect("written");
+        assert_eq!(cgroups.cool_down(), Some(COOLING_FLOOR));
+        std::fs::write(pids.join("pids.max"), "20\n").expect("written");
+        assert_eq!(cgroups.cool_down(), Some(20));
+        // No limit, nothing to lower.
+        std::fs::write(pids.join("pids.max"), "max\n").expect("written");
+        assert_eq!(cgroups.cool_down(), None);
     }
 
     #[test]

@@ -510,7 +510,16 @@ impl Tree {
             if release {
                 cgroup.release(false);
             }
-            Some(crate::cgroup::describe(&hit, &top, killed))
+            let mut report = crate::cgroup::describe(&hit, &top, killed);
+            // Processes that ran away at the pids limit: the sandbox's
+            // next commands start with a lower one for a while.
+            if killed > 0
+                && matches!(hit, crate::cgroup::LimitHit::Pids { .. })
+                && let Some(note) = cgroup.cool_down()
+            {
+                report.push_str(&note);
+            }
+            Some(report)
         })
         .await
         .ok()

@@ -1724,6 +1724,18 @@ async fn a_fork_bomb_is_reported_and_the_sandbox_recovers() {
     for words in ["moat: this command reached the sandbox's process limit", "Held by: bash ×", "moat killed its"] {
         assert!(err.contains(words), "{words:?} missing from the command's stderr: {err}");
     }
+    // The sandbox cools down: its next commands start with a sixteenth of
+    // the limit (no fewer than 32), so a bomb lit again stops early.
+    assert!(err.contains("this sandbox's commands may run at most"), "no word of cooling down: {err}");
+    let forks = "import os, time\nkids = []\ntry:\n    for _ in range(300):\n        pid = os.fork()\n        if pid == 0:\n            time.sleep(30)\n            os._exit(0)\n        kids.append(pid)\nexcept OSError:\n    pass\nprint(len(kids))\nfor kid in kids:\n    os.kill(kid, 9)\n";
+    let (out, err, _, _) = bash(&moat, &id, &format!("python3 -c '{forks}'"), 120_000).await;
+    let started: usize = out.trim().parse().unwrap_or(usize::MAX);
+    assert!((16..100).contains(&started), "a command after the bomb started {started} processes: {out}{err}");
+    // A bomb of shells lit again under the lower limit fails its forks in
+    // bursts (bash pauses between tries), and is stopped all the same.
+    let (out, err, _, timed_out) = bash(&moat, &id, "bash -c ':(){ :|:& };:'; sleep 60; echo survived", 120_000).await;
+    assert!(!timed_out && !out.contains("survived"), "a bomb lit again ran on: {out}{err}");
+    assert!(err.contains("Held by: bash ×"), "no report of the bomb lit again: {err}");
     assert_recovered(&moat, &id).await;
     moat.destroy_all().await;
 }
