@@ -75,6 +75,49 @@ const COOLING: Duration = Duration::from_secs(60);
 const COOLING_SHARE: u64 = 16;
 const COOLING_FLOOR: u64 = 32;
 
+/// How long a sandbox's next command waits when moat kills a runaway at
+/// the pids limit again while the sandbox cools down: 1 s, then twice as
+/// long for each kill after that, up to [`HOLD_MAX`]. A fork bomb lit in a
+/// loop then costs the host a 60-process bomb every few seconds, not
+/// several a second; a sandbox that ran away once does not wait at all.
+const HOLD_FIRST: Duration = Duration::from_secs(1);
+const HOLD_MAX: Duration = Duration::from_secs(8);
+
+/// A sandbox's cooling down ([`COOLING`]).
+#[derive(Debug, Default)]
+struct Cooling {
+    /// Until when commands start under the lower pids limit.
+    until: Option<Instant>,
+    /// Runaways killed since the cooling down began, the first one aside.
+    strikes: u32,
+    /// Before when the next command may not start.
+    hold_until: Option<Instant>,
+}
+
+/// What a kill at the pids limit left a sandbox with: the lower limit of
+/// its next commands, and how long the next one waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cooled {
+    limit: Option<u64>,
+    hold: Option<Duration>,
+}
+
+impl Cooled {
+    /// In words, for the command's report; `None` when nothing is lowered.
+    pub fn words(&self) -> Option<String> {
+        let mut note = format!("moat: {}.\n", cooling_words(self.limit?));
+        if let Some(hold) = self.hold {
+            note.push_str(&format!(
+                "moat: this sandbox ran away at its process limit again while cooling down: its next command \
+                 starts after {} s (twice as long for each runaway after it, up to {} s).\n",
+                hold.as_secs(),
+                HOLD_MAX.as_secs()
+            ));
+        }
+        Some(note)
+    }
+}
+
 /// What [`ExecCgroup::top_processes`] says of an empty cgroup.
 const NOTHING_LEFT: &str = "no process left";
 
@@ -174,9 +217,8 @@ pub struct UserCgroups {
     making: Mutex<()>,
     /// What [`UserCgroups::reclaim_for_later`] did, for the next command to say.
     reclaimed: Mutex<Vec<String>>,
-    /// Until when commands start under the lower pids limit of a sandbox
-    /// cooling down ([`COOLING`]).
-    cooling_until: Mutex<Option<Instant>>,
+    /// The sandbox's cooling down after a runaway at the pids limit.
+    cooling: Mutex<Cooling>,
     /// The agent's reaper, which launchers are spawned through.
     reaper: OnceLock<std::sync::Arc<Reaper>>,
 }
@@ -255,7 +297,7 @@ impl UserCgroups {
             names: Mutex::default(),
             making: Mutex::default(),
             reclaimed: Mutex::default(),
-            cooling_until: Mutex::default(),
+            cooling: Mutex::default(),
             reaper: OnceLock::new(),
         }
     }
@@ -328,20 +370,46 @@ impl UserCgroups {
         Ok(exec)
     }
 
+    fn cooling_state(&self) -> std::sync::MutexGuard<'_, Cooling> {
+        // A poisoned lock guards plain figures, whole at every step.
+        let mut cooling = self.cooling.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if cooling.until.is_some_and(|until| Instant::now() >= until) {
+            *cooling = Cooling::default();
+        }
+        cooling
+    }
+
     /// Starts (or starts again) the sandbox's cooling down after moat
-    /// killed a command's processes at the pids limit; returns the lower
-    /// limit its next commands have, when the sandbox has a pids limit.
-    fn cool_down(&self) -> Option<u64> {
-        let until = Instant::now() + COOLING;
-        *self.cooling_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(until);
-        self.pids_limits().map(|(_, cooling)| cooling)
+    /// killed a command's processes at the pids limit: the lower limit its
+    /// next commands have, when the sandbox has a pids limit, and, when it
+    /// was cooling down already, how long its next command waits.
+    fn cool_down(&self) -> Cooled {
+        let now = Instant::now();
+        let mut cooling = self.cooling_state();
+        let hold = if cooling.until.is_some() {
+            let hold = HOLD_FIRST.saturating_mul(1 << cooling.strikes.min(8)).min(HOLD_MAX);
+            cooling.strikes += 1;
+            cooling.hold_until = Some(now + hold);
+            Some(hold)
+        } else {
+            None
+        };
+        cooling.until = Some(now + COOLING);
+        drop(cooling);
+        Cooled { limit: self.pids_limits().map(|(_, cooling)| cooling), hold }
     }
 
     /// The lower pids limit commands start with now, while the sandbox
     /// cools down.
     fn cooling(&self) -> Option<u64> {
-        let until = *self.cooling_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        until.filter(|until| Instant::now() < *until).and_then(|_| self.pids_limits()).map(|(_, cooling)| cooling)
+        let cooling = self.cooling_state().until;
+        cooling.and_then(|_| self.pids_limits()).map(|(_, cooling)| cooling)
+    }
+
+    /// How long a command starting now waits, after repeated runaways.
+    pub fn hold(&self) -> Option<Duration> {
+        let hold_until = self.cooling_state().hold_until?;
+        hold_until.checked_duration_since(Instant::now()).filter(|hold| !hold.is_zero())
     }
 
     /// The `user` cgroup's pids limit and a cooling sandbox's share of it;
@@ -357,12 +425,7 @@ impl UserCgroups {
     /// down.
     fn set_pids_limit(&self, exec: &ExecCgroup) {
         let Some((limit, cooling)) = self.pids_limits() else { return };
-        let mut until = self.cooling_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if until.is_some_and(|until| Instant::now() >= until) {
-            *until = None;
-        }
-        let wanted = if until.is_some() { cooling } else { limit };
-        drop(until);
+        let wanted = if self.cooling_state().until.is_some() { cooling } else { limit };
         if let Some(dir) = exec.dir("pids") {
             let file = dir.join("pids.max");
             if std::fs::read_to_string(&file).ok().and_then(|now| now.trim().parse::<u64>().ok()) != Some(wanted)
@@ -465,9 +528,8 @@ impl UserCgroups {
             return None;
         }
         let mut note = format!("moat: killed {} to free the sandbox.\n", killed.join("; "));
-        if let Some(limit) = self.cooling() {
-            note.push_str(&format!("moat: {}.\n", cooling_words(limit)));
-        }
+        let cooled = Cooled { limit: self.cooling(), hold: self.hold() };
+        note.push_str(&cooled.words().unwrap_or_default());
         Some(note)
     }
 
@@ -481,21 +543,31 @@ impl UserCgroups {
     /// Kills what is left of earlier commands that reached a limit; says
     /// what, one line each.
     fn kill_runaways(&self) -> Vec<String> {
-        let mut killed = Vec::new();
+        let mut runaways = Vec::new();
         for dir in self.idle_exec_dirs() {
             let mut exec = ExecCgroup::existing(&self.hierarchies, &dir);
             exec.baseline = self.names().left.get(&dir).copied().unwrap_or_default();
-            if exec.process_count() > 0
-                && let Some(hit) = exec.reached_limit()
-            {
-                let top = exec.top_processes();
-                let count = exec.kill();
-                killed.push(format!("{count} processes of an earlier command that reached a limit ({top})"));
-                if matches!(hit, LimitHit::Pids { .. }) {
-                    self.cool_down();
-                }
+            match exec.reached_limit() {
+                Some(hit) if exec.process_count() > 0 => runaways.push((exec, hit)),
+                _ => self.remove_idle(&exec),
             }
-            self.remove_idle(&exec);
+        }
+        // Several bombs lit one after another share the sandbox's limit:
+        // all are frozen before any is killed, or those still running
+        // take the places of the one being killed (and, forking, hold up
+        // its processes' exits on the host's locks) for as long as it takes.
+        for (exec, _) in &runaways {
+            exec.freeze();
+        }
+        let mut killed = Vec::new();
+        for (exec, _) in &runaways {
+            let top = exec.top_processes();
+            let count = exec.kill();
+            killed.push(format!("{count} processes of an earlier command that reached a limit ({top})"));
+            self.remove_idle(exec);
+        }
+        if runaways.iter().any(|(_, hit)| matches!(hit, LimitHit::Pids { .. })) {
+            self.cool_down();
         }
         killed
     }
@@ -535,6 +607,43 @@ impl UserCgroups {
         let names = self.names();
         dirs.retain(|d| !names.active.contains(d) && !names.free.iter().any(|(free, _)| free == d));
         dirs
+    }
+
+    /// Forks refused at the limit all commands share (`user`'s
+    /// `pids.max`): commands that together fill it, none filling its own
+    /// cgroup's, show there and not in their own counters.
+    pub fn failed_forks(&self) -> u64 {
+        self.hierarchies.iter().find(|h| h.is("pids")).map_or(0, |h| counter(&h.dir.join("pids.events"), "max"))
+    }
+
+    /// Whether `exec` holds the most processes of all command cgroups: the
+    /// one moat stops when commands together keep failing their forks at
+    /// the shared limit (two fork bombs, the second lit while the first
+    /// still grew). The others are judged again when forks keep failing.
+    pub fn holds_the_most(&self, exec: &ExecCgroup) -> bool {
+        let mine = exec.process_count();
+        mine > 0
+            && self.exec_dirs().iter().all(|dir| ExecCgroup::existing(&self.hierarchies, dir).process_count() <= mine)
+    }
+
+    /// The shared pids limit, as a report names it.
+    pub fn shared_pids_hit(&self) -> LimitHit {
+        let limit = self.pids_limits().map(|(limit, _)| limit.to_string()).unwrap_or_else(|| "max".into());
+        LimitHit::Pids { limit }
+    }
+
+    /// Kills what a finished command left running when it held the most
+    /// processes while forks kept failing at the shared limit; the next
+    /// command says so.
+    pub fn kill_filling(&self, exec: &ExecCgroup) {
+        let top = exec.top_processes();
+        let count = exec.kill();
+        if count > 0 {
+            let line =
+                format!("{count} processes of an earlier command that filled the sandbox's process limit ({top})");
+            self.reclaimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(line);
+            self.cool_down();
+        }
     }
 
     /// How many processes run in the sandbox's `user` cgroup, all commands together.
@@ -797,6 +906,17 @@ impl ExecCgroup {
         count
     }
 
+    /// Stops every process of the cgroup where it is (cgroup v1's freezer),
+    /// ahead of [`ExecCgroup::kill`]; nothing on v2, whose `cgroup.kill`
+    /// needs no freezing.
+    fn freeze(&self) {
+        if self.dir(UNIFIED).is_none()
+            && let Some(dir) = self.dir("freezer")
+        {
+            let _ = std::fs::write(dir.join("freezer.state"), "FROZEN");
+        }
+    }
+
     /// Pidfds of every process in the command's cgroup, each opened while
     /// the process was listed there (a pid reused meanwhile is never named).
     fn members(&self) -> Vec<crate::pidfd::Pidfd> {
@@ -826,8 +946,7 @@ impl ExecCgroup {
     /// sandbox cools down ([`COOLING`]); returns the note for the
     /// command's report.
     pub fn cool_down(&self) -> Option<String> {
-        let cooling = self.owner?.cool_down()?;
-        Some(format!("moat: {}.\n", cooling_words(cooling)))
+        self.owner?.cool_down().words()
     }
 
     /// Hands a command's cgroup back once the command is done: kept for
@@ -928,9 +1047,9 @@ impl ForkWatch {
             self.window.pop_front();
         }
         self.window.push_back(rose);
-        let periods = self.window.iter().filter(|rose| **rose > 0).count() as u32;
+        let periods = self.window.iter().filter(|rose| **rose > 0).count();
         let failures: u64 = self.window.iter().sum();
-        self.rising >= FORK_FAILING_PERIODS || (periods >= FORK_FAILING_PERIODS && failures >= FORK_WINDOW_FAILURES)
+        self.rising >= FORK_FAILING_PERIODS || (periods >= FORK_FAILING_PERIODS as usize && failures >= FORK_WINDOW_FAILURES)
     }
 }
 
@@ -1181,21 +1300,53 @@ mod tests {
         let limit = || std::fs::read_to_string(pids.join("exec-1/pids.max")).expect("read").trim().to_owned();
         cgroups.set_pids_limit(&exec);
         assert_eq!((limit(), cgroups.cooling()), ("960".into(), None));
-        assert_eq!(cgroups.cool_down(), Some(60));
+        // The first runaway lowers the limit; its next command waits not.
+        assert_eq!(cgroups.cool_down(), Cooled { limit: Some(60), hold: None });
+        assert_eq!(cgroups.hold(), None);
         cgroups.set_pids_limit(&exec);
         assert_eq!((limit(), cgroups.cooling()), ("60".into(), Some(60)));
-        // Once the time has passed, commands start with the whole limit.
-        *cgroups.cooling_until.lock().expect("unpoisoned") = Some(Instant::now() - Duration::from_secs(1));
+        // Runaways again while cooling down: the next command waits, twice
+        // as long each time, up to the most.
+        let holds: Vec<_> = (0..6).map(|_| cgroups.cool_down().hold.map(|hold| hold.as_secs())).collect();
+        assert_eq!(holds, [Some(1), Some(2), Some(4), Some(8), Some(8), Some(8)]);
+        assert!(cgroups.hold().is_some_and(|hold| hold > Duration::from_secs(7)), "{:?}", cgroups.hold());
+        let words = cgroups.cool_down().words().expect("words");
+        for part in ["at most 60 processes", "its next command starts after 8 s"] {
+            assert!(words.contains(part), "{part:?} missing from {words}");
+        }
+        // Once the time has passed, commands start with the whole limit
+        // and at once, and a runaway starts the count again.
+        cgroups.cooling.lock().expect("unpoisoned").until = Some(Instant::now() - Duration::from_secs(1));
         cgroups.set_pids_limit(&exec);
-        assert_eq!((limit(), cgroups.cooling()), ("960".into(), None));
+        assert_eq!((limit(), cgroups.cooling(), cgroups.hold()), ("960".into(), None, None));
+        assert_eq!(cgroups.cool_down(), Cooled { limit: Some(60), hold: None });
         // A small limit keeps a floor, and never grows.
         std::fs::write(pids.join("pids.max"), "200\n").expect("written");
-        assert_eq!(cgroups.cool_down(), Some(COOLING_FLOOR));
+        assert_eq!(cgroups.cool_down().limit, Some(COOLING_FLOOR));
         std::fs::write(pids.join("pids.max"), "20\n").expect("written");
-        assert_eq!(cgroups.cool_down(), Some(20));
+        assert_eq!(cgroups.cool_down().limit, Some(20));
         // No limit, nothing to lower.
         std::fs::write(pids.join("pids.max"), "max\n").expect("written");
-        assert_eq!(cgroups.cool_down(), None);
+        assert_eq!(cgroups.cool_down().words(), None);
+    }
+
+    #[test]
+    fn commands_that_fill_the_shared_limit_together_are_told_apart_by_size() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let pids = dir.path().join("pids");
+        for (exec, procs) in [("exec-1", "10\n11\n12\n"), ("exec-2", "20\n21\n22\n23\n24\n"), ("exec-3", "")] {
+            std::fs::create_dir_all(pids.join(exec)).expect("made");
+            std::fs::write(pids.join(exec).join("cgroup.procs"), procs).expect("written");
+        }
+        std::fs::write(pids.join("cgroup.procs"), "").expect("written");
+        std::fs::write(pids.join("pids.max"), "960\n").expect("written");
+        std::fs::write(pids.join("pids.events"), "max 4100\n").expect("written");
+        let cgroups = UserCgroups::discover(dir.path()).expect("found");
+        assert_eq!(cgroups.failed_forks(), 4100);
+        let holds = |name| cgroups.holds_the_most(&ExecCgroup::existing(&cgroups.hierarchies, name));
+        assert_eq!((holds("exec-1"), holds("exec-2"), holds("exec-3")), (false, true, false));
+        let report = describe(&cgroups.shared_pids_hit(), "bash ×5", 5);
+        assert!(report.contains("process limit (960 processes)"), "{report}");
     }
 
     #[test]

@@ -280,6 +280,11 @@ where
         },
         None => (None, None),
     };
+    // A sandbox that keeps running away at its pids limit waits a while
+    // before each command (its report said how long).
+    if let Some(hold) = cgroups.and_then(crate::cgroup::UserCgroups::hold) {
+        tokio::time::sleep(hold).await;
+    }
     let join = cgroup.as_ref().map(crate::cgroup::ExecCgroup::procs_fds).unwrap_or_default();
     let spawned = match prepare(&req, join) {
         Err(error) => Err(error),
@@ -342,14 +347,32 @@ where
         tokio::spawn(async move {
             let period = crate::cgroup::FORK_WATCH_PERIOD;
             let mut forks = crate::cgroup::ForkWatch::new(cgroup.failed_forks());
+            let cgroups = crate::cgroup::user_cgroups();
+            let mut shared = crate::cgroup::ForkWatch::new(cgroups.map_or(0, |c| c.failed_forks()));
             let mut memory = crate::cgroup::MemoryWatch::new(cgroup.memory_stall());
             loop {
                 tokio::select! {
                     _ = &mut watch_until => return,
                     () = tokio::time::sleep(period) => {}
                 }
+                let filling = match cgroups {
+                    // Forks failing at the limit all commands share: this
+                    // command goes if it holds the most processes.
+                    Some(cgroups) if shared.observe(cgroups.failed_forks()) => {
+                        let cgroup = cgroup.clone();
+                        tokio::task::spawn_blocking(move || {
+                            cgroups.holds_the_most(&cgroup).then(|| cgroups.shared_pids_hit())
+                        })
+                        .await
+                        .ok()
+                        .flatten()
+                    }
+                    _ => None,
+                };
                 let report = if forks.observe(cgroup.failed_forks()) {
                     tree.stop_at_limit().await
+                } else if let Some(hit) = filling {
+                    tree.stop_with(hit).await
                 } else if memory.observe(cgroup.memory_stall(), period) {
                     let hit = crate::cgroup::LimitHit::MemoryStall {
                         limit_bytes: cgroup.memory_limit(),
@@ -426,6 +449,7 @@ fn watch_background(cgroups: &'static crate::cgroup::UserCgroups, cgroup: Arc<cr
     }
     tokio::spawn(async move {
         let mut watch = crate::cgroup::ForkWatch::new(cgroup.failed_forks());
+        let mut shared = crate::cgroup::ForkWatch::new(cgroups.failed_forks());
         loop {
             tokio::time::sleep(crate::cgroup::FORK_WATCH_PERIOD).await;
             if cgroup.process_count() == 0 {
@@ -434,6 +458,23 @@ fn watch_background(cgroups: &'static crate::cgroup::UserCgroups, cgroup: Arc<cr
             if watch.observe(cgroup.failed_forks()) {
                 let _ = tokio::task::spawn_blocking(move || cgroups.reclaim_for_later()).await;
                 return;
+            }
+            // Forks failing at the limit all commands share: the command
+            // holding the most processes goes.
+            if shared.observe(cgroups.failed_forks()) {
+                let cgroup = cgroup.clone();
+                let stopped = tokio::task::spawn_blocking(move || {
+                    let most = cgroups.holds_the_most(&cgroup);
+                    if most {
+                        cgroups.kill_filling(&cgroup);
+                    }
+                    most
+                })
+                .await
+                .unwrap_or(false);
+                if stopped {
+                    return;
+                }
             }
         }
     });
@@ -490,7 +531,14 @@ impl Tree {
         tokio::task::spawn_blocking(move || {
             let top = cgroup.top_processes();
             let killed = cgroup.kill();
-            Some(crate::cgroup::describe(&hit, &top, killed))
+            let mut report = crate::cgroup::describe(&hit, &top, killed);
+            if killed > 0
+                && matches!(hit, crate::cgroup::LimitHit::Pids { .. })
+                && let Some(note) = cgroup.cool_down()
+            {
+                report.push_str(&note);
+            }
+            Some(report)
         })
         .await
         .ok()

@@ -651,6 +651,18 @@ impl Split {
         write(user.join("cgroup.subtree_control"), if cpu { "+memory +pids +cpu" } else { "+memory +pids" }.into())?;
         if cpu {
             write(agent.join("cpu.weight"), AGENT_CPU_WEIGHT.to_string())?;
+            // The sandbox's quota becomes the commands' and, as much
+            // again, the agent's (see `moat_core::cgroup`): a quota shared
+            // with a fork bomb's kernel time throttles the agent.
+            // Best effort, in this order: the sandbox's quota is lifted
+            // only once both halves have it.
+            if let Ok(quota) = std::fs::read_to_string(self.dir.join("cpu.max"))
+                && !quota.starts_with("max")
+                && std::fs::write(user.join("cpu.max"), quota.trim()).is_ok()
+                && std::fs::write(agent.join("cpu.max"), quota.trim()).is_ok()
+            {
+                let _ = std::fs::write(self.dir.join("cpu.max"), "max");
+            }
         }
         let (uid, gid) = (Some(Uid::from_raw(owner)), Some(Gid::from_raw(owner)));
         for path in [

@@ -14,10 +14,13 @@
 //! On v1 the split is made here; on v2 the jail's monitor finishes it
 //! ([`Cgroup::split_line`]): there processes live only in leaves, and the
 //! sandbox's cgroup namespace must be rooted above both halves.
-//! For the CPU the `agent` cgroup weighs [`AGENT_CPU_SHARES`] (v1;
-//! `AGENT_CPU_WEIGHT` in the agent's terms on v2) against the commands' 1024: a sandbox whose commands spin (a fork bomb
-//! spinning at the pids limit) still has an agent that answers, times out
-//! and kills.
+//! For the CPU, `user` and `agent` each have the sandbox's quota of
+//! `cpus` (not one quota for both: a fork bomb's kernel time, charged
+//! but throttled only when it returns to user space, would use up a shared
+//! one and throttle the agent), and the agent weighs [`AGENT_CPU_SHARES`]
+//! (v1; `AGENT_CPU_WEIGHT` in the agent's terms on v2) against the
+//! commands' 1024: a sandbox whose commands spin (a fork bomb spinning at
+//! the pids limit) still has an agent that answers, times out and kills.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -338,11 +341,21 @@ fn v1_settings(controller: &str, limits: Limits) -> Vec<Setting> {
                 set("user", "pids.max", user_pids.to_string(), true),
             ]
         }
-        "cpu" => vec![
-            set("", "cpu.cfs_period_us", "100000".into(), false),
-            set("", "cpu.cfs_quota_us", (u64::from(limits.cpus.max(1)) * 100_000).to_string(), false),
-            set("agent", "cpu.shares", AGENT_CPU_SHARES.to_string(), false),
-        ],
+        // The quota is the commands' and, as much again, the agent's, not
+        // one for both: a quota shared with commands that fork and exit
+        // in the kernel (a fork bomb, whose kernel time is charged but
+        // throttled only when it returns to user space) would throttle
+        // the agent that has to stop them.
+        "cpu" => {
+            let quota = (u64::from(limits.cpus.max(1)) * 100_000).to_string();
+            vec![
+                set("user", "cpu.cfs_period_us", "100000".into(), false),
+                set("user", "cpu.cfs_quota_us", quota.clone(), false),
+                set("agent", "cpu.cfs_period_us", "100000".into(), false),
+                set("agent", "cpu.cfs_quota_us", quota, false),
+                set("agent", "cpu.shares", AGENT_CPU_SHARES.to_string(), false),
+            ]
+        }
         _ => Vec::new(),
     }
 }
@@ -839,9 +852,11 @@ mod tests {
     }
 
     #[test]
-    fn the_agent_outweighs_its_commands_for_cpu_within_the_sandbox_quota() {
+    fn the_commands_and_the_agent_each_have_the_sandbox_cpu_quota_and_the_agent_outweighs_them() {
         let cpu = v1_settings("cpu", LIMITS);
-        assert_eq!(value(&cpu, "", "cpu.cfs_quota_us").as_deref(), Some("200000"));
+        assert_eq!(value(&cpu, "", "cpu.cfs_quota_us"), None, "a quota shared with the commands throttles the agent");
+        assert_eq!(value(&cpu, "user", "cpu.cfs_quota_us").as_deref(), Some("200000"));
+        assert_eq!(value(&cpu, "agent", "cpu.cfs_quota_us").as_deref(), Some("200000"));
         assert_eq!(value(&cpu, "agent", "cpu.shares").as_deref(), Some("4096"));
         assert_eq!(value(&cpu, "user", "cpu.shares"), None, "the commands keep the kernel's default, 1024");
         // The commands leave the agent's CPU cgroup only if the agent gets

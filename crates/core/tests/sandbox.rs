@@ -1214,7 +1214,8 @@ fn microvm_sandboxes_pass_the_same_contract_in_the_nested_host() {
 /// this host has shown already:
 /// - jail-only subjects, which return at once for microVMs: the host
 ///   kernel's surface, cgroup v1 launchers, reclaiming a background bomb
-///   through the host's cgroups, reusing a cgroup after a limit, a full
+///   through the host's cgroups, reusing a cgroup after a limit, telling
+///   apart commands that fill the shared limit together, a full
 ///   data disk under a jail's tmpfs;
 /// - host-side logic over the same agent: a task's import and patch, and
 ///   giving up a Python session that never starts.
@@ -1223,6 +1224,7 @@ const NOT_FOR_MICROVMS: &[&str] = &[
     "commands_are_born_in_their_cgroup_on_a_cgroup_v1_host",
     "a_background_fork_bomb_is_reclaimed_by_the_next_command",
     "a_cgroup_that_reached_a_limit_is_reused_and_later_work_in_it_is_left_alone",
+    "a_fork_bomb_beside_earlier_work_is_stopped_and_the_work_is_left_alone",
     "a_full_data_disk_fails_clearly_and_damages_nothing",
     "a_task_imports_a_project_and_turns_the_work_into_a_patch",
     "a_python_session_that_never_starts_is_given_up",
@@ -1777,6 +1779,37 @@ async fn a_cgroup_that_reached_a_limit_is_reused_and_later_work_in_it_is_left_al
     assert_eq!(code, Some(0), "{err}");
     assert!(!err.contains("reached a limit"), "a later command's work was killed for the bomb's events: {err}");
     assert!(count_processes(&moat, &id, "sleep 3000").await >= 1, "the background sleep was killed");
+    moat.destroy_all().await;
+}
+
+/// Commands that fill the process limit all commands share, none filling
+/// its own (a fork bomb lit beside what an earlier command left running),
+/// are told apart by size: the bomb, which holds the most processes, is
+/// stopped and reported; the earlier command's processes run on. (On
+/// cgroup v1, and v2 before Linux 6.15, a cgroup counts the forks that
+/// failed in it, whichever limit refused them, so the bomb's own counter
+/// rises; on v2 from 6.15 only the shared limit's does, and the agent
+/// tells the commands apart by size.)
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_fork_bomb_beside_earlier_work_is_stopped_and_the_work_is_left_alone() {
+    // The agent's bookkeeping, the same in both backends.
+    if nested() {
+        return;
+    }
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let sleepers = "for i in $(seq 300); do setsid sleep 3000 >/dev/null 2>&1 & done; echo started";
+    let (out, err, _, _) = bash(&moat, &id, sleepers, 120_000).await;
+    assert!(out.contains("started"), "{out}{err}");
+    assert_eq!(count_processes(&moat, &id, "[s]leep 3000").await, 300);
+    let (out, err, _, timed_out) = bash(&moat, &id, "bash -c ':(){ :|:& };:'; sleep 60; echo survived", 120_000).await;
+    assert!(!timed_out && !out.contains("survived"), "the bomb ran on beside the earlier work: {out}{err}");
+    for words in ["moat: this command reached the sandbox's process limit", "Held by: bash ×"] {
+        assert!(err.contains(words), "{words:?} missing from the command's stderr: {err}");
+    }
+    assert_eq!(count_processes(&moat, &id, "[s]leep 3000").await, 300, "the earlier work was killed");
+    assert_recovered(&moat, &id).await;
     moat.destroy_all().await;
 }
 
