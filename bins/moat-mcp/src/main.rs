@@ -178,7 +178,7 @@ async fn serve(config: ServerConfig, http: Option<(std::net::IpAddr, u16)>) -> E
     };
     if let Some((host, port)) = http {
         let code = serve_http(&moat, &config, host, port).await;
-        moat.destroy_all().await;
+        moat.close().await;
         return code;
     }
     let server = match MoatServer::new(moat.clone(), config.defaults.clone()) {
@@ -192,7 +192,7 @@ async fn serve(config: ServerConfig, http: Option<(std::net::IpAddr, u16)>) -> E
         Ok(running) => running,
         Err(e) => {
             said!(ERROR, "the MCP session did not start: {e}");
-            moat.destroy_all().await;
+            moat.close().await;
             return ExitCode::FAILURE;
         }
     };
@@ -202,7 +202,7 @@ async fn serve(config: ServerConfig, http: Option<(std::net::IpAddr, u16)>) -> E
         () = terminated() => ExitCode::SUCCESS,
     };
     // Every sandbox this process owns goes with it.
-    moat.destroy_all().await;
+    moat.close().await;
     code
 }
 

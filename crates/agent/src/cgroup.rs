@@ -1049,7 +1049,8 @@ impl ForkWatch {
         self.window.push_back(rose);
         let periods = self.window.iter().filter(|rose| **rose > 0).count();
         let failures: u64 = self.window.iter().sum();
-        self.rising >= FORK_FAILING_PERIODS || (periods >= FORK_FAILING_PERIODS as usize && failures >= FORK_WINDOW_FAILURES)
+        self.rising >= FORK_FAILING_PERIODS
+            || (periods >= FORK_FAILING_PERIODS as usize && failures >= FORK_WINDOW_FAILURES)
     }
 }
 

@@ -1217,14 +1217,16 @@ fn microvm_sandboxes_pass_the_same_contract_in_the_nested_host() {
 ///   through the host's cgroups, reusing a cgroup after a limit, telling
 ///   apart commands that fill the shared limit together, a full
 ///   data disk under a jail's tmpfs;
-/// - host-side logic over the same agent: a task's import and patch, and
-///   giving up a Python session that never starts.
+/// - host-side logic over the same agent: a task's import and patch,
+///   giving up a Python session that never starts, and a create that
+///   finishes while moat closes.
 const NOT_FOR_MICROVMS: &[&str] = &[
     "the_kernel_surface_is_closed_to_sandbox_root",
     "commands_are_born_in_their_cgroup_on_a_cgroup_v1_host",
     "a_background_fork_bomb_is_reclaimed_by_the_next_command",
     "a_cgroup_that_reached_a_limit_is_reused_and_later_work_in_it_is_left_alone",
     "a_fork_bomb_beside_earlier_work_is_stopped_and_the_work_is_left_alone",
+    "a_create_that_finishes_while_moat_closes_leaves_nothing",
     "a_full_data_disk_fails_clearly_and_damages_nothing",
     "a_task_imports_a_project_and_turns_the_work_into_a_patch",
     "a_python_session_that_never_starts_is_given_up",
@@ -1780,6 +1782,41 @@ async fn a_cgroup_that_reached_a_limit_is_reused_and_later_work_in_it_is_left_al
     assert!(!err.contains("reached a limit"), "a later command's work was killed for the bomb's events: {err}");
     assert!(count_processes(&moat, &id, "sleep 3000").await >= 1, "the background sleep was killed");
     moat.destroy_all().await;
+}
+
+/// A sandbox whose create finishes while its owner closes (a server told
+/// to stop while a client creates one) is destroyed, not left running.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_create_that_finishes_while_moat_closes_leaves_nothing() {
+    let moat = moat(16).await;
+    let creating = tokio::spawn({
+        let moat = moat.clone();
+        async move { moat.create(small()).await }
+    });
+    // Well inside the create (a jail takes a few hundred ms to start).
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    moat.close().await;
+    let id = match creating.await.expect("the create task ran") {
+        Ok(sandbox) => panic!("sandbox {} was created while moat closed, and kept", sandbox.id),
+        Err(moat_core::CreateError::StartFailed { id, reason }) => {
+            assert!(reason.contains("moat is shutting down"), "{reason}");
+            id
+        }
+        Err(e) => panic!("an unexpected error: {e}"),
+    };
+    assert!(moat.list().is_empty(), "{:?}", moat.list());
+    let leftovers: Vec<_> = std::fs::read_to_string("/proc/self/mounts")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(&id))
+        .map(str::to_owned)
+        .collect();
+    assert!(leftovers.is_empty(), "mounts of {id} left: {leftovers:?}");
+    for controller in ["pids", "memory", "unified"] {
+        let dir = std::path::Path::new("/sys/fs/cgroup").join(controller).join("moat").join(&id);
+        assert!(!dir.exists(), "{} is left", dir.display());
+    }
 }
 
 /// Commands that fill the process limit all commands share, none filling

@@ -79,6 +79,9 @@ struct Inner {
     /// (`MOAT_MAX_MEMORY_MIB`; see [`crate::limits`]).
     max_memory_mib: u64,
     refill: Arc<tokio::sync::Notify>,
+    /// Set by [`Moat::close`]: a create that finishes afterwards destroys
+    /// its sandbox instead of keeping it, so none outlives its owner.
+    closing: std::sync::atomic::AtomicBool,
 }
 
 /// Creates and drives sandboxes. Every sandbox it creates is destroyed when
@@ -140,6 +143,7 @@ impl Moat {
             pool: Mutex::new(Vec::new()),
             max_memory_mib,
             refill: Arc::new(tokio::sync::Notify::new()),
+            closing: std::sync::atomic::AtomicBool::new(false),
         });
         if inner.config.pool_size > 0 {
             tokio::spawn(fill_pool(Arc::downgrade(&inner), inner.refill.clone()));
@@ -257,7 +261,9 @@ impl Moat {
             let mut sandboxes = self.inner.lock();
             // Checked again: other creates may have finished meanwhile.
             let memory = self.inner.memory_check(&sandboxes, info.spec.memory_mib, false);
-            if sandboxes.len() >= max || memory.is_err() {
+            if self.inner.closing.load(std::sync::atomic::Ordering::SeqCst) {
+                Some((machine, Some(closing(&id))))
+            } else if sandboxes.len() >= max || memory.is_err() {
                 Some((machine, memory.err()))
             } else {
                 if let Machine::Vm(vm) = &machine {
@@ -456,6 +462,13 @@ impl Moat {
                 inner.fail(&id);
             }
         });
+    }
+
+    /// Destroys every sandbox, as [`Moat::destroy_all`], and every one whose
+    /// create finishes afterwards: for an owner that is about to exit.
+    pub async fn close(&self) {
+        self.inner.closing.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.destroy_all().await;
     }
 
     /// Destroys every sandbox, pooled ones included, and forgets failed ones.
@@ -700,4 +713,12 @@ pub fn expire_now(moat: &Moat, id: &str) {
         entry.info.expires_at = now();
     }
     moat.inner.lifecycle();
+}
+
+/// The error of a create that finished after [`Moat::close`].
+fn closing(id: &str) -> CreateError {
+    CreateError::StartFailed {
+        id: id.to_owned(),
+        reason: "moat is shutting down, so the new sandbox was destroyed; create it again once moat runs".into(),
+    }
 }

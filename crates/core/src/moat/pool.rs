@@ -34,6 +34,11 @@ pub(super) async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::
             Err(e) => Err(e.into()),
         };
         match started {
+            // Started while its owner closed: destroyed, not kept.
+            Ok(entry) if strong.closing.load(std::sync::atomic::Ordering::SeqCst) => {
+                let _ = tokio::task::spawn_blocking(move || drop(entry)).await;
+                return;
+            }
             Ok(entry) => strong.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(entry),
             Err(e) => {
                 tracing::warn!("cannot fill the sandbox pool: {e}");
