@@ -578,11 +578,22 @@ impl UserCgroups {
         }
     }
 
-    /// Removes an earlier command's cgroup once its processes are gone.
+    /// Once an earlier command's processes are gone (they ended, or were
+    /// killed at a limit and have died since), its cgroup is kept for the
+    /// next commands like any emptied one (up to [`KEPT_FREE`]), or removed.
     fn remove_idle(&self, exec: &ExecCgroup) {
-        if exec.process_count() == 0 {
+        if exec.process_count() != 0 {
+            return;
+        }
+        let mut names = self.names();
+        names.left.remove(&exec.name);
+        if names.free.len() < KEPT_FREE && !names.free.iter().any(|(free, _)| *free == exec.name) {
+            // Its first command joins it directly (cgroup v1: then gets
+            // a launcher), as in a new one.
+            names.free.push((exec.name.clone(), None));
+        } else {
+            drop(names);
             exec.remove();
-            self.names().left.remove(&exec.name);
         }
     }
 
@@ -942,11 +953,21 @@ impl ExecCgroup {
         }
     }
 
-    /// After moat killed this command's processes at the pids limit: the
-    /// sandbox cools down ([`COOLING`]); returns the note for the
-    /// command's report.
-    pub fn cool_down(&self) -> Option<String> {
-        self.owner?.cool_down().words()
+    /// Kills everything in the command's cgroup for `hit` and returns the
+    /// report for its stderr; processes that ran away at the pids limit
+    /// also start the sandbox's cooling down ([`COOLING`]), which the
+    /// report ends with.
+    pub fn kill_for(&self, hit: &LimitHit) -> String {
+        let top = self.top_processes();
+        let killed = self.kill();
+        let mut report = describe(hit, &top, killed);
+        if killed > 0
+            && matches!(hit, LimitHit::Pids { .. })
+            && let Some(note) = self.owner.and_then(|owner| owner.cool_down().words())
+        {
+            report.push_str(&note);
+        }
+        report
     }
 
     /// Hands a command's cgroup back once the command is done: kept for

@@ -528,21 +528,7 @@ impl Tree {
     async fn stop_with(&self, hit: crate::cgroup::LimitHit) -> Option<String> {
         let _acting = self.acting.lock().await;
         let cgroup = self.cgroup.clone()?;
-        tokio::task::spawn_blocking(move || {
-            let top = cgroup.top_processes();
-            let killed = cgroup.kill();
-            let mut report = crate::cgroup::describe(&hit, &top, killed);
-            if killed > 0
-                && matches!(hit, crate::cgroup::LimitHit::Pids { .. })
-                && let Some(note) = cgroup.cool_down()
-            {
-                report.push_str(&note);
-            }
-            Some(report)
-        })
-        .await
-        .ok()
-        .flatten()
+        tokio::task::spawn_blocking(move || cgroup.kill_for(&hit)).await.ok()
     }
 
     /// When the command's cgroup reached a limit: kills everything in it
@@ -553,19 +539,9 @@ impl Tree {
         let cgroup = self.cgroup.clone()?;
         tokio::task::spawn_blocking(move || {
             let hit = cgroup.reached_limit()?;
-            let top = cgroup.top_processes();
-            let killed = cgroup.kill();
+            let report = cgroup.kill_for(&hit);
             if release {
                 cgroup.release(false);
-            }
-            let mut report = crate::cgroup::describe(&hit, &top, killed);
-            // Processes that ran away at the pids limit: the sandbox's
-            // next commands start with a lower one for a while.
-            if killed > 0
-                && matches!(hit, crate::cgroup::LimitHit::Pids { .. })
-                && let Some(note) = cgroup.cool_down()
-            {
-                report.push_str(&note);
             }
             Some(report)
         })

@@ -1790,32 +1790,36 @@ async fn a_cgroup_that_reached_a_limit_is_reused_and_later_work_in_it_is_left_al
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_create_that_finishes_while_moat_closes_leaves_nothing() {
     let moat = moat(16).await;
-    let creating = tokio::spawn({
-        let moat = moat.clone();
-        async move { moat.create(small()).await }
-    });
-    // Well inside the create (a jail takes a few hundred ms to start).
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    moat.close().await;
-    let id = match creating.await.expect("the create task ran") {
-        Ok(sandbox) => panic!("sandbox {} was created while moat closed, and kept", sandbox.id),
-        Err(moat_core::CreateError::StartFailed { id, reason }) => {
-            assert!(reason.contains("moat is shutting down"), "{reason}");
-            id
-        }
-        Err(e) => panic!("an unexpected error: {e}"),
-    };
-    assert!(moat.list().is_empty(), "{:?}", moat.list());
-    let leftovers: Vec<_> = std::fs::read_to_string("/proc/self/mounts")
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains(&id))
-        .map(str::to_owned)
+    // Several creates at once on two cores: some finish before the close,
+    // some after it.
+    let creating: Vec<_> = (0..6)
+        .map(|_| {
+            let moat = moat.clone();
+            tokio::spawn(async move { moat.create(small()).await })
+        })
         .collect();
-    assert!(leftovers.is_empty(), "mounts of {id} left: {leftovers:?}");
-    for controller in ["pids", "memory", "unified"] {
-        let dir = std::path::Path::new("/sys/fs/cgroup").join(controller).join("moat").join(&id);
-        assert!(!dir.exists(), "{} is left", dir.display());
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    moat.close().await;
+    let mut ids = Vec::new();
+    for create in creating {
+        match create.await.expect("the create task ran") {
+            // Made before the close: the close destroyed it.
+            Ok(sandbox) => ids.push(sandbox.id),
+            Err(moat_core::CreateError::StartFailed { id, reason }) => {
+                assert!(reason.contains("moat is shutting down"), "{reason}");
+                ids.push(id);
+            }
+            Err(e) => panic!("an unexpected error: {e}"),
+        }
+    }
+    assert!(moat.list().is_empty(), "sandboxes kept after the close: {:?}", moat.list());
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    for id in &ids {
+        assert!(!mounts.contains(id.as_str()), "mounts of {id} left");
+        for controller in ["pids", "memory", "unified"] {
+            let dir = std::path::Path::new("/sys/fs/cgroup").join(controller).join("moat").join(id);
+            assert!(!dir.exists(), "{} is left", dir.display());
+        }
     }
 }
 
@@ -1835,17 +1839,21 @@ async fn a_fork_bomb_beside_earlier_work_is_stopped_and_the_work_is_left_alone()
         return;
     }
     let moat = moat(16).await;
-    let id = moat.create(small()).await.expect("created").id;
-    let sleepers = "for i in $(seq 300); do setsid sleep 3000 >/dev/null 2>&1 & done; echo started";
+    // Memory enough for 960 processes, so that the OOM killer takes none.
+    let id = moat.create(SandboxSpec { memory_mib: 1024, ..small() }).await.expect("created").id;
+    // Started, and each one's `sleep` exec'd, before the command ends.
+    let sleepers = "for i in $(seq 300); do setsid sleep 3000 >/dev/null 2>&1 & done; \
+                    for i in $(seq 600); do [ $(pgrep -c -f '^sleep 3000$') -ge 300 ] && break; sleep 0.1; done; \
+                    echo started";
     let (out, err, _, _) = bash(&moat, &id, sleepers, 120_000).await;
     assert!(out.contains("started"), "{out}{err}");
-    assert_eq!(count_processes(&moat, &id, "[s]leep 3000").await, 300);
+    assert_eq!(count_processes(&moat, &id, "^sleep 3000$").await, 300);
     let (out, err, _, timed_out) = bash(&moat, &id, "bash -c ':(){ :|:& };:'; sleep 60; echo survived", 120_000).await;
     assert!(!timed_out && !out.contains("survived"), "the bomb ran on beside the earlier work: {out}{err}");
     for words in ["moat: this command reached the sandbox's process limit", "Held by: bash ×"] {
         assert!(err.contains(words), "{words:?} missing from the command's stderr: {err}");
     }
-    assert_eq!(count_processes(&moat, &id, "[s]leep 3000").await, 300, "the earlier work was killed");
+    assert_eq!(count_processes(&moat, &id, "^sleep 3000$").await, 300, "the earlier work was killed");
     assert_recovered(&moat, &id).await;
     moat.destroy_all().await;
 }
