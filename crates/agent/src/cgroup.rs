@@ -219,10 +219,6 @@ pub struct UserCgroups {
     reclaimed: Mutex<Vec<String>>,
     /// The sandbox's cooling down after a runaway at the pids limit.
     cooling: Mutex<Cooling>,
-    /// Set once a command cgroup got the lower limit of a cooling down:
-    /// until then every cgroup has the `user` cgroup's limit, and a
-    /// command's start reads no limit file.
-    lowered: std::sync::atomic::AtomicBool,
     /// The agent's reaper, which launchers are spawned through.
     reaper: OnceLock<std::sync::Arc<Reaper>>,
 }
@@ -302,7 +298,6 @@ impl UserCgroups {
             making: Mutex::default(),
             reclaimed: Mutex::default(),
             cooling: Mutex::default(),
-            lowered: std::sync::atomic::AtomicBool::new(false),
             reaper: OnceLock::new(),
         }
     }
@@ -429,15 +424,8 @@ impl UserCgroups {
     /// has: the `user` cgroup's, or the lower one while the sandbox cools
     /// down.
     fn set_pids_limit(&self, exec: &ExecCgroup) {
-        let cooling_now = self.cooling_state().until.is_some();
-        if cooling_now {
-            self.lowered.store(true, Ordering::SeqCst);
-        } else if !self.lowered.load(Ordering::SeqCst) {
-            // Made with the `user` cgroup's limit, and never lowered.
-            return;
-        }
         let Some((limit, cooling)) = self.pids_limits() else { return };
-        let wanted = if cooling_now { cooling } else { limit };
+        let wanted = if self.cooling_state().until.is_some() { cooling } else { limit };
         if let Some(dir) = exec.dir("pids") {
             let file = dir.join("pids.max");
             if std::fs::read_to_string(&file).ok().and_then(|now| now.trim().parse::<u64>().ok()) != Some(wanted)
