@@ -1227,6 +1227,7 @@ const NOT_FOR_MICROVMS: &[&str] = &[
     "a_cgroup_that_reached_a_limit_is_reused_and_later_work_in_it_is_left_alone",
     "a_fork_bomb_beside_earlier_work_is_stopped_and_the_work_is_left_alone",
     "a_create_that_finishes_while_moat_closes_leaves_nothing",
+    "a_failing_sandbox_is_never_unknown_to_a_caller",
     "a_full_data_disk_fails_clearly_and_damages_nothing",
     "a_task_imports_a_project_and_turns_the_work_into_a_patch",
     "a_python_session_that_never_starts_is_given_up",
@@ -1819,6 +1820,55 @@ async fn a_create_that_finishes_while_moat_closes_leaves_nothing() {
         for controller in ["pids", "memory", "unified"] {
             let dir = std::path::Path::new("/sys/fs/cgroup").join(controller).join("moat").join(id);
             assert!(!dir.exists(), "{} is left", dir.display());
+        }
+    }
+}
+
+/// A sandbox that fails is, at every moment, either live or failed to
+/// whoever looks: never unknown (which would tell a client its sandbox
+/// never existed, rather than that it failed and why). Jails are killed
+/// while a thread looks them up as fast as it can.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_failing_sandbox_is_never_unknown_to_a_caller() {
+    let moat = moat(16).await;
+    for round in 0..30 {
+        let mut ids = Vec::new();
+        for _ in 0..4 {
+            ids.push(moat.create(small()).await.expect("creates").id);
+        }
+        let looking = {
+            let (moat, ids) = (moat.clone(), ids.clone());
+            std::thread::spawn(move || {
+                let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                while std::time::Instant::now() < deadline {
+                    for id in &ids {
+                        match moat.get(id) {
+                            Ok(_) | Err(SandboxError::Failed { .. }) => {}
+                            Err(e) => return Err(format!("get({id}): {e}")),
+                        }
+                    }
+                    let listed = moat.list();
+                    if let Some(id) = ids.iter().find(|id| !listed.iter().any(|s| &s.id == *id)) {
+                        return Err(format!("list() left out {id}"));
+                    }
+                    let failed = listed.iter().filter(|s| ids.contains(&s.id) && s.state == SandboxState::Failed);
+                    if failed.count() == ids.len() {
+                        return Ok(());
+                    }
+                }
+                Err("the sandboxes were not seen to fail within 60 s".to_owned())
+            })
+        };
+        for id in &ids {
+            let pid = nix::unistd::Pid::from_raw(i32::try_from(moat.host_pid(id).expect("live")).expect("a pid"));
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).expect("kills");
+        }
+        let seen =
+            tokio::task::spawn_blocking(move || looking.join().expect("the looking thread ran")).await.expect("joined");
+        assert_eq!(seen, Ok(()), "round {round}");
+        for id in &ids {
+            moat.destroy(id).await.expect("forgets the failed sandbox");
         }
     }
 }

@@ -335,8 +335,12 @@ impl Moat {
 
     /// The live sandboxes and the failed ones (state `failed`, with why).
     pub fn list(&self) -> Vec<Sandbox> {
-        let mut all: Vec<Sandbox> = self.inner.lock().values().map(|e| e.info.clone()).collect();
+        // Both read under the live map's lock, so that a sandbox failing
+        // meanwhile is seen in one of them (see `Inner::fail`).
+        let live = self.inner.lock();
+        let mut all: Vec<Sandbox> = live.values().map(|e| e.info.clone()).collect();
         all.extend(self.inner.failed().values().cloned());
+        drop(live);
         all.sort_by(|a, b| a.created_at.cmp(&b.created_at).then_with(|| a.id.cmp(&b.id)));
         all
     }
@@ -617,17 +621,18 @@ impl Inner {
             let Some(mut entry) = sandboxes.remove(id) else { return };
             entry.info.state = SandboxState::Failed;
             entry.info.failure = Some(reason);
-            entry
-        };
-        tracing::warn!(%id, reason = entry.info.failure.as_deref().unwrap_or_default(), "sandbox failed");
-        {
+            // Listed as failed before the live map's lock is let go: a
+            // caller looking in between would find the sandbox in neither
+            // and be told it does not exist. (Lock order: live, then failed.)
             let mut failed = self.failed();
             failed.insert(id.to_owned(), entry.info.clone());
             while failed.len() > FAILED_KEPT {
                 let oldest = failed.values().min_by_key(|s| s.created_at).map(|s| s.id.clone());
                 oldest.map(|oldest| failed.remove(&oldest));
             }
-        }
+            entry
+        };
+        tracing::warn!(%id, reason = entry.info.failure.as_deref().unwrap_or_default(), "sandbox failed");
         self.failures.notify_waiters();
         // Releasing waits for what is left to die: off the async threads.
         tokio::task::spawn_blocking(move || drop(entry));
