@@ -298,6 +298,9 @@ impl Cgroup {
     pub fn remove(&self) {
         let deadline = Instant::now() + REMOVE_GUARD;
         for (_, dir) in &self.dirs {
+            thaw_tree(dir);
+        }
+        for (_, dir) in &self.dirs {
             remove_tree(dir, deadline);
         }
     }
@@ -305,8 +308,11 @@ impl Cgroup {
     /// Removes the cgroups of sandbox `id` left by a dead owner.
     pub fn remove_leftovers(id: &str) {
         let deadline = Instant::now() + REMOVE_GUARD;
-        let dirs = sandbox_dirs(id);
-        for dir in dirs.iter().filter(|d| d.exists()) {
+        let dirs: Vec<PathBuf> = sandbox_dirs(id).into_iter().filter(|d| d.exists()).collect();
+        for dir in &dirs {
+            thaw_tree(dir);
+        }
+        for dir in &dirs {
             remove_tree(dir, deadline);
         }
     }
@@ -628,6 +634,24 @@ fn write(dir: &Path, file: &str, value: &str) -> std::io::Result<()> {
 /// to die. SIGKILLed processes end in microseconds; a loaded machine may
 /// take longer.
 const REMOVE_GUARD: Duration = Duration::from_secs(10);
+
+/// Thaws cgroup v1's freezer in `dir` and every cgroup beneath it, the
+/// shallowest first. A process frozen there takes no signal, not even the
+/// SIGKILL of its pid namespace's end, until it is thawed: whatever froze
+/// it (an idle sandbox's suspend; a command's kill, by an agent that died
+/// before it thawed) must be undone before anything is killed, or the
+/// processes outlive their sandbox. Each cgroup is thawed, not only the
+/// top: a child frozen itself stays frozen under a thawed parent. Nothing
+/// on cgroup v2, whose frozen processes die of SIGKILL (and in hierarchies
+/// with no `freezer.state`).
+fn thaw_tree(dir: &Path) {
+    for dir in subtree(dir).iter().rev() {
+        let state = dir.join("freezer.state");
+        if std::fs::read_to_string(&state).is_ok_and(|s| s.trim() != "THAWED") {
+            let _ = std::fs::write(&state, "THAWED");
+        }
+    }
+}
 
 /// Removes the cgroup `dir` and every cgroup beneath it, deepest first.
 fn remove_tree(dir: &Path, deadline: Instant) {

@@ -1228,6 +1228,7 @@ const NOT_FOR_MICROVMS: &[&str] = &[
     "a_fork_bomb_beside_earlier_work_is_stopped_and_the_work_is_left_alone",
     "a_create_that_finishes_while_moat_closes_leaves_nothing",
     "a_failing_sandbox_is_never_unknown_to_a_caller",
+    "frozen_processes_die_with_their_sandbox",
     "a_full_data_disk_fails_clearly_and_damages_nothing",
     "a_task_imports_a_project_and_turns_the_work_into_a_patch",
     "a_python_session_that_never_starts_is_given_up",
@@ -2051,6 +2052,50 @@ async fn background_processes_of_a_well_behaved_command_keep_running() {
         assert!(err.is_empty(), "{err}");
     }
     assert_eq!(count_processes(&moat, &id, "^sleep 1004").await, 1, "the background process was killed");
+    moat.destroy_all().await;
+}
+
+/// Processes frozen in a command's cgroup die with their sandbox. On a
+/// cgroup v1 host a frozen process takes no signal, not even SIGKILL,
+/// until it is thawed; an agent that dies in the middle of killing a
+/// command (its sandbox destroyed meanwhile) leaves that command's cgroup
+/// frozen, which once left a background fork bomb's 900 processes on the
+/// host after its sandbox and its server were gone.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn frozen_processes_die_with_their_sandbox() {
+    let freezer = std::path::Path::new("/sys/fs/cgroup/freezer/moat");
+    if nested() || !freezer.exists() {
+        return;
+    }
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let script =
+        "for i in 1 2 3; do setsid sleep 3000 >/dev/null 2>&1 & done; grep -m1 -o 'user/exec-[0-9]*' /proc/self/cgroup";
+    let (out, err, code, _) = bash(&moat, &id, script, 60_000).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    let exec = freezer.join(&id).join(out.trim());
+    let pids: Vec<String> = std::fs::read_to_string(exec.join("cgroup.procs"))
+        .expect("the command's cgroup")
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    assert!(pids.len() >= 3, "the sleeps are not in {}: {pids:?}", exec.display());
+    // Frozen as the agent leaves them, and the whole sandbox as an idle
+    // suspend leaves it.
+    std::fs::write(exec.join("freezer.state"), "FROZEN").expect("frozen");
+    std::fs::write(freezer.join(&id).join("freezer.state"), "FROZEN").expect("frozen");
+    moat.destroy(&id).await.expect("destroyed");
+    // The host reaps them soon after their kill (a guard against a hang).
+    let alive = || pids.iter().filter(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists()).count();
+    for _ in 0..1000 {
+        if alive() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(alive(), 0, "processes of the destroyed sandbox are left on the host: {pids:?}");
+    assert!(!freezer.join(&id).exists(), "the sandbox's freezer cgroup is left");
     moat.destroy_all().await;
 }
 
