@@ -631,10 +631,11 @@ impl UserCgroups {
     /// one moat stops when commands together keep failing their forks at
     /// the shared limit (two fork bombs, the second lit while the first
     /// still grew). The others are judged again when forks keep failing.
+    /// Counted in tasks, as the limit counts them: a process of a thousand
+    /// threads holds more than a shell that forks a few.
     pub fn holds_the_most(&self, exec: &ExecCgroup) -> bool {
-        let mine = exec.process_count();
-        mine > 0
-            && self.exec_dirs().iter().all(|dir| ExecCgroup::existing(&self.hierarchies, dir).process_count() <= mine)
+        let mine = exec.task_count();
+        mine > 0 && self.exec_dirs().iter().all(|dir| ExecCgroup::existing(&self.hierarchies, dir).task_count() <= mine)
     }
 
     /// The shared pids limit, as a report names it.
@@ -859,25 +860,55 @@ impl ExecCgroup {
         self.dir("pids").map_or(0, |dir| counter(&dir.join("pids.events"), "max"))
     }
 
-    /// The processes that hold the most, in words: by count for pids
-    /// (`bash ×957`), by resident memory otherwise.
+    /// The processes that hold the most, in words: by the tasks the pids
+    /// limit counts (`bash ×957`; `python3 ×1 (959 threads)`), then by
+    /// resident memory.
     pub fn top_processes(&self) -> String {
-        let mut by_name: std::collections::BTreeMap<String, (usize, u64)> = std::collections::BTreeMap::new();
+        // Per name: processes, tasks (their threads), resident KiB.
+        let mut by_name: std::collections::BTreeMap<String, (usize, u64, u64)> = std::collections::BTreeMap::new();
         for pid in self.pids() {
             let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default().trim().to_owned();
-            let rss = rss_kib(pid);
+            let (rss, threads) = status_figures(pid);
             let entry = by_name.entry(if name.is_empty() { "?".into() } else { name }).or_default();
             entry.0 += 1;
-            entry.1 += rss;
+            entry.1 += threads.max(1);
+            entry.2 += rss;
         }
         let mut top: Vec<_> = by_name.into_iter().collect();
-        top.sort_by_key(|(_, held)| std::cmp::Reverse(*held));
+        top.sort_by_key(|(_, (_, tasks, kib))| std::cmp::Reverse((*tasks, *kib)));
         let words: Vec<String> = top
             .iter()
             .take(REPORTED)
-            .map(|(name, (count, kib))| format!("{name} ×{count}, {} MiB resident", kib / 1024))
+            .map(|(name, (count, tasks, kib))| {
+                let threads = if *tasks > *count as u64 { format!(" ({tasks} threads)") } else { String::new() };
+                format!("{name} ×{count}{threads}, {} MiB resident", kib / 1024)
+            })
             .collect();
         if words.is_empty() { NOTHING_LEFT.into() } else { words.join(", ") }
+    }
+
+    /// How many tasks (processes and their threads) the command's cgroup
+    /// holds, as its pids limit counts them (`pids.current`, the
+    /// launcher's one left out); its processes without a pids controller.
+    pub fn task_count(&self) -> usize {
+        let current = self
+            .dir("pids")
+            .and_then(|dir| std::fs::read_to_string(dir.join("pids.current")).ok())
+            .and_then(|n| n.trim().parse::<usize>().ok());
+        match current {
+            Some(tasks) => tasks.saturating_sub(usize::from(self.launcher_pid.is_some())),
+            None => self.process_count(),
+        }
+    }
+
+    /// When the command reached a pids or memory limit: kills everything
+    /// in its cgroup and returns the report, without the cooling down a
+    /// runaway starts (its timeout ended it, not moat's watch: a thread
+    /// bomb that met the pids limit once and held it from then on).
+    pub fn kill_reporting_limit(&self) -> Option<String> {
+        let hit = self.reached_limit()?;
+        let top = self.top_processes();
+        Some(describe(&hit, &top, self.kill()))
     }
 
     /// Kills every process in the command's cgroup; returns how many there
@@ -1139,9 +1170,10 @@ impl MemoryWatch {
 pub fn describe(hit: &LimitHit, top: &str, killed: usize) -> String {
     let plural = |n: u64| if n == 1 { "" } else { "es" };
     let (what, advice) = match hit {
-        LimitHit::Pids { limit } => {
-            (format!("the sandbox's process limit ({limit} processes): forks failed"), "start fewer processes at once")
-        }
+        LimitHit::Pids { limit } => (
+            format!("the sandbox's process limit ({limit} processes): forks failed"),
+            "start fewer processes or threads at once",
+        ),
         LimitHit::Memory { limit_bytes, kills } => (
             format!(
                 "the sandbox's memory limit ({}): the kernel's OOM killer ended {kills} process{} (the largest)",
@@ -1188,12 +1220,17 @@ fn counter(file: &Path, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn rss_kib(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:").and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()))
-        .unwrap_or(0)
+/// A process's resident KiB and its threads, from `/proc/PID/status`
+/// (0 and 0 once it is gone).
+fn status_figures(pid: i32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()))
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("Threads:"))
 }
 
 /// Moves the calling process into the cgroups whose `cgroup.procs` files
@@ -1367,6 +1404,13 @@ mod tests {
         assert_eq!(cgroups.failed_forks(), 4100);
         let holds = |name| cgroups.holds_the_most(&ExecCgroup::existing(&cgroups.hierarchies, name));
         assert_eq!((holds("exec-1"), holds("exec-2"), holds("exec-3")), (false, true, false));
+        // Counted in tasks, as the limit counts them: one process of 900
+        // threads holds more than five of one thread each.
+        std::fs::create_dir_all(pids.join("exec-4")).expect("made");
+        std::fs::write(pids.join("exec-4").join("cgroup.procs"), "40\n").expect("written");
+        std::fs::write(pids.join("exec-4").join("pids.current"), "900\n").expect("written");
+        std::fs::write(pids.join("exec-2").join("pids.current"), "5\n").expect("written");
+        assert_eq!((holds("exec-2"), holds("exec-4")), (false, true));
         let report = describe(&cgroups.shared_pids_hit(), "bash ×5", 5);
         assert!(report.contains("process limit (960 processes)"), "{report}");
     }

@@ -328,19 +328,27 @@ where
     let Streams { stdin, stdout, stderr, pty } = streams;
     let abandoned = Arc::new(AtomicBool::new(false));
     let control = tokio::spawn(control_loop(stream, stdin, tree.clone(), abandoned.clone(), pty));
+    // The report of a limit the command reached, when moat stopped it there
+    // or it timed out there.
+    let stopped = Arc::new(std::sync::Mutex::new(None));
     let timed_out = Arc::new(AtomicBool::new(false));
     let timer = prepared.timeout.map(|timeout| {
-        let (timed_out, tree) = (timed_out.clone(), tree.clone());
+        let (timed_out, tree, stopped) = (timed_out.clone(), tree.clone(), stopped.clone());
         tokio::spawn(async move {
             tokio::time::sleep(timeout).await;
             timed_out.store(true, Ordering::SeqCst);
+            // A limit met on the way to the timeout is said beside it: a
+            // thread bomb meets the pids limit once and holds it, which
+            // moat's watch (forks that keep failing) does not stop.
+            if let Some(report) = tree.limit_at_timeout().await {
+                stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(report);
+            }
             tree.kill().await;
         })
     });
 
     // A fork bomb is stopped at the pids limit, not left to churn there;
     // a memory bomb thrashing at the memory limit, not left to stall there.
-    let stopped = Arc::new(std::sync::Mutex::new(None));
     let (watch_done, mut watch_until) = oneshot::channel::<()>();
     let fork_watch = tree.cgroup.clone().map(|cgroup| {
         let (tree, stopped) = (tree.clone(), stopped.clone());
@@ -393,7 +401,13 @@ where
     let result = pump_output(&mut sink, [stdout, stderr], exit, limit, &mut dropped).await;
     control.abort();
     if let Some(timer) = timer {
-        timer.abort();
+        // One that fired is finishing its kill and report, which ended the
+        // command: awaited, not cut off before its report is kept.
+        if timed_out.load(Ordering::SeqCst) {
+            let _ = timer.await;
+        } else {
+            timer.abort();
+        }
     }
     // A stop under way finishes first: its kill and report are this command's.
     drop(watch_done);
@@ -402,6 +416,9 @@ where
     }
     let stopped = stopped.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
     if timed_out.load(Ordering::SeqCst) || abandoned.load(Ordering::SeqCst) || result.is_err() {
+        if let Some(report) = stopped.filter(|_| timed_out.load(Ordering::SeqCst) && result.is_ok()) {
+            let _ = sink.send_data(StreamId::Error, Bytes::from(report)).await;
+        }
         // Everything the command started goes with it, even what left its
         // process group.
         tree.kill().await;
@@ -521,6 +538,15 @@ impl Tree {
     /// its stderr. The cgroup is kept until the command's end hands it back.
     async fn stop_at_limit(&self) -> Option<String> {
         self.kill_at_limit(false).await
+    }
+
+    /// At the command's timeout: when its cgroup reached a limit, kills
+    /// everything in it and returns the report (the cgroup is handed back
+    /// by the kill that follows).
+    async fn limit_at_timeout(&self) -> Option<String> {
+        let _acting = self.acting.lock().await;
+        let cgroup = self.cgroup.clone()?;
+        tokio::task::spawn_blocking(move || cgroup.kill_reporting_limit()).await.ok().flatten()
     }
 
     /// Kills everything in the command's cgroup for `hit`, which moat

@@ -1909,6 +1909,55 @@ async fn a_fork_bomb_beside_earlier_work_is_stopped_and_the_work_is_left_alone()
     moat.destroy_all().await;
 }
 
+/// A thread bomb meets the pids limit once (a thread counts as a process
+/// there) and then holds it, which moat's watch for forks that keep
+/// failing does not stop: it runs to its timeout, whose result says which
+/// limit it reached and what held it, and the sandbox runs the next
+/// command and cell.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_thread_bomb_is_reported_at_its_timeout_and_the_sandbox_recovers() {
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let bomb =
+        "python3 -c 'import threading, time\nwhile True: threading.Thread(target=time.sleep, args=(300,)).start()'";
+    let (out, err, _, timed_out) = bash(&moat, &id, bomb, 10_000).await;
+    assert!(timed_out, "{out}{err}");
+    for words in ["moat: this command reached the sandbox's process limit", "Held by: python3 ×1 (", " threads)"] {
+        assert!(err.contains(words), "{words:?} missing from the command's stderr: {err}");
+    }
+    assert_recovered(&moat, &id).await;
+    moat.destroy_all().await;
+}
+
+/// A thread bomb left in the background holds the shared pids limit with
+/// one process: when a later command's forks keep failing there, the
+/// bomb is the one that holds the most (counted in tasks, as the limit
+/// counts), so the bomb is killed, not the later command.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_background_thread_bomb_goes_before_a_later_command() {
+    // The fork watch is the agent's, the same in both backends.
+    if nested() {
+        return;
+    }
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    // The bomb fills the limit once its command has ended.
+    let bomb = "setsid bash -c 'sleep 1; exec python3 -c \"import threading, time\nwhile True: threading.Thread(target=time.sleep, args=(300,)).start()\"' >/dev/null 2>&1 & echo started";
+    let (out, err, _, _) = bash(&moat, &id, bomb, 60_000).await;
+    assert!(out.contains("started"), "{out}{err}");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (out, err, code, timed_out) =
+        bash(&moat, &id, "for i in 1 2 3 4 5 6 7 8; do sleep 100 & done; echo forked", 120_000).await;
+    assert!(!timed_out, "{out}{err}");
+    assert_eq!((out.as_str(), code), ("forked\n", Some(0)), "the later command was stopped: {err}");
+    assert_eq!(count_processes(&moat, &id, "^sleep 100$").await, 8, "the later command's work was killed");
+    assert_eq!(count_processes(&moat, &id, "^python3").await, 0, "the thread bomb is left");
+    assert_recovered(&moat, &id).await;
+    moat.destroy_all().await;
+}
+
 /// A fork bomb left running in the background is killed before the next
 /// command starts, and that command says so.
 #[tokio::test]
