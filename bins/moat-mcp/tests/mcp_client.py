@@ -452,6 +452,14 @@ def raw_stdio_answered(binary, env):
         send({"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {"name": "run_command", "arguments": [1]}})
         got = answer()
         assert got["id"] == 5 and got["error"]["code"] == -32602 and "arguments" in got["error"]["message"], got
+        # An id no answer can carry is answered with id null, not ignored;
+        # JSON nested past the parser's depth is answered with its id.
+        send({"jsonrpc": "2.0", "id": None, "method": "ping"})
+        got = answer()
+        assert got["id"] is None and got["error"]["code"] == -32600 and "string or an integer" in got["error"]["message"], got
+        send(b'{"jsonrpc":"2.0","id":8,"method":"ping","params":{"x":' + b"[" * 300 + b"]" * 300 + b"}}")
+        got = answer()
+        assert got["id"] == 8 and got["error"]["code"] == -32700, got
         send({"jsonrpc": "2.0", "id": 6, "method": "ping"})
         assert answer() == {"jsonrpc": "2.0", "id": 6, "result": {}}
     finally:

@@ -26,7 +26,9 @@ use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::sync::Mutex;
 
-use crate::limits::{INVALID_REQUEST, IdScanner, MAX_MESSAGE_BYTES, PARSE_ERROR, error_response, too_large_response};
+use crate::limits::{
+    INVALID_REQUEST, IdScanner, MAX_MESSAGE_BYTES, PARSE_ERROR, error_response, find_id, too_large_response,
+};
 
 /// The server side of MCP over a byte stream pair (stdin and stdout).
 pub struct StdioTransport<R, W> {
@@ -215,14 +217,36 @@ pub(crate) fn parse(line: &[u8]) -> Parsed {
         Ok(value) => value,
         Err(e) => {
             tracing::info!("answered a message that is not JSON: {e}");
+            // JSON up to a point (nested past the parser's depth, a bad
+            // escape, invalid UTF-8): the id, where a scan finds it, lets
+            // the client match the answer to its request instead of waiting.
             return Parsed::Reply(error_response(
-                None,
+                find_id(line).filter(|id| id.is_number() || id.is_string()),
                 PARSE_ERROR,
                 format!("Parse error: the message is not valid JSON ({e}); send one JSON-RPC 2.0 object per line"),
             ));
         }
     };
     let id = value.get("id").filter(|id| id.is_number() || id.is_string()).cloned();
+    if let Some(bad) = value.get("id").filter(|_| id.is_none()) {
+        // A request whose id no answer can carry: answered (with id null,
+        // as JSON-RPC says), not taken for a notification, which has none.
+        let kind = match bad {
+            Value::Null => "null",
+            Value::Bool(_) => "a boolean",
+            Value::Array(_) => "an array",
+            _ => "an object",
+        };
+        tracing::info!("answered a message whose id is {kind}");
+        return Parsed::Reply(error_response(
+            None,
+            INVALID_REQUEST,
+            format!(
+                "Invalid Request: \"id\" must be a string or an integer, not {kind} (a notification has no \"id\" \
+                 member at all)"
+            ),
+        ));
+    }
     if id.is_none() && value.get("method").is_some_and(Value::is_string) {
         // A notification, or something the client means as one: JSON-RPC
         // never answers those (rmcp drops unknown ones the same way).
@@ -373,16 +397,20 @@ mod tests {
     #[tokio::test]
     async fn malformed_lines_are_answered() {
         let (mut transport, mut input, mut output) = pipe(1024);
-        input
-            .write_all(
-                b"not json\n\
-                  {\"jsonrpc\":\"2.0\",\"id\":\"a\",\"method\":\"tools/call\",\"params\":\"x\"}\n\
-                  {\"jsonrpc\":\"2.0\",\"method\":\"notifications/whatever\"}\n\
-                  [1,2]\n\
-                  {\"jsonrpc\":\"2.0\",\"id\":9,\"method\":\"ping\"}\n",
-            )
-            .await
-            .expect("write");
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        let mut lines = b"not json\n\
+              {\"jsonrpc\":\"2.0\",\"id\":\"a\",\"method\":\"tools/call\",\"params\":\"x\"}\n\
+              {\"jsonrpc\":\"2.0\",\"method\":\"notifications/whatever\"}\n\
+              [1,2]\n\
+              {\"jsonrpc\":\"2.0\",\"id\":null,\"method\":\"ping\"}\n\
+              {\"jsonrpc\":\"2.0\",\"id\":{\"a\":1},\"method\":\"ping\"}\n"
+            .to_vec();
+        lines.extend(
+            format!("{{\"jsonrpc\":\"2.0\",\"id\":33,\"method\":\"ping\",\"params\":{{\"x\":{deep}}}}}\n").bytes(),
+        );
+        lines.extend(b"{\"jsonrpc\":\"2.0\",\"id\":34,\"method\":\"ping\",\"params\":{\"x\":\"\xff\"}}\n");
+        lines.extend(b"{\"jsonrpc\":\"2.0\",\"id\":9,\"method\":\"ping\"}\n");
+        input.write_all(&lines).await.expect("write");
         // The unknown notification passes (the server ignores it), then the ping.
         let notification = transport.receive().await.expect("the notification");
         assert!(matches!(notification, rmcp::model::JsonRpcMessage::Notification(_)));
@@ -395,5 +423,21 @@ mod tests {
         assert!(args["error"]["message"].as_str().unwrap_or_default().contains("tools/call"), "{args}");
         let batch = next_answer(&mut output).await;
         assert_eq!(batch["error"]["code"], INVALID_REQUEST);
+        // A request with an id no answer can carry is answered, not ignored.
+        for kind in ["null", "an object"] {
+            let bad_id = next_answer(&mut output).await;
+            assert_eq!((bad_id["id"].clone(), bad_id["error"]["code"].clone()), (Value::Null, INVALID_REQUEST.into()));
+            assert!(bad_id["error"]["message"].as_str().unwrap_or_default().contains(kind), "{bad_id}");
+        }
+        // Nested past the parser's depth, and not UTF-8: parse errors that
+        // carry the request's id.
+        for id in [33, 34] {
+            let parse = next_answer(&mut output).await;
+            assert_eq!(
+                (parse["id"].clone(), parse["error"]["code"].clone()),
+                (id.into(), PARSE_ERROR.into()),
+                "{parse}"
+            );
+        }
     }
 }
