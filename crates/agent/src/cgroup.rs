@@ -908,7 +908,8 @@ impl ExecCgroup {
     pub fn kill_reporting_limit(&self) -> Option<String> {
         let hit = self.reached_limit()?;
         let top = self.top_processes();
-        Some(describe(&hit, &top, self.kill()))
+        let report = describe(&hit, &top, self.kill());
+        Some(report + &files_note(&hit, &files_in_memory()).unwrap_or_default())
     }
 
     /// Kills every process in the command's cgroup; returns how many there
@@ -992,6 +993,7 @@ impl ExecCgroup {
         let top = self.top_processes();
         let killed = self.kill();
         let mut report = describe(hit, &top, killed);
+        report.push_str(&files_note(hit, &files_in_memory()).unwrap_or_default());
         if killed > 0
             && matches!(hit, LimitHit::Pids { .. })
             && let Some(note) = self.owner.and_then(|owner| owner.cool_down().words())
@@ -1200,6 +1202,57 @@ pub fn describe(hit: &LimitHit, top: &str, killed: usize) -> String {
     format!(
         "\nmoat: this command reached {what}.{held} {done}; the sandbox is ready for the next command ({advice}).\n"
     )
+}
+
+/// The file systems of this sandbox whose files live in memory and count
+/// against its memory limit (tmpfs: `/tmp`, `/dev/shm`, `/run`; the root
+/// overlay, whose writes a jail keeps in RAM), with the bytes their files
+/// use, the largest first: one entry per file system, naming every mount
+/// of it (a jail's root overlay reports its disk's figures, which its
+/// `/tmp`, `/dev/shm` and `/run` share).
+fn files_in_memory() -> Vec<(String, u64)> {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return Vec::new() };
+    // (the file system's figures, its mounts, bytes used)
+    let mut found: Vec<((u64, u64, u64, u64), Vec<&str>, u64)> = Vec::new();
+    for line in info.lines() {
+        // `ID PARENT MAJ:MIN ROOT POINT OPTIONS… - TYPE SOURCE OPTIONS`
+        let Some((head, tail)) = line.split_once(" - ") else { continue };
+        let (Some(point), Some(kind)) = (head.split(' ').nth(4), tail.split(' ').next()) else { continue };
+        if !matches!(kind, "tmpfs" | "overlay") {
+            continue;
+        }
+        let Ok(stat) = nix::sys::statvfs::statvfs(point) else { continue };
+        let bytes = stat.blocks().saturating_sub(stat.blocks_free()).saturating_mul(stat.fragment_size());
+        let figures = (stat.blocks(), stat.blocks_free(), stat.files(), stat.files_free());
+        match found.iter_mut().find(|(seen, _, _)| *seen == figures) {
+            Some((_, points, _)) => points.push(point),
+            None if bytes > 0 => found.push((figures, vec![point], bytes)),
+            None => {}
+        }
+    }
+    found.sort_by_key(|(_, _, bytes)| std::cmp::Reverse(*bytes));
+    found.into_iter().map(|(_, points, bytes)| (points.join(", "), bytes)).collect()
+}
+
+/// After a memory limit was met: what files hold of it, when they hold an
+/// eighth of the limit or more (killing processes frees none of it, so
+/// the next commands meet the limit again until the files go).
+fn files_note(hit: &LimitHit, used: &[(String, u64)]) -> Option<String> {
+    let (LimitHit::Memory { limit_bytes, .. } | LimitHit::MemoryStall { limit_bytes, .. }) = hit else {
+        return None;
+    };
+    let total: u64 = used.iter().map(|(_, bytes)| bytes).sum();
+    if total == 0 || limit_bytes.is_some_and(|limit| total < limit / 8) {
+        return None;
+    }
+    let each: Vec<String> =
+        used.iter().take(REPORTED).map(|(points, bytes)| format!("{points}: {} MiB", bytes >> 20)).collect();
+    Some(format!(
+        "moat: files hold {} MiB of that memory ({}): files in this sandbox's /tmp, /dev/shm and /run, and what \
+         it writes to its disk, live in memory; delete those not needed, or the next commands meet the limit again.\n",
+        total >> 20,
+        each.join("; ")
+    ))
 }
 
 /// What a sandbox cooling down may do, in words.
@@ -1413,6 +1466,20 @@ mod tests {
         assert_eq!((holds("exec-2"), holds("exec-4")), (false, true));
         let report = describe(&cgroups.shared_pids_hit(), "bash ×5", 5);
         assert!(report.contains("process limit (960 processes)"), "{report}");
+    }
+
+    #[test]
+    fn files_that_hold_memory_are_named_after_a_memory_limit() {
+        let hit = LimitHit::Memory { limit_bytes: Some(3008 << 20), kills: 1 };
+        let used = [("/, /tmp, /run".to_owned(), 2000 << 20), ("/dev/shm".to_owned(), 1000 << 20)];
+        let note = files_note(&hit, &used).expect("a note");
+        for words in ["files hold 3000 MiB", "(/, /tmp, /run: 2000 MiB; /dev/shm: 1000 MiB)", "delete those not needed"]
+        {
+            assert!(note.contains(words), "{words:?} missing: {note}");
+        }
+        // Little of the limit, or another limit: no note.
+        assert_eq!(files_note(&hit, &[("/tmp".to_owned(), 100 << 20)]), None);
+        assert_eq!(files_note(&LimitHit::Pids { limit: "960".into() }, &used), None);
     }
 
     #[test]

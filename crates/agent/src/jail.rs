@@ -781,6 +781,25 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
     for dir in ["pts", "shm"] {
         step("creating /dev dirs", std::fs::create_dir(dev.join(dir)))?;
     }
+    // /dev/shm, /tmp and /run: directories of the disk's tmpfs bound in,
+    // so that every file the sandbox writes comes out of one budget, its
+    // disk size, and its memory size stays its processes'. (A tmpfs of
+    // their own each, sized like the disk, let files take three disks'
+    // worth of the memory limit, which holds both: a sandbox that filled
+    // them had no memory left to run the `rm` that would free it.)
+    for (name, target, mode) in
+        [("shm", dev.join("shm"), 0o1777), ("tmp", root.join("tmp"), 0o1777), ("run", root.join("run"), 0o755)]
+    {
+        let source = disk.join("volatile").join(name);
+        step("creating the disk's volatile directories", std::fs::create_dir_all(&source))?;
+        step("chown a volatile directory", nix::unistd::chown(&source, base.0, base.1))?;
+        step(
+            "setting a volatile directory's mode",
+            std::fs::set_permissions(&source, std::os::unix::fs::PermissionsExt::from_mode(mode)),
+        )?;
+        step(&format!("creating {}", target.display()), std::fs::create_dir_all(&target))?;
+        step(&format!("binding /{name}"), mount(Some(&source), &target, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
+    }
     for (link, target) in [
         ("ptmx", "pts/ptmx"),
         ("fd", "/proc/self/fd"),
@@ -818,13 +837,6 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
         step("writing /etc/resolv.conf", std::fs::write(&resolv, format!("nameserver {OPEN_DNS}\n")))?;
     }
     Ok(root)
-}
-
-/// The mount options of /dev/shm, /tmp and /run: each at most `disk_mib`
-/// (/run a tenth of it, at least 16 MiB: it holds sockets and pid files).
-fn tmpfs_options(disk_mib: u64) -> (String, String, String) {
-    let run = (disk_mib / 10).clamp(16, disk_mib.max(16));
-    (format!("mode=1777,size={disk_mib}m"), format!("mode=1777,size={disk_mib}m"), format!("mode=0755,size={run}m"))
 }
 
 fn map_ids(pid: Pid, spec: &JailSpec) -> Result<(), JailError> {
@@ -868,10 +880,6 @@ fn sandbox_init(
     )?;
     step("entering the bound root", nix::unistd::chdir("..").and_then(|()| nix::unistd::chdir(ROOT)))?;
     let nosuid = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
-    // Every writable mount is a tmpfs bounded by the sandbox's disk size:
-    // its pages are charged to the sandbox's memory cgroup, and without
-    // one the size still bounds it.
-    let (shm, tmp, run) = tmpfs_options(spec.disk_mib);
     let mounts: &[(&str, &str, &str, MsFlags, Option<&str>)] = &[
         ("proc", "proc", "proc", nosuid | MsFlags::MS_NOEXEC, None),
         ("sysfs", "sys", "sysfs", nosuid | MsFlags::MS_NOEXEC | MsFlags::MS_RDONLY, None),
@@ -882,9 +890,6 @@ fn sandbox_init(
             MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
             Some("newinstance,ptmxmode=0666,mode=0620"),
         ),
-        ("shm", "dev/shm", "tmpfs", nosuid, Some(shm.as_str())),
-        ("tmpfs", "tmp", "tmpfs", nosuid, Some(tmp.as_str())),
-        ("tmpfs", "run", "tmpfs", nosuid, Some(run.as_str())),
     ];
     for (source, target, fstype, flags, data) in mounts {
         let _ = std::fs::create_dir_all(target);
@@ -975,14 +980,6 @@ mod tests {
         assert_eq!(parse_user_cgroup("/sys/fs/cgroup/pids/moat/sbx-1/agent/cgroup.procs"), None);
         assert_eq!(parse_user_cgroup("user ../x /tmp"), None, "a controller name is one plain word");
         assert_eq!(parse_user_cgroup("user pids relative"), None);
-    }
-
-    #[test]
-    fn every_writable_tmpfs_is_sized() {
-        let (shm, tmp, run) = tmpfs_options(2048);
-        assert!(shm.ends_with("size=2048m") && tmp.ends_with("size=2048m"), "{shm} {tmp}");
-        assert!(run.ends_with("size=204m"), "{run}");
-        assert!(tmpfs_options(64).2.ends_with("size=16m"));
     }
 
     /// A pasta that fails to start (as Debian's does when `/dev/net/tun` is

@@ -1229,6 +1229,7 @@ const NOT_FOR_MICROVMS: &[&str] = &[
     "a_create_that_finishes_while_moat_closes_leaves_nothing",
     "a_failing_sandbox_is_never_unknown_to_a_caller",
     "frozen_processes_die_with_their_sandbox",
+    "files_share_the_disk_and_are_named_at_the_memory_limit",
     "a_full_data_disk_fails_clearly_and_damages_nothing",
     "a_task_imports_a_project_and_turns_the_work_into_a_patch",
     "a_python_session_that_never_starts_is_given_up",
@@ -1986,6 +1987,35 @@ async fn a_background_fork_bomb_is_reclaimed_by_the_next_command() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(reclaimed, "the background bomb was never reclaimed");
+    assert_recovered(&moat, &id).await;
+    moat.destroy_all().await;
+}
+
+/// Every file a jail writes (its disk, `/tmp`, `/dev/shm`, `/run`) comes
+/// out of one budget, its disk size, so files can never take the memory
+/// its processes need, not even the `rm` that frees them; a command that
+/// meets the memory limit while files hold much of it is told which.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn files_share_the_disk_and_are_named_at_the_memory_limit() {
+    // A microVM's disk is not its memory.
+    if nested() {
+        return;
+    }
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let fill = "for d in /tmp /dev/shm /run ~; do head -c 127M /dev/zero > $d/fill 2>/dev/null; done; \
+                du -cm /tmp/fill /dev/shm/fill /run/fill ~/fill | tail -1";
+    let (out, err, _, _) = bash(&moat, &id, fill, 120_000).await;
+    let held: u64 = out.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or(u64::MAX);
+    assert!((120..=small().disk_mib).contains(&held), "files hold {held} MiB, past the disk's size: {out}{err}");
+    let (out, err, _, timed_out) = bash(&moat, &id, "python3 -c 'x = bytearray(300 << 20)'", 120_000).await;
+    assert!(!timed_out, "{out}{err}");
+    for words in ["moat: this command reached the sandbox's memory limit", "moat: files hold", "/tmp, /dev/shm"] {
+        assert!(err.contains(words), "{words:?} missing from the command's stderr: {err}");
+    }
+    let (_, err, code, _) = bash(&moat, &id, "rm -f /tmp/fill /dev/shm/fill /run/fill ~/fill", 60_000).await;
+    assert_eq!(code, Some(0), "{err}");
     assert_recovered(&moat, &id).await;
     moat.destroy_all().await;
 }
