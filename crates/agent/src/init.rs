@@ -38,9 +38,19 @@ const MOUNTS: &[Mount] = &[
         flags: MsFlags::MS_NOSUID.union(MsFlags::MS_NOEXEC),
         data: Some("newinstance,ptmxmode=0666,mode=0620"),
     },
-    Mount { source: "shm", target: "/dev/shm", fstype: "tmpfs", flags: nosuid_nodev(), data: Some("mode=1777") },
-    Mount { source: "tmpfs", target: "/tmp", fstype: "tmpfs", flags: nosuid_nodev(), data: Some("mode=1777") },
-    Mount { source: "tmpfs", target: "/run", fstype: "tmpfs", flags: nosuid_nodev(), data: Some("mode=0755") },
+    // Sized in shares of the guest's memory, which their files take: half
+    // of it at most together, so that files never leave the commands (and
+    // the `rm` that would free them) without room. Unsized, each could
+    // take half. (A jail's instead share its disk: `jail::prepare_root`.)
+    Mount {
+        source: "shm",
+        target: "/dev/shm",
+        fstype: "tmpfs",
+        flags: nosuid_nodev(),
+        data: Some("mode=1777,size=20%"),
+    },
+    Mount { source: "tmpfs", target: "/tmp", fstype: "tmpfs", flags: nosuid_nodev(), data: Some("mode=1777,size=25%") },
+    Mount { source: "tmpfs", target: "/run", fstype: "tmpfs", flags: nosuid_nodev(), data: Some("mode=0755,size=5%") },
 ];
 
 const fn nosuid_nodev() -> MsFlags {
