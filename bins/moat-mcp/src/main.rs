@@ -127,20 +127,7 @@ fn main() -> ExitCode {
     } else {
         None
     };
-    // Over stdio one client's calls arrive one line at a time: one thread
-    // serves them without handing each call between workers (a futex
-    // wake-up and a cross-CPU interrupt per hand-off, dear in a VM), and
-    // blocking work still goes to tokio's blocking threads. Over HTTP many
-    // sessions share the server: two workers.
-    let mut builder = match http {
-        Some(_) => {
-            let mut builder = tokio::runtime::Builder::new_multi_thread();
-            builder.worker_threads(2);
-            builder
-        }
-        None => tokio::runtime::Builder::new_current_thread(),
-    };
-    let runtime = match builder.enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             said!(ERROR, "cannot start: {e}");
