@@ -317,7 +317,8 @@ async def bad_session(url, n, kinds, stop, sandboxes, record):
                 try:
                     result = await session.call_tool("run_command", {"cmd": cmd, "timeout": timeout})
                     value = structured(result) or {}
-                    outcome = "error" if is_error(result) else f"exit {value.get('exit_code')}"
+                    # An error's first words say which (grouped with its like).
+                    outcome = f"error: {text(result)[:400]}" if is_error(result) else f"exit {value.get('exit_code')}"
                     if value.get("timed_out"):
                         outcome += ", timed out"
                     if "moat:" in value.get("stderr", ""):

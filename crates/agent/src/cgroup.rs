@@ -412,6 +412,14 @@ impl UserCgroups {
         hold_until.checked_duration_since(Instant::now()).filter(|hold| !hold.is_zero())
     }
 
+    /// The `user` cgroup's processes and threads now and its limit, as
+    /// `pids.current` and `pids.max` say.
+    pub fn pids_in_use(&self) -> Option<(u64, u64)> {
+        let user = self.hierarchies.iter().find(|h| h.is("pids"))?;
+        let read = |file: &str| std::fs::read_to_string(user.dir.join(file)).ok()?.trim().parse().ok();
+        Some((read("pids.current")?, read("pids.max")?))
+    }
+
     /// The `user` cgroup's pids limit and a cooling sandbox's share of it;
     /// `None` without a pids controller or a limit.
     fn pids_limits(&self) -> Option<(u64, u64)> {
@@ -586,14 +594,25 @@ impl UserCgroups {
             return;
         }
         let mut names = self.names();
+        // Judged idle before this lock: another pass (a sweep beside a
+        // reclaim) may have kept it meanwhile, and a command taken it
+        // since. Removing it then took a command's cgroup from under it
+        // (its start failed with ENODEV); keeping it twice would give two
+        // commands one cgroup.
+        if names.active.contains(&exec.name) || names.free.iter().any(|(free, _)| *free == exec.name) {
+            return;
+        }
         names.left.remove(&exec.name);
-        if names.free.len() < KEPT_FREE && !names.free.iter().any(|(free, _)| *free == exec.name) {
+        if names.free.len() < KEPT_FREE {
             // Its first command joins it directly (cgroup v1: then gets
             // a launcher), as in a new one.
             names.free.push((exec.name.clone(), None));
         } else {
+            // Active while it is removed: out of every other pass's sight.
+            names.active.insert(exec.name.clone());
             drop(names);
             exec.remove();
+            self.names().active.remove(&exec.name);
         }
     }
 
@@ -1034,7 +1053,6 @@ impl ExecCgroup {
             names.active.remove(&self.name);
             names.free.push((self.name.clone(), launcher));
         } else {
-            names.active.remove(&self.name);
             drop(names);
             // Its socket closed, the launcher ends; the cgroup goes once
             // empty (here, or in a later sweep).
@@ -1042,6 +1060,9 @@ impl ExecCgroup {
             if empty {
                 self.remove();
             }
+            // Active until removed: a sweep in between would keep it as
+            // free and hand the next command a cgroup about to go.
+            owner.names().active.remove(&self.name);
         }
         false
     }

@@ -173,8 +173,24 @@ fn spawn_error(program: &str, e: &std::io::Error) -> WireError {
             moat_proto::ErrorKind::NotFound,
             format!("command not found: {program} (searched PATH={DEFAULT_PATH}; install it or give its full path)"),
         ),
+        Some(libc::EAGAIN) => limit_full(program, e),
         _ => io_error(&format!("starting {program}"), e),
     }
+}
+
+/// What a command that could not start because the sandbox's process
+/// limit is full says: the limit, what holds it, and what to do.
+fn limit_full(program: &str, e: &std::io::Error) -> WireError {
+    let held = crate::cgroup::user_cgroups().and_then(crate::cgroup::UserCgroups::pids_in_use);
+    let figures = held.map_or_else(String::new, |(current, max)| format!(" ({current} of {max} in use)"));
+    WireError::new(
+        moat_proto::ErrorKind::Io,
+        format!(
+            "starting {program}: the sandbox's process limit is full{figures}: processes and threads that earlier \
+             commands left running hold it ({e}). Wait for them to end and try again, or destroy this sandbox and \
+             create another"
+        ),
+    )
 }
 
 impl Streams {
@@ -227,7 +243,11 @@ fn streams_of(prepared: &Prepared) -> Result<([OwnedFd; 3], Streams), WireError>
 /// What a command that did not start says, by the step that failed.
 fn not_started(program: &str, NotStarted { errno, what }: NotStarted) -> WireError {
     let e = std::io::Error::from_raw_os_error(errno);
-    if what == "exec" { spawn_error(program, &e) } else { io_error(&format!("starting {program} ({what})"), &e) }
+    match what.as_str() {
+        "exec" => spawn_error(program, &e),
+        _ if errno == libc::EAGAIN => limit_full(program, &e),
+        _ => io_error(&format!("starting {program} ({what})"), &e),
+    }
 }
 
 /// Starts `prepared` from the agent itself ([`crate::spawn`]); returns
@@ -782,5 +802,22 @@ fn resize(master: &OwnedFd, size: WinSize) {
     let rc = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &ws) };
     if rc < 0 {
         tracing::debug!("resizing the pty failed: {}", std::io::Error::last_os_error());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_command_that_cannot_start_at_the_process_limit_says_so() {
+        for what in ["fork", "exec"] {
+            let error = not_started("bash", NotStarted { errno: libc::EAGAIN, what: what.into() });
+            for words in ["starting bash: the sandbox's process limit is full", "destroy this sandbox"] {
+                assert!(error.message.contains(words), "{words:?} missing: {}", error.message);
+            }
+        }
+        let missing = not_started("nope", NotStarted { errno: libc::ENOENT, what: "exec".into() });
+        assert!(missing.message.starts_with("command not found: nope"), "{}", missing.message);
     }
 }
