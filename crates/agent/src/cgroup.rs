@@ -1233,8 +1233,14 @@ pub fn describe(hit: &LimitHit, top: &str, killed: usize) -> String {
 /// `/tmp`, `/dev/shm` and `/run` share).
 fn files_in_memory() -> Vec<(String, u64)> {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return Vec::new() };
-    // (the file system's figures, its mounts, bytes used)
-    let mut found: Vec<((u64, u64, u64, u64), Vec<&str>, u64)> = Vec::new();
+    /// One file system: its figures (the same for every mount of it), its
+    /// mounts, the bytes its files use.
+    struct Found<'a> {
+        figures: (u64, u64, u64, u64),
+        points: Vec<&'a str>,
+        bytes: u64,
+    }
+    let mut found: Vec<Found<'_>> = Vec::new();
     for line in info.lines() {
         // `ID PARENT MAJ:MIN ROOT POINT OPTIONS… - TYPE SOURCE OPTIONS`
         let Some((head, tail)) = line.split_once(" - ") else { continue };
@@ -1245,14 +1251,14 @@ fn files_in_memory() -> Vec<(String, u64)> {
         let Ok(stat) = nix::sys::statvfs::statvfs(point) else { continue };
         let bytes = stat.blocks().saturating_sub(stat.blocks_free()).saturating_mul(stat.fragment_size());
         let figures = (stat.blocks(), stat.blocks_free(), stat.files(), stat.files_free());
-        match found.iter_mut().find(|(seen, _, _)| *seen == figures) {
-            Some((_, points, _)) => points.push(point),
-            None if bytes > 0 => found.push((figures, vec![point], bytes)),
+        match found.iter_mut().find(|fs| fs.figures == figures) {
+            Some(fs) => fs.points.push(point),
+            None if bytes > 0 => found.push(Found { figures, points: vec![point], bytes }),
             None => {}
         }
     }
-    found.sort_by_key(|(_, _, bytes)| std::cmp::Reverse(*bytes));
-    found.into_iter().map(|(_, points, bytes)| (points.join(", "), bytes)).collect()
+    found.sort_by_key(|fs| std::cmp::Reverse(fs.bytes));
+    found.into_iter().map(|fs| (fs.points.join(", "), fs.bytes)).collect()
 }
 
 /// After a memory limit was met: what files hold of it, when they hold an
