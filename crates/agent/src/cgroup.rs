@@ -926,9 +926,17 @@ impl ExecCgroup {
     /// bomb that met the pids limit once and held it from then on).
     pub fn kill_reporting_limit(&self) -> Option<String> {
         let hit = self.reached_limit()?;
+        Some(self.kill_and_report(&hit).0)
+    }
+
+    /// Kills everything in the command's cgroup for `hit`: the report
+    /// (what held the limit, read before the kill; after a memory limit,
+    /// the files that hold it) and how many processes were killed.
+    fn kill_and_report(&self, hit: &LimitHit) -> (String, usize) {
         let top = self.top_processes();
-        let report = describe(&hit, &top, self.kill());
-        Some(report + &files_note(&hit, &files_in_memory()).unwrap_or_default())
+        let killed = self.kill();
+        let report = describe(hit, &top, killed) + &files_note(hit, files_in_memory).unwrap_or_default();
+        (report, killed)
     }
 
     /// Kills every process in the command's cgroup; returns how many there
@@ -1009,10 +1017,7 @@ impl ExecCgroup {
     /// also start the sandbox's cooling down ([`COOLING`]), which the
     /// report ends with.
     pub fn kill_for(&self, hit: &LimitHit) -> String {
-        let top = self.top_processes();
-        let killed = self.kill();
-        let mut report = describe(hit, &top, killed);
-        report.push_str(&files_note(hit, &files_in_memory()).unwrap_or_default());
+        let (mut report, killed) = self.kill_and_report(hit);
         if killed > 0
             && matches!(hit, LimitHit::Pids { .. })
             && let Some(note) = self.owner.and_then(|owner| owner.cool_down().words())
@@ -1263,11 +1268,13 @@ fn files_in_memory() -> Vec<(String, u64)> {
 
 /// After a memory limit was met: what files hold of it, when they hold an
 /// eighth of the limit or more (killing processes frees none of it, so
-/// the next commands meet the limit again until the files go).
-fn files_note(hit: &LimitHit, used: &[(String, u64)]) -> Option<String> {
+/// the next commands meet the limit again until the files go). `used`
+/// ([`files_in_memory`]) is asked only after a memory limit.
+fn files_note(hit: &LimitHit, used: impl FnOnce() -> Vec<(String, u64)>) -> Option<String> {
     let (LimitHit::Memory { limit_bytes, .. } | LimitHit::MemoryStall { limit_bytes, .. }) = hit else {
         return None;
     };
+    let used = used();
     let total: u64 = used.iter().map(|(_, bytes)| bytes).sum();
     if total == 0 || limit_bytes.is_some_and(|limit| total < limit / 8) {
         return None;
@@ -1499,14 +1506,14 @@ mod tests {
     fn files_that_hold_memory_are_named_after_a_memory_limit() {
         let hit = LimitHit::Memory { limit_bytes: Some(3008 << 20), kills: 1 };
         let used = [("/, /tmp, /run".to_owned(), 2000 << 20), ("/dev/shm".to_owned(), 1000 << 20)];
-        let note = files_note(&hit, &used).expect("a note");
+        let note = files_note(&hit, || used.to_vec()).expect("a note");
         for words in ["files hold 3000 MiB", "(/, /tmp, /run: 2000 MiB; /dev/shm: 1000 MiB)", "delete those not needed"]
         {
             assert!(note.contains(words), "{words:?} missing: {note}");
         }
         // Little of the limit, or another limit: no note.
-        assert_eq!(files_note(&hit, &[("/tmp".to_owned(), 100 << 20)]), None);
-        assert_eq!(files_note(&LimitHit::Pids { limit: "960".into() }, &used), None);
+        assert_eq!(files_note(&hit, || vec![("/tmp".to_owned(), 100 << 20)]), None);
+        assert_eq!(files_note(&LimitHit::Pids { limit: "960".into() }, || used.to_vec()), None);
     }
 
     #[test]

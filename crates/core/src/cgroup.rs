@@ -645,6 +645,11 @@ const REMOVE_GUARD: Duration = Duration::from_secs(10);
 /// on cgroup v2, whose frozen processes die of SIGKILL (and in hierarchies
 /// with no `freezer.state`).
 fn thaw_tree(dir: &Path) {
+    // Only the freezer's hierarchy has the file: one look spares the
+    // other hierarchies a walk on every destroy.
+    if !dir.join("freezer.state").exists() {
+        return;
+    }
     for dir in subtree(dir).iter().rev() {
         let state = dir.join("freezer.state");
         if std::fs::read_to_string(&state).is_ok_and(|s| s.trim() != "THAWED") {
