@@ -1229,6 +1229,10 @@ const NOT_FOR_MICROVMS: &[&str] = &[
     "a_create_that_finishes_while_moat_closes_leaves_nothing",
     "a_failing_sandbox_is_never_unknown_to_a_caller",
     "frozen_processes_die_with_their_sandbox",
+    // The timeout's report is the agent's, the same in both backends; under
+    // the nested host's emulation the bomb may not reach the limit before
+    // a timeout short enough for the suite (seen once: no report at 10 s).
+    "a_thread_bomb_is_reported_at_its_timeout_and_the_sandbox_recovers",
     "files_share_the_disk_and_are_named_at_the_memory_limit",
     "a_full_data_disk_fails_clearly_and_damages_nothing",
     "a_task_imports_a_project_and_turns_the_work_into_a_patch",
