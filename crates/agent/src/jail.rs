@@ -8,6 +8,7 @@
 //!       │  overlay: image rootfs/ (lower) + upper → the sandbox root
 //!       │  /dev of bind-mounted safe devices, the agent binary (read-only)
 //!       │  binds the agent's socket outside the sandbox, passes the fd in
+//!       ├─ fork: the keeper (cgroup v1 freezer only; `crate::keeper`)
 //!       └─ clone(NEWUSER|NEWNS|NEWPID|NEWNET|NEWIPC|NEWUTS|NEWCGROUP)
 //!            the monitor writes uid_map/gid_map: 0..N → BASE..BASE+N
 //!            PID 1: /proc, /sys, /dev/pts, /dev/shm, /tmp, /run, hostname,
@@ -17,8 +18,10 @@
 //!
 //! The monitor dies with its parent (`PR_SET_PDEATHSIG`), PID 1 dies with
 //! the monitor, and the kernel kills every process of a pid namespace whose
-//! PID 1 dies: a sandbox never outlives the process that created it. Its
-//! mounts live only in namespaces that vanish with it.
+//! PID 1 dies: a sandbox never outlives the process that created it (on a
+//! cgroup v1 freezer, where a frozen process takes no SIGKILL, the keeper
+//! thaws the sandbox for those deaths). Its mounts live only in namespaces
+//! that vanish with it.
 
 use std::ffi::CString;
 use std::fs::File;
@@ -154,6 +157,8 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     // Die with the host process; if it is already gone, stop here.
     let parent = nix::unistd::getppid();
     step("PR_SET_PDEATHSIG", nix::sys::prctl::set_pdeathsig(Signal::SIGKILL))?;
+    // For the keeper (cgroup v1): the owner's end, as an event.
+    let owner = step("pidfd_open of the owner", crate::pidfd::Pidfd::of_pid(parent.as_raw()))?;
     if nix::unistd::getppid() != parent {
         return Ok(1);
     }
@@ -201,6 +206,19 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
         give_user_cgroups(&user_cgroups, spec.id_base)?;
     }
     bind_user_cgroups(&root, &user_cgroups, spec.id_base)?;
+    // On a cgroup v1 freezer, the keeper that thaws the sandbox on its way
+    // down (see `crate::keeper`): forked before the joins below, so that
+    // no freeze of the sandbox reaches it.
+    let keeper = match crate::keeper::freezer_dir(&cgroups) {
+        Some(dir) => Some(step("starting the keeper", crate::keeper::Keeper::start(dir, owner))?),
+        None => {
+            drop(owner);
+            None
+        }
+    };
+    if let Some(keeper) = &keeper {
+        KEEPER.store(keeper.wake_fd(), std::sync::atomic::Ordering::SeqCst);
+    }
     // Every process of the sandbox descends from here: join before clone.
     for procs in &cgroups {
         step(&format!("joining {}", procs.display()), std::fs::write(procs, std::process::id().to_string()))?;
@@ -598,7 +616,17 @@ extern "C" fn on_term(_: libc::c_int) {
         // SAFETY: kill(2) is async-signal-safe and touches no memory.
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
+    // Then the keeper thaws what a freeze holds back from that kill.
+    let keeper = KEEPER.load(std::sync::atomic::Ordering::SeqCst);
+    if keeper >= 0 {
+        // SAFETY: write(2) is async-signal-safe; it reads one byte of a
+        // static.
+        unsafe { libc::write(keeper, c"1".as_ptr().cast(), 1) };
+    }
 }
+
+/// The write end of the keeper's wake pipe, or -1 without a keeper.
+static KEEPER: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 
 /// The cgroup v2 split of a sandbox's cgroup, finished here: the line
 /// `split <dir> <user memory bytes> <user pids>` from the host.

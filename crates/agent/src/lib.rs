@@ -24,6 +24,7 @@ pub mod forward;
 pub mod info;
 pub mod init;
 pub mod jail;
+pub mod keeper;
 pub mod launcher;
 pub mod netconf;
 pub mod pidfd;
