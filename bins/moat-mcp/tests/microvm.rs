@@ -76,15 +76,19 @@ async fn session() {
 
 #[test]
 #[ignore = "needs the nested test host (image, binaries, QEMU, busybox-static); run by `cargo xtask test`"]
-fn mcp_tools_work_in_microvms() {
+fn mcp_tools_work_in_microvms_in_the_nested_host() {
     if std::env::var_os("MOAT_TEST_IN_LEVEL1").is_some() {
         let runtime = tokio::runtime::Runtime::new().expect("runtime");
         runtime.block_on(session());
         return;
     }
     let (bundle, name) = moat_nested::bundle_with_this_program().expect("the level-1 bundle");
-    let mut payload =
-        moat_nested::Payload::new([name.as_str(), "--include-ignored", "--exact", "mcp_tools_work_in_microvms"]);
+    let mut payload = moat_nested::Payload::new([
+        name.as_str(),
+        "--include-ignored",
+        "--exact",
+        "mcp_tools_work_in_microvms_in_the_nested_host",
+    ]);
     payload.env.push(("MOAT_TEST_IN_LEVEL1".into(), "1".into()));
     // Several microVMs at once (a warm pool), their disks' overlays in
     // level 1's memory: more room than the default level 1.

@@ -21,7 +21,7 @@ fn boot(vcpus: u8, cmdline: &str) -> String {
 
 #[test]
 #[ignore = "needs the nested test host (image, binaries, QEMU, busybox-static); run by `cargo xtask test`"]
-fn debian_boots_with_one_and_two_vcpus_and_a_reboot_ends_the_vm() {
+fn debian_boots_with_one_and_two_vcpus_and_a_reboot_ends_the_vm_in_the_nested_host() {
     // Without a root disk the agent loads its modules, waits 10 s for the
     // disk, reports the failure and powers off: the VM ends with status 0.
     // What matters here is the kernel: ACPI found, CPUs up, the

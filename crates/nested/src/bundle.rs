@@ -147,7 +147,14 @@ pub struct Bundle {
     /// An ext4 disk holding the image's `rootfs.ext4`, attached read-only.
     pub rootfs: PathBuf,
     pub qemu: PathBuf,
+    /// Shared locks on the cache entries this bundle uses, held while any
+    /// clone of it lives: another process's new entry does not remove them.
+    _in_use: std::sync::Arc<[InUse; 2]>,
 }
+
+/// A shared lock on a cache entry's `complete` file: the entry is in use.
+#[derive(Debug)]
+struct InUse(#[allow(dead_code)] nix::fcntl::Flock<File>);
 
 /// Everything that goes into a bundle, resolved to host files.
 struct Plan {
@@ -164,13 +171,14 @@ pub fn prepare(sources: &Sources) -> Result<Bundle> {
     let image = Image::open(&sources.data_dir, &sources.image)?;
     let plan = plan(sources, &image)?;
     let key = key(&plan)?;
-    let dir = cached(&sources.cache_dir, "bundle-", &key, |work| build(&plan, work))?;
+    let (dir, bundle_in_use) = cached(&sources.cache_dir, "bundle-", &key, |work| build(&plan, work))?;
     // The root disk changes only when the image's packages do: its own key.
     let rootfs_hash = image.manifest.artifacts.get("rootfs.ext4").map(|a| a.sha256.clone()).ok_or_else(|| {
         Error::Missing { what: "rootfs.ext4 in the image's manifest".into(), hint: "rebuild the image".into() }
     })?;
     let rootfs_key = hex(&Sha256::digest(format!("{rootfs_hash}\n{ROOTFS_DISK_LAYOUT}")));
-    let rootfs_dir = cached(&sources.cache_dir, "rootfs-", &rootfs_key, |work| build_rootfs_disk(&image, work))?;
+    let (rootfs_dir, rootfs_in_use) =
+        cached(&sources.cache_dir, "rootfs-", &rootfs_key, |work| build_rootfs_disk(&image, work))?;
     Ok(Bundle {
         key,
         kernel: image.path("vmlinux"),
@@ -179,19 +187,20 @@ pub fn prepare(sources: &Sources) -> Result<Bundle> {
         rootfs: rootfs_dir.join("rootfs-disk.ext4"),
         qemu: sources.qemu.clone(),
         dir,
+        _in_use: std::sync::Arc::new([bundle_in_use, rootfs_in_use]),
     })
 }
 
 /// The cache entry `<cache>/<prefix><key>/`, made by `build` in a work
-/// directory when it is not complete yet. Tests run in parallel threads and
-/// processes: one builds, the others wait on the lock. Entries with the same
-/// prefix and another key are removed (a QEMU still using one keeps its
-/// open files).
-fn cached(cache: &Path, prefix: &str, key: &str, build: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
+/// directory when it is not complete yet, and a shared lock that marks it
+/// in use. Tests run in parallel threads and processes: one builds, the
+/// others wait on the cache's lock. Entries with the same prefix and
+/// another key are removed, unless in use (another test process, with
+/// other binaries, booting level 1s from it meanwhile).
+fn cached(cache: &Path, prefix: &str, key: &str, build: impl FnOnce(&Path) -> Result<()>) -> Result<(PathBuf, InUse)> {
     let dir = cache.join(format!("{prefix}{}", &key[..16.min(key.len())]));
-    let complete = |dir: &Path| dir.join("complete").is_file();
-    if complete(&dir) {
-        return Ok(dir);
+    if let Some(in_use) = use_entry(&dir) {
+        return Ok((dir, in_use));
     }
     let io = |what: &str| {
         let dir = cache.to_path_buf();
@@ -202,8 +211,8 @@ fn cached(cache: &Path, prefix: &str, key: &str, build: impl FnOnce(&Path) -> Re
     let lock = File::create(cache.join(".lock")).map_err(io("creating the lock file"))?;
     let _lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
         .map_err(|(_, e)| io("locking the cache")(e.into()))?;
-    if complete(&dir) {
-        return Ok(dir);
+    if let Some(in_use) = use_entry(&dir) {
+        return Ok((dir, in_use));
     }
     tracing::info!(entry = %dir.display(), "building a level-1 cache entry");
     let work = cache.join(format!(".build-{}", std::process::id()));
@@ -213,19 +222,51 @@ fn cached(cache: &Path, prefix: &str, key: &str, build: impl FnOnce(&Path) -> Re
         let _ = std::fs::remove_dir_all(&work);
         return Err(e);
     }
-    std::fs::write(work.join("complete"), format!("{key}\n")).map_err(io("marking the entry complete"))?;
+    std::fs::write(work.join(COMPLETE), format!("{key}\n")).map_err(io("marking the entry complete"))?;
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::rename(&work, &dir).map_err(io("moving the entry into place"))?;
+    let in_use = use_entry(&dir)
+        .ok_or_else(|| io("marking the entry in use")(std::io::Error::other("the new entry is gone")))?;
     if let Ok(entries) = std::fs::read_dir(cache) {
         for entry in entries.filter_map(std::result::Result::ok) {
             let path = entry.path();
             let name = entry.file_name().to_string_lossy().into_owned();
             if path != dir && path.is_dir() && name.starts_with(prefix) {
-                let _ = std::fs::remove_dir_all(path);
+                remove_unused(&path);
             }
         }
     }
-    Ok(dir)
+    Ok((dir, in_use))
+}
+
+/// The file that marks a cache entry complete, and is locked shared while
+/// the entry is in use.
+const COMPLETE: &str = "complete";
+
+/// A shared lock on the complete entry `dir`; `None` when it is not
+/// complete (or was removed while the lock was being taken).
+fn use_entry(dir: &Path) -> Option<InUse> {
+    let file = File::open(dir.join(COMPLETE)).ok()?;
+    let lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockShared).ok()?;
+    // Removed between the open and the lock: the lock holds nothing.
+    dir.join(COMPLETE).is_file().then_some(InUse(lock))
+}
+
+/// Removes the cache entry `dir` unless a process holds it in use (a
+/// shared lock on its `complete` file); an incomplete entry goes.
+fn remove_unused(dir: &Path) {
+    if let Ok(file) = File::open(dir.join(COMPLETE)) {
+        match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            // Held through the removal: a process that opened the file
+            // meanwhile finds it gone once it has its lock.
+            Ok(_unused) => {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+            Err(_) => tracing::info!(entry = %dir.display(), "a level-1 cache entry still in use is kept"),
+        }
+    } else {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 /// `rootfs-disk.ext4`: an ext4 file system holding the image's `rootfs.ext4`
@@ -613,6 +654,36 @@ fn library_destination(library: &Path) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_entry_removes_the_old_ones_but_not_those_in_use() {
+        let cache = tempfile::tempdir().expect("tempdir");
+        let make = |key: &str| {
+            cached(cache.path(), "bundle-", key, |work| {
+                std::fs::write(work.join("initramfs.cpio.gz"), key).map_err(|source| Error::Bundle {
+                    what: "writing".into(),
+                    dir: work.to_path_buf(),
+                    source,
+                })
+            })
+            .expect("an entry")
+        };
+        let (old, in_use) = make("aaaa");
+        let (unused, unused_lock) = make("bbbb");
+        drop(unused_lock);
+        // "aaaa" is held (a test booting from it); "bbbb" is not.
+        let (new, _new_lock) = make("cccc");
+        assert!(old.join("initramfs.cpio.gz").is_file(), "an entry in use was removed");
+        assert!(!unused.exists(), "an unused old entry was kept");
+        assert!(new.join("initramfs.cpio.gz").is_file());
+        // Once let go, the next new entry removes it; the one in use is found.
+        drop(in_use);
+        let (again, _) = make("cccc");
+        assert_eq!(again, new);
+        let _ = make("dddd");
+        assert!(!old.exists(), "an entry let go was kept");
+        assert!(new.exists(), "an entry in use was removed");
+    }
 
     #[test]
     fn ldd_output_gives_the_resolved_paths() {

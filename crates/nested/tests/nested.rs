@@ -26,7 +26,7 @@ fn run(payload: Payload) -> Result<moat_nested::Output, Error> {
 
 #[test]
 #[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
-fn a_payloads_output_and_exit_status_come_back_exactly() {
+fn a_payloads_output_and_exit_status_come_back_from_the_nested_host() {
     // Bytes that would not survive a text console: no trailing newline,
     // a carriage return, a NUL, and something on stderr.
     let out = run(Payload::script(r#"printf 'one\r\ntwo\000three'; printf 'to stderr\n' >&2; ls /dev/kvm >&2"#))
@@ -41,7 +41,7 @@ fn a_payloads_output_and_exit_status_come_back_exactly() {
 
 #[test]
 #[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
-fn the_moat_binaries_and_the_image_are_in_place() {
+fn the_moat_binaries_and_the_image_are_in_place_in_the_nested_host() {
     // moat finds the image at level 1's default data directory (its root
     // disk a block device) and the agent, and sees KVM with SVM.
     let out = run(Payload::new(["moat", "doctor"])).expect("the payload runs");
@@ -64,7 +64,7 @@ fn the_moat_binaries_and_the_image_are_in_place() {
 
 #[test]
 #[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
-fn a_failing_payloads_status_comes_back() {
+fn a_failing_payloads_status_comes_back_from_the_nested_host() {
     let out = run(Payload::new(["sh", "-c", "echo failing >&2; exit 7"]).env("UNUSED", "x")).expect("level 1 runs");
     assert_eq!(out.code, 7);
     assert_eq!(out.stderr_text(), "failing\n");
@@ -79,7 +79,7 @@ fn a_failing_payloads_status_comes_back() {
 
 #[test]
 #[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
-fn a_hanging_payload_is_reported_with_its_stage_and_consoles() {
+fn a_hanging_payload_is_reported_with_its_stage_and_consoles_by_the_nested_host() {
     let timeouts = Timeouts { finish: Duration::from_secs(20), ..Timeouts::default() };
     let err = run(Payload::script("echo about to hang; sleep 100000").timeouts(timeouts))
         .expect_err("the payload never finishes");
@@ -95,7 +95,7 @@ fn a_hanging_payload_is_reported_with_its_stage_and_consoles() {
 
 #[test]
 #[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
-fn a_level_2_debian_guest_boots_under_qemu_with_kvm_in_level_1() {
+fn a_level_2_debian_guest_boots_under_qemu_with_kvm_in_the_nested_host() {
     use moat_nested::level2::{self, Boot};
     // QEMU as the baseline is booted, and beside it (as moat-vmm will be)
     // another VMM command: the same QEMU without a vsock device.
@@ -119,7 +119,7 @@ fn a_level_2_debian_guest_boots_under_qemu_with_kvm_in_level_1() {
 
 #[test]
 #[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
-fn a_run_of_steps_resumes_after_level_1_breaks() {
+fn a_run_of_steps_resumes_after_a_level_1_of_the_nested_host_breaks() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let bundle = moat_nested::bundle::prepare(&moat_nested::Sources::from_env().expect("sources")).expect("bundle");
     let steps: Vec<String> = ["one", "two", "three", "four", "five", "six"].map(String::from).to_vec();
@@ -165,7 +165,7 @@ exit 0"#,
 
 #[test]
 #[ignore = "needs the default image, the static agent, QEMU and busybox-static; `cargo xtask test` provides them"]
-fn a_level_1_that_stops_answering_is_kicked_with_an_nmi_and_goes_on() {
+fn a_level_1_of_the_nested_host_that_stops_answering_is_kicked_with_an_nmi() {
     // The heartbeat (init's other child, beside this payload) stopped for
     // 50 s stands in for a lost wake-up: the host kicks level 1 with an
     // NMI after 30 s, which level 1 reports and survives; the payload then

@@ -9,7 +9,7 @@
 
 #[test]
 #[ignore = "needs the nested test host (QEMU, the default image, the static agent, busybox-static); cargo xtask test provides them"]
-fn a_debian_sandbox_boots_on_the_overlay_disk_and_talks_over_vsock() {
+fn a_debian_sandbox_boots_on_the_overlay_disk_and_talks_over_vsock_in_the_nested_host() {
     // One sandbox: uname and python3, then 64 MiB of random bytes written
     // to its root (they must show up in its overlay while it runs, and
     // moat-vmm must hold the base read-only) and streamed back to the host
