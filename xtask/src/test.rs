@@ -58,16 +58,74 @@ pub fn gate() -> Result<()> {
     // Ignored tests are those that need root, the image, the static agent,
     // QEMU, busybox-static, the host binaries, the Python MCP SDKs, the
     // conformance suite and the package, all provided above.
-    run(cargo()
-        .args(["test", "--workspace", "--no-fail-fast", "--", "--include-ignored"])
-        .env("MOAT_AGENT", &agent)
-        .env("MOAT_BIN_DIR", root().join("target/debug"))
-        .env("MOAT_NESTED_CACHE", root().join("target/nested"))
-        .env("MOAT_TEST_PYTHONS", pythons)
-        .env("MOAT_CONFORMANCE_DIR", conformance)
-        .env("MOAT_TEST_ACCOUNT", account)
-        .env("MOAT_DEB", deb))?;
+    let env = |command: &mut std::process::Command| {
+        command
+            .env("MOAT_AGENT", &agent)
+            .env("MOAT_BIN_DIR", root().join("target/debug"))
+            .env("MOAT_NESTED_CACHE", root().join("target/nested"))
+            .env("MOAT_TEST_PYTHONS", &pythons)
+            .env("MOAT_CONFORMANCE_DIR", &conformance)
+            .env("MOAT_TEST_ACCOUNT", account)
+            .env("MOAT_DEB", &deb);
+    };
+    run(cargo().args(["test", "--workspace", "--no-run"]))?;
+    // The tests that boot a level 1 of the nested test host (`NESTED_HOST`
+    // in their names) are most of the gate's time: level 1s take turns,
+    // each a QEMU under TCG on one host core. They run in one cargo
+    // process and everything else beside them in another, one test at a
+    // time, so that level 1 keeps a core (two level 1s at once, or two
+    // tests beside one, slowed the nested tests past their guards).
+    let lane = |filter: &[&str]| {
+        let mut command = cargo();
+        command.args(["test", "--workspace", "--no-fail-fast", "--", "--include-ignored"]).args(filter);
+        env(&mut command);
+        command
+    };
+    let mut nested = Beside::start(lane(&[NESTED_HOST]), "nested-host-tests")?;
+    let rest = run(&mut lane(&["--skip", NESTED_HOST, "--test-threads=1"]));
+    let nested = nested.finish();
+    rest?;
+    nested?;
     fuzz_target_builds()
+}
+
+/// What the name of every test that boots a level 1 (the nested test
+/// host) holds.
+const NESTED_HOST: &str = "nested_host";
+
+/// A test process run beside the gate's others, its output kept in a file
+/// under `target/test-logs` (two streams on one terminal would interleave)
+/// and printed when it ends.
+struct Beside {
+    child: std::process::Child,
+    log: std::path::PathBuf,
+    name: &'static str,
+}
+
+impl Beside {
+    fn start(mut command: std::process::Command, name: &'static str) -> Result<Self> {
+        let dir = root().join("target/test-logs");
+        std::fs::create_dir_all(&dir)?;
+        let log = dir.join(format!("{name}.log"));
+        let file = std::fs::File::create(&log)?;
+        let child = command.stdout(file.try_clone()?).stderr(file).stdin(std::process::Stdio::null()).spawn()?;
+        eprintln!("xtask: {name} runs beside the other tests; its output: {}", log.display());
+        Ok(Self { child, log, name })
+    }
+
+    /// Waits for it, prints its output, and says whether it passed.
+    fn finish(&mut self) -> Result<()> {
+        let status = self.child.wait()?;
+        eprintln!("xtask: {} ({status}), its output:", self.name);
+        eprintln!("{}", std::fs::read_to_string(&self.log).unwrap_or_default());
+        anyhow::ensure!(
+            status.success(),
+            "{} failed ({status}); its output is above and in {}",
+            self.name,
+            self.log.display()
+        );
+        Ok(())
+    }
 }
 
 /// The unprivileged account the rootless tests run as (issue U1).
