@@ -177,8 +177,14 @@ struct Control {
 
 impl Control {
     fn connect(path: &Path) -> Self {
-        wait_until("the control socket", || path.exists());
-        let writer = UnixStream::connect(path).expect("control socket accepts");
+        // The path appears at bind(2), a moment before listen(2): until then
+        // a connect is refused, so it is retried like the path's existence.
+        let mut stream = None;
+        wait_until("the control socket to accept", || {
+            stream = UnixStream::connect(path).ok();
+            stream.is_some()
+        });
+        let writer = stream.expect("connected");
         let reader = BufReader::new(writer.try_clone().expect("clone"));
         Self { writer, reader }
     }
