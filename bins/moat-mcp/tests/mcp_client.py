@@ -364,7 +364,9 @@ async def a_killed_sandbox_fails(session, env):
     else:
         raise AssertionError("the command did not start")
     monitor = open(os.path.join(data_dir_of(env), "sandboxes", sid, "monitor")).read().strip()
-    agent = open(f"/proc/{monitor}/task/{monitor}/children").read().split()[0]
+    # The jail's init: the monitor's child that is not its keeper (cgroup v1).
+    children = open(f"/proc/{monitor}/task/{monitor}/children").read().split()
+    agent = next(c for c in children if open(f"/proc/{c}/comm").read().strip() != "moat-keeper")
     os.kill(int(agent), signal.SIGKILL)
     result = await asyncio.wait_for(running, 120)
     assert is_error(result) and "failed" in text(result) and "create another" in text(result), text(result)
