@@ -78,6 +78,13 @@ struct JailArgs {
     /// Host gid of sandbox gid 0 (rootless; as root it is --id-base).
     #[arg(long)]
     gid_base: Option<u32>,
+    /// Rootless: the socket of the user's namespace holder, joined if one
+    /// serves there and started there otherwise.
+    #[arg(long, requires = "rootless")]
+    userns_holder: Option<std::path::PathBuf>,
+    /// Rootless: seconds a holder this monitor starts waits for a request.
+    #[arg(long, default_value_t = 60)]
+    userns_hold_secs: u64,
 }
 
 fn main() -> ExitCode {
@@ -158,9 +165,11 @@ fn run_jail(args: &JailArgs) -> ExitCode {
         cgroups_on_stdin: args.cgroups_on_stdin,
         ready_on_stdout: args.ready_on_stdout,
         pasta: args.pasta.clone(),
-        rootless: args
-            .rootless
-            .then_some(moat_agent::jail::Rootless { gid_base: args.gid_base.unwrap_or(args.id_base) }),
+        rootless: args.rootless.then(|| moat_agent::jail::Rootless {
+            gid_base: args.gid_base.unwrap_or(args.id_base),
+            holder: args.userns_holder.clone(),
+            hold: std::time::Duration::from_secs(args.userns_hold_secs),
+        }),
     };
     match moat_agent::jail::run(&spec) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),

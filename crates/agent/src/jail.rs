@@ -73,10 +73,17 @@ pub struct JailSpec {
 }
 
 /// What a rootless monitor needs beyond [`JailSpec::id_base`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Rootless {
     /// Host gid of sandbox gid 0: the start of the user's subordinate gids.
     pub gid_base: u32,
+    /// Where the user's namespace holder serves (see
+    /// [`crate::userns_holder`]): joined when one serves the right maps,
+    /// started there when this monitor maps its own. `None`: no holder.
+    pub holder: Option<PathBuf>,
+    /// How long a holder this monitor starts waits for a request before
+    /// it ends.
+    pub hold: std::time::Duration,
 }
 
 /// In a rootless monitor's own user namespace, the id the sandbox's ids
@@ -165,7 +172,7 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     // Rootless: from here on the monitor works as root of a user
     // namespace of its own, and the sandbox's ids start at 1 there.
     let rootless_spec;
-    let spec = match spec.rootless {
+    let spec = match &spec.rootless {
         Some(rootless) => {
             enter_own_userns(spec, rootless)?;
             // The change of namespace cleared the parent-death signal.
@@ -345,9 +352,36 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
 ///
 /// A process cannot map ids it does not own into its own namespace: a
 /// helper forked beforehand runs the two setuid programs on this process
-/// once it has unshared, and reports their status.
-fn enter_own_userns(spec: &JailSpec, rootless: Rootless) -> Result<(), JailError> {
+/// once it has unshared, and reports their status. They cost about 2 ms,
+/// so a monitor first asks the user's namespace holder for the same
+/// namespace, mapped once ([`crate::userns_holder`]), and starts one when
+/// none answers.
+fn enter_own_userns(spec: &JailSpec, rootless: &Rootless) -> Result<(), JailError> {
     let (uid, gid) = (nix::unistd::getuid().as_raw(), nix::unistd::getgid().as_raw());
+    // The user's namespace, as its holder keeps it, if one serves.
+    let want = crate::userns_holder::Maps {
+        uid: vec![[0, uid.into(), 1], [ROOTLESS_INNER_BASE.into(), spec.id_base.into(), spec.id_count.into()]],
+        gid: vec![[0, gid.into(), 1], [ROOTLESS_INNER_BASE.into(), rootless.gid_base.into(), spec.id_count.into()]],
+    };
+    if let Some(socket) = &rootless.holder {
+        match crate::userns_holder::join(socket, &want) {
+            Ok(()) => return Ok(()),
+            // Not an error: this monitor maps its own, as below.
+            Err(why) => eprintln!("moat-agent jail: mapping a user namespace of its own: {why}"),
+        }
+    }
+    map_own_userns(spec, rootless, uid, gid)?;
+    if let Some(socket) = &rootless.holder
+        && let Err(e) = crate::userns_holder::start(socket, rootless.hold)
+    {
+        eprintln!("moat-agent jail: cannot start a namespace holder at {} ({e})", socket.display());
+    }
+    Ok(())
+}
+
+/// [`enter_own_userns`] without a holder: unshare, then the two set-uid
+/// helpers map the new namespace.
+fn map_own_userns(spec: &JailSpec, rootless: &Rootless, uid: u32, gid: u32) -> Result<(), JailError> {
     let target = std::process::id();
     let (go_rx, go_tx) = step("pipe", nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC))?;
     let maps = [

@@ -33,6 +33,7 @@ pub mod seccomp;
 pub mod server;
 pub mod spawn;
 pub mod tarball;
+pub mod userns_holder;
 pub mod users;
 
 pub use server::{Agent, DEFAULT_VSOCK_PORT, ListenAddr, Listener};

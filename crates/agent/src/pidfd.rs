@@ -35,6 +35,17 @@ impl Pidfd {
         };
         if done < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
     }
+
+    /// Whether the process has not been reaped, so that its pid is still
+    /// its own (signal 0 through the pidfd; never true of a process that
+    /// reused the pid).
+    pub fn is_alive(&self) -> bool {
+        // SAFETY: pidfd_send_signal on a descriptor this value owns, with
+        // signal 0 (nothing sent, only checked), no siginfo and no flags.
+        let done =
+            unsafe { libc::syscall(libc::SYS_pidfd_send_signal, self.0.as_raw_fd(), 0, std::ptr::null::<u8>(), 0) };
+        done == 0
+    }
 }
 
 impl std::os::fd::AsRawFd for Pidfd {

@@ -223,9 +223,16 @@ fn rootless(moat_bin: &Path, agent: &Path, account: &str, json: &mut Vec<String>
         command.args(BWRAP);
         command
     };
+    // Root's run goes through setpriv too (to root itself), so that both
+    // pay the same launcher: setpriv's exec and its group lookup are not
+    // moat's cost.
     let root_run = || {
-        let mut command = Command::new(moat_bin);
-        command.args(["run", "--backend", "jail", "--", "true"]).env("MOAT_AGENT", agent);
+        let mut command = Command::new("setpriv");
+        command
+            .args(["--reuid=0", "--regid=0", "--init-groups"])
+            .arg(moat_bin)
+            .args(["run", "--backend", "jail", "--", "true"])
+            .env("MOAT_AGENT", agent);
         command
     };
     for _ in 0..3 {

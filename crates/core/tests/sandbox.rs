@@ -220,6 +220,91 @@ async fn expired_sandboxes_are_destroyed_and_limits_hold() {
     moat.destroy_all().await;
 }
 
+/// Rootless: jails join the user namespace that the user's holder keeps
+/// mapped (moat_agent::userns_holder) instead of mapping one each; one
+/// that a false holder offers (other maps) is refused, the jail maps its
+/// own and a holder of its own replaces the false one. Each sandbox still
+/// has a user namespace of its own beneath.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn rootless_jails_join_the_held_namespace_and_refuse_a_false_one() {
+    if !rootless() {
+        return;
+    }
+    let moat = moat(16).await;
+    let data = moat_core::image::data_dir();
+    let socket = data.join(moat_core::backend::jail::USERNS_SOCKET);
+    let monitor_ns = |id: &str| -> (String, String) {
+        let pid = std::fs::read_to_string(data.join("sandboxes").join(id).join("monitor")).expect("monitor pid");
+        let pid = pid.trim();
+        let ns = std::fs::read_link(format!("/proc/{pid}/ns/user")).expect("the monitor's namespace");
+        let map = std::fs::read_to_string(format!("/proc/{pid}/uid_map")).expect("its uid_map");
+        (ns.to_string_lossy().into_owned(), map.split_whitespace().collect::<Vec<_>>().join(" "))
+    };
+    // The first jail's monitor is gone when the second starts: the
+    // namespace is the holder's to give.
+    let first = moat.create(small()).await.expect("created");
+    let (ns1, map1) = monitor_ns(&first.id);
+    moat.destroy(&first.id).await.expect("destroyed");
+    let second = moat.create(small()).await.expect("created");
+    let beside = moat.create(small()).await.expect("created");
+    let (ns2, _) = monitor_ns(&second.id);
+    assert_eq!(ns1, ns2, "the second jail did not join the namespace the first mapped");
+    assert_eq!(monitor_ns(&beside.id).0, ns1, "the third jail did not join it either");
+    let account = nix::unistd::getuid().as_raw();
+    assert!(map1.starts_with(&format!("0 {account} 1 1 ")), "the held namespace maps {map1}");
+    // The sandboxes' own namespaces lie beneath, one each.
+    let (out1, _) = sh(&moat, &beside.id, "readlink /proc/self/ns/user").await;
+    let (out2, _) = sh(&moat, &second.id, "readlink /proc/self/ns/user").await;
+    assert_ne!(out1, out2, "two sandboxes share a user namespace");
+    assert_ne!(out1.trim(), ns1, "a sandbox runs in the held namespace itself");
+
+    // A false holder: a process of this user's in a namespace with other
+    // maps (its root is the account itself), serving its own namespace
+    // where the real holder serves.
+    let tmp = data.join(".false-holder.sock");
+    let _ = std::fs::remove_file(&tmp);
+    let mut other = std::process::Command::new("unshare")
+        .args(["--user", "--map-root-user", "python3", "-c", FALSE_HOLDER])
+        .arg(&tmp)
+        .arg(&socket)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("unshare(1) starts");
+    let mut ready = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(other.stdout.take().expect("stdout")), &mut ready)
+        .expect("the false holder starts");
+    let other_ns = ready.trim().strip_prefix("serving ").expect("the false holder's namespace").to_owned();
+    let third = moat.create(small()).await.expect("a false holder does not stop a jail");
+    assert!(other.wait().expect("the false holder ends").success(), "the false holder was not asked");
+    let (ns3, map3) = monitor_ns(&third.id);
+    assert_ne!(ns3, other_ns, "the jail joined the false holder's namespace");
+    assert_eq!(map3, map1, "the jail's own namespace maps other ids");
+    let log = std::fs::read_to_string(data.join("sandboxes").join(&third.id).join("jail.log")).unwrap_or_default();
+    assert!(log.contains("the held namespace maps"), "the refusal is not in the jail's log:\n{log}");
+    // It started a holder of its own there, which the next jail joins.
+    let fourth = moat.create(small()).await.expect("created");
+    assert_eq!(monitor_ns(&fourth.id).0, ns3, "the next jail did not join the new holder's namespace");
+    let (out, code) = sh(&moat, &fourth.id, "id -un").await;
+    assert_eq!((out.as_str(), code), ("user\n", Some(0)));
+    moat.destroy_all().await;
+}
+
+/// [`rootless_jails_join_the_held_namespace_and_refuse_a_false_one`]'s false
+/// holder (Python, run under `unshare --user --map-root-user`): binds argv[1],
+/// renames it to argv[2], says which namespace it serves, and hands that
+/// namespace to one caller.
+const FALSE_HOLDER: &str = r#"
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1]); s.listen(1); os.rename(sys.argv[1], sys.argv[2])
+print("serving", os.readlink("/proc/self/ns/user"), flush=True)
+s.settimeout(60)
+c, _ = s.accept()
+socket.send_fds(c, [b"n"], [os.open("/proc/self/ns/user", os.O_RDONLY)])
+c.settimeout(5); c.recv(1)
+"#;
+
 /// The owner of a suspended sandbox is killed with SIGKILL: the sandbox
 /// dies with it, a background process too, and the next `Moat` sweeps its
 /// state directory.

@@ -95,6 +95,27 @@ async fn read_ready(stdout: std::process::ChildStdout) -> Result<(), String> {
 /// (`moat_agent::jail::READY`; moat-core does not depend on the agent crate).
 const READY: &str = "ready\n";
 
+/// Where a rootless user's namespace holder serves, in the data directory.
+pub const USERNS_SOCKET: &str = "userns.sock";
+
+/// The default of `MOAT_USERNS_HOLD_SECS`.
+pub const DEFAULT_USERNS_HOLD_SECS: u64 = 60;
+
+/// `MOAT_USERNS_HOLD_SECS`: how long a rootless user's namespace holder
+/// waits for the next jail before it ends; 0 starts none (every jail maps
+/// its own with newuidmap and newgidmap). An error says what is allowed.
+pub fn userns_hold_secs(text: Option<&str>) -> Result<u64, String> {
+    match text.map(str::trim) {
+        None | Some("") => Ok(DEFAULT_USERNS_HOLD_SECS),
+        Some(t) => t.parse::<u64>().ok().filter(|s| *s <= 86_400).ok_or_else(|| {
+            format!(
+                "MOAT_USERNS_HOLD_SECS={t:?} is not a number of seconds from 0 (no holder) to 86400; the default \
+                 is {DEFAULT_USERNS_HOLD_SECS}"
+            )
+        }),
+    }
+}
+
 /// The `pasta` binary (Debian package `passt`), if installed.
 pub fn find_pasta() -> Option<PathBuf> {
     crate::programs::find_program("pasta")
@@ -206,8 +227,16 @@ impl Backend for JailBackend {
             .args(["--id-count", &JAIL_ID_COUNT.to_string(), "--disk-mib", &spec.disk_mib.to_string()]);
         if !self.user.is_root() {
             // The monitor enters a user namespace of the caller's own
-            // first (newuidmap, newgidmap) and builds the jail from there.
+            // first (newuidmap, newgidmap, or the holder that keeps one
+            // mapped: moat_agent::userns_holder) and builds the jail from there.
             command.arg("--rootless").args(["--gid-base", &gids.start.to_string()]);
+            let hold = userns_hold_secs(std::env::var("MOAT_USERNS_HOLD_SECS").ok().as_deref()).map_err(refused)?;
+            let socket = data_dir.join(USERNS_SOCKET);
+            // A socket's path has at most 107 bytes; a longer data
+            // directory only goes without a holder.
+            if hold > 0 && socket.as_os_str().len() < 108 {
+                command.arg("--userns-holder").arg(socket).args(["--userns-hold-secs", &hold.to_string()]);
+            }
         }
         if let Some(pasta) = &pasta {
             command.arg("--pasta").arg(pasta);
@@ -456,5 +485,17 @@ mod tests {
         assert!(missing.contains("modprobe tun") && missing.contains("mknod"), "{missing}");
         assert!(describe_tun(Ok((false, 0o100666))).is_some(), "a regular file is not the device");
         assert_eq!(describe_tun(Ok((true, 0o20666))), None);
+    }
+
+    #[test]
+    fn the_holder_setting_is_read_or_refused_with_what_is_allowed() {
+        assert_eq!(userns_hold_secs(None), Ok(DEFAULT_USERNS_HOLD_SECS));
+        assert_eq!(userns_hold_secs(Some(" ")), Ok(DEFAULT_USERNS_HOLD_SECS));
+        assert_eq!(userns_hold_secs(Some("0")), Ok(0));
+        assert_eq!(userns_hold_secs(Some(" 600 ")), Ok(600));
+        for bad in ["-1", "1.5", "forever", "86401"] {
+            let why = userns_hold_secs(Some(bad)).expect_err(bad);
+            assert!(why.contains("MOAT_USERNS_HOLD_SECS") && why.contains("0 (no holder) to 86400"), "{why}");
+        }
     }
 }
