@@ -115,6 +115,12 @@ fn main() -> ExitCode {
              these are for tests only"
         );
     }
+    if config.test_conformance_tools {
+        tracing::warn!(
+            "MOAT_TEST_CONFORMANCE_TOOLS is set: --http lists the conformance suite's test_* fixtures beside \
+             moat's tools; this is for tests only"
+        );
+    }
     let http = if cli.http {
         let host = match parse_host(&cli.host) {
             Ok(host) => host,
@@ -209,7 +215,14 @@ async fn serve(config: ServerConfig, http: Option<(std::net::IpAddr, u16)>) -> E
 /// Serves streamable HTTP until SIGTERM or SIGINT, with `MOAT_HTTP_TOKEN`
 /// or a token generated now into a file only this user can read.
 async fn serve_http(moat: &Moat, config: &ServerConfig, host: std::net::IpAddr, port: u16) -> ExitCode {
-    let server = match HttpServer::bind(HttpConfig { host, port, token: String::new() }).await {
+    let server = match HttpServer::bind(HttpConfig {
+        host,
+        port,
+        token: String::new(),
+        fixtures: config.test_conformance_tools,
+    })
+    .await
+    {
         Ok(server) => server,
         Err(e) => {
             said!(ERROR, "{e}");

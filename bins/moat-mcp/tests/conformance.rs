@@ -32,6 +32,8 @@ impl Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_moat-mcp"))
             .args(["--http", "--port", "0"])
             .env("MOAT_HTTP_TOKEN", TOKEN)
+            // The suite's diagnostic tools (crates/mcp/src/fixtures.rs).
+            .env("MOAT_TEST_CONFORMANCE_TOOLS", "1")
             .stdin(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -40,6 +40,9 @@ pub struct ServerConfig {
     /// TEST ONLY `MOAT_TEST_RESOLVE`: `name=address` pairs the egress
     /// policy uses instead of DNS.
     pub test_resolve: Vec<(String, std::net::IpAddr)>,
+    /// TEST ONLY `MOAT_TEST_CONFORMANCE_TOOLS=1`: `--http` lists and
+    /// serves the conformance suite's fixtures ([`crate::fixtures`]).
+    pub test_conformance_tools: bool,
     /// `MOAT_LOG_LEVEL` (default `warn`).
     pub log_level: moat_core::log::LogLevel,
     /// `MOAT_LOG_FILE`: where logs are appended besides stderr.
@@ -195,6 +198,17 @@ impl ServerConfig {
                 );
             }
         }
+        let test_conformance_tools = match get(crate::fixtures::VAR).as_deref().map(str::trim) {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(other) => {
+                return Err(bad(
+                    crate::fixtures::VAR,
+                    other,
+                    "1 (list the conformance suite's fixtures; test only) or 0",
+                ));
+            }
+        };
         let defaults =
             SandboxSpec { image, network, timeout_seconds: timeout, idle_seconds: idle, ..SandboxSpec::default() };
         Ok(Self {
@@ -210,6 +224,7 @@ impl ServerConfig {
             ssh_known_hosts,
             test_egress_nets,
             test_resolve,
+            test_conformance_tools,
             log_level,
             log_file,
         })
@@ -273,6 +288,7 @@ mod tests {
             (("MOAT_GIT_HOSTS", "https://github.com"), "host names"),
             (("MOAT_TEST_EGRESS_NETS", "10.0.0.0/40"), "address ranges"),
             (("MOAT_TEST_RESOLVE", "a.test"), "name=address"),
+            (("MOAT_TEST_CONFORMANCE_TOOLS", "yes"), "1 (list the conformance suite's fixtures; test only) or 0"),
             (("MOAT_ALLOW_SSH_KEY", "always"), "1 (clones over SSH may use a key) or 0"),
             (("MOAT_SSH_KNOWN_HOSTS", "known_hosts"), "absolute path of an existing known_hosts file"),
             (("MOAT_SSH_KNOWN_HOSTS", "/no/such/known_hosts"), "absolute path of an existing known_hosts file"),
@@ -282,6 +298,8 @@ mod tests {
             assert!(err.starts_with(&format!("{var}=")) && err.contains(allowed), "{err}");
         }
         assert_eq!(with(&[("MOAT_IDLE_SECONDS", "0")]).expect("0 turns it off").defaults.idle_seconds, 0);
+        assert!(!with(&[]).expect("valid").test_conformance_tools, "fixtures are listed only when asked for");
+        assert!(with(&[("MOAT_TEST_CONFORMANCE_TOOLS", "1")]).expect("valid").test_conformance_tools);
     }
 
     #[test]

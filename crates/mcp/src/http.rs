@@ -55,6 +55,9 @@ pub struct HttpConfig {
     pub port: u16,
     /// The bearer token every request must carry.
     pub token: String,
+    /// TEST ONLY (`MOAT_TEST_CONFORMANCE_TOOLS`): list and serve the
+    /// conformance suite's fixtures ([`crate::fixtures`]).
+    pub fixtures: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -172,6 +175,8 @@ struct Gate {
     authority: String,
     origin: String,
     token: String,
+    /// TEST ONLY: cut `test_reconnection`'s stream ([`crate::fixtures`]).
+    fixtures: bool,
 }
 
 /// A bound server, ready to serve.
@@ -214,7 +219,12 @@ impl HttpServer {
         }
         let authority = self.addr.to_string();
         let origin = format!("http://{authority}");
-        let tools = Arc::new(crate::contract_tools().map_err(HttpError::Contract)?);
+        let mut tools = crate::contract_tools().map_err(HttpError::Contract)?;
+        let fixtures = self.config.fixtures;
+        if fixtures {
+            tools.extend(crate::fixtures::tools());
+        }
+        let tools = Arc::new(tools);
         let sessionless = Arc::new(Scope::new(moat.clone(), false));
         // A session idle this long is closed and its sandboxes destroyed;
         // they would have expired by then anyway.
@@ -231,11 +241,13 @@ impl HttpServer {
             .with_max_request_body_bytes(MAX_MESSAGE_BYTES)
             .with_cancellation_token(shutdown.child_token());
         let service = StreamableHttpService::new(
-            move || Ok(MoatServer::for_http(moat.clone(), defaults.clone(), tools.clone(), sessionless.clone())),
+            move || {
+                Ok(MoatServer::for_http(moat.clone(), defaults.clone(), tools.clone(), sessionless.clone(), fixtures))
+            },
             Arc::new(sessions),
             transport,
         );
-        let gate = Arc::new(Gate { authority, origin, token: self.config.token.clone() });
+        let gate = Arc::new(Gate { authority, origin, token: self.config.token.clone(), fixtures });
         let app = axum::Router::new()
             .nest_service("/mcp", service)
             .layer(axum::middleware::from_fn_with_state(gate, check_request));
@@ -284,15 +296,22 @@ async fn check_request(State(gate): State<Arc<Gate>>, request: Request, next: Ne
         return response;
     }
     let closing = request.method() == axum::http::Method::DELETE;
+    let mut cut = false;
     let request = if request.method() == axum::http::Method::POST {
         match bounded_message(request).await {
-            Ok(request) => request,
+            Ok((request, body)) => {
+                cut = gate.fixtures && crate::fixtures::is_call_of(&body, crate::fixtures::RECONNECTION);
+                request
+            }
             Err(answer) => return answer,
         }
     } else {
         request
     };
     let mut response = next.run(request).await;
+    if cut {
+        response = cut_after_first_event(response);
+    }
     // rmcp acknowledges a session's DELETE with 202; the Python SDK
     // expects 200 and warns on anything else. The session is gone either way.
     if closing && response.status() == StatusCode::ACCEPTED {
@@ -311,7 +330,7 @@ const MAX_SKIPPED_BYTES: usize = 64 * MAX_MESSAGE_BYTES;
 /// request's id, found while the rest is skipped), one that is not a
 /// JSON-RPC message 400 with a JSON-RPC error saying what is wrong.
 /// rmcp would answer both in plain text, which clients do not show.
-async fn bounded_message(request: Request) -> Result<Request, Response> {
+async fn bounded_message(request: Request) -> Result<(Request, bytes::Bytes), Response> {
     use futures_util::StreamExt;
     let (parts, body) = request.into_parts();
     let mut chunks = body.into_data_stream();
@@ -347,7 +366,37 @@ async fn bounded_message(request: Request) -> Result<Request, Response> {
     if let Parsed::Reply(answer) = crate::stdio::parse(&collected) {
         return Err(json_rpc_answer(StatusCode::BAD_REQUEST, &answer));
     }
-    Ok(Request::from_parts(parts, axum::body::Body::from(collected)))
+    let body = bytes::Bytes::from(collected);
+    Ok((Request::from_parts(parts, axum::body::Body::from(body.clone())), body))
+}
+
+/// TEST ONLY (the `test_reconnection` fixture, [`crate::fixtures`]): the
+/// response's SSE stream as a client sees it when the server closes it
+/// mid-call. Its first event (the priming event, whose id a client resumes
+/// from) passes; the rest is read, so that the call finishes and its
+/// result is kept in the event log, but not passed on; then the stream
+/// ends. The client gets the result by reconnecting with `Last-Event-ID`.
+fn cut_after_first_event(response: Response) -> Response {
+    use futures_util::StreamExt;
+    let (parts, body) = response.into_parts();
+    let mut inner = body.into_data_stream();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, axum::Error>>(4);
+    tokio::spawn(async move {
+        let mut seen = Vec::new();
+        while let Some(Ok(chunk)) = inner.next().await {
+            seen.extend_from_slice(&chunk);
+            if let Some(end) = seen.windows(2).position(|w| w == b"\n\n") {
+                let _ = tx.send(Ok(bytes::Bytes::copy_from_slice(&seen[..end + 2]))).await;
+                break;
+            }
+        }
+        // `tx` is held until the call's stream ends: the client sees the
+        // end only once the result is in the event log.
+        while let Some(Ok(_)) = inner.next().await {}
+        drop(tx);
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
+    Response::from_parts(parts, axum::body::Body::from_stream(stream))
 }
 
 fn json_rpc_answer(status: StatusCode, answer: &serde_json::Value) -> Response {

@@ -17,6 +17,7 @@ mod advice;
 mod arguments;
 pub mod config;
 pub mod event_log;
+pub mod fixtures;
 pub mod hosts;
 pub mod http;
 pub mod limits;
@@ -64,6 +65,8 @@ pub struct MoatServer {
     /// Over HTTP, the scope of requests that carry no session (protocol
     /// 2026-07-28 has none): one shared by all of them.
     sessionless: Option<Arc<Scope>>,
+    /// TEST ONLY: serves the conformance suite's fixtures ([`fixtures`]).
+    fixtures: bool,
 }
 
 impl std::fmt::Debug for MoatServer {
@@ -76,18 +79,20 @@ impl MoatServer {
     /// The server of a stdio connection: it sees every task record.
     pub fn new(moat: Moat, defaults: moat_core::SandboxSpec) -> Result<Self, serde_json::Error> {
         let own = Arc::new(Scope::new(moat.clone(), true));
-        Ok(Self { moat, tools: Arc::new(contract_tools()?), defaults, own, sessionless: None })
+        Ok(Self { moat, tools: Arc::new(contract_tools()?), defaults, own, sessionless: None, fixtures: false })
     }
 
-    /// The server of one HTTP session (or of one sessionless request).
+    /// The server of one HTTP session (or of one sessionless request);
+    /// `fixtures`: `tools` lists the conformance fixtures, which it serves.
     pub fn for_http(
         moat: Moat,
         defaults: moat_core::SandboxSpec,
         tools: Arc<Vec<Tool>>,
         sessionless: Arc<Scope>,
+        fixtures: bool,
     ) -> Self {
         let own = Arc::new(Scope::new(moat.clone(), false));
-        Self { moat, tools, defaults, own, sessionless: Some(sessionless) }
+        Self { moat, tools, defaults, own, sessionless: Some(sessionless), fixtures }
     }
 
     pub fn moat(&self) -> &Moat {
@@ -150,6 +155,9 @@ impl ServerHandler for MoatServer {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
+        if self.fixtures && fixtures::is_fixture(&request.name) {
+            return fixtures::call(&request.name, &context).map(Into::into);
+        }
         if !self.tools.iter().any(|t| t.name == request.name) {
             let known: Vec<&str> = self.tools.iter().map(|t| t.name.as_ref()).collect();
             return Err(McpError::invalid_params(
