@@ -26,15 +26,15 @@
 //!   not answer within [`ANSWER`]) only means the monitor maps its own, as
 //!   it did before holders.
 //!
-//! The holder ends after a while without a request ([`JailSpec`]'s
-//! `userns_hold`); jails that joined keep the namespace alive by
+//! The holder ends after a while without a request ([`Rootless`]'s
+//! `hold`); jails that joined keep the namespace alive by
 //! themselves. It runs in a session of its own, outside every sandbox's
 //! cgroups, with no descriptor of the monitor's but its two.
 //!
-//! [`JailSpec`]: crate::jail::JailSpec
+//! [`Rootless`]: crate::jail::Rootless
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -239,8 +239,6 @@ fn hand_over(stream: &UnixStream, ns: &File) {
         let mut reader = stream;
         while matches!(reader.read(&mut rest), Ok(n) if n > 0) {}
     }
-    let mut writer = stream;
-    let _ = writer.flush();
 }
 
 /// Closes every descriptor of this process but `keep`, and points the
