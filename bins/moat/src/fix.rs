@@ -20,7 +20,28 @@ pub fn missing(image: &str) -> bool {
         wanted.extend_from_slice(SSH_PACKAGES);
     }
     let root = is_root();
-    [packages(&wanted, root), tun(root), image_built(image, root)].iter().all(|fixed| *fixed)
+    [packages(&wanted, root), tun(root), cgroup_moves(root), image_built(image, root)].iter().all(|fixed| *fixed)
+}
+
+/// The kernel's `favordynmods`, which `moat setup` turns on: speed only,
+/// so a kernel without it, or a caller who is not root, leaves nothing
+/// unfixed (the line says what to run).
+fn cgroup_moves(root: bool) -> bool {
+    use moat_core::dynmods::{Enabled, State};
+    match (moat_core::dynmods::state(), root) {
+        (State::On, _) => println!("fix: cgroup moves: favordynmods is on"),
+        (State::NoCgroups, _) => println!("fix: cgroup moves: this host has no cgroups"),
+        (State::Off, false) => println!(
+            "fix: cgroup moves: favordynmods is off, so each jail's start waits for an RCU grace period; as \
+             root, run `moat setup`"
+        ),
+        (State::Off, true) => match moat_core::dynmods::enable() {
+            Ok(Enabled::Remounted(at)) => println!("fix: cgroup moves: remounted {} with favordynmods", at.display()),
+            Ok(_) => println!("fix: cgroup moves: favordynmods turned on"),
+            Err(e) => println!("fix: cgroup moves: favordynmods stays off: {e}"),
+        },
+    }
+    true
 }
 
 fn packages(wanted: &[(&str, &str)], root: bool) -> bool {

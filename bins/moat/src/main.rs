@@ -116,12 +116,14 @@ enum Command {
         #[command(subcommand)]
         command: ImageCommand,
     },
-    /// As root, once: prepare a user to run moat without root (subordinate
-    /// ids, a delegated cgroup subtree, a copy of the image in its range).
+    /// As root, once: tune this host for sandboxes (cgroup moves without a
+    /// grace period) and, with --user, prepare a user to run moat without
+    /// root (subordinate ids, a delegated cgroup subtree, a copy of the
+    /// image in its range).
     Setup {
         /// The user to prepare.
         #[arg(long)]
-        user: String,
+        user: Option<String>,
         /// The image of root's to copy for the user.
         #[arg(long, default_value = "default")]
         image: String,
@@ -198,7 +200,7 @@ async fn run(command: Command) -> Result<ExitCode> {
             println!("removed image {name:?} ({})", dir.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Setup { user, image } => setup::user(&user, &image).map(|()| ExitCode::SUCCESS),
+        Command::Setup { user, image } => setup::run(user.as_deref(), &image).map(|()| ExitCode::SUCCESS),
     }
 }
 
@@ -553,6 +555,14 @@ fn doctor(image_name: &str) -> ExitCode {
         (_, Ok(()), false) => "refused (MOAT_ALLOW_UNLIMITED=1 would allow them)".to_owned(),
     };
     println!("sandboxes without limits: {limitless}");
+    let moves = match moat_core::dynmods::state() {
+        moat_core::dynmods::State::On => "wait for no grace period (favordynmods)".to_owned(),
+        moat_core::dynmods::State::Off => "each jail's start waits for an RCU grace period to join its cgroups \
+                                           (favordynmods is off); as root, run `moat setup` to turn it on"
+            .to_owned(),
+        moat_core::dynmods::State::NoCgroups => "none (no cgroups)".to_owned(),
+    };
+    println!("cgroup moves:            {moves}");
     match moat_core::limits::max_memory_mib_from_env() {
         Ok(mib) => println!(
             "memory of all sandboxes: at most {mib} MiB of memory_mib together (MOAT_MAX_MEMORY_MIB; by default \

@@ -1,29 +1,71 @@
-//! `moat setup --user NAME`: what root prepares once so that user NAME can
-//! run moat without root (docs/operations.md, "Rootless").
+//! `moat setup [--user NAME]`: what root prepares once: the host's cgroups
+//! (moves without a grace period, `moat_core::dynmods`) and, with `--user`,
+//! what user NAME needs to run moat without root (docs/operations.md,
+//! "Rootless").
 
 use std::path::PathBuf;
 
 use moat_core::cgroup::CgroupSupport;
+use moat_core::dynmods::Enabled;
 use moat_core::hostuser::{Range, free_range, subordinate};
 use moat_core::image::{Image, JAIL_ID_COUNT};
 
 use crate::Result;
 
-/// Prepares user `name` for rootless sandboxes: a subordinate id range
-/// (picked and added with usermod(8) when it has none), a delegated cgroup
-/// subtree in every hierarchy, and a copy of root's image `image` in its
-/// data directory with the rootfs owned in its range. Says what it did.
-pub fn user(name: &str, image: &str) -> Result<()> {
+/// `moat setup`: the host, then user `user` when one is named. The user is
+/// checked before anything is changed.
+pub fn run(user: Option<&str>, image: &str) -> Result<()> {
     if !nix::unistd::geteuid().is_root() {
-        return Err("`moat setup --user` prepares another user for rootless sandboxes and needs root: run it \
-                    with sudo, once per user"
-            .into());
+        return Err(match user {
+            Some(_) => {
+                "`moat setup --user` prepares another user for rootless sandboxes and needs root: run it \
+                        with sudo, once per user"
+            }
+            None => "`moat setup` changes how the host's cgroups lock and needs root: run it with sudo, once",
+        }
+        .into());
     }
+    let user = user.map(account).transpose()?;
+    host();
+    user.map_or(Ok(()), |user| prepare(&user, image))
+}
+
+/// The account named `name`, which must exist and not be root.
+fn account(name: &str) -> Result<nix::unistd::User> {
     let user = nix::unistd::User::from_name(name)?
         .ok_or_else(|| format!("there is no user {name:?} on this host (see `getent passwd`)"))?;
     if user.uid.is_root() {
         return Err("root needs no setup: it runs sandboxes as it is".into());
     }
+    Ok(user)
+}
+
+/// Turns on the kernel's `favordynmods` so that a jail joining its
+/// cgroups waits for no RCU grace period. Says what it did; a kernel
+/// without the option is said, not an error (jails work without it).
+fn host() {
+    match moat_core::dynmods::enable() {
+        Ok(Enabled::Already) => {
+            println!("cgroups: favordynmods is on (moves between cgroups wait for no grace period)")
+        }
+        Ok(Enabled::Remounted(at)) => println!(
+            "cgroups: remounted {} with favordynmods: moves between cgroups wait for no grace period until reboot",
+            at.display()
+        ),
+        Ok(Enabled::Mounted) => println!(
+            "cgroups: mounted cgroup v2 with favordynmods for a moment: moves between cgroups wait for no grace \
+             period until reboot"
+        ),
+        Err(e) => println!("cgroups: favordynmods stays off: {e}"),
+    }
+}
+
+/// Prepares `user` for rootless sandboxes: a subordinate id range
+/// (picked and added with usermod(8) when it has none), a delegated cgroup
+/// subtree in every hierarchy, and a copy of root's image `image` in its
+/// data directory with the rootfs owned in its range. Says what it did.
+fn prepare(user: &nix::unistd::User, image: &str) -> Result<()> {
+    let name = user.name.as_str();
     let (uid, gid) = (user.uid.as_raw(), user.gid.as_raw());
 
     let read = |file: &str| std::fs::read_to_string(file).unwrap_or_default();
@@ -88,7 +130,7 @@ pub fn user(name: &str, image: &str) -> Result<()> {
 
     let source = Image::open(&moat_core::image::data_dir(), image)
         .map_err(|e| format!("root's image {image:?} cannot be copied for {name}: {e}"))?;
-    let data = user_data_dir(&user);
+    let data = user_data_dir(user);
     // Only a copy that is there is opened (opening logs a missing one).
     let current = moat_core::image::image_dir(&data, image)
         .join("manifest.json")

@@ -111,6 +111,30 @@ fn setup_refuses_what_it_cannot_prepare() {
     }
 }
 
+/// `moat setup` alone tunes the host's cgroups (root) or says it needs
+/// root; `moat doctor` then reports what it left.
+#[test]
+fn setup_turns_on_cgroup_moves_without_a_grace_period() {
+    let out = moat(&["setup"]);
+    let (said, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if !nix::unistd::geteuid().is_root() {
+        assert_eq!(out.status.code(), Some(1), "{said}{err}");
+        assert!(err.contains("needs root") && err.contains("sudo"), "{err}");
+        return;
+    }
+    assert!(out.status.success(), "{said}{err}");
+    let doctor = String::from_utf8_lossy(&moat(&["doctor"]).stdout).into_owned();
+    if said.contains("favordynmods stays off") {
+        assert!(doctor.contains("favordynmods is off"), "setup said:\n{said}\ndoctor said:\n{doctor}");
+    } else {
+        assert!(said.contains("cgroups: ") && said.contains("favordynmods"), "{said}");
+        assert!(
+            doctor.contains("cgroup moves:            wait for no grace period (favordynmods)"),
+            "setup said:\n{said}\ndoctor said:\n{doctor}"
+        );
+    }
+}
+
 /// `moat doctor` says what `MOAT_CA_FILE` adds, or why it is wrong.
 #[test]
 fn doctor_reports_the_extra_cas() {

@@ -82,6 +82,9 @@ async fn bench() {
     let moat_bin = std::env::var_os("MOAT_BIN").map(PathBuf::from).expect("MOAT_BIN: the moat binary");
     let mut json = Vec::new();
     println!("whole-life benchmarks (bwrap measured in this run)");
+    // Whether a jail's start waits for an RCU grace period to join its
+    // cgroups (docs/operations.md, `moat setup`): figures differ by it.
+    println!("  cgroup moves: favordynmods {:?}", moat_core::dynmods::state());
     whole_process(&moat_bin, &agent, &mut json);
     if let Some(account) = std::env::var_os("MOAT_BENCH_ACCOUNT") {
         rootless(&moat_bin, &agent, &account.to_string_lossy(), &mut json);

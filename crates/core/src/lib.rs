@@ -11,6 +11,7 @@
 pub mod backend;
 pub mod capped_log;
 pub mod cgroup;
+pub mod dynmods;
 pub mod error;
 pub mod grants;
 pub mod hostfs;
