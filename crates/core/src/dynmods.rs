@@ -173,7 +173,7 @@ pub fn enable() -> Result<Enabled, String> {
     };
     if let Some(v2) = mounts.iter().find(|m| m.fs == "cgroup2") {
         remount(v2).map_err(|e| format!("remounting {} with {OPTION}: {}", v2.target.display(), explain(e)))?;
-        return Ok(Enabled::Remounted(v2.target.clone()));
+        return took(Enabled::Remounted(v2.target.clone()));
     }
     // A directory of this process's own, gone again when done.
     let dir = std::env::temp_dir().join(format!("moat-cgroup2-{}", std::process::id()));
@@ -182,7 +182,19 @@ pub fn enable() -> Result<Enabled, String> {
     let mounted = mount_briefly(&dir);
     let _ = std::fs::remove_dir(&dir);
     mounted.map_err(|e| format!("mounting cgroup v2 with {OPTION}: {}", explain(e)))?;
-    Ok(Enabled::Mounted)
+    took(Enabled::Mounted)
+}
+
+/// `done`, once mountinfo shows the option: the kernel applies it only
+/// from the host's own cgroup namespace, and says nothing when it does not.
+fn took(done: Enabled) -> Result<Enabled, String> {
+    match state() {
+        State::On => Ok(done),
+        _ => Err(format!(
+            "the kernel accepted {OPTION} but does not show it on; run `moat setup` as root in the host's own \
+             cgroup namespace, not in a container"
+        )),
+    }
 }
 
 /// Remounts `v2` with the option, its other options as they were.
