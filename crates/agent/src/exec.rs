@@ -445,12 +445,17 @@ where
     } else if let Some(report) = stopped {
         let _ = sink.send_data(StreamId::Error, Bytes::from(report)).await;
         tree.finish().await;
-    } else if let Some(report) = tree.limit_report().await {
-        let _ = sink.send_data(StreamId::Error, Bytes::from(report)).await;
     } else {
-        tree.finish().await;
-        if let (Some(cgroups), Some(cgroup)) = (cgroups, tree.cgroup.clone()) {
-            watch_background(cgroups, cgroup);
+        match tree.end().await {
+            Ended::Limit(report) => {
+                let _ = sink.send_data(StreamId::Error, Bytes::from(report)).await;
+            }
+            Ended::Left => {
+                if let (Some(cgroups), Some(cgroup)) = (cgroups, tree.cgroup.clone()) {
+                    watch_background(cgroups, cgroup);
+                }
+            }
+            Ended::Clean => {}
         }
     }
     match result {
@@ -475,6 +480,17 @@ where
             // so the process tree went too (above).
         }
     }
+}
+
+/// How a command that exited on its own left its cgroup ([`Tree::end`]).
+enum Ended {
+    /// It reached a pids or memory limit: what was left was killed, and
+    /// this is the report.
+    Limit(String),
+    /// Processes it started still run (`cmd &`).
+    Left,
+    /// Nothing of it is left.
+    Clean,
 }
 
 /// Watches what a finished command left running (`cmd &`) until it ends:
@@ -547,12 +563,6 @@ impl Tree {
         }
     }
 
-    /// After the command exited: when it reached a pids or memory limit,
-    /// kills what is left of it and says so (the report for its stderr).
-    async fn limit_report(&self) -> Option<String> {
-        self.kill_at_limit(true).await
-    }
-
     /// While the command runs: kills it and everything it started, since
     /// its forks keep failing at the pids limit; returns the report for
     /// its stderr. The cgroup is kept until the command's end hands it back.
@@ -594,6 +604,29 @@ impl Tree {
         .await
         .ok()
         .flatten()
+    }
+
+    /// After the command exited on its own: when it reached a pids or
+    /// memory limit, kills what is left of it and returns the report;
+    /// else hands its cgroup back ([`Tree::finish`]) and says whether it
+    /// left processes running. One trip to a blocking thread for all of it.
+    async fn end(&self) -> Ended {
+        let _acting = self.acting.lock().await;
+        let Some(cgroup) = self.cgroup.clone() else { return Ended::Clean };
+        let (ended, equip) = tokio::task::spawn_blocking(move || {
+            if let Some(hit) = cgroup.reached_limit() {
+                let report = cgroup.kill_for(&hit);
+                cgroup.release(false);
+                return (Ended::Limit(report), false);
+            }
+            let equip = cgroup.release(true);
+            let ended = if cgroup.process_count() > 0 { Ended::Left } else { Ended::Clean };
+            (ended, equip)
+        })
+        .await
+        .unwrap_or((Ended::Clean, false));
+        self.equip.store(equip, Ordering::SeqCst);
+        ended
     }
 
     /// Hands the command's cgroups back (background processes keep theirs
