@@ -31,11 +31,11 @@ fn cgroup_moves(root: bool) -> bool {
     match (moat_core::dynmods::state(), root) {
         (State::On, _) => println!("fix: cgroup moves: favordynmods is on"),
         (State::NoCgroups, _) => println!("fix: cgroup moves: this host has no cgroups"),
-        (State::Off, false) => println!(
-            "fix: cgroup moves: favordynmods is off, so each jail's start waits for an RCU grace period; as \
-             root, run `moat setup`"
+        (State::Off | State::Unseen, false) => println!(
+            "fix: cgroup moves: favordynmods is off or unseen, so each jail's start may wait for an RCU grace \
+             period; as root, run `moat setup`"
         ),
-        (State::Off, true) => match moat_core::dynmods::enable() {
+        (State::Off | State::Unseen, true) => match moat_core::dynmods::enable() {
             Ok(Enabled::Remounted(at)) => println!("fix: cgroup moves: remounted {} with favordynmods", at.display()),
             Ok(_) => println!("fix: cgroup moves: favordynmods turned on"),
             Err(e) => println!("fix: cgroup moves: favordynmods stays off: {e}"),

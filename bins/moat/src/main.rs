@@ -560,6 +560,10 @@ fn doctor(image_name: &str) -> ExitCode {
         moat_core::dynmods::State::Off => "each jail's start waits for an RCU grace period to join its cgroups \
                                            (favordynmods is off); as root, run `moat setup` to turn it on"
             .to_owned(),
+        moat_core::dynmods::State::Unseen => "unknown: no cgroup v2 hierarchy is mounted to show whether moves wait \
+                                              for an RCU grace period; as root, `moat setup` makes sure they do not \
+                                              (until reboot)"
+            .to_owned(),
         moat_core::dynmods::State::NoCgroups => "none (no cgroups)".to_owned(),
     };
     println!("cgroup moves:            {moves}");

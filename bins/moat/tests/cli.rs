@@ -128,10 +128,11 @@ fn setup_turns_on_cgroup_moves_without_a_grace_period() {
         assert!(doctor.contains("favordynmods is off"), "setup said:\n{said}\ndoctor said:\n{doctor}");
     } else {
         assert!(said.contains("cgroups: ") && said.contains("favordynmods"), "{said}");
-        assert!(
-            doctor.contains("cgroup moves:            wait for no grace period (favordynmods)"),
-            "setup said:\n{said}\ndoctor said:\n{doctor}"
-        );
+        // A host with no cgroup v2 mount shows the option only while
+        // setup's own brief mount lasts.
+        let shown = doctor.contains("cgroup moves:            wait for no grace period (favordynmods)");
+        let unseen = said.contains("for a moment") && doctor.contains("cgroup moves:            unknown");
+        assert!(shown || unseen, "setup said:\n{said}\ndoctor said:\n{doctor}");
     }
 }
 

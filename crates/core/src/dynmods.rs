@@ -18,8 +18,8 @@
 //! with the option. cgroup v1 takes no new options on remount, so it is
 //! set through the cgroup v2 hierarchy, which every kernel has even where
 //! v1 holds all the controllers. `moat setup`, run once as root, turns it
-//! on ([`enable`]); `moat doctor` reports it ([`state`]). moat works the
-//! same without it, only slower to start a jail.
+//! on ([`enable`]); `moat doctor` reports it ([`state`]), where a mount
+//! shows it. moat works the same without it, only slower to start a jail.
 
 use std::path::{Path, PathBuf};
 
@@ -33,8 +33,13 @@ const OPTION: &str = "favordynmods";
 pub enum State {
     /// A cgroup hierarchy is mounted with `favordynmods`.
     On,
-    /// None is: the first move after a quiet moment waits.
+    /// None is, and a cgroup v2 hierarchy is mounted that would show it:
+    /// the first move after a quiet moment waits.
     Off,
+    /// No cgroup v2 hierarchy is mounted, and no v1 hierarchy shows the
+    /// option: the kernel does not say (on a v1 host it is set through a
+    /// cgroup v2 mount, which is gone again; see [`Enabled::Mounted`]).
+    Unseen,
     /// No cgroup hierarchy is mounted (nothing moves).
     NoCgroups,
 }
@@ -96,8 +101,10 @@ fn state_of(mounts: &[Mount]) -> State {
         State::NoCgroups
     } else if mounts.iter().any(|m| m.super_options.iter().any(|o| o == OPTION)) {
         State::On
-    } else {
+    } else if mounts.iter().any(|m| m.fs == "cgroup2") {
         State::Off
+    } else {
+        State::Unseen
     }
 }
 
@@ -181,8 +188,15 @@ pub fn enable() -> Result<Enabled, String> {
         .map_err(|e| format!("cannot make {} to mount cgroup v2 on for a moment ({e})", dir.display()))?;
     let mounted = mount_briefly(&dir);
     let _ = std::fs::remove_dir(&dir);
-    mounted.map_err(|e| format!("mounting cgroup v2 with {OPTION}: {}", explain(e)))?;
-    took(Enabled::Mounted)
+    let shown = mounted.map_err(|e| format!("mounting cgroup v2 with {OPTION}: {}", explain(e)))?;
+    if shown { Ok(Enabled::Mounted) } else { Err(not_shown()) }
+}
+
+fn not_shown() -> String {
+    format!(
+        "the kernel accepted {OPTION} but does not show it on; run `moat setup` as root in the host's own cgroup \
+         namespace, not in a container"
+    )
 }
 
 /// `done`, once mountinfo shows the option: the kernel applies it only
@@ -190,10 +204,7 @@ pub fn enable() -> Result<Enabled, String> {
 fn took(done: Enabled) -> Result<Enabled, String> {
     match state() {
         State::On => Ok(done),
-        _ => Err(format!(
-            "the kernel accepted {OPTION} but does not show it on; run `moat setup` as root in the host's own \
-             cgroup namespace, not in a container"
-        )),
+        _ => Err(not_shown()),
     }
 }
 
@@ -203,11 +214,16 @@ fn remount(v2: &Mount) -> nix::Result<()> {
     nix::mount::mount(None::<&str>, &v2.target, None::<&str>, flags, Some(remount_data(v2).as_str()))
 }
 
-/// Mounts the cgroup v2 hierarchy on `dir` with the option and unmounts it.
-fn mount_briefly(dir: &Path) -> nix::Result<()> {
+/// Mounts the cgroup v2 hierarchy on `dir` with the option and unmounts
+/// it; says whether the mount showed the option meanwhile (the only time
+/// a host without a cgroup v2 mount shows it).
+fn mount_briefly(dir: &Path) -> nix::Result<bool> {
     let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     nix::mount::mount(Some("cgroup2"), dir, Some("cgroup2"), flags, Some(OPTION))?;
-    nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH)
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let shown = cgroup_mounts(&info).iter().any(|m| m.target == dir && m.super_options.iter().any(|o| o == OPTION));
+    nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH)?;
+    Ok(shown)
 }
 
 #[cfg(test)]
@@ -231,6 +247,9 @@ mod tests {
         assert_eq!(mounts[1].super_options, ["rw", "nsdelegate"]);
         assert_eq!(state_of(&mounts), State::Off);
         assert_eq!(state_of(&[]), State::NoCgroups);
+        // Without a cgroup v2 mount, nothing shows it either way.
+        let v1_only: Vec<Mount> = mounts.into_iter().filter(|m| m.fs == "cgroup").collect();
+        assert_eq!(state_of(&v1_only), State::Unseen);
     }
 
     #[test]
@@ -267,6 +286,24 @@ mod tests {
                 assert_eq!(state(), State::On);
             }
         }
+    }
+
+    /// As root: the brief mount a host without cgroup v2 mounted gets
+    /// shows the option while it lasts, and is gone after.
+    #[test]
+    fn a_brief_mount_shows_the_option_and_leaves_nothing() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: mounting needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().expect("a directory");
+        match mount_briefly(dir.path()) {
+            Err(nix::Error::EINVAL) => eprintln!("skipped: this kernel has no {OPTION}"),
+            Err(e) => panic!("mount: {e}"),
+            Ok(shown) => assert!(shown, "the brief mount did not show {OPTION}"),
+        }
+        let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+        assert!(!cgroup_mounts(&info).iter().any(|m| m.target == dir.path()), "still mounted:\n{info}");
     }
 
     #[test]
