@@ -217,6 +217,12 @@ pub struct UserCgroups {
     making: Mutex<()>,
     /// What [`UserCgroups::reclaim_for_later`] did, for the next command to say.
     reclaimed: Mutex<Vec<String>>,
+    /// Held through a pass of [`UserCgroups::kill_runaways`]: a command's
+    /// reclaim and a background watch may both find the same runaway, and
+    /// the first to end its kill frees the cgroup, which the next command
+    /// may take at once; the second's kill, still listing the cgroup's
+    /// processes, then killed that command.
+    reclaiming: Mutex<()>,
     /// The sandbox's cooling down after a runaway at the pids limit.
     cooling: Mutex<Cooling>,
     /// The agent's reaper, which launchers are spawned through.
@@ -297,6 +303,7 @@ impl UserCgroups {
             names: Mutex::default(),
             making: Mutex::default(),
             reclaimed: Mutex::default(),
+            reclaiming: Mutex::default(),
             cooling: Mutex::default(),
             reaper: OnceLock::new(),
         }
@@ -551,6 +558,8 @@ impl UserCgroups {
     /// Kills what is left of earlier commands that reached a limit; says
     /// what, one line each.
     fn kill_runaways(&self) -> Vec<String> {
+        // A poisoned lock guards nothing but the order of passes.
+        let _pass = self.reclaiming.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut runaways = Vec::new();
         for dir in self.idle_exec_dirs() {
             let mut exec = ExecCgroup::existing(&self.hierarchies, &dir);
