@@ -186,7 +186,8 @@ pub fn enable() -> Result<Enabled, String> {
     let dir = std::env::temp_dir().join(format!("moat-cgroup2-{}", std::process::id()));
     std::fs::create_dir(&dir)
         .map_err(|e| format!("cannot make {} to mount cgroup v2 on for a moment ({e})", dir.display()))?;
-    let mounted = mount_briefly(&dir);
+    // No cgroup v2 mount: no option of the hierarchy's is set to keep.
+    let mounted = mount_briefly(&dir, OPTION);
     let _ = std::fs::remove_dir(&dir);
     let shown = mounted.map_err(|e| format!("mounting cgroup v2 with {OPTION}: {}", explain(e)))?;
     if shown { Ok(Enabled::Mounted) } else { Err(not_shown()) }
@@ -214,12 +215,15 @@ fn remount(v2: &Mount) -> nix::Result<()> {
     nix::mount::mount(None::<&str>, &v2.target, None::<&str>, flags, Some(remount_data(v2).as_str()))
 }
 
-/// Mounts the cgroup v2 hierarchy on `dir` with the option and unmounts
-/// it; says whether the mount showed the option meanwhile (the only time
-/// a host without a cgroup v2 mount shows it).
-fn mount_briefly(dir: &Path) -> nix::Result<bool> {
+/// Mounts the cgroup v2 hierarchy on `dir` with the hierarchy options
+/// `data`, which must hold the option, and unmounts it; says whether the
+/// mount showed the option meanwhile (the only time a host without a
+/// cgroup v2 mount shows it). Every mount of cgroup v2 sets the
+/// hierarchy's options anew, for every mount of it: `data` lists all that
+/// are to stay.
+fn mount_briefly(dir: &Path, data: &str) -> nix::Result<bool> {
     let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
-    nix::mount::mount(Some("cgroup2"), dir, Some("cgroup2"), flags, Some(OPTION))?;
+    nix::mount::mount(Some("cgroup2"), dir, Some("cgroup2"), flags, Some(data))?;
     let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let shown = cgroup_mounts(&info).iter().any(|m| m.target == dir && m.super_options.iter().any(|o| o == OPTION));
     nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH)?;
@@ -237,6 +241,30 @@ mod tests {
 35 33 0:30 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:11 - cgroup2 cgroup2 rw,nsdelegate
 36 33 0:31 / /sys/fs/cgroup/with\\040space rw,relatime - cgroup cgroup rw,pids
 ";
+
+    /// A directory to mount on, for a test run as root, and the lock that
+    /// keeps such tests apart: cgroup v2 mounts share one hierarchy, whose
+    /// options each mount and remount sets anew, so one test's mount
+    /// showed another's options mid-change. `None` (skipped, said) when
+    /// not root.
+    /// The options of the host's own cgroup v2 hierarchy, as a mount of it
+    /// must pass them to leave them as they are (`nsdelegate`, ...), with
+    /// the option added: a test's mount without them would take them from
+    /// the host's hierarchy.
+    fn host_options() -> String {
+        let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+        cgroup_mounts(&info).iter().find(|m| m.fs == "cgroup2").map_or_else(|| OPTION.to_owned(), remount_data)
+    }
+
+    fn mount_point() -> Option<(tempfile::TempDir, std::sync::MutexGuard<'static, ()>)> {
+        static MOUNTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: mounting needs root");
+            return None;
+        }
+        let held = MOUNTING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        Some((tempfile::tempdir().expect("a directory"), held))
+    }
 
     #[test]
     fn reads_cgroup_mounts_and_their_options() {
@@ -259,17 +287,16 @@ mod tests {
     }
 
     /// As root: a cgroup v2 mount of the test's own, remounted as
-    /// [`enable`] does, has the option and keeps its own flags. (The
-    /// option is the kernel's: this leaves it on, as `moat setup` does.)
+    /// [`enable`] does, has the option and keeps its own flags and the
+    /// hierarchy's other options. (The option is the kernel's: this
+    /// leaves it on, as `moat setup` does.)
     #[test]
     fn a_remount_adds_the_option_and_keeps_the_flags() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("skipped: mounting needs root");
-            return;
-        }
-        let dir = tempfile::tempdir().expect("a directory");
+        let Some((dir, _mounting)) = mount_point() else { return };
         let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
-        nix::mount::mount(Some("cgroup2"), dir.path(), Some("cgroup2"), flags, None::<&str>).expect("mount cgroup2");
+        let data = host_options();
+        nix::mount::mount(Some("cgroup2"), dir.path(), Some("cgroup2"), flags, Some(data.as_str()))
+            .expect("mount cgroup2");
         let mine = |text: &str| cgroup_mounts(text).into_iter().find(|m| m.target == dir.path());
         let info = || std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
         let before = mine(&info()).expect("the mount in mountinfo");
@@ -282,6 +309,9 @@ mod tests {
             Ok(()) => {
                 let after = after.expect("the mount after the remount");
                 assert!(after.super_options.iter().any(|o| o == OPTION), "{after:?}");
+                for kept in &before.super_options {
+                    assert!(after.super_options.contains(kept), "{kept} lost: {after:?}");
+                }
                 assert_eq!(mount_flags(&after.options), mount_flags(&before.options), "{after:?}");
                 assert_eq!(state(), State::On);
             }
@@ -292,12 +322,8 @@ mod tests {
     /// shows the option while it lasts, and is gone after.
     #[test]
     fn a_brief_mount_shows_the_option_and_leaves_nothing() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("skipped: mounting needs root");
-            return;
-        }
-        let dir = tempfile::tempdir().expect("a directory");
-        match mount_briefly(dir.path()) {
+        let Some((dir, _mounting)) = mount_point() else { return };
+        match mount_briefly(dir.path(), &host_options()) {
             Err(nix::Error::EINVAL) => eprintln!("skipped: this kernel has no {OPTION}"),
             Err(e) => panic!("mount: {e}"),
             Ok(shown) => assert!(shown, "the brief mount did not show {OPTION}"),
