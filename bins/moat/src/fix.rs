@@ -27,7 +27,7 @@ pub fn missing(image: &str) -> bool {
 /// so a kernel without it, or a caller who is not root, leaves nothing
 /// unfixed (the line says what to run).
 fn cgroup_moves(root: bool) -> bool {
-    use moat_core::dynmods::{Enabled, State};
+    use moat_core::dynmods::State;
     match (moat_core::dynmods::state(), root) {
         (State::On, _) => println!("fix: cgroup moves: favordynmods is on"),
         (State::NoCgroups, _) => println!("fix: cgroup moves: this host has no cgroups"),
@@ -35,11 +35,7 @@ fn cgroup_moves(root: bool) -> bool {
             "fix: cgroup moves: favordynmods is off or unseen, so each jail's start may wait for an RCU grace \
              period; as root, run `moat setup`"
         ),
-        (State::Off | State::Unseen, true) => match moat_core::dynmods::enable() {
-            Ok(Enabled::Remounted(at)) => println!("fix: cgroup moves: remounted {} with favordynmods", at.display()),
-            Ok(_) => println!("fix: cgroup moves: favordynmods turned on"),
-            Err(e) => println!("fix: cgroup moves: favordynmods stays off: {e}"),
-        },
+        (State::Off | State::Unseen, true) => println!("fix: cgroup moves: {}", crate::setup::tune_host()),
     }
     true
 }

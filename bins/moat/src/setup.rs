@@ -44,19 +44,22 @@ fn account(name: &str) -> Result<nix::unistd::User> {
 /// cgroups waits for no RCU grace period. Says what it did; a kernel
 /// without the option is said, not an error (jails work without it).
 fn host() {
+    println!("cgroups: {}", tune_host());
+}
+
+/// [`moat_core::dynmods::enable`], said in words (for `moat setup` and
+/// `moat doctor --fix`).
+pub fn tune_host() -> String {
     match moat_core::dynmods::enable() {
-        Ok(Enabled::Already) => {
-            println!("cgroups: favordynmods is on (moves between cgroups wait for no grace period)")
-        }
-        Ok(Enabled::Remounted(at)) => println!(
-            "cgroups: remounted {} with favordynmods: moves between cgroups wait for no grace period until reboot",
+        Ok(Enabled::Already) => "favordynmods is on (moves between cgroups wait for no grace period)".into(),
+        Ok(Enabled::Remounted(at)) => format!(
+            "remounted {} with favordynmods: moves between cgroups wait for no grace period until reboot",
             at.display()
         ),
-        Ok(Enabled::Mounted) => println!(
-            "cgroups: mounted cgroup v2 with favordynmods for a moment: moves between cgroups wait for no grace \
-             period until reboot"
-        ),
-        Err(e) => println!("cgroups: favordynmods stays off: {e}"),
+        Ok(Enabled::Mounted) => "mounted cgroup v2 with favordynmods for a moment: moves between cgroups wait for \
+                                 no grace period until reboot"
+            .into(),
+        Err(e) => format!("favordynmods stays off: {e}"),
     }
 }
 

@@ -567,7 +567,12 @@ impl Tree {
     /// its forks keep failing at the pids limit; returns the report for
     /// its stderr. The cgroup is kept until the command's end hands it back.
     async fn stop_at_limit(&self) -> Option<String> {
-        self.kill_at_limit(false).await
+        let _acting = self.acting.lock().await;
+        let cgroup = self.cgroup.clone()?;
+        tokio::task::spawn_blocking(move || cgroup.reached_limit().map(|hit| cgroup.kill_for(&hit)))
+            .await
+            .ok()
+            .flatten()
     }
 
     /// At the command's timeout: when its cgroup reached a limit, kills
@@ -585,25 +590,6 @@ impl Tree {
         let _acting = self.acting.lock().await;
         let cgroup = self.cgroup.clone()?;
         tokio::task::spawn_blocking(move || cgroup.kill_for(&hit)).await.ok()
-    }
-
-    /// When the command's cgroup reached a limit: kills everything in it
-    /// (the process group and what left it), hands the cgroup back when
-    /// `release`, and returns the report.
-    async fn kill_at_limit(&self, release: bool) -> Option<String> {
-        let _acting = self.acting.lock().await;
-        let cgroup = self.cgroup.clone()?;
-        tokio::task::spawn_blocking(move || {
-            let hit = cgroup.reached_limit()?;
-            let report = cgroup.kill_for(&hit);
-            if release {
-                cgroup.release(false);
-            }
-            Some(report)
-        })
-        .await
-        .ok()
-        .flatten()
     }
 
     /// After the command exited on its own: when it reached a pids or
