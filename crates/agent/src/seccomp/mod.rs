@@ -1,18 +1,19 @@
 //! The seccomp filter of a jail: an allow list modelled on Docker's default
 //! profile, and stricter than it where a sandbox has no use for a call.
 //!
-//! Two BPF programs, stacked (the kernel runs both and the strictest answer
-//! wins; between two `ERRNO` answers, the later filter's):
+//! One BPF program, [`program`]:
 //!
-//! 1. [`program`], the allow list: the calls in [`ALLOWED`], and
-//!    `socket`, `socketpair`, `clone`, `unshare` and `personality` only with
-//!    the arguments [`conditional_rules`] lists. Anything else fails with
-//!    `EPERM`, as in Docker's profile; a call for another architecture
-//!    (i386 through `int 0x80`) kills the process.
-//! 2. [`numbers_program`], by number alone: x32-ABI calls fail with `EPERM`,
-//!    `clone3` and calls newer than [`NEWEST_KNOWN`] with `ENOSYS`, so that
-//!    libc falls back to what the allow list permits (glibc's `clone3` →
-//!    `clone`), as Docker and runc do.
+//! - a call for another architecture (i386 through `int 0x80`) kills the
+//!   process;
+//! - x32-ABI calls fail with `EPERM` (the lists name x86_64 numbers only);
+//! - `clone3` (whose flags live in memory, out of seccomp's reach) and calls
+//!   newer than [`NEWEST_KNOWN`] fail with `ENOSYS`, so that libc falls back
+//!   to what the list permits (glibc's `clone3` → `clone`), as Docker and
+//!   runc do;
+//! - the calls in [`ALLOWED`] are allowed, and `socket`, `socketpair`,
+//!   `clone`, `unshare` and `personality` only with the arguments
+//!   [`conditional_rules`] lists;
+//! - anything else fails with `EPERM`, as in Docker's profile.
 //!
 //! Sandboxes run arbitrary Debian software (compilers, package managers,
 //! language runtimes); the list holds what such software calls. What it
@@ -21,6 +22,17 @@
 //! packet sockets, rare socket families and netlink protocols), or would
 //! let a sandbox change the machine rather than itself. `docs/security.md`
 //! lists each difference from Docker's profile and why.
+//!
+//! The call number is looked up in a search tree of the ranges of numbers
+//! that share an answer, written here: seccompiler, like every filter
+//! compiler this workspace could use, tests the numbers one after another,
+//! which for this list is 1,722 instructions that the kernel checks,
+//! converts and JITs each time a jail starts (0.6 ms of CPU, on the path
+//! of every sandbox's start), and runs in part for each call that its
+//! per-call cache does not answer. The argument checks of the five conditional calls are
+//! seccompiler's, appended to the tree. The tests run both this program and
+//! seccompiler's linear one on every call number and many arguments, and
+//! require the same answer.
 
 use std::collections::BTreeMap;
 
@@ -136,52 +148,136 @@ pub fn conditional_rules() -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
     ]))
 }
 
-/// Builds the allow list's BPF program.
-pub fn program() -> Result<BpfProgram, seccompiler::BackendError> {
-    let mut rules = conditional_rules()?;
-    rules.extend(ALLOWED.iter().map(|(_, nr)| (*nr, Vec::new())));
-    let errno = u32::try_from(libc::EPERM).unwrap_or(1);
-    let filter = SeccompFilter::new(rules, SeccompAction::Errno(errno), SeccompAction::Allow, TargetArch::x86_64)?;
-    filter.try_into()
+/// The verdicts of the search tree, for a range of call numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    Allow,
+    /// `EPERM`.
+    Refuse,
+    /// `ENOSYS`: `clone3`.
+    Unknown,
+    /// The argument checks decide.
+    Check,
 }
 
-/// The filter by number alone: every x32-ABI call fails with `EPERM` (the
-/// allow list names x86_64 numbers only); `clone3` (whose flags live in
-/// memory, out of seccomp's reach) and calls newer than [`NEWEST_KNOWN`]
-/// fail with `ENOSYS`, so that libc falls back. Installed after
-/// [`program`], so that its `ENOSYS` is the answer where both refuse.
-/// Hand-written: seccompiler has no rule for ranges of numbers.
-pub fn numbers_program() -> BpfProgram {
+/// The verdict of every call number from 0 to [`NEWEST_KNOWN`], as ranges:
+/// each entry's verdict holds from its number up to the next entry's.
+fn ranges(conditional: &BTreeMap<i64, Vec<SeccompRule>>) -> Vec<(u32, Verdict)> {
+    let allowed: std::collections::BTreeSet<i64> = ALLOWED.iter().map(|(_, nr)| *nr).collect();
+    let mut ranges: Vec<(u32, Verdict)> = Vec::new();
+    for nr in 0..=NEWEST_KNOWN {
+        let call = i64::from(nr);
+        let verdict = if conditional.contains_key(&call) {
+            Verdict::Check
+        } else if call == libc::SYS_clone3 {
+            Verdict::Unknown
+        } else if allowed.contains(&call) {
+            Verdict::Allow
+        } else {
+            Verdict::Refuse
+        };
+        if ranges.last().is_none_or(|(_, last)| *last != verdict) {
+            ranges.push((nr, verdict));
+        }
+    }
+    ranges
+}
+
+/// Why the filter cannot be built.
+#[derive(Debug, thiserror::Error)]
+pub enum FilterError {
+    #[error("the argument checks: {0}")]
+    Rules(#[from] seccompiler::BackendError),
+    #[error("the call number tree needs a jump of {0} instructions; classic BPF jumps at most 255 forward")]
+    TooFar(usize),
+}
+
+/// Builds the filter's BPF program (see the module's comment).
+pub fn program() -> Result<BpfProgram, FilterError> {
     const SECCOMP_DATA_NR: u32 = 0;
+    const SECCOMP_DATA_ARCH: u32 = 4;
+    /// `AUDIT_ARCH_X86_64`: `EM_X86_64 | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE`.
+    const AUDIT_ARCH_X86_64: u32 = 62 | 0x8000_0000 | 0x4000_0000;
+    let conditional = conditional_rules()?;
     let eperm = libc::SECCOMP_RET_ERRNO | u32::try_from(libc::EPERM).unwrap_or(1);
     let enosys = libc::SECCOMP_RET_ERRNO | u32::try_from(libc::ENOSYS).unwrap_or(38);
-    let clone3 = u32::try_from(libc::SYS_clone3).unwrap_or(435);
-    let insn = |code: u32, jt: u8, jf: u8, k: u32| seccompiler::sock_filter {
-        code: u16::try_from(code).unwrap_or_default(),
-        jt,
-        jf,
-        k,
-    };
     let (ld, ret) = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, libc::BPF_RET | libc::BPF_K);
-    vec![
+    let (jeq, jge, jgt) = (
+        libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K,
+        libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K,
+        libc::BPF_JMP | libc::BPF_JGT | libc::BPF_K,
+    );
+    let mut program = vec![
+        insn(ld, 0, 0, SECCOMP_DATA_ARCH),
+        insn(jeq, 1, 0, AUDIT_ARCH_X86_64),
+        insn(ret, 0, 0, libc::SECCOMP_RET_KILL_PROCESS),
         insn(ld, 0, 0, SECCOMP_DATA_NR),
         // x32: EPERM.
-        insn(libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K, 0, 1, X32_SYSCALL_BIT),
+        insn(jge, 0, 1, X32_SYSCALL_BIT),
         insn(ret, 0, 0, eperm),
-        // clone3 or newer than NEWEST_KNOWN: ENOSYS.
-        insn(libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K, 1, 0, clone3),
-        insn(libc::BPF_JMP | libc::BPF_JGT | libc::BPF_K, 0, 1, NEWEST_KNOWN),
+        // Newer than the list: ENOSYS.
+        insn(jgt, 0, 1, NEWEST_KNOWN),
         insn(ret, 0, 0, enosys),
-        insn(ret, 0, 0, libc::SECCOMP_RET_ALLOW),
-    ]
+    ];
+    // The tree, then the argument checks it jumps to.
+    let mut checks_jumps = Vec::new();
+    tree(&ranges(&conditional), &mut program, &mut checks_jumps, [eperm, enosys])?;
+    let checks_at = program.len();
+    for at in checks_jumps {
+        program[at].k = u32::try_from(checks_at - at - 1).map_err(|_| FilterError::TooFar(checks_at - at - 1))?;
+    }
+    let errno = u32::try_from(libc::EPERM).unwrap_or(1);
+    let checks = SeccompFilter::new(conditional, SeccompAction::Errno(errno), SeccompAction::Allow, TargetArch::x86_64)?;
+    program.extend(BpfProgram::try_from(checks)?);
+    Ok(program)
 }
 
-/// Installs both filters on the calling thread (inherited across fork and
+/// One classic BPF instruction.
+fn insn(code: u32, jt: u8, jf: u8, k: u32) -> seccompiler::sock_filter {
+    seccompiler::sock_filter { code: u16::try_from(code).unwrap_or_default(), jt, jf, k }
+}
+
+/// Appends the search tree over `ranges` (the call number loaded) to
+/// `program`: at each node, `nr >= first of the upper half` jumps over the
+/// lower half's subtree, which follows. A leaf returns its verdict, or
+/// jumps to the argument checks (its index is pushed to `checks_jumps`, to
+/// be aimed once their place is known).
+fn tree(
+    ranges: &[(u32, Verdict)],
+    program: &mut BpfProgram,
+    checks_jumps: &mut Vec<usize>,
+    [eperm, enosys]: [u32; 2],
+) -> Result<(), FilterError> {
+    let ret = libc::BPF_RET | libc::BPF_K;
+    match ranges {
+        [] => {}
+        [(_, verdict)] => match verdict {
+            Verdict::Allow => program.push(insn(ret, 0, 0, libc::SECCOMP_RET_ALLOW)),
+            Verdict::Refuse => program.push(insn(ret, 0, 0, eperm)),
+            Verdict::Unknown => program.push(insn(ret, 0, 0, enosys)),
+            Verdict::Check => {
+                checks_jumps.push(program.len());
+                program.push(insn(libc::BPF_JMP | libc::BPF_JA, 0, 0, 0));
+            }
+        },
+        _ => {
+            let (lower, upper) = ranges.split_at(ranges.len() / 2);
+            let node = program.len();
+            program.push(insn(libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K, 0, 0, upper[0].0));
+            tree(lower, program, checks_jumps, [eperm, enosys])?;
+            let skip = program.len() - node - 1;
+            program[node].jt = u8::try_from(skip).map_err(|_| FilterError::TooFar(skip))?;
+            tree(upper, program, checks_jumps, [eperm, enosys])?;
+        }
+    }
+    Ok(())
+}
+
+/// Installs the filter on the calling thread (inherited across fork and
 /// exec). `no_new_privs` must be set first.
 pub fn install() -> Result<(), String> {
-    let program = program().map_err(|e| format!("building the allow list: {e}"))?;
-    seccompiler::apply_filter(&program).map_err(|e| format!("installing the allow list: {e}"))?;
-    seccompiler::apply_filter(&numbers_program()).map_err(|e| format!("installing the number filter: {e}"))
+    let program = program().map_err(|e| format!("building the seccomp filter: {e}"))?;
+    seccompiler::apply_filter(&program).map_err(|e| format!("installing the seccomp filter: {e}"))
 }
 
 #[cfg(test)]
@@ -363,6 +459,115 @@ mod tests {
             | libc::CLONE_NEWCGROUP;
         assert_eq!(NAMESPACE_FLAGS, u64::from(flags.unsigned_abs()));
         assert_eq!(CLONE_NEWTIME, u64::from(libc::CLONE_NEWTIME.unsigned_abs()));
+    }
+
+    /// What the kernel's classic BPF does with `program` for one call:
+    /// the instructions seccompiler and [`program`] use, and a panic on
+    /// any other.
+    fn run(program: &[seccompiler::sock_filter], arch: u32, nr: u32, args: [u64; 6]) -> u32 {
+        let mut data = [0u32; 16];
+        data[0] = nr;
+        data[1] = arch;
+        for (i, arg) in args.iter().enumerate() {
+            let [low, high] = [*arg & 0xffff_ffff, *arg >> 32].map(|half| u32::try_from(half).expect("32 bits"));
+            data[4 + 2 * i] = low;
+            data[5 + 2 * i] = high;
+        }
+        let (mut pc, mut a) = (0usize, 0u32);
+        loop {
+            let i = &program[pc];
+            let code = u32::from(i.code);
+            pc += 1;
+            match code {
+                c if c == libc::BPF_LD | libc::BPF_W | libc::BPF_ABS => {
+                    assert!(i.k.is_multiple_of(4) && i.k < 64, "load at {}", i.k);
+                    a = data[i.k as usize / 4];
+                }
+                c if c == libc::BPF_ALU | libc::BPF_AND | libc::BPF_K => a &= i.k,
+                c if c == libc::BPF_RET | libc::BPF_K => return i.k,
+                c if c == libc::BPF_JMP | libc::BPF_JA => pc += i.k as usize,
+                c if c & 0x07 == libc::BPF_JMP => {
+                    let taken = match c {
+                        c if c == libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K => a == i.k,
+                        c if c == libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K => a >= i.k,
+                        c if c == libc::BPF_JMP | libc::BPF_JGT | libc::BPF_K => a > i.k,
+                        c if c == libc::BPF_JMP | libc::BPF_JSET | libc::BPF_K => a & i.k != 0,
+                        other => panic!("jump {other:#x} at {}", pc - 1),
+                    };
+                    pc += usize::from(if taken { i.jt } else { i.jf });
+                }
+                other => panic!("instruction {other:#x} at {}", pc - 1),
+            }
+        }
+    }
+
+    /// The filter as it was written with seccompiler alone: its linear
+    /// allow list, under the number filter, stacked as the kernel stacks
+    /// two filters (the stricter action wins; between two of the same
+    /// kind, the later filter's).
+    fn reference(list: &[seccompiler::sock_filter], arch: u32, nr: u32, args: [u64; 6]) -> u32 {
+        let first = run(list, arch, nr, args);
+        let errno = |e: i32| libc::SECCOMP_RET_ERRNO | e.unsigned_abs();
+        let second = if nr >= X32_SYSCALL_BIT {
+            errno(libc::EPERM)
+        } else if i64::from(nr) == libc::SYS_clone3 || nr > NEWEST_KNOWN {
+            errno(libc::ENOSYS)
+        } else {
+            libc::SECCOMP_RET_ALLOW
+        };
+        let action = |ret: u32| (ret & libc::SECCOMP_RET_ACTION_FULL) as i32;
+        if action(first) < action(second) { first } else { second }
+    }
+
+    /// Every call number the kernel may see, in both architectures' views,
+    /// with plain arguments; and the conditional calls with arguments
+    /// around every boundary their rules draw: both filters answer alike.
+    #[test]
+    fn the_tree_answers_as_the_linear_allow_list() {
+        let program = program().expect("builds");
+        let mut rules = conditional_rules().expect("builds");
+        rules.extend(ALLOWED.iter().map(|(_, nr)| (*nr, Vec::new())));
+        let errno = u32::try_from(libc::EPERM).expect("EPERM");
+        let list = SeccompFilter::new(rules, SeccompAction::Errno(errno), SeccompAction::Allow, TargetArch::x86_64)
+            .expect("filter");
+        let list = BpfProgram::try_from(list).expect("compiles");
+        assert!(program.len() < 500, "a tree, not a chain: {} instructions", program.len());
+        const AUDIT_ARCH_I386: u32 = 3 | 0x4000_0000;
+        let arch = 62 | 0x8000_0000 | 0x4000_0000;
+        let mut numbers: Vec<u32> = (0..NEWEST_KNOWN + 64).collect();
+        numbers.extend((0..NEWEST_KNOWN + 64).map(|nr| nr | X32_SYSCALL_BIT));
+        numbers.extend([X32_SYSCALL_BIT - 1, 0x7fff_ffff, 0x8000_0000, 0xffff_fffe, u32::MAX]);
+        let mut compared = 0;
+        for nr in numbers {
+            for a in [arch, AUDIT_ARCH_I386] {
+                for args in [[0; 6], [u64::MAX; 6], [1, 2, 3, 4, 5, 6]] {
+                    assert_eq!(run(&program, a, nr, args), reference(&list, a, nr, args), "call {nr} arch {a:#x} {args:?}");
+                    compared += 1;
+                }
+            }
+        }
+        // The conditional calls: each argument from the values the rules
+        // name, their neighbours and flag bits, high halves included.
+        let mut values: Vec<u64> = vec![0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 14, 15, 16, 17, 33, 58, 0xff, u64::MAX];
+        values.extend([libc::AF_UNIX, libc::AF_INET, libc::AF_INET6, libc::AF_NETLINK, libc::AF_PACKET].map(word));
+        values.extend([libc::SOCK_NONBLOCK, libc::SOCK_CLOEXEC].map(|f| word(f | libc::SOCK_STREAM)));
+        values.extend([libc::IPPROTO_ICMP, libc::IPPROTO_ICMPV6, libc::IPPROTO_TCP, libc::IPPROTO_UDP].map(word));
+        values.extend(PERSONALITIES.iter().flat_map(|p| [*p, p + 1, p | 1 << 32]));
+        values.extend((0..64).map(|bit| 1u64 << bit));
+        values.extend((0..64).map(|bit| (1u64 << bit) | u64::from(libc::SIGCHLD.unsigned_abs())));
+        for nr in [libc::SYS_socket, libc::SYS_socketpair, libc::SYS_clone, libc::SYS_unshare, libc::SYS_personality] {
+            let nr = u32::try_from(nr).expect("number");
+            for &x in &values {
+                for &y in &values[..29] {
+                    for &z in &values[..29] {
+                        let args = [x, y, z, 0, 0, 0];
+                        assert_eq!(run(&program, arch, nr, args), reference(&list, arch, nr, args), "call {nr} {args:?}");
+                        compared += 1;
+                    }
+                }
+            }
+        }
+        assert!(compared > 100_000, "{compared}");
     }
 
     #[test]
