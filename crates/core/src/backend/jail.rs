@@ -458,12 +458,18 @@ impl Jail {
             }
         }
         let _ = self.monitor.wait();
-        if let Some(cgroup) = self.cgroup.take() {
-            cgroup.remove();
-        }
-        if let Some(state) = self.state.take() {
-            state.remove();
-        }
+        // The state directory goes beside the cgroups: its removal waits
+        // mostly on the disk (each freed block of a file system mounted
+        // with `discard` is a request to the device), theirs on the kernel.
+        let (cgroup, state) = (self.cgroup.take(), self.state.take());
+        std::thread::scope(|scope| {
+            if let Some(state) = state {
+                scope.spawn(|| state.remove());
+            }
+            if let Some(cgroup) = cgroup {
+                cgroup.remove();
+            }
+        });
     }
 }
 
