@@ -431,7 +431,7 @@ impl UserCgroups {
     /// `None` without a pids controller or a limit.
     fn pids_limits(&self) -> Option<(u64, u64)> {
         let user = self.hierarchies.iter().find(|h| h.is("pids"))?;
-        let limit: u64 = std::fs::read_to_string(user.dir.join("pids.max")).ok()?.trim().parse().ok()?;
+        let limit: u64 = read_counter_file(&user.dir.join("pids.max")).ok()?.trim().parse().ok()?;
         Some((limit, (limit / COOLING_SHARE).max(COOLING_FLOOR).min(limit)))
     }
 
@@ -443,7 +443,7 @@ impl UserCgroups {
         let wanted = if self.cooling_state().until.is_some() { cooling } else { limit };
         if let Some(dir) = exec.dir("pids") {
             let file = dir.join("pids.max");
-            if std::fs::read_to_string(&file).ok().and_then(|now| now.trim().parse::<u64>().ok()) != Some(wanted)
+            if read_counter_file(&file).ok().and_then(|now| now.trim().parse::<u64>().ok()) != Some(wanted)
                 && let Err(e) = std::fs::write(&file, wanted.to_string())
             {
                 tracing::warn!("could not set {}: {e}", file.display());
@@ -457,11 +457,16 @@ impl UserCgroups {
             let mut exec = ExecCgroup::existing(&self.hierarchies, &name);
             exec.owner = Some(self);
             exec.launcher_pid = launcher.as_ref().map(Launcher::pid);
-            let opened: std::io::Result<Vec<OwnedFd>> = exec
-                .dirs
-                .iter()
-                .map(|h| std::fs::OpenOptions::new().write(true).open(h.dir.join("cgroup.procs")).map(OwnedFd::from))
-                .collect();
+            // A command started by the launcher is born in the cgroup:
+            // only one without a launcher joins it through these files.
+            let opened: std::io::Result<Vec<OwnedFd>> = match launcher {
+                Some(_) => Ok(Vec::new()),
+                None => exec
+                    .dirs
+                    .iter()
+                    .map(|h| std::fs::OpenOptions::new().write(true).open(h.dir.join("cgroup.procs")).map(OwnedFd::from))
+                    .collect(),
+            };
             match opened {
                 Ok(procs) if exec.process_count() == 0 => {
                     exec.set_launcher(launcher);
@@ -780,9 +785,10 @@ impl ExecCgroup {
         self.launcher.clone()
     }
 
-    /// The memory controller's events file and its limit file.
-    fn memory_files(dir: &Path) -> (&'static str, &'static str) {
-        if dir.join("memory.events").exists() {
+    /// The memory controller's events file and its limit file: cgroup v2's
+    /// where the controller is the unified hierarchy's, else v1's.
+    fn memory_files(&self) -> (&'static str, &'static str) {
+        if self.dirs.iter().find(|h| h.is("memory")).is_some_and(|h| h.name == UNIFIED) {
             ("memory.events", "memory.max")
         } else {
             ("memory.oom_control", "memory.limit_in_bytes")
@@ -792,11 +798,11 @@ impl ExecCgroup {
     fn counters(&self) -> Counters {
         Counters {
             pids_max: self.failed_forks(),
-            oom_kills: self.dir("memory").map_or(0, |dir| counter(&dir.join(Self::memory_files(dir).0), "oom_kill")),
+            oom_kills: self.dir("memory").map_or(0, |dir| counter(&dir.join(self.memory_files().0), "oom_kill")),
             user_oom_kills: self
                 .dir("memory")
                 .and_then(Path::parent)
-                .map_or(0, |user| counter(&user.join(Self::memory_files(user).0), "oom_kill")),
+                .map_or(0, |user| counter(&user.join(self.memory_files().0), "oom_kill")),
         }
     }
 
@@ -839,11 +845,11 @@ impl ExecCgroup {
         if let Some(dir) = self.dir("pids")
             && now.pids_max > self.baseline.pids_max
         {
-            let limit = std::fs::read_to_string(dir.join("pids.max")).unwrap_or_default().trim().to_owned();
+            let limit = read_counter_file(&dir.join("pids.max")).unwrap_or_default().trim().to_owned();
             return Some(LimitHit::Pids { limit });
         }
         if let Some(dir) = self.dir("memory") {
-            let limit = Self::memory_files(dir).1;
+            let limit = self.memory_files().1;
             let mut kills = now.oom_kills.saturating_sub(self.baseline.oom_kills);
             // The limit shared by all commands, reached while this one ran
             // (only for a running command's own cgroup, whose baseline was
@@ -852,7 +858,7 @@ impl ExecCgroup {
                 kills = now.user_oom_kills.saturating_sub(self.baseline.user_oom_kills);
             }
             if kills > 0 {
-                let limit_bytes = std::fs::read_to_string(dir.join(limit)).ok().and_then(|l| l.trim().parse().ok());
+                let limit_bytes = read_counter_file(&dir.join(limit)).ok().and_then(|l| l.trim().parse().ok());
                 return Some(LimitHit::Memory { limit_bytes, kills });
             }
         }
@@ -864,7 +870,7 @@ impl ExecCgroup {
     /// often its memory limit was met (`memory.events` `max`): cgroup v2
     /// only, `None` elsewhere (v1 keeps no pressure per cgroup).
     pub fn memory_stall(&self) -> Option<(u64, u64)> {
-        let dir = self.dir("memory")?;
+        let dir = self.dirs.iter().find(|h| h.is("memory") && h.name == UNIFIED)?.dir.as_path();
         let pressure = std::fs::read_to_string(dir.join("memory.pressure")).ok()?;
         let stalled = pressure
             .lines()
@@ -879,7 +885,7 @@ impl ExecCgroup {
     /// The memory limit of this cgroup, in bytes, when it has one.
     pub fn memory_limit(&self) -> Option<u64> {
         let dir = self.dir("memory")?;
-        std::fs::read_to_string(dir.join(Self::memory_files(dir).1)).ok()?.trim().parse().ok()
+        read_counter_file(&dir.join(self.memory_files().1)).ok()?.trim().parse().ok()
     }
 
     /// Forks refused at the pids limit in this cgroup so far (its
@@ -1091,6 +1097,7 @@ impl ExecCgroup {
 
     fn remove(&self) {
         for h in &self.dirs {
+            close_counter_files(&h.dir);
             let _ = std::fs::remove_dir(&h.dir);
         }
     }
@@ -1307,9 +1314,63 @@ fn cooling_words(limit: u64) -> String {
     )
 }
 
+/// The counter and limit files of the cgroups (`pids.events`,
+/// `memory.oom_control` or `memory.events`, `pids.max`), kept open: each
+/// command reads several of them when it starts and when it ends, and a
+/// read at offset 0 of an open cgroup file shows its content now, without
+/// the path walk through the cgroup file system, the open and the close
+/// that were most of the agent's system time per command. Not
+/// `cgroup.procs`: cgroup v1 answers a second read of an open one from the
+/// list it made for the first, for up to a second. A cgroup's files are
+/// closed when it is removed (an open file keeps a removed cgroup's kernel
+/// state alive), and a file that fails to read is closed and opened again
+/// next time.
+static OPEN_FILES: Mutex<std::collections::BTreeMap<PathBuf, std::sync::Arc<std::fs::File>>> =
+    Mutex::new(std::collections::BTreeMap::new());
+
+fn open_files() -> MutexGuard<'static, std::collections::BTreeMap<PathBuf, std::sync::Arc<std::fs::File>>> {
+    // Each critical section is one map operation: a panic leaves it whole.
+    OPEN_FILES.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The content of the counter or limit file `path`, read through its kept
+/// descriptor ([`OPEN_FILES`]).
+fn read_counter_file(path: &Path) -> std::io::Result<String> {
+    use std::os::unix::fs::FileExt;
+    let cached = open_files().get(path).cloned();
+    let file = match cached {
+        Some(file) => file,
+        None => {
+            let file = std::sync::Arc::new(std::fs::File::open(path)?);
+            open_files().insert(path.to_path_buf(), file.clone());
+            file
+        }
+    };
+    let mut text = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let read = loop {
+        match file.read_at(&mut chunk, text.len() as u64) {
+            Ok(0) => break Ok(()),
+            Ok(n) => text.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => break Err(e),
+        }
+    };
+    if let Err(e) = read {
+        open_files().remove(path);
+        return Err(e);
+    }
+    String::from_utf8(text).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+/// Closes the kept files of cgroup `dir` ([`OPEN_FILES`]).
+fn close_counter_files(dir: &Path) {
+    open_files().retain(|path, _| !path.starts_with(dir));
+}
+
 /// Reads `key N` from a flat-keyed cgroup file; 0 when absent.
 fn counter(file: &Path, key: &str) -> u64 {
-    std::fs::read_to_string(file)
+    read_counter_file(file)
         .unwrap_or_default()
         .lines()
         .find_map(|l| l.strip_prefix(key).and_then(|rest| rest.trim().parse().ok()))
@@ -1363,6 +1424,32 @@ mod tests {
         std::fs::write(&file, "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n").expect("write");
         assert_eq!(counter(&file, "oom_kill"), 2);
         assert_eq!(counter(&file, "max"), 0);
+    }
+
+    /// A kept counter file shows each change (a cgroup file's content is
+    /// made anew at each read from its start), and goes with its cgroup.
+    #[test]
+    fn kept_counter_files_show_the_content_now() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let file = dir.path().join("pids.events");
+        std::fs::write(&file, "max 1\n").expect("write");
+        assert_eq!(counter(&file, "max"), 1);
+        std::fs::write(&file, "max 12345\n").expect("write");
+        assert_eq!(counter(&file, "max"), 12345);
+        close_counter_files(dir.path());
+        assert!(!open_files().contains_key(&file), "closed with its cgroup");
+        // A real cgroup's, where the host lets this test make one.
+        let root = Path::new("/sys/fs/cgroup/pids");
+        let cgroup = root.join(format!("moat-kept-files-{}", std::process::id()));
+        if root.join("cgroup.procs").exists() && std::fs::create_dir(&cgroup).is_ok() {
+            let max = cgroup.join("pids.max");
+            let first = read_counter_file(&max).map(|m| m.trim().to_owned());
+            let _ = std::fs::write(&max, "7");
+            let second = read_counter_file(&max).map(|m| m.trim().to_owned());
+            close_counter_files(&cgroup);
+            std::fs::remove_dir(&cgroup).expect("the test's cgroup is removed");
+            assert_eq!((first.expect("read").as_str(), second.expect("read again").as_str()), ("max", "7"));
+        }
     }
 
     #[test]
