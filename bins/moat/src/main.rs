@@ -595,7 +595,7 @@ fn doctor(image_name: &str) -> ExitCode {
             "image {image_name:?}:        {} (kernel {}, {} packages)",
             image.dir.display(),
             image.manifest.kernel.release,
-            image.manifest.packages.len()
+            image.manifest.packages.parse().map_or(0, |p| p.len())
         ),
         Err(e) => println!("image {image_name:?}:        {e} (images live in {})", data.join("images").display()),
     }

@@ -210,7 +210,7 @@ fn build_as(builder: Builder, name: &str, force: bool, agent: &Path) -> Result<P
             run(Command::new("cp").arg("-al").arg(old.path("rootfs")).arg(work.join("rootfs")))?;
             std::fs::hard_link(old.path("rootfs.ext4"), work.join("rootfs.ext4"))?;
             step.done("reused");
-            (old.manifest.packages.clone(), old.manifest.rootfs.clone())
+            (old.manifest.packages.parse()?, old.manifest.rootfs.clone())
         }
         None => {
             let mode = match builder {
@@ -271,7 +271,7 @@ fn build_as(builder: Builder, name: &str, force: bool, agent: &Path) -> Result<P
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         kernel: KernelInfo { package: kernel.package, version: kernel.version, release: kernel.release, pvh },
         modules,
-        packages,
+        packages: moat_core::image::Packages::new(&packages),
         inputs,
         artifacts,
         rootfs: tree,
@@ -390,7 +390,7 @@ fn report(dir: &Path, image: &Image, started: Instant) {
         human(image.manifest.rootfs.bytes),
         image.manifest.rootfs.entries
     );
-    println!("  kernel {}, {} Debian packages", image.manifest.kernel.release, image.manifest.packages.len());
+    println!("  kernel {}, {} Debian packages", image.manifest.kernel.release, image.manifest.packages.parse().map_or(0, |p| p.len()));
     println!("done in {:.1}s", started.elapsed().as_secs_f64());
 }
 
