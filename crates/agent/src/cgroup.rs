@@ -464,7 +464,9 @@ impl UserCgroups {
                 None => exec
                     .dirs
                     .iter()
-                    .map(|h| std::fs::OpenOptions::new().write(true).open(h.dir.join("cgroup.procs")).map(OwnedFd::from))
+                    .map(|h| {
+                        std::fs::OpenOptions::new().write(true).open(h.dir.join("cgroup.procs")).map(OwnedFd::from)
+                    })
                     .collect(),
             };
             match opened {

@@ -390,7 +390,11 @@ fn report(dir: &Path, image: &Image, started: Instant) {
         human(image.manifest.rootfs.bytes),
         image.manifest.rootfs.entries
     );
-    println!("  kernel {}, {} Debian packages", image.manifest.kernel.release, image.manifest.packages.parse().map_or(0, |p| p.len()));
+    println!(
+        "  kernel {}, {} Debian packages",
+        image.manifest.kernel.release,
+        image.manifest.packages.parse().map_or(0, |p| p.len())
+    );
     println!("done in {:.1}s", started.elapsed().as_secs_f64());
 }
 

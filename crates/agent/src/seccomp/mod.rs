@@ -227,7 +227,8 @@ pub fn program() -> Result<BpfProgram, FilterError> {
         program[at].k = u32::try_from(checks_at - at - 1).map_err(|_| FilterError::TooFar(checks_at - at - 1))?;
     }
     let errno = u32::try_from(libc::EPERM).unwrap_or(1);
-    let checks = SeccompFilter::new(conditional, SeccompAction::Errno(errno), SeccompAction::Allow, TargetArch::x86_64)?;
+    let checks =
+        SeccompFilter::new(conditional, SeccompAction::Errno(errno), SeccompAction::Allow, TargetArch::x86_64)?;
     program.extend(BpfProgram::try_from(checks)?);
     Ok(program)
 }
@@ -541,7 +542,11 @@ mod tests {
         for nr in numbers {
             for a in [arch, AUDIT_ARCH_I386] {
                 for args in [[0; 6], [u64::MAX; 6], [1, 2, 3, 4, 5, 6]] {
-                    assert_eq!(run(&program, a, nr, args), reference(&list, a, nr, args), "call {nr} arch {a:#x} {args:?}");
+                    assert_eq!(
+                        run(&program, a, nr, args),
+                        reference(&list, a, nr, args),
+                        "call {nr} arch {a:#x} {args:?}"
+                    );
                     compared += 1;
                 }
             }
@@ -561,7 +566,11 @@ mod tests {
                 for &y in &values[..29] {
                     for &z in &values[..29] {
                         let args = [x, y, z, 0, 0, 0];
-                        assert_eq!(run(&program, arch, nr, args), reference(&list, arch, nr, args), "call {nr} {args:?}");
+                        assert_eq!(
+                            run(&program, arch, nr, args),
+                            reference(&list, arch, nr, args),
+                            "call {nr} {args:?}"
+                        );
                         compared += 1;
                     }
                 }
