@@ -2,7 +2,9 @@
 //!
 //! - exec round trip of `true` through the agent vs. spawning `true` directly;
 //! - write + read of 64 MiB through the agent vs. the same bytes over a bare
-//!   Unix socket pair.
+//!   Unix socket pair;
+//! - building and installing a jail's seccomp filter (a search tree over the
+//!   call numbers) vs. the same allow list as seccompiler's chain.
 //!
 //! Run with `cargo xtask bench`. Figures go to stdout and to
 //! `target/bench/agent.json`. Nothing here fails on a wall-clock figure: the
@@ -18,6 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 const EXEC_RUNS: usize = 2000;
 const VOLUME: usize = 64 << 20;
 const VOLUME_RUNS: usize = 5;
+const FILTER_RUNS: usize = 200;
 
 fn main() {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
@@ -105,6 +108,8 @@ async fn bench() {
     }
     let gbps = |secs: f64| (2 * VOLUME) as f64 / secs / 1e9;
     let (agent_gbps, raw_gbps) = (gbps(agent_best), gbps(raw_best));
+    let (tree_ms, tree_len) = filter_start(moat_agent::seccomp::program);
+    let (chain_ms, chain_len) = filter_start(moat_agent::seccomp::linear_program);
 
     println!("agent benchmarks (baselines measured in this run)");
     println!("  exec `true` round trip   p50 {agent_p50:.3} ms  p99 {agent_p99:.3} ms   (target p50 <= 1 ms)");
@@ -113,12 +118,19 @@ async fn bench() {
         "  write + read 64 MiB      {agent_gbps:.2} GB/s                     (target >= 1 GB/s over a Unix socket)"
     );
     println!("    baseline: bare Unix socket pair  {raw_gbps:.2} GB/s  -> ratio {:.2}", agent_gbps / raw_gbps);
+    println!("  jail seccomp filter, built and installed  p50 {tree_ms:.3} ms ({tree_len} instructions)");
+    println!(
+        "    baseline: seccompiler's chain    p50 {chain_ms:.3} ms ({chain_len} instructions)  -> ratio {:.2}",
+        tree_ms / chain_ms
+    );
 
     let json = format!(
         "{{\"exec_true_p50_ms\":{agent_p50:.4},\"exec_true_p99_ms\":{agent_p99:.4},\"spawn_true_p50_ms\":{direct_p50:.4},\
-         \"exec_ratio\":{:.3},\"file_64mib_gbps\":{agent_gbps:.3},\"raw_socket_gbps\":{raw_gbps:.3},\"file_ratio\":{:.3}}}\n",
+         \"exec_ratio\":{:.3},\"file_64mib_gbps\":{agent_gbps:.3},\"raw_socket_gbps\":{raw_gbps:.3},\"file_ratio\":{:.3},\
+         \"seccomp_tree_ms\":{tree_ms:.4},\"seccomp_chain_ms\":{chain_ms:.4},\"seccomp_ratio\":{:.3}}}\n",
         agent_p50 / direct_p50,
-        agent_gbps / raw_gbps
+        agent_gbps / raw_gbps,
+        tree_ms / chain_ms
     );
     let out_dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).parent().map(|t| t.join("bench"));
     if let Some(dir) = out_dir
@@ -127,6 +139,31 @@ async fn bench() {
         let _ = std::fs::write(dir.join("agent.json"), json);
         println!("  figures written to {}", dir.join("agent.json").display());
     }
+}
+
+/// The median time to build a seccomp program with `build` and install it
+/// (each time on a new thread: a filter stays with its thread), in
+/// milliseconds, and the program's length.
+fn filter_start(
+    build: fn() -> Result<Vec<moat_agent::seccomp::Instruction>, moat_agent::seccomp::FilterError>,
+) -> (f64, usize) {
+    let mut times = Vec::with_capacity(FILTER_RUNS);
+    let mut len = 0;
+    for _ in 0..FILTER_RUNS {
+        let (took, built) = std::thread::spawn(move || {
+            nix::sys::prctl::set_no_new_privs().expect("no_new_privs");
+            let t = Instant::now();
+            let program = build().expect("the filter builds");
+            moat_agent::seccomp::apply(&program).expect("the filter installs");
+            (t.elapsed(), program.len())
+        })
+        .join()
+        .expect("the filtered thread");
+        times.push(took);
+        len = built;
+    }
+    times.sort();
+    (percentile(&times, 500), len)
 }
 
 /// Seconds to send `data` over a Unix socket pair and back, in chunks of
