@@ -152,7 +152,7 @@ pub const READY: &str = "ready\n";
 /// The descriptor number the agent inherits its listening socket as.
 const LISTEN_FD: i32 = 3;
 
-/// Where the jail's root is mounted inside the state directory.
+/// Where the jail's root is mounted inside the disk's tmpfs.
 const ROOT: &str = "root";
 
 /// Devices a sandbox gets, bind-mounted from the host: harmless ones only.
@@ -792,17 +792,17 @@ fn bind_user_cgroups(root: &Path, user_cgroups: &[(String, PathBuf)], id_base: u
 fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
     let base = (Some(Uid::from_raw(spec.id_base)), Some(Gid::from_raw(spec.id_base)));
     let disk = spec.state.join("disk");
-    let root = spec.state.join(ROOT);
-    for dir in [&disk, &root] {
-        step(&format!("creating {}", dir.display()), std::fs::create_dir_all(dir))?;
-    }
+    step(&format!("creating {}", disk.display()), std::fs::create_dir_all(&disk))?;
     let size = format!("size={}m,mode=0755", spec.disk_mib);
     step(
         "mounting the disk tmpfs",
         mount(Some("moat-disk"), &disk, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(size.as_str())),
     )?;
-    let (upper, work) = (disk.join("upper"), disk.join("work"));
-    for dir in [&upper, &work] {
+    // The root's mount point is a directory of the tmpfs too: one fewer
+    // made and removed on the host's disk per sandbox (on ext4 with
+    // `discard`, a block, and a request to the device when it goes).
+    let (upper, work, root) = (disk.join("upper"), disk.join("work"), disk.join(ROOT));
+    for dir in [&upper, &work, &root] {
         step("creating overlay directories", std::fs::create_dir(dir))?;
     }
     step("chown upper", nix::unistd::chown(&upper, base.0, base.1))?;

@@ -234,9 +234,9 @@ pub fn program() -> Result<BpfProgram, FilterError> {
 }
 
 /// The same allow list as seccompiler compiles it alone, testing the call
-/// numbers one after another (with [`ALLOWED`]'s 1,722 instructions), and
-/// without the number checks [`program`] makes first: what [`program`] is
-/// tested against, and the baseline of its benchmark (`cargo bench -p
+/// numbers one after another (1,722 instructions for this list), without
+/// the number checks [`program`] makes first: what [`program`] is tested
+/// against, and the baseline of its benchmark (`cargo bench -p
 /// moat-agent-bin --bench agent`).
 pub fn linear_program() -> Result<BpfProgram, FilterError> {
     let mut rules = conditional_rules()?;
