@@ -240,6 +240,9 @@ async fn run_command(args: SandboxArgs, cmd: Vec<String>) -> Result<ExitCode> {
     let result = async {
         let mut request = ExecRequest::argv(cmd);
         request.stdin = piped;
+        // The sandbox ends with this command: the agent makes nothing
+        // ahead for a next one.
+        request.last = true;
         let mut handle = moat.exec(&id, request).await?;
         let mut stdout = handle.take_stdout().ok_or("no stdout")?;
         let mut stderr = handle.take_stderr().ok_or("no stderr")?;

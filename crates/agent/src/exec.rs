@@ -324,6 +324,7 @@ where
         cgroup: cgroup.map(Arc::new),
         acting: tokio::sync::Mutex::new(()),
         equip: AtomicBool::new(false),
+        last: req.last,
     };
     let (prepared, pid, exit, streams) = match spawned {
         Ok(spawned) => spawned,
@@ -545,6 +546,8 @@ struct Tree {
     acting: tokio::sync::Mutex<()>,
     /// Set when the command's cgroup waits for its launcher.
     equip: AtomicBool,
+    /// The request said no command follows: its cgroup gets no launcher.
+    last: bool,
 }
 
 impl Tree {
@@ -599,13 +602,14 @@ impl Tree {
     async fn end(&self) -> Ended {
         let _acting = self.acting.lock().await;
         let Some(cgroup) = self.cgroup.clone() else { return Ended::Clean };
+        let last = self.last;
         let (ended, equip) = tokio::task::spawn_blocking(move || {
             if let Some(hit) = cgroup.reached_limit() {
                 let report = cgroup.kill_for(&hit);
                 cgroup.release(false);
                 return (Ended::Limit(report), false);
             }
-            let equip = cgroup.release(true);
+            let equip = cgroup.release(!last);
             let ended = if cgroup.process_count() > 0 { Ended::Left } else { Ended::Clean };
             (ended, equip)
         })
@@ -620,7 +624,8 @@ impl Tree {
     async fn finish(&self) {
         let _acting = self.acting.lock().await;
         if let Some(cgroup) = self.cgroup.clone() {
-            let equip = tokio::task::spawn_blocking(move || cgroup.release(true)).await.unwrap_or(false);
+            let last = self.last;
+            let equip = tokio::task::spawn_blocking(move || cgroup.release(!last)).await.unwrap_or(false);
             self.equip.store(equip, Ordering::SeqCst);
         }
     }

@@ -2381,3 +2381,27 @@ async fn commands_are_born_in_their_cgroup_on_a_cgroup_v1_host() {
     assert!(launched, "no command was forked by a launcher");
     moat.destroy_all().await;
 }
+
+/// A command marked `last` (a one-shot `moat run`) leaves its cgroup no
+/// launcher to make for a next command; one that comes anyway runs, as a
+/// first command does, started by the agent.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_last_command_leaves_no_launcher_behind() {
+    if nested() || !std::path::Path::new("/sys/fs/cgroup/pids/cgroup.procs").exists() {
+        return;
+    }
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let mut last = ExecRequest::argv(["true"]);
+    last.last = true;
+    let out = moat.run(&id, last).await.expect("runs");
+    assert_eq!(out.status.code, Some(0));
+    // Were a launcher being made, the command below would see it in the
+    // process list (it is made before the cgroup is free for the next).
+    let (out, err, code, _) = bash(&moat, &id, "ps -e -o args=; tr '\\0' ' ' < /proc/$PPID/cmdline", 60_000).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(!out.contains("moat-agent launcher"), "a launcher after a last command: {out}");
+    assert!(out.trim_end().ends_with("/.moat/agent --listen fd:3 --log-level warn"), "not started by the agent: {out}");
+    moat.destroy_all().await;
+}

@@ -239,6 +239,12 @@ pub struct ExecRequest {
     /// then costs the sandbox's CPU, not the host's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_limit: Option<u64>,
+    /// No command follows this one in the sandbox (a one-shot `moat run`):
+    /// the agent prepares nothing for a next one (on cgroup v1, the
+    /// launcher a command's cgroup keeps for the next command). A command
+    /// that comes anyway runs as a first command does.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub last: bool,
 }
 
 impl ExecRequest {
@@ -266,6 +272,7 @@ impl ExecRequest {
             pty: None,
             timeout_ms: None,
             output_limit: None,
+            last: false,
         }
     }
 }
