@@ -47,7 +47,7 @@ impl std::fmt::Display for Version {
 }
 
 /// The version this build speaks.
-pub const PROTOCOL_VERSION: Version = Version { major: 1, minor: 1 };
+pub const PROTOCOL_VERSION: Version = Version { major: 1, minor: 2 };
 
 /// Messages from the host (client) to the agent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -239,7 +239,8 @@ pub struct ExecRequest {
     /// then costs the sandbox's CPU, not the host's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_limit: Option<u64>,
-    /// No command follows this one in the sandbox (a one-shot `moat run`):
+    /// No command follows this one in the sandbox (a one-shot `moat run`;
+    /// protocol 1.2, which an older agent ignores):
     /// the agent prepares nothing for a next one (on cgroup v1, the
     /// launcher a command's cgroup keeps for the next command). A command
     /// that comes anyway runs as a first command does.
@@ -455,6 +456,19 @@ mod tests {
             let back: Request = serde_json::from_str(&json).expect("decodes");
             assert_eq!(back, request);
         }
+    }
+
+    #[test]
+    fn a_last_command_is_said_only_when_it_is() {
+        let mut request = ExecRequest::argv(["true"]);
+        let plain = serde_json::to_string(&request).expect("encodes");
+        assert!(!plain.contains("last"), "{plain}");
+        request.last = true;
+        let last = serde_json::to_string(&request).expect("encodes");
+        assert!(last.contains("\"last\":true"), "{last}");
+        assert_eq!(serde_json::from_str::<ExecRequest>(&last).expect("decodes"), request);
+        let older: ExecRequest = serde_json::from_str(&plain).expect("decodes");
+        assert!(!older.last, "absent means more may follow");
     }
 
     #[test]
