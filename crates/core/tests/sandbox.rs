@@ -2382,6 +2382,78 @@ async fn commands_are_born_in_their_cgroup_on_a_cgroup_v1_host() {
     moat.destroy_all().await;
 }
 
+/// Sandbox root freezes its own command cgroup, beneath which it made a
+/// cgroup of its own with processes in it, then the sandbox is destroyed:
+/// the destroy thaws from the top down, so nothing is left frozen on the
+/// host and no cgroup is left behind (removing the deepest first alone
+/// would wait out its guard on processes a parent holds frozen).
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn sandbox_root_freezing_its_own_cgroups_leaves_nothing_behind() {
+    let hierarchy = std::path::Path::new("/sys/fs/cgroup/freezer");
+    if nested() || !hierarchy.join("cgroup.procs").exists() {
+        return;
+    }
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let mut start = ExecRequest::argv([
+        "bash",
+        "-c",
+        "for i in 1 2; do setsid sleep 3000 >/dev/null 2>&1 & done; sleep 0.1; pgrep -x sleep | head -2",
+    ]);
+    start.user = Some("root".into());
+    let out = moat.run(&id, start).await.expect("runs");
+    let sleeps: Vec<String> = String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_owned).collect();
+    assert_eq!(sleeps.len(), 2, "{out:?}");
+    let script = format!(
+        "set -e; exec=$(grep -o 'user/exec-[0-9]*' /proc/{pid}/cgroup | head -1); dir=/.moat/cgroup/freezer/${{exec#user/}}; \
+         mkdir $dir/mine && echo {pid} > $dir/mine/cgroup.procs && echo FROZEN > $dir/freezer.state && \
+         cat $dir/freezer.state $dir/mine/freezer.state",
+        pid = sleeps[0]
+    );
+    let mut freeze = ExecRequest::argv(["bash", "-c", script.as_str()]);
+    freeze.user = Some("root".into());
+    let frozen = moat.run(&id, freeze).await.expect("runs");
+    let said = format!("{}{}", String::from_utf8_lossy(&frozen.stdout), String::from_utf8_lossy(&frozen.stderr));
+    assert_eq!(frozen.status.code, Some(0), "sandbox root could not freeze its cgroups: {said}");
+    let monitor = moat.host_pid(&id).expect("live");
+    let cgroups = std::fs::read_to_string(format!("/proc/{monitor}/cgroup")).expect("the monitor's cgroups");
+    let path = cgroups.lines().find_map(|l| l.split_once(":freezer:")).map(|(_, path)| path).expect("a freezer cgroup");
+    let at = path.find(id.as_str()).expect("the sandbox's cgroup") + id.len();
+    let sandbox = hierarchy.join(path[..at].trim_start_matches('/'));
+    let host_pids: Vec<String> = cgroup_dirs(&sandbox)
+        .iter()
+        .filter_map(|dir| std::fs::read_to_string(dir.join("cgroup.procs")).ok())
+        .flat_map(|procs| procs.lines().map(str::to_owned).collect::<Vec<_>>())
+        .collect();
+    assert!(host_pids.len() >= 3, "the sandbox's processes: {host_pids:?}");
+    moat.destroy(&id).await.expect("destroyed");
+    let alive = || host_pids.iter().filter(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists()).count();
+    // The host reaps them soon after their kill (a guard against a hang).
+    for _ in 0..1000 {
+        if alive() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(alive(), 0, "processes of the destroyed sandbox are left on the host: {host_pids:?}");
+    assert!(!sandbox.exists(), "the sandbox's freezer cgroup is left ({said})");
+    moat.destroy_all().await;
+}
+
+/// Every cgroup directory at and beneath `dir`.
+fn cgroup_dirs(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut found = vec![dir.to_path_buf()];
+    let mut i = 0;
+    while i < found.len() {
+        if let Ok(entries) = std::fs::read_dir(&found[i]) {
+            found.extend(entries.flatten().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())).map(|e| e.path()));
+        }
+        i += 1;
+    }
+    found
+}
+
 /// A command marked `last` (a one-shot `moat run`) leaves its cgroup no
 /// launcher to make for a next command; one that comes anyway runs, as a
 /// first command does, started by the agent.
