@@ -2285,13 +2285,7 @@ async fn frozen_processes_die_with_their_sandbox() {
     }
     let moat = moat(16).await;
     let id = moat.create(small()).await.expect("created").id;
-    // The sandbox's freezer cgroup, from its monitor's: `moat/ID/agent`,
-    // or `moat/user-UID/ID/agent` for an unprivileged user's.
-    let monitor = moat.host_pid(&id).expect("live");
-    let cgroups = std::fs::read_to_string(format!("/proc/{monitor}/cgroup")).expect("the monitor's cgroups");
-    let path = cgroups.lines().find_map(|l| l.split_once(":freezer:")).map(|(_, path)| path).expect("a freezer cgroup");
-    let at = path.find(id.as_str()).expect("the sandbox's cgroup") + id.len();
-    let sandbox = hierarchy.join(path[..at].trim_start_matches('/'));
+    let (monitor, sandbox) = freezer_cgroup(&moat, &id, hierarchy);
     let script =
         "for i in 1 2 3; do setsid sleep 3000 >/dev/null 2>&1 & done; grep -m1 -o 'user/exec-[0-9]*' /proc/self/cgroup";
     let (out, err, code, _) = bash(&moat, &id, script, 60_000).await;
@@ -2334,15 +2328,11 @@ async fn frozen_processes_die_with_their_sandbox() {
     assert_eq!(state, "FROZEN");
     std::fs::write(sandbox.join("freezer.state"), "FROZEN").expect("frozen");
     moat.destroy(&id).await.expect("destroyed");
-    // The host reaps them soon after their kill (a guard against a hang).
-    let alive = || pids.iter().filter(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists()).count();
-    for _ in 0..1000 {
-        if alive() == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(alive(), 0, "processes of the destroyed sandbox are left on the host: {pids:?}");
+    assert_eq!(
+        alive_after_reaping(&pids).await,
+        0,
+        "processes of the destroyed sandbox are left on the host: {pids:?}"
+    );
     assert!(!sandbox.exists(), "the sandbox's freezer cgroup is left");
     moat.destroy_all().await;
 }
@@ -2420,11 +2410,7 @@ async fn sandbox_root_freezing_its_own_cgroups_leaves_nothing_behind() {
     let frozen = moat.run(&id, freeze).await.expect("runs");
     let said = format!("{}{}", String::from_utf8_lossy(&frozen.stdout), String::from_utf8_lossy(&frozen.stderr));
     assert_eq!(frozen.status.code, Some(0), "sandbox root could not freeze its cgroups: {said}");
-    let monitor = moat.host_pid(&id).expect("live");
-    let cgroups = std::fs::read_to_string(format!("/proc/{monitor}/cgroup")).expect("the monitor's cgroups");
-    let path = cgroups.lines().find_map(|l| l.split_once(":freezer:")).map(|(_, path)| path).expect("a freezer cgroup");
-    let at = path.find(id.as_str()).expect("the sandbox's cgroup") + id.len();
-    let sandbox = hierarchy.join(path[..at].trim_start_matches('/'));
+    let (_, sandbox) = freezer_cgroup(&moat, &id, hierarchy);
     let host_pids: Vec<String> = cgroup_dirs(&sandbox)
         .iter()
         .filter_map(|dir| std::fs::read_to_string(dir.join("cgroup.procs")).ok())
@@ -2432,17 +2418,37 @@ async fn sandbox_root_freezing_its_own_cgroups_leaves_nothing_behind() {
         .collect();
     assert!(host_pids.len() >= 3, "the sandbox's processes: {host_pids:?}");
     moat.destroy(&id).await.expect("destroyed");
-    let alive = || host_pids.iter().filter(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists()).count();
-    // The host reaps them soon after their kill (a guard against a hang).
+    assert_eq!(
+        alive_after_reaping(&host_pids).await,
+        0,
+        "processes of the destroyed sandbox are left on the host: {host_pids:?}"
+    );
+    assert!(!sandbox.exists(), "the sandbox's freezer cgroup is left ({said})");
+    moat.destroy_all().await;
+}
+
+/// The sandbox `id`'s monitor and freezer cgroup, found from the monitor's
+/// own: `moat/ID/agent`, or `moat/user-UID/ID/agent` for an unprivileged
+/// user's.
+fn freezer_cgroup(moat: &Moat, id: &str, hierarchy: &std::path::Path) -> (u32, std::path::PathBuf) {
+    let monitor = moat.host_pid(id).expect("live");
+    let cgroups = std::fs::read_to_string(format!("/proc/{monitor}/cgroup")).expect("the monitor's cgroups");
+    let path = cgroups.lines().find_map(|l| l.split_once(":freezer:")).map(|(_, path)| path).expect("a freezer cgroup");
+    let at = path.find(id).expect("the sandbox's cgroup") + id.len();
+    (monitor, hierarchy.join(path[..at].trim_start_matches('/')))
+}
+
+/// How many of `pids` are still on the host once the host has had time to
+/// reap them after their kill (a guard against a hang, not a timing).
+async fn alive_after_reaping(pids: &[String]) -> usize {
+    let alive = || pids.iter().filter(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists()).count();
     for _ in 0..1000 {
         if alive() == 0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(alive(), 0, "processes of the destroyed sandbox are left on the host: {host_pids:?}");
-    assert!(!sandbox.exists(), "the sandbox's freezer cgroup is left ({said})");
-    moat.destroy_all().await;
+    alive()
 }
 
 /// Every cgroup directory at and beneath `dir`.
