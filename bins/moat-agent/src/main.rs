@@ -36,6 +36,31 @@ struct Args {
 enum Command {
     /// Set up a jail sandbox and monitor it (used by moat's jail backend).
     Jail(JailArgs),
+    /// Rootless: remove sandbox cgroups with the rights of the user's
+    /// subordinate ids (used by moat's jail backend when its own removal
+    /// is refused; see moat_agent::cgroup_sweep).
+    #[command(hide = true)]
+    CgroupSweep(SweepArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct SweepArgs {
+    /// Host uid of sandbox uid 0: the start of the user's subordinate uids.
+    #[arg(long)]
+    id_base: u32,
+    #[arg(long, default_value_t = 65536)]
+    id_count: u32,
+    /// Host gid of sandbox gid 0: the start of the user's subordinate gids.
+    #[arg(long)]
+    gid_base: u32,
+    /// The socket of the user's namespace holder, joined if one serves.
+    #[arg(long)]
+    userns_holder: Option<std::path::PathBuf>,
+    #[arg(long, default_value_t = 60)]
+    userns_hold_secs: u64,
+    /// The sandbox cgroups to remove (`…/moat/…/sbx-…`).
+    #[arg(required = true)]
+    dirs: Vec<std::path::PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -94,8 +119,10 @@ fn main() -> ExitCode {
         return ExitCode::from(u8::try_from(moat_agent::launcher::run()).unwrap_or(1));
     }
     let args = Args::parse();
-    if let Some(Command::Jail(jail)) = &args.command {
-        return run_jail(jail);
+    match &args.command {
+        Some(Command::Jail(jail)) => return run_jail(jail),
+        Some(Command::CgroupSweep(sweep)) => return run_sweep(sweep),
+        None => {}
     }
     let mut listen: ListenAddr = match args.listen.parse() {
         Ok(addr) => addr,
@@ -178,6 +205,28 @@ fn run_jail(args: &JailArgs) -> ExitCode {
                 "moat-agent jail: {e}: {}",
                 std::error::Error::source(&e).map(ToString::to_string).unwrap_or_default()
             );
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Removes sandbox cgroups as the user's subordinate ids (single-threaded:
+/// it enters a user namespace).
+fn run_sweep(args: &SweepArgs) -> ExitCode {
+    let sweep = moat_agent::cgroup_sweep::Sweep {
+        id_base: args.id_base,
+        id_count: args.id_count,
+        rootless: moat_agent::jail::Rootless {
+            gid_base: args.gid_base,
+            holder: args.userns_holder.clone(),
+            hold: Duration::from_secs(args.userns_hold_secs),
+        },
+        dirs: args.dirs.clone(),
+    };
+    match moat_agent::cgroup_sweep::run(&sweep) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("moat-agent cgroup-sweep: {e}");
             ExitCode::from(1)
         }
     }

@@ -421,7 +421,14 @@ fn rm(ids: &[String], all: bool) -> Result<ExitCode> {
         }
     }
     // Directories whose owner is gone are swept now.
-    moat_core::state::sweep(&moat_core::image::data_dir());
+    let data_dir = moat_core::image::data_dir();
+    // Rootless, what sandbox root made in its cgroups needs the sweeper.
+    let sweeper = moat_core::moat::find_agent().ok().and_then(|agent| {
+        moat_core::backend::jail::sweeper_for(&agent, &moat_core::hostuser::HostUser::current(), &data_dir)
+            .ok()
+            .flatten()
+    });
+    moat_core::state::sweep(&data_dir, sweeper.as_ref());
     Ok(code)
 }
 

@@ -174,7 +174,7 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     let rootless_spec;
     let spec = match &spec.rootless {
         Some(rootless) => {
-            enter_own_userns(spec, rootless)?;
+            enter_own_userns(spec.id_base, spec.id_count, rootless)?;
             // The change of namespace cleared the parent-death signal.
             step("PR_SET_PDEATHSIG", nix::sys::prctl::set_pdeathsig(Signal::SIGKILL))?;
             if nix::unistd::getppid() != parent {
@@ -344,7 +344,8 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
 /// `newuidmap` and `newgidmap` from the user's subordinate ranges: id 0 is
 /// the user itself (so the monitor still owns the user's files: its state
 /// directory, its cgroups), ids 1 to `id_count` are the subordinate range
-/// from `spec.id_base` (uids) and `rootless.gid_base` (gids). The monitor
+/// from `id_base` (uids) and `rootless.gid_base` (gids). (The
+/// [`crate::cgroup_sweep`] enters the same namespace.) The monitor
 /// then holds every capability over namespaces it makes from here, and
 /// none over the host's; the sandbox gets a user namespace of its own
 /// beneath this one mapping its ids from 1 (`map_ids`), so that its root
@@ -356,12 +357,12 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
 /// so a monitor first asks the user's namespace holder for the same
 /// namespace, mapped once ([`crate::userns_holder`]), and starts one when
 /// none answers.
-fn enter_own_userns(spec: &JailSpec, rootless: &Rootless) -> Result<(), JailError> {
+pub fn enter_own_userns(id_base: u32, id_count: u32, rootless: &Rootless) -> Result<(), JailError> {
     let (uid, gid) = (nix::unistd::getuid().as_raw(), nix::unistd::getgid().as_raw());
     // The user's namespace, as its holder keeps it, if one serves.
     let want = crate::userns_holder::Maps {
-        uid: vec![[0, uid.into(), 1], [ROOTLESS_INNER_BASE.into(), spec.id_base.into(), spec.id_count.into()]],
-        gid: vec![[0, gid.into(), 1], [ROOTLESS_INNER_BASE.into(), rootless.gid_base.into(), spec.id_count.into()]],
+        uid: vec![[0, uid.into(), 1], [ROOTLESS_INNER_BASE.into(), id_base.into(), id_count.into()]],
+        gid: vec![[0, gid.into(), 1], [ROOTLESS_INNER_BASE.into(), rootless.gid_base.into(), id_count.into()]],
     };
     if let Some(socket) = &rootless.holder {
         match crate::userns_holder::join(socket, &want) {
@@ -370,7 +371,7 @@ fn enter_own_userns(spec: &JailSpec, rootless: &Rootless) -> Result<(), JailErro
             Err(why) => eprintln!("moat-agent jail: mapping a user namespace of its own: {why}"),
         }
     }
-    map_own_userns(spec, rootless, uid, gid)?;
+    map_own_userns(id_base, id_count, rootless, uid, gid)?;
     if let Some(socket) = &rootless.holder
         && let Err(e) = crate::userns_holder::start(socket, rootless.hold)
     {
@@ -381,12 +382,12 @@ fn enter_own_userns(spec: &JailSpec, rootless: &Rootless) -> Result<(), JailErro
 
 /// [`enter_own_userns`] without a holder: unshare, then the two set-uid
 /// helpers map the new namespace.
-fn map_own_userns(spec: &JailSpec, rootless: &Rootless, uid: u32, gid: u32) -> Result<(), JailError> {
+fn map_own_userns(id_base: u32, id_count: u32, rootless: &Rootless, uid: u32, gid: u32) -> Result<(), JailError> {
     let target = std::process::id();
     let (go_rx, go_tx) = step("pipe", nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC))?;
     let maps = [
-        ("newuidmap", format!("{target} 0 {uid} 1 {ROOTLESS_INNER_BASE} {} {}", spec.id_base, spec.id_count)),
-        ("newgidmap", format!("{target} 0 {gid} 1 {ROOTLESS_INNER_BASE} {} {}", rootless.gid_base, spec.id_count)),
+        ("newuidmap", format!("{target} 0 {uid} 1 {ROOTLESS_INNER_BASE} {id_base} {id_count}")),
+        ("newgidmap", format!("{target} 0 {gid} 1 {ROOTLESS_INNER_BASE} {} {id_count}", rootless.gid_base)),
     ];
     // SAFETY: the monitor is single-threaded (run's contract): the child
     // holds no lock another thread owned. It waits for a byte, runs the
@@ -445,7 +446,7 @@ fn map_own_userns(spec: &JailSpec, rootless: &Rootless, uid: u32, gid: u32) -> R
                     source: std::io::Error::other(format!(
                         "newuidmap or newgidmap failed ({other:?}; the jail's log has their words): check that \
                          /etc/subuid and /etc/subgid give this user {} ids from {} and {} (`moat doctor`)",
-                        spec.id_count, spec.id_base, rootless.gid_base
+                        id_count, id_base, rootless.gid_base
                     )),
                 }),
             }

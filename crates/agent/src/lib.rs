@@ -16,6 +16,7 @@
 pub mod boot;
 pub mod capabilities;
 pub mod cgroup;
+pub mod cgroup_sweep;
 pub mod egress;
 pub mod error;
 pub mod exec;
@@ -27,7 +28,7 @@ pub mod jail;
 pub mod keeper;
 pub mod launcher;
 pub mod netconf;
-pub mod pidfd;
+pub use moat_sys::pidfd;
 pub mod reaper;
 pub mod seccomp;
 pub mod server;

@@ -22,8 +22,12 @@
 //! commands' 1024: a sandbox whose commands spin (a fork bomb spinning at
 //! the pids limit) still has an agent that answers, times out and kills.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use moat_sys::cgroupfs::{self, Busy};
 
 use crate::process::Pidfd;
 
@@ -133,6 +137,9 @@ pub struct Cgroup {
     v2: bool,
     /// Whether `agent` and `user` children were made.
     split: bool,
+    /// Rootless: what removes the cgroups sandbox root made, which the
+    /// user may not (see [`Sweeper`]).
+    sweeper: Option<Arc<Sweeper>>,
 }
 
 impl Limits {
@@ -175,7 +182,7 @@ impl Cgroup {
                 }
                 let dir = parent.join(id);
                 std::fs::create_dir_all(&dir)?;
-                let group = Self { dirs: vec![(None, dir.clone())], v2: true, split: true };
+                let group = Self { dirs: vec![(None, dir.clone())], v2: true, split: true, sweeper: None };
                 write(&dir, "memory.max", &limits.memory_bytes.to_string())?;
                 let _ = write(&dir, "memory.swap.max", "0");
                 write(&dir, "pids.max", &limits.pids.to_string())?;
@@ -191,7 +198,7 @@ impl Cgroup {
                 Ok(Some(group))
             }
             CgroupSupport::V1 { controllers } => {
-                let mut group = Self { dirs: Vec::new(), v2: false, split: true };
+                let mut group = Self { dirs: Vec::new(), v2: false, split: true, sweeper: None };
                 for controller in controllers {
                     let dir = parent(&Path::new(ROOT).join(controller)).join(id);
                     // Root makes `moat` as needed; a delegated user's
@@ -267,8 +274,8 @@ impl Cgroup {
     pub fn is_busy(&self, resident: usize) -> bool {
         let Some((_, dir)) = self.dirs.first() else { return false };
         if self.split {
-            // Everything below `user` is a command's.
-            subtree(&dir.join("user")).iter().map(|d| count_procs(d)).sum::<usize>() > resident
+            // Everything below `user` is a command's, at any depth.
+            cgroupfs::processes(&dir.join("user")).unwrap_or(0) > resident
         } else {
             count_procs(dir) > 1 + resident
         }
@@ -291,29 +298,106 @@ impl Cgroup {
         Ok(())
     }
 
-    /// Removes the cgroup directories, children first. What is still in
-    /// them (a process the pid namespace's end has not taken yet, or one
-    /// frozen by a command's kill that never finished) is thawed, killed
-    /// and waited for.
+    /// Rootless: `sweeper` removes what the user may not (see [`Sweeper`]).
+    #[must_use]
+    pub fn with_sweeper(mut self, sweeper: Option<Arc<Sweeper>>) -> Self {
+        self.sweeper = sweeper;
+        self
+    }
+
+    /// Removes the cgroup directories, children first, at any depth. What
+    /// is still in them (a process the pid namespace's end has not taken
+    /// yet, or one frozen by a command's kill that never finished) is
+    /// thawed, killed and waited for.
     pub fn remove(&self) {
-        let deadline = Instant::now() + REMOVE_GUARD;
-        for (_, dir) in &self.dirs {
-            thaw_tree(dir);
-        }
-        for (_, dir) in &self.dirs {
-            remove_tree(dir, deadline);
-        }
+        let dirs: Vec<&Path> = self.dirs.iter().map(|(_, d)| d.as_path()).collect();
+        remove_trees(&dirs, self.sweeper.as_deref());
     }
 
     /// Removes the cgroups of sandbox `id` left by a dead owner.
-    pub fn remove_leftovers(id: &str) {
-        let deadline = Instant::now() + REMOVE_GUARD;
-        let dirs: Vec<PathBuf> = sandbox_dirs(id).into_iter().filter(|d| d.exists()).collect();
-        for dir in &dirs {
-            thaw_tree(dir);
+    pub fn remove_leftovers(id: &str, sweeper: Option<&Sweeper>) {
+        let dirs = sandbox_dirs(id);
+        let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).filter(|d| d.exists()).collect();
+        remove_trees(&dirs, sweeper);
+    }
+}
+
+/// Thaws, empties and removes the sandbox cgroups `dirs` (one per
+/// hierarchy); what the user may not remove is left to `sweeper`.
+fn remove_trees(dirs: &[&Path], sweeper: Option<&Sweeper>) {
+    // Every tree is thawed before any is emptied: a process frozen in
+    // the freezer's hierarchy holds its cgroups in the others. One
+    // refused is for the sweeper (or, first, the jail's keeper).
+    for dir in dirs {
+        let _ = cgroupfs::thaw(dir);
+    }
+    let deadline = Instant::now() + REMOVE_GUARD;
+    let mut left = Vec::new();
+    for dir in dirs {
+        if let Err(e) = cgroupfs::remove(dir, Busy::Kill, deadline) {
+            left.push((*dir, e));
         }
-        for dir in &dirs {
-            remove_tree(dir, deadline);
+    }
+    if let Some(sweeper) = sweeper
+        && left.iter().any(|(_, e)| e.is_refused())
+    {
+        let trees: Vec<&Path> = left.iter().map(|(dir, _)| *dir).collect();
+        match sweeper.run(&trees) {
+            Ok(()) => return,
+            Err(why) => tracing::warn!("moat-agent cgroup-sweep could not remove a sandbox's cgroups: {why}"),
+        }
+    }
+    for (dir, e) in left {
+        tracing::warn!(dir = %dir.display(), "could not remove a sandbox cgroup: {e}");
+    }
+}
+
+/// How long the sweeper may take: its own guard on emptying the trees,
+/// and the time to enter the user's namespace.
+const SWEEP_GUARD: Duration = Duration::from_secs(30);
+
+/// Rootless: `moat-agent cgroup-sweep` (`moat_agent::cgroup_sweep`), the
+/// program that removes a sandbox's cgroups with the rights of the user's
+/// subordinate ids. A rootless sandbox's command cgroups belong to its
+/// root, one of those ids, and sandbox root may make cgroups beneath them
+/// that the user can neither remove nor empty. The host removes what it
+/// may and runs this only when its own removal is refused, so a sandbox
+/// that made none costs nothing more.
+#[derive(Debug)]
+pub struct Sweeper {
+    agent: PathBuf,
+    /// `--id-base` and the rest, before the directories.
+    args: Vec<OsString>,
+}
+
+impl Sweeper {
+    /// The sweeper `agent` runs with `args` (the user's ranges and
+    /// namespace holder, as its jails' monitors are given them).
+    pub fn new(agent: PathBuf, args: Vec<OsString>) -> Self {
+        Self { agent, args }
+    }
+
+    /// Removes `dirs`; what the program said when it could not.
+    fn run(&self, dirs: &[&Path]) -> Result<(), String> {
+        let mut child = std::process::Command::new(&self.agent)
+            .arg("cgroup-sweep")
+            .args(&self.args)
+            .args(dirs)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot run {}: {e}", self.agent.display()))?;
+        if let Ok(exit) = Pidfd::of(&child)
+            && !exit.wait_timeout(SWEEP_GUARD)
+        {
+            let _ = child.kill();
+        }
+        let out = child.wait_with_output().map_err(|e| format!("waiting for {}: {e}", self.agent.display()))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!("{} ({})", String::from_utf8_lossy(&out.stderr).trim(), out.status))
         }
     }
 }
@@ -559,7 +643,7 @@ pub fn delegate(support: &CgroupSupport, uid: u32, gid: u32) -> std::io::Result<
 
 /// Removes the cgroups of sandbox `id` if no process is left in them
 /// (another data directory's live sandbox is never touched).
-pub fn remove_if_empty(id: &str) {
+pub fn remove_if_empty(id: &str, sweeper: Option<&Sweeper>) {
     let dirs = sandbox_dirs(id);
     // A live sandbox has its monitor and agent in `agent` (or, not split,
     // at the top): one read each tells, before any walk of its tree. Every
@@ -567,38 +651,10 @@ pub fn remove_if_empty(id: &str) {
     if dirs.iter().any(|d| count_procs(&d.join("agent")) > 0 || count_procs(d) > 0) {
         return;
     }
-    for dir in dirs.iter().filter(|d| d.exists()) {
-        let tree = subtree(dir);
-        if tree.iter().all(|d| count_procs(d) == 0) {
-            for dir in tree {
-                let _ = std::fs::remove_dir(dir);
-            }
-        }
+    let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).filter(|d| d.exists()).collect();
+    if dirs.iter().all(|d| matches!(cgroupfs::processes(d), Ok(0))) {
+        remove_trees(&dirs, sweeper);
     }
-}
-
-/// How deep beneath a sandbox's cgroup moat looks (the agent makes two
-/// levels; the sandbox's root may make more, which are still removed).
-const MAX_DEPTH: usize = 16;
-
-/// `dir` and every cgroup beneath it, the deepest first (the order to
-/// remove them in).
-fn subtree(dir: &Path) -> Vec<PathBuf> {
-    fn walk(dir: &Path, depth: usize, found: &mut Vec<PathBuf>) {
-        if depth < MAX_DEPTH
-            && let Ok(entries) = std::fs::read_dir(dir)
-        {
-            for entry in entries.filter_map(Result::ok) {
-                if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                    walk(&entry.path(), depth + 1, found);
-                }
-            }
-        }
-        found.push(dir.to_path_buf());
-    }
-    let mut found = Vec::new();
-    walk(dir, 0, &mut found);
-    found
 }
 
 fn count_procs(dir: &Path) -> usize {
@@ -635,145 +691,9 @@ fn write(dir: &Path, file: &str, value: &str) -> std::io::Result<()> {
 /// take longer.
 const REMOVE_GUARD: Duration = Duration::from_secs(10);
 
-/// Thaws cgroup v1's freezer in `dir` and every cgroup beneath it, the
-/// shallowest first. A process frozen there takes no signal, not even the
-/// SIGKILL of its pid namespace's end, until it is thawed: whatever froze
-/// it (an idle sandbox's suspend; a command's kill, by an agent that died
-/// before it thawed) must be undone before anything is killed, or the
-/// processes outlive their sandbox. Each cgroup is thawed, not only the
-/// top: a child frozen itself stays frozen under a thawed parent. Nothing
-/// on cgroup v2, whose frozen processes die of SIGKILL (and in hierarchies
-/// with no `freezer.state`).
-fn thaw_tree(dir: &Path) {
-    // Only the freezer's hierarchy has the file: one look spares the
-    // other hierarchies a walk on every destroy.
-    if !dir.join("freezer.state").exists() {
-        return;
-    }
-    for dir in subtree(dir).iter().rev() {
-        let state = dir.join("freezer.state");
-        if std::fs::read_to_string(&state).is_ok_and(|s| s.trim() != "THAWED") {
-            let _ = std::fs::write(&state, "THAWED");
-        }
-    }
-}
-
-/// Removes the cgroup `dir` and every cgroup beneath it, deepest first.
-fn remove_tree(dir: &Path, deadline: Instant) {
-    for dir in subtree(dir) {
-        if !remove_emptied(&dir, deadline) {
-            // Its parents cannot go either: one warning is enough.
-            return;
-        }
-    }
-}
-
-/// Removes the cgroup `dir`, whose children are gone. While it holds
-/// processes, they are thawed, SIGKILLed through pidfds and waited for on
-/// those pidfds (the kernel counts a process out of its cgroup before its
-/// pidfd reads ready): an event, not a sleep. Gives up at `deadline`.
-fn remove_emptied(dir: &Path, deadline: Instant) -> bool {
-    loop {
-        let busy = match std::fs::remove_dir(dir) {
-            Ok(()) => return true,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return true,
-            Err(e) => e.raw_os_error() == Some(libc::EBUSY),
-        };
-        if !busy || Instant::now() >= deadline {
-            tracing::warn!(dir = %dir.display(), "could not remove a sandbox cgroup");
-            return false;
-        }
-        // A child made meanwhile (the sandbox's agent makes them) goes first.
-        let children: Vec<PathBuf> = subtree(dir).into_iter().filter(|d| d != dir).collect();
-        if !children.is_empty() {
-            if !children.iter().all(|child| remove_emptied(child, deadline)) {
-                return false;
-            }
-            continue;
-        }
-        let _ = write(dir, "freezer.state", "THAWED");
-        let killed = kill_procs(dir);
-        if killed.is_empty() {
-            wait_unpopulated(dir, deadline);
-        } else {
-            crate::process::wait_all(&killed, deadline);
-        }
-    }
-}
-
-/// Waits until cgroup `dir`, which lists no process but cannot be removed
-/// yet, counts none, or `deadline`. On cgroup v2 that is an event: the
-/// kernel signals `cgroup.events` (`populated 0`) to poll(2). cgroup v1 has
-/// no such file and no other event a process may wait on (its
-/// `notify_on_release` runs a host-wide helper program), so there this is
-/// a bounded fallback: one millisecond's pause before the next try. It is
-/// reached only in the moment between a process leaving `cgroup.procs` and
-/// the kernel's count; the usual path (processes listed, waited for on
-/// their pidfds) never sleeps.
-fn wait_unpopulated(dir: &Path, deadline: Instant) {
-    use std::io::{Read, Seek};
-    let Ok(mut events) = std::fs::File::open(dir.join("cgroup.events")) else {
-        // The bounded v1 fallback described above.
-        std::thread::sleep(V1_PAUSE.min(deadline.saturating_duration_since(Instant::now())));
-        return;
-    };
-    loop {
-        let mut text = String::new();
-        if events.rewind().and_then(|()| events.read_to_string(&mut text)).is_err() || !populated(&text) {
-            return;
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return;
-        }
-        let ms = libc::c_int::try_from(left.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
-        let mut pollfd = libc::pollfd {
-            fd: std::os::fd::AsRawFd::as_raw_fd(&events),
-            events: libc::POLLPRI | libc::POLLERR,
-            revents: 0,
-        };
-        // SAFETY: one pollfd that lives on this stack for the call.
-        if unsafe { libc::poll(&raw mut pollfd, 1, ms) } == 0 {
-            return;
-        }
-    }
-}
-
-/// The cgroup v1 fallback's pause (see [`wait_unpopulated`]).
-const V1_PAUSE: Duration = Duration::from_millis(1);
-
-/// Whether a `cgroup.events` text says the cgroup holds processes.
-fn populated(events: &str) -> bool {
-    events.lines().any(|l| l.split_whitespace().eq(["populated", "1"]))
-}
-
-/// SIGKILLs every process in the cgroup `dir`, each through a pidfd opened
-/// while it was listed there (a pid reused meanwhile is never hit); the
-/// pidfds of those killed, to wait on.
-fn kill_procs(dir: &Path) -> Vec<Pidfd> {
-    let listed = |dir: &Path| -> Vec<i32> {
-        std::fs::read_to_string(dir.join("cgroup.procs"))
-            .map(|procs| procs.lines().filter_map(|p| p.trim().parse().ok()).collect())
-            .unwrap_or_default()
-    };
-    let opened: Vec<(i32, Pidfd)> =
-        listed(dir).into_iter().filter_map(|pid| Pidfd::of_pid(pid).ok().map(|fd| (pid, fd))).collect();
-    // Listed again after the pidfds were opened: a pid still there names the
-    // process its pidfd was opened on.
-    let still = listed(dir);
-    opened.into_iter().filter(|(pid, _)| still.contains(pid)).map(|(_, fd)| fd).filter(|fd| fd.kill().is_ok()).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cgroup_events_say_whether_processes_are_left() {
-        assert!(populated("populated 1\nfrozen 0\n"));
-        assert!(!populated("populated 0\nfrozen 0\n"));
-        assert!(!populated(""));
-    }
 
     /// A cgroup that still holds a process is removed all the same: the
     /// process is killed and waited for, with no sleeping in between.
@@ -790,7 +710,7 @@ mod tests {
         }
         let mut sleeper = std::process::Command::new("sleep").arg("30").spawn().expect("spawns sleep");
         std::fs::write(dir.join("child/cgroup.procs"), sleeper.id().to_string()).expect("moves sleep into the cgroup");
-        remove_tree(&dir, Instant::now() + Duration::from_secs(10));
+        remove_trees(&[&dir], None);
         assert!(!dir.exists(), "the cgroup is removed");
         assert!(sleeper.wait().expect("reaps sleep").code().is_none(), "sleep was killed");
     }

@@ -96,14 +96,14 @@ fn creating() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
 /// Removes every sandbox whose owner is dead: kills its monitor (and so its
 /// processes), removes its cgroups and its directory. Returns the ids swept.
 /// A directory this process is still creating is not a dead owner's.
-pub fn sweep(data_dir: &Path) -> Vec<String> {
+pub fn sweep(data_dir: &Path, sweeper: Option<&crate::cgroup::Sweeper>) -> Vec<String> {
     let mut swept = Vec::new();
     // Empty cgroups whose sandbox has no state directory here (a crash
     // between the two removals). Cgroups with processes may belong to a
     // moat using another data directory: those are left alone.
     for id in crate::cgroup::sandbox_ids() {
         if !sandboxes_dir(data_dir).join(&id).exists() {
-            crate::cgroup::remove_if_empty(&id);
+            crate::cgroup::remove_if_empty(&id, sweeper);
         }
     }
     let Ok(entries) = std::fs::read_dir(sandboxes_dir(data_dir)) else { return swept };
@@ -130,7 +130,7 @@ pub fn sweep(data_dir: &Path) -> Vec<String> {
         {
             let _ = kill(Pid::from_raw(monitor), Signal::SIGKILL);
         }
-        Cgroup::remove_leftovers(&id);
+        Cgroup::remove_leftovers(&id, sweeper);
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => tracing::info!(%id, owner = owner.trim(), "removed a sandbox left by a dead owner"),
             Err(e) => tracing::warn!(%id, "cannot remove a dead owner's sandbox: {e}"),
@@ -168,7 +168,7 @@ mod tests {
         std::fs::create_dir_all(&dead).expect("mkdir");
         std::fs::write(dead.join("lock"), "").expect("lock file");
         std::fs::write(dead.join("owner"), "999999").expect("owner");
-        assert_eq!(sweep(data.path()), ["sbx-dead"]);
+        assert_eq!(sweep(data.path(), None), ["sbx-dead"]);
         assert!(live.path.exists());
         assert!(!dead.exists());
         live.remove();
@@ -182,9 +182,9 @@ mod tests {
         let half_made = sandboxes_dir(data.path()).join("sbx-new");
         let marked = Creating::mark(&half_made);
         std::fs::create_dir_all(&half_made).expect("mkdir");
-        assert!(sweep(data.path()).is_empty(), "no lock file yet, but it is being created");
+        assert!(sweep(data.path(), None).is_empty(), "no lock file yet, but it is being created");
         assert!(half_made.exists());
         drop(marked);
-        assert_eq!(sweep(data.path()), ["sbx-new"], "unmarked and unlocked: a dead owner's");
+        assert_eq!(sweep(data.path(), None), ["sbx-new"], "unmarked and unlocked: a dead owner's");
     }
 }

@@ -2381,11 +2381,10 @@ async fn commands_are_born_in_their_cgroup_on_a_cgroup_v1_host() {
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn sandbox_root_freezing_its_own_cgroups_leaves_nothing_behind() {
     let hierarchy = std::path::Path::new("/sys/fs/cgroup/freezer");
-    // Not rootless: there the cgroup sandbox root makes beneath a command's
-    // is one of its subordinate ids', which the host user cannot remove,
-    // and it is left behind (empty) after the destroy: an open gap
-    // (docs/security.md), not yet closed.
-    if nested() || rootless() || !hierarchy.join("cgroup.procs").exists() {
+    // Rootless too: there the cgroup sandbox root makes beneath a
+    // command's is one of its subordinate ids', which the host user cannot
+    // remove; moat-agent cgroup-sweep does.
+    if nested() || !hierarchy.join("cgroup.procs").exists() {
         return;
     }
     let moat = moat(16).await;
@@ -2432,10 +2431,83 @@ async fn sandbox_root_freezing_its_own_cgroups_leaves_nothing_behind() {
 /// user's.
 fn freezer_cgroup(moat: &Moat, id: &str, hierarchy: &std::path::Path) -> (u32, std::path::PathBuf) {
     let monitor = moat.host_pid(id).expect("live");
+    let dir =
+        sandbox_cgroups(monitor, id).into_iter().find(|dir| dir.starts_with(hierarchy)).expect("a freezer cgroup");
+    (monitor, dir)
+}
+
+/// The sandbox `id`'s cgroup in every hierarchy, from its monitor's.
+fn sandbox_cgroups(monitor: u32, id: &str) -> Vec<std::path::PathBuf> {
     let cgroups = std::fs::read_to_string(format!("/proc/{monitor}/cgroup")).expect("the monitor's cgroups");
-    let path = cgroups.lines().find_map(|l| l.split_once(":freezer:")).map(|(_, path)| path).expect("a freezer cgroup");
-    let at = path.find(id).expect("the sandbox's cgroup") + id.len();
-    (monitor, hierarchy.join(path[..at].trim_start_matches('/')))
+    cgroups
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.splitn(3, ':');
+            let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+            let at = path.find(id)? + id.len();
+            let hierarchy = std::path::Path::new("/sys/fs/cgroup").join(controllers);
+            Some(hierarchy.join(path[..at].trim_start_matches('/')))
+        })
+        .collect()
+}
+
+/// Held-out variants of sandbox root's cgroups: in every hierarchy the
+/// agent gives it, beneath `user` and beneath a command's cgroup, deeper
+/// and with a longer path than a walk by path reaches, one holding a
+/// process; and the jail's monitor SIGKILLed before the destroy. Nothing
+/// of the sandbox, process or cgroup, is left on the host (rootless, the
+/// cgroups are its subordinate ids' and moat-agent cgroup-sweep removes
+/// them).
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn sandbox_root_cgroups_at_any_depth_leave_nothing_behind() {
+    if nested() || !std::path::Path::new("/sys/fs/cgroup/pids/cgroup.procs").exists() {
+        return;
+    }
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    let script = r#"set -e
+        long=$(printf 'c%.0s' $(seq 200))
+        setsid sleep 3000 >/dev/null 2>&1 < /dev/null &
+        sleeper=$!
+        for d in /.moat/cgroup/*; do
+            exec=$(grep -o 'user/exec-[0-9]*' /proc/self/cgroup | head -1)
+            mkdir -p "$d/mine/deeper"
+            cd "$d/${exec#user/}"
+            for i in $(seq 24); do mkdir "$long$i"; cd "$long$i"; done
+            if [ "$(basename "$d")" = pids ]; then echo "$sleeper" > cgroup.procs; fi
+        done
+        echo "$sleeper""#;
+    let mut make = ExecRequest::argv(["bash", "-c", script]);
+    make.user = Some("root".into());
+    let made = moat.run(&id, make).await.expect("runs");
+    let said = format!("{}{}", String::from_utf8_lossy(&made.stdout), String::from_utf8_lossy(&made.stderr));
+    assert_eq!(made.status.code, Some(0), "sandbox root could not make its cgroups: {said}");
+    let monitor = moat.host_pid(&id).expect("live");
+    let dirs = sandbox_cgroups(monitor, &id);
+    assert!(dirs.len() >= 2, "the sandbox's cgroups: {dirs:?}");
+    let host_pids: Vec<String> = dirs
+        .iter()
+        .flat_map(|dir| cgroup_dirs(dir))
+        .filter_map(|dir| std::fs::read_to_string(dir.join("cgroup.procs")).ok())
+        .flat_map(|procs| procs.lines().map(str::to_owned).collect::<Vec<_>>())
+        .collect();
+    assert!(host_pids.len() >= 3, "the sandbox's processes: {host_pids:?}");
+    // The monitor dies first, as in a crash: its keeper and the sandbox's
+    // init see it go, and the destroy finds the rest.
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(monitor).expect("a pid")),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    moat.destroy(&id).await.expect("destroyed");
+    assert_eq!(
+        alive_after_reaping(&host_pids).await,
+        0,
+        "processes of the destroyed sandbox are left on the host: {host_pids:?}"
+    );
+    let left: Vec<_> = dirs.iter().filter(|dir| dir.exists()).collect();
+    assert!(left.is_empty(), "the sandbox's cgroups are left: {left:?} ({said})");
+    moat.destroy_all().await;
 }
 
 /// How many of `pids` are still on the host once the host has had time to

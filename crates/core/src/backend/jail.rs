@@ -2,14 +2,16 @@
 //! builds the namespaces; see `moat_agent::jail`), waits for the agent to
 //! answer, and stops, freezes and removes sandboxes.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use moat_proto::{AgentClient, UnixConnector};
 
 use crate::backend::{Backend, BackendKind, Instance};
-use crate::cgroup::{Cgroup, CgroupSupport, Limits};
+use crate::cgroup::{Cgroup, CgroupSupport, Limits, Sweeper};
 use crate::error::{CreateError, IoError};
 use crate::hostuser::HostUser;
 use crate::image::{Image, JAIL_ID_BASE, JAIL_ID_COUNT};
@@ -114,6 +116,36 @@ pub fn userns_hold_secs(text: Option<&str>) -> Result<u64, String> {
             )
         }),
     }
+}
+
+/// The arguments that give a rootless `moat-agent` (a jail's monitor, the
+/// cgroup sweeper) the user's subordinate gids and namespace holder.
+fn userns_args(gids: crate::hostuser::Range, data_dir: &Path) -> Result<Vec<OsString>, String> {
+    let mut args: Vec<OsString> = vec!["--gid-base".into(), gids.start.to_string().into()];
+    let hold = userns_hold_secs(std::env::var("MOAT_USERNS_HOLD_SECS").ok().as_deref())?;
+    let socket = data_dir.join(USERNS_SOCKET);
+    // A socket's path has at most 107 bytes; a longer data directory only
+    // goes without a holder.
+    if hold > 0 && socket.as_os_str().len() < 108 {
+        args.extend(["--userns-holder".into(), socket.into(), "--userns-hold-secs".into(), hold.to_string().into()]);
+    }
+    Ok(args)
+}
+
+/// The cgroup sweeper of `user`'s sandboxes in `data_dir`, run as `agent`:
+/// `None` for root (who may remove every cgroup) and for a user with no
+/// subordinate ids (who has no rootless jails).
+pub fn sweeper_for(agent: &Path, user: &HostUser, data_dir: &Path) -> Result<Option<Sweeper>, String> {
+    let Some((uids, gids)) = user.ids.filter(|_| !user.is_root()) else { return Ok(None) };
+    Ok(Some(Sweeper::new(agent.to_path_buf(), sweeper_args(uids, userns_args(gids, data_dir)?))))
+}
+
+/// The sweeper's arguments: the user's uids, then `userns`.
+fn sweeper_args(uids: crate::hostuser::Range, userns: Vec<OsString>) -> Vec<OsString> {
+    let mut args: Vec<OsString> =
+        vec!["--id-base".into(), uids.start.to_string().into(), "--id-count".into(), JAIL_ID_COUNT.to_string().into()];
+    args.extend(userns);
+    args
 }
 
 /// The `pasta` binary (Debian package `passt`), if installed.
@@ -225,19 +257,17 @@ impl Backend for JailBackend {
             .arg(&self.agent)
             .args(["--hostname", hostname, "--id-base", &uids.start.to_string()])
             .args(["--id-count", &JAIL_ID_COUNT.to_string(), "--disk-mib", &spec.disk_mib.to_string()]);
-        if !self.user.is_root() {
+        let sweeper = if self.user.is_root() {
+            None
+        } else {
             // The monitor enters a user namespace of the caller's own
             // first (newuidmap, newgidmap, or the holder that keeps one
-            // mapped: moat_agent::userns_holder) and builds the jail from there.
-            command.arg("--rootless").args(["--gid-base", &gids.start.to_string()]);
-            let hold = userns_hold_secs(std::env::var("MOAT_USERNS_HOLD_SECS").ok().as_deref()).map_err(refused)?;
-            let socket = data_dir.join(USERNS_SOCKET);
-            // A socket's path has at most 107 bytes; a longer data
-            // directory only goes without a holder.
-            if hold > 0 && socket.as_os_str().len() < 108 {
-                command.arg("--userns-holder").arg(socket).args(["--userns-hold-secs", &hold.to_string()]);
-            }
-        }
+            // mapped: moat_agent::userns_holder) and builds the jail from
+            // there. The cgroup sweeper enters the same.
+            let userns = userns_args(gids, data_dir).map_err(refused)?;
+            command.arg("--rootless").args(&userns);
+            Some(Arc::new(Sweeper::new(self.agent.clone(), sweeper_args(uids, userns))))
+        };
         if let Some(pasta) = &pasta {
             command.arg("--pasta").arg(pasta);
         }
@@ -267,16 +297,16 @@ impl Backend for JailBackend {
         };
         state.record_monitor(monitor.id()).map_err(io("recording its monitor"))?;
         let cgroup = match Cgroup::create(&self.cgroups, id, limits, self.user.is_root().then_some(JAIL_ID_BASE)) {
-            Ok(Some(cgroup)) => Some(cgroup),
+            Ok(Some(cgroup)) => Some(cgroup.with_sweeper(sweeper.clone())),
             Ok(None) if crate::limits::allow_unlimited() => None,
             Ok(None) => return Err(self.unlimited_refused(id, monitor, state, "this host has no cgroups")),
             Err(e) if crate::limits::allow_unlimited() => {
                 tracing::warn!(%id, "running without cgroup limits (MOAT_ALLOW_UNLIMITED=1): {e}");
-                Cgroup::remove_leftovers(id);
+                Cgroup::remove_leftovers(id, sweeper.as_deref());
                 None
             }
             Err(e) => {
-                Cgroup::remove_leftovers(id);
+                Cgroup::remove_leftovers(id, sweeper.as_deref());
                 return Err(self.unlimited_refused(id, monitor, state, &e.to_string()));
             }
         };

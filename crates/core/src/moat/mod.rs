@@ -123,9 +123,10 @@ impl Moat {
             return Err(ConfigError::AgentMissing(config.agent.display().to_string()));
         }
         // Beside the first creates, not before them (see `state::sweep`).
-        let data_dir = config.data_dir.clone();
+        let (data_dir, agent) = (config.data_dir.clone(), config.agent.clone());
         tokio::task::spawn_blocking(move || {
-            let swept = crate::state::sweep(&data_dir);
+            let sweeper = crate::backend::jail::sweeper_for(&agent, &crate::hostuser::HostUser::current(), &data_dir);
+            let swept = crate::state::sweep(&data_dir, sweeper.ok().flatten().as_ref());
             if !swept.is_empty() {
                 tracing::info!(count = swept.len(), "cleaned up sandboxes of dead owners");
             }

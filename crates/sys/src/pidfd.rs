@@ -1,6 +1,6 @@
 //! Waiting for processes to end by event: a pidfd (`pidfd_open(2)`, Linux
-//! 5.3) reads ready when its process has ended. (moat-core has the same for
-//! the host side; the agent depends on no host crate.)
+//! 5.3) reads ready when its process has ended, and a signal sent through
+//! it never reaches a process that reused the pid.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

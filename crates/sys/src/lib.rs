@@ -1,0 +1,10 @@
+//! Linux primitives that moat's host side (`moat-core`) and its agent
+//! (`moat-agent`, which is also a jail's monitor) both need, kept here so
+//! that the two cannot drift apart and neither depends on the other.
+//!
+//! - [`pidfd`]: processes waited for and killed through pidfds.
+//! - [`cgroupfs`]: a cgroup tree thawed, counted and removed through
+//!   directory descriptors, at any depth.
+
+pub mod cgroupfs;
+pub mod pidfd;
