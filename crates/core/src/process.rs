@@ -2,159 +2,34 @@
 //! pidfd (`pidfd_open(2)`, Linux 5.3) becomes readable when its process
 //! exits, which both `poll(2)` and tokio's reactor can wait on.
 //!
-//! Hand-written: std's `PidFd` is still unstable, and the few lines here
-//! are not worth a crate.
+//! The pidfd itself is [`moat_sys::pidfd`]'s, shared with the agent; this
+//! adds the wait on tokio's reactor. (std's `PidFd` is still unstable.)
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
-use std::process::Child;
-use std::time::{Duration, Instant};
 
-/// A pidfd of a child process.
-#[derive(Debug)]
-pub struct Pidfd(OwnedFd);
+pub use moat_sys::pidfd::{Pidfd, wait_all};
 
-impl Pidfd {
-    /// A pidfd of `child`, which must not be reaped yet (its pid then still
-    /// names it: no race with a recycled pid).
-    pub fn of(child: &Child) -> io::Result<Self> {
-        let pid = libc::pid_t::try_from(child.id()).map_err(|_| io::Error::other("pid out of range"))?;
-        // SAFETY: pidfd_open takes a pid and flags and returns a new
-        // descriptor or -1; no memory is shared.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let fd = i32::try_from(fd).map_err(|_| io::Error::other("descriptor out of range"))?;
-        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    /// A pidfd of process `pid`, which need not be a child. The pid may
-    /// have been reused by the time this returns: callers check that the
-    /// process is still the one they meant (see [`crate::cgroup`]).
-    pub fn of_pid(pid: i32) -> io::Result<Self> {
-        // SAFETY: pidfd_open takes a pid and flags and returns a new
-        // descriptor or -1; no memory is shared.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let fd = i32::try_from(fd).map_err(|_| io::Error::other("descriptor out of range"))?;
-        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    /// Sends SIGKILL to the process this pidfd names (never to a process
-    /// that reused its pid).
-    pub fn kill(&self) -> io::Result<()> {
-        // SAFETY: pidfd_send_signal on a descriptor this value owns, with no
-        // siginfo (null) and no flags.
-        let done = unsafe {
-            libc::syscall(libc::SYS_pidfd_send_signal, self.0.as_raw_fd(), libc::SIGKILL, std::ptr::null::<u8>(), 0)
-        };
-        if done < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
-    }
-
-    /// Another descriptor of the same process, for a second waiter.
-    pub fn try_clone(&self) -> io::Result<Self> {
-        self.0.try_clone().map(Self)
-    }
-
-    /// Whether the process has ended, without waiting.
-    pub fn has_exited(&self) -> bool {
-        self.wait_timeout(Duration::ZERO)
-    }
-
-    /// Blocks until the process has ended or `timeout` has passed; true
-    /// when it has ended.
-    pub fn wait_timeout(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let mut pollfd = libc::pollfd { fd: self.0.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-            let ms =
-                libc::c_int::try_from(left.as_millis().max(u128::from(!left.is_zero()))).unwrap_or(libc::c_int::MAX);
-            // SAFETY: one pollfd that lives on this stack for the call.
-            let ready = unsafe { libc::poll(&raw mut pollfd, 1, ms) };
-            match ready {
-                1.. => return true,
-                0 => return false,
-                _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
-                _ => return false,
-            }
-        }
-    }
-
+/// A pidfd's end awaited on tokio's reactor.
+pub trait Exited {
     /// Resolves when the process has ended (needs a tokio runtime).
-    pub async fn exited(self) -> io::Result<()> {
+    fn exited(self) -> impl std::future::Future<Output = io::Result<()>> + Send;
+}
+
+impl Exited for Pidfd {
+    async fn exited(self) -> io::Result<()> {
         // SAFETY: the AsyncFd owns the OwnedFd, whose descriptor stays open
         // and the same until the AsyncFd drops it.
-        let fd = unsafe { tokio::io::unix::AsyncFd::register_with_interest(self.0, tokio::io::Interest::READABLE) }
-            .map_err(|e| e.into_parts().1)?;
+        let fd =
+            unsafe { tokio::io::unix::AsyncFd::register_with_interest(self.into_fd(), tokio::io::Interest::READABLE) }
+                .map_err(|e| e.into_parts().1)?;
         let _ready = fd.readable().await?;
         Ok(())
-    }
-}
-
-/// Blocks until every process of `pidfds` has ended or `deadline` has
-/// passed; true when all have ended.
-pub fn wait_all(pidfds: &[Pidfd], deadline: Instant) -> bool {
-    let mut pending: Vec<&Pidfd> = pidfds.iter().collect();
-    while !pending.is_empty() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let mut polled: Vec<libc::pollfd> =
-            pending.iter().map(|p| libc::pollfd { fd: p.0.as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
-        let ms = libc::c_int::try_from(left.as_millis().max(u128::from(!left.is_zero()))).unwrap_or(libc::c_int::MAX);
-        let count = libc::nfds_t::try_from(polled.len()).unwrap_or(libc::nfds_t::MAX);
-        // SAFETY: `polled` holds `count` pollfds and lives across the call.
-        let ready = unsafe { libc::poll(polled.as_mut_ptr(), count, ms) };
-        match ready {
-            1.. => {
-                let mut ended = polled.iter().map(|p| p.revents != 0);
-                pending.retain(|_| !ended.next().unwrap_or(false));
-            }
-            0 => return false,
-            _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
-            _ => return false,
-        }
-    }
-    true
-}
-
-impl AsFd for Pidfd {
-    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.0.as_fd()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_pidfd_reads_ready_when_its_process_ends() {
-        let mut child = std::process::Command::new("sleep").arg("0.2").spawn().expect("spawns sleep");
-        let pidfd = Pidfd::of(&child).expect("pidfd_open");
-        assert!(!pidfd.has_exited(), "sleep still runs");
-        assert!(pidfd.wait_timeout(Duration::from_secs(10)), "sleep ends");
-        assert!(pidfd.has_exited());
-        child.wait().expect("reaps");
-    }
-
-    #[test]
-    fn many_pidfds_are_waited_on_together_and_killed_by_descriptor() {
-        let mut short = std::process::Command::new("sleep").arg("0.1").spawn().expect("spawns sleep");
-        let mut long = std::process::Command::new("sleep").arg("30").spawn().expect("spawns sleep");
-        let pid = |c: &std::process::Child| i32::try_from(c.id()).expect("a pid fits");
-        let pidfds = [Pidfd::of_pid(pid(&short)).expect("pidfd_open"), Pidfd::of_pid(pid(&long)).expect("pidfd_open")];
-        assert!(!wait_all(&pidfds, Instant::now() + Duration::from_millis(300)), "sleep 30 outlives the wait");
-        assert!(pidfds[0].has_exited() && !pidfds[1].has_exited());
-        pidfds[1].kill().expect("pidfd_send_signal");
-        assert!(wait_all(&pidfds, Instant::now() + Duration::from_secs(10)), "both have ended");
-        short.wait().expect("reaps");
-        assert!(long.wait().expect("reaps").code().is_none(), "killed by a signal");
-    }
 
     #[tokio::test]
     async fn a_pidfd_is_awaited_on_the_reactor() {

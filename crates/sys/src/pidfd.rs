@@ -26,6 +26,33 @@ impl Pidfd {
         Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
     }
 
+    /// A pidfd of `child`, which must not be reaped yet (its pid then still
+    /// names it: no race with a recycled pid).
+    pub fn of(child: &std::process::Child) -> io::Result<Self> {
+        Self::of_pid(i32::try_from(child.id()).map_err(|_| io::Error::other("pid out of range"))?)
+    }
+
+    /// Another descriptor of the same process, for a second waiter.
+    pub fn try_clone(&self) -> io::Result<Self> {
+        self.0.try_clone().map(Self)
+    }
+
+    /// Whether the process has ended, without waiting.
+    pub fn has_exited(&self) -> bool {
+        self.wait_timeout(std::time::Duration::ZERO)
+    }
+
+    /// Blocks until the process has ended or `timeout` has passed; true
+    /// when it has ended.
+    pub fn wait_timeout(&self, timeout: std::time::Duration) -> bool {
+        wait_all(std::slice::from_ref(self), Instant::now() + timeout)
+    }
+
+    /// The descriptor, for a reactor to wait on.
+    pub fn into_fd(self) -> OwnedFd {
+        self.0
+    }
+
     /// Sends SIGKILL to the process (never to one that reused its pid).
     pub fn kill(&self) -> io::Result<()> {
         // SAFETY: pidfd_send_signal on a descriptor this value owns, with no
@@ -45,6 +72,12 @@ impl Pidfd {
         let done =
             unsafe { libc::syscall(libc::SYS_pidfd_send_signal, self.0.as_raw_fd(), 0, std::ptr::null::<u8>(), 0) };
         done == 0
+    }
+}
+
+impl std::os::fd::AsFd for Pidfd {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.0)
     }
 }
 
@@ -93,5 +126,29 @@ mod tests {
         pidfds[0].kill().expect("pidfd_send_signal");
         assert!(wait_all(&pidfds, Instant::now() + Duration::from_secs(10)), "a killed process ends");
         assert!(child.wait().expect("reaps").code().is_none());
+    }
+
+    #[test]
+    fn a_pidfd_reads_ready_when_its_process_ends() {
+        let mut child = std::process::Command::new("sleep").arg("0.2").spawn().expect("spawns sleep");
+        let pidfd = Pidfd::of(&child).expect("pidfd_open");
+        assert!(!pidfd.has_exited(), "sleep still runs");
+        assert!(pidfd.wait_timeout(Duration::from_secs(10)), "sleep ends");
+        assert!(pidfd.has_exited());
+        child.wait().expect("reaps");
+    }
+
+    #[test]
+    fn many_pidfds_are_waited_on_together_and_killed_by_descriptor() {
+        let mut short = std::process::Command::new("sleep").arg("0.1").spawn().expect("spawns sleep");
+        let mut long = std::process::Command::new("sleep").arg("30").spawn().expect("spawns sleep");
+        let pid = |c: &std::process::Child| i32::try_from(c.id()).expect("a pid fits");
+        let pidfds = [Pidfd::of_pid(pid(&short)).expect("pidfd_open"), Pidfd::of_pid(pid(&long)).expect("pidfd_open")];
+        assert!(!wait_all(&pidfds, Instant::now() + Duration::from_millis(300)), "sleep 30 outlives the wait");
+        assert!(pidfds[0].has_exited() && !pidfds[1].has_exited());
+        pidfds[1].kill().expect("pidfd_send_signal");
+        assert!(wait_all(&pidfds, Instant::now() + Duration::from_secs(10)), "both have ended");
+        short.wait().expect("reaps");
+        assert!(long.wait().expect("reaps").code().is_none(), "killed by a signal");
     }
 }

@@ -15,7 +15,7 @@ use crate::cgroup::{Cgroup, CgroupSupport, Limits, Sweeper};
 use crate::error::{CreateError, IoError};
 use crate::hostuser::HostUser;
 use crate::image::{Image, JAIL_ID_BASE, JAIL_ID_COUNT};
-use crate::process::Pidfd;
+use crate::process::{Exited, Pidfd};
 use crate::sandbox::SandboxSpec;
 use crate::state::StateDir;
 

@@ -461,7 +461,7 @@ impl Moat {
         };
         let (inner, id) = (Arc::downgrade(&self.inner), id.to_owned());
         tokio::spawn(async move {
-            if exit.exited().await.is_ok()
+            if crate::process::Exited::exited(exit).await.is_ok()
                 && let Some(inner) = inner.upgrade()
             {
                 inner.fail(&id);
