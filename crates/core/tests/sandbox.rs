@@ -2452,9 +2452,10 @@ fn sandbox_cgroups(monitor: u32, id: &str) -> Vec<std::path::PathBuf> {
 }
 
 /// Held-out variants of sandbox root's cgroups: in every hierarchy the
-/// agent gives it, beneath `user` and beneath a command's cgroup, deeper
-/// and with a longer path than a walk by path reaches, one holding a
-/// process; and the jail's monitor SIGKILLed before the destroy. Nothing
+/// agent gives it, beneath `user` (one closed to everyone, mode 0) and
+/// beneath a command's cgroup, deeper and with a longer path than a walk
+/// by path reaches, one holding a process; and the jail's monitor
+/// SIGKILLed before the destroy. Nothing
 /// of the sandbox, process or cgroup, is left on the host (rootless, the
 /// cgroups are its subordinate ids' and moat-agent cgroup-sweep removes
 /// them).
@@ -2473,6 +2474,7 @@ async fn sandbox_root_cgroups_at_any_depth_leave_nothing_behind() {
         for d in /.moat/cgroup/*; do
             exec=$(grep -o 'user/exec-[0-9]*' /proc/self/cgroup | head -1)
             mkdir -p "$d/mine/deeper"
+            chmod 0 "$d/mine"
             cd "$d/${exec#user/}"
             for i in $(seq 24); do mkdir "$long$i"; cd "$long$i"; done
             if [ "$(basename "$d")" = pids ]; then echo "$sleeper" > cgroup.procs; fi
