@@ -3,8 +3,6 @@
 //! what user NAME needs to run moat without root (docs/operations.md,
 //! "Rootless").
 
-use std::path::PathBuf;
-
 use moat_core::cgroup::CgroupSupport;
 use moat_core::dynmods::Enabled;
 use moat_core::hostuser::{Range, free_range, subordinate};
@@ -133,26 +131,22 @@ fn prepare(user: &nix::unistd::User, image: &str) -> Result<()> {
 
     let source = Image::open(&moat_core::image::data_dir(), image)
         .map_err(|e| format!("root's image {image:?} cannot be copied for {name}: {e}"))?;
-    let data = user_data_dir(user);
-    // Only a copy that is there is opened (opening logs a missing one).
-    let current = moat_core::image::image_dir(&data, image)
-        .join("manifest.json")
-        .exists()
-        .then(|| Image::open(&data, image).ok())
-        .flatten();
-    let fresh = current.as_ref().is_some_and(|copy| {
-        copy.manifest.jail_id_base == uids.start
-            && copy.manifest.artifacts == source.manifest.artifacts
-            && copy.manifest.created == source.manifest.created
+    // The user's directory: read and written through descriptors only
+    // (moat_core::image::copy_for_user says why).
+    let data = user.dir.join(moat_core::image::USER_DATA_DIR);
+    let fresh = moat_core::image::user_copy_manifest(&user.dir, image).is_some_and(|copy| {
+        copy.jail_id_base == uids.start
+            && copy.artifacts == source.manifest.artifacts
+            && copy.created == source.manifest.created
     });
     if fresh {
         println!("image {image:?}: {name}'s copy in {} is current", data.display());
     } else {
         let started = std::time::Instant::now();
-        let copy = moat_core::image::copy_for_user(&source, &data, uids.start, (uid, gid))?;
+        let copy = moat_core::image::copy_for_user(&source, &user.dir, uids.start, (uid, gid))?;
         println!(
             "image {image:?}: copied into {} with its files owned from id {} ({:.1} s)",
-            copy.dir.display(),
+            copy.display(),
             uids.start,
             started.elapsed().as_secs_f64()
         );
@@ -165,10 +159,4 @@ fn prepare(user: &nix::unistd::User, image: &str) -> Result<()> {
 
 fn show(range: Range) -> String {
     format!("{}-{}", range.start, range.start + range.count - 1)
-}
-
-/// The data directory user `user`'s moat uses by default (as
-/// [`moat_core::image::data_dir`] finds it with that user's `HOME`).
-fn user_data_dir(user: &nix::unistd::User) -> PathBuf {
-    user.dir.join(".local/share/moat")
 }

@@ -428,29 +428,60 @@ pub fn shift_ownership(root: &Path, from: u32, to: u32) -> std::io::Result<u64> 
     Ok(count)
 }
 
-/// As root: copies `image` into the data directory `data_dir` of a user
-/// whose jails map ids from `base`, its `rootfs/` owned from `base`
-/// instead (a rootless jail can map only its user's subordinate ids), and
-/// gives the copy's files to `owner` (uid, gid). The other artifacts are
-/// hard links where the two directories share a file system (read-only to
-/// the user), else sparse copies. The copy gets its own manifest
-/// (`jail_id_base` and the tree's digest), and replaces an earlier copy
-/// whole: it is made beside it and renamed into place. Returns the copy.
-pub fn copy_for_user(image: &Image, data_dir: &Path, base: u32, owner: (u32, u32)) -> std::io::Result<Image> {
+/// Where `moat setup --user` puts a user's copy of an image: the data
+/// directory a user's moat uses by default, relative to the user's home.
+pub const USER_DATA_DIR: &str = ".local/share/moat";
+
+/// As root: copies `image` into the data directory ([`USER_DATA_DIR`]) of
+/// the user whose home is `home` and whose jails map ids from `base`, its
+/// `rootfs/` owned from `base` instead (a rootless jail can map only its
+/// user's subordinate ids), and gives the copy's files to `owner` (uid,
+/// gid). The other artifacts are hard links where the two directories
+/// share a file system (read-only to the user), else sparse copies. The
+/// copy gets its own manifest (`jail_id_base` and the tree's digest), and
+/// replaces an earlier copy whole. Returns where the copy is.
+///
+/// Everything below `home` is the user's, who may have made any of it a
+/// symbolic link to a system directory, or may rename things while this
+/// runs: root works there only through directory descriptors, never by a
+/// path the user could redirect. The copy is made in a directory root
+/// makes (mode 0700, so nothing of it is the user's to touch until it is
+/// done), reached through `/proc/<pid>/fd`, then handed to the user and
+/// swapped into place with `renameat2`; an earlier copy is removed
+/// through descriptors, never following a link.
+pub fn copy_for_user(image: &Image, home: &Path, base: u32, owner: (u32, u32)) -> std::io::Result<PathBuf> {
+    use nix::fcntl::{OFlag, RenameFlags, openat, renameat2};
+    use nix::sys::stat::Mode;
+    use std::os::fd::{AsFd, AsRawFd};
     let io = |what: String| move |e: std::io::Error| std::io::Error::new(e.kind(), format!("{what}: {e}"));
-    let images = data_dir.join("images");
-    make_dirs_owned(&images, owner)?;
-    let dest = image_dir(data_dir, &image.name);
-    let work = images.join(format!(".{}.copy-{}", image.name, std::process::id()));
-    let _ = std::fs::remove_dir_all(&work);
-    std::fs::create_dir(&work).map_err(io(format!("making {}", work.display())))?;
+    let nix_io =
+        |what: String| move |e: nix::Error| std::io::Error::new(std::io::Error::from(e).kind(), format!("{what}: {e}"));
+    let rel = Path::new(USER_DATA_DIR).join("images");
+    let shown = home.join(&rel);
+    let images = open_user_dir(home, &rel, owner)?;
+    let work_name = format!(".{}.copy-{}", image.name, std::process::id());
+    // A failed run's leftover, removed without following a link.
+    crate::hostfs::remove_beneath(&images, std::ffi::OsStr::new(&work_name), 0)
+        .map_err(nix_io(format!("removing an earlier {}", shown.join(&work_name).display())))?;
+    nix::sys::stat::mkdirat(images.as_fd(), work_name.as_str(), Mode::from_bits_truncate(0o700))
+        .map_err(nix_io(format!("making {}", shown.join(&work_name).display())))?;
+    let dir_flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let work = openat(images.as_fd(), work_name.as_str(), dir_flags, Mode::empty())
+        .map_err(nix_io(format!("opening {}", shown.join(&work_name).display())))?;
+    // The directory made above, not one the user put there meanwhile.
+    if nix::sys::stat::fstat(work.as_fd()).map_err(nix_io("fstat".into()))?.st_uid != 0 {
+        return Err(std::io::Error::other(format!("{} changed hands while it was made", shown.display())));
+    }
+    // This process's descriptor, for the programs it runs and for paths:
+    // the directory itself, wherever its name goes.
+    let at = PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), work.as_raw_fd()));
     let result = (|| {
         // cp(1) keeps modes, hard links, special files and extended
         // attributes as they are; only the owners then move.
         let status = std::process::Command::new("cp")
             .args(["-a", "--sparse=always"])
             .arg(image.path("rootfs"))
-            .arg(work.join("rootfs"))
+            .arg(at.join("rootfs"))
             .status()
             .map_err(io("running cp".into()))?;
         if !status.success() {
@@ -459,9 +490,9 @@ pub fn copy_for_user(image: &Image, data_dir: &Path, base: u32, owner: (u32, u32
                 image.path("rootfs").display()
             )));
         }
-        shift_ownership(&work.join("rootfs"), image.manifest.jail_id_base, base)?;
+        shift_ownership(&at.join("rootfs"), image.manifest.jail_id_base, base)?;
         for file in image.manifest.artifacts.keys() {
-            let (from, to) = (image.path(file), work.join(file));
+            let (from, to) = (image.path(file), at.join(file));
             if std::fs::hard_link(&from, &to).is_err() {
                 let status = std::process::Command::new("cp")
                     .args(["--sparse=always"])
@@ -476,32 +507,114 @@ pub fn copy_for_user(image: &Image, data_dir: &Path, base: u32, owner: (u32, u32
         }
         let mut manifest = image.manifest.clone();
         manifest.jail_id_base = base;
-        manifest.rootfs = digest_tree(&work.join("rootfs"))?;
+        manifest.rootfs = digest_tree(&at.join("rootfs"))?;
         let text = serde_json::to_string_pretty(&manifest).map_err(std::io::Error::other)?;
-        std::fs::write(work.join("manifest.json"), text)?;
-        for path in [work.clone(), work.join("manifest.json")] {
-            std::os::unix::fs::lchown(&path, Some(owner.0), Some(owner.1))?;
+        crate::hostfs::write_new(&at.join("manifest.json"), text.as_bytes())?;
+        let (uid, gid) = (Some(owner.0.into()), Some(owner.1.into()));
+        nix::unistd::fchownat(work.as_fd(), "manifest.json", uid, gid, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW)
+            .map_err(nix_io("giving the manifest to its user".into()))?;
+        nix::sys::stat::fchmodat(
+            work.as_fd(),
+            "manifest.json",
+            Mode::from_bits_truncate(0o644),
+            nix::sys::stat::FchmodatFlags::NoFollowSymlink,
+        )
+        .map_err(nix_io("chmod of the manifest".into()))?;
+        nix::unistd::fchown(work.as_fd(), uid, gid).map_err(nix_io("giving the copy to its user".into()))?;
+        nix::sys::stat::fchmod(work.as_fd(), Mode::from_bits_truncate(0o755)).map_err(nix_io("chmod".into()))?;
+        // Into place: swapped with an earlier copy (whatever the user made
+        // of that name, a link included, is not followed), then that one
+        // removed; or renamed where there is none.
+        let name = image.name.as_str();
+        let swapped = renameat2(images.as_fd(), work_name.as_str(), images.as_fd(), name, RenameFlags::RENAME_EXCHANGE);
+        match swapped {
+            Ok(()) => crate::hostfs::remove_beneath(&images, std::ffi::OsStr::new(&work_name), 0)
+                .map_err(nix_io(format!("removing the earlier copy (now {})", shown.join(&work_name).display()))),
+            Err(nix::errno::Errno::ENOENT) => {
+                renameat2(images.as_fd(), work_name.as_str(), images.as_fd(), name, RenameFlags::RENAME_NOREPLACE)
+                    .map_err(nix_io(format!("renaming the copy to {}", shown.join(name).display())))
+            }
+            Err(e) => Err(nix_io(format!("swapping the copy in at {}", shown.join(name).display()))(e)),
         }
-        if dest.exists() {
-            std::fs::remove_dir_all(&dest).map_err(io(format!("removing the earlier copy {}", dest.display())))?;
-        }
-        std::fs::rename(&work, &dest).map_err(io(format!("renaming the copy to {}", dest.display())))?;
-        Image::open(data_dir, &image.name).map_err(|e| std::io::Error::other(e.to_string()))
     })();
     if result.is_err() {
-        let _ = std::fs::remove_dir_all(&work);
+        let _ = crate::hostfs::remove_beneath(&images, std::ffi::OsStr::new(&work_name), 0);
     }
-    result
+    result.map(|()| shown.join(&image.name))
 }
 
-/// Makes `dir` and its missing parents, giving each one made to `owner`.
-fn make_dirs_owned(dir: &Path, owner: (u32, u32)) -> std::io::Result<()> {
-    let missing: Vec<&Path> = dir.ancestors().take_while(|d| !d.exists()).collect();
-    std::fs::create_dir_all(dir)?;
-    for made in missing {
-        std::os::unix::fs::lchown(made, Some(owner.0), Some(owner.1))?;
+/// As root: the directory `rel` beneath the user's `home`, opened one
+/// component at a time without following a link; what is missing is made
+/// and given to `owner`. (Below `home` everything is the user's.)
+fn open_user_dir(home: &Path, rel: &Path, owner: (u32, u32)) -> std::io::Result<std::os::fd::OwnedFd> {
+    use nix::fcntl::{OFlag, open, openat};
+    use nix::sys::stat::Mode;
+    use std::os::fd::AsFd;
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let fail = |path: &Path, what: &str, e: nix::Error| {
+        std::io::Error::new(
+            std::io::Error::from(e).kind(),
+            format!(
+                "{what} {}: {e} (each directory there must be a directory of the user's, not a link)",
+                path.display()
+            ),
+        )
+    };
+    // The home itself is the system's record (passwd), not the user's.
+    let mut dir =
+        open(home, flags.difference(OFlag::O_NOFOLLOW), Mode::empty()).map_err(|e| fail(home, "opening", e))?;
+    let mut path = home.to_path_buf();
+    for part in rel.components() {
+        path.push(part);
+        let name = part.as_os_str();
+        let next = match openat(dir.as_fd(), name, flags, Mode::empty()) {
+            Err(nix::errno::Errno::ENOENT) => {
+                nix::sys::stat::mkdirat(dir.as_fd(), name, Mode::from_bits_truncate(0o755))
+                    .map_err(|e| fail(&path, "making", e))?;
+                nix::unistd::fchownat(
+                    dir.as_fd(),
+                    name,
+                    Some(owner.0.into()),
+                    Some(owner.1.into()),
+                    nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+                )
+                .map_err(|e| fail(&path, "giving", e))?;
+                openat(dir.as_fd(), name, flags, Mode::empty())
+            }
+            other => other,
+        };
+        dir = next.map_err(|e| fail(&path, "opening", e))?;
     }
-    Ok(())
+    Ok(dir)
+}
+
+/// As root: the manifest of the user's copy of image `name` (beneath
+/// `home`, see [`copy_for_user`]), if there is one to read: reached
+/// without following a link, a regular file of at most a megabyte.
+pub fn user_copy_manifest(home: &Path, name: &str) -> Option<Manifest> {
+    use nix::fcntl::{OFlag, open, openat};
+    use nix::sys::stat::Mode;
+    use std::os::fd::AsFd;
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mut dir = open(home, flags.difference(OFlag::O_NOFOLLOW), Mode::empty()).ok()?;
+    for part in Path::new(USER_DATA_DIR).join("images").join(name).components() {
+        dir = openat(dir.as_fd(), part.as_os_str(), flags, Mode::empty()).ok()?;
+    }
+    // Non-blocking: a FIFO put there answers at once instead of hanging.
+    let file = openat(
+        dir.as_fd(),
+        "manifest.json",
+        OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .ok()?;
+    let file = std::fs::File::from(file);
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut text = Vec::new();
+    file.take(1 << 20).read_to_end(&mut text).ok()?;
+    serde_json::from_slice(&text).ok()
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -552,6 +665,67 @@ mod tests {
         let odd: Holder = serde_json::from_str(r#"{"packages": {"bash": 5}}"#).expect("still JSON");
         assert!(odd.packages.parse().is_err());
         assert!(serde_json::from_str::<Holder>(r#"{"packages": {"bash": }"#).is_err(), "not JSON at all");
+    }
+
+    /// `moat setup --user` as root in a tree the user controls: links the
+    /// user planted are never followed, an earlier copy that is a link
+    /// is replaced and not entered, and a manifest that is a link or a
+    /// FIFO is not read.
+    #[test]
+    fn a_users_copy_never_follows_the_users_links() {
+        use std::os::unix::fs::MetadataExt;
+        let scratch = tempfile::tempdir().expect("tempdir");
+        let data = scratch.path().join("root-data");
+        let source = fake_image(&data);
+        if std::os::unix::fs::chown(&source, Some(0), Some(0)).is_err() {
+            return eprintln!("skipping: chown needs root");
+        }
+        for path in [source.join("rootfs"), source.join("rootfs/etc"), source.join("rootfs/etc/hostname")] {
+            std::os::unix::fs::lchown(&path, Some(JAIL_ID_BASE), Some(JAIL_ID_BASE)).expect("chown");
+        }
+        let image = Image::open(&data, "t").expect("opens");
+        let (base, owner) = (500_000, (12_345, 12_345));
+        let victim = scratch.path().join("victim");
+        std::fs::create_dir_all(victim.join("t")).expect("mkdir");
+        std::fs::write(victim.join("t/keep"), "system file").expect("write");
+        let home = scratch.path().join("home");
+        let images = home.join(USER_DATA_DIR).join("images");
+
+        // A link above the images: refused, nothing made in its target.
+        std::fs::create_dir_all(&home).expect("mkdir");
+        std::os::unix::fs::symlink(&victim, home.join(".local")).expect("symlink");
+        let refused = copy_for_user(&image, &home, base, owner).expect_err("a link in the path is refused");
+        assert!(refused.to_string().contains("not a link"), "{refused}");
+        assert!(!victim.join("share").exists(), "root made directories through the user's link");
+        std::fs::remove_file(home.join(".local")).expect("rm");
+
+        // An earlier copy that is a link to a system directory: replaced
+        // by the copy, the directory it named left as it was.
+        std::fs::create_dir_all(&images).expect("mkdir");
+        std::os::unix::fs::symlink(victim.join("t"), images.join("t")).expect("symlink");
+        let copy = copy_for_user(&image, &home, base, owner).expect("copies");
+        assert_eq!(copy, images.join("t"));
+        assert_eq!(std::fs::read_to_string(victim.join("t/keep")).expect("kept"), "system file");
+        let meta = std::fs::symlink_metadata(&copy).expect("lstat");
+        assert!(meta.is_dir(), "the copy is a directory of its own");
+        assert_eq!((meta.uid(), meta.mode() & 0o777), (owner.0, 0o755));
+        let hostname = std::fs::symlink_metadata(copy.join("rootfs/etc/hostname")).expect("lstat");
+        assert_eq!(hostname.uid(), base, "the rootfs is owned from the user's base");
+        let manifest = user_copy_manifest(&home, "t").expect("the copy's manifest reads");
+        assert_eq!(manifest.jail_id_base, base);
+        // Made again over itself: one copy, nothing left beside it.
+        copy_for_user(&image, &home, base, owner).expect("copies again");
+        let names: Vec<_> = std::fs::read_dir(&images).expect("ls").map(|e| e.expect("entry").file_name()).collect();
+        assert_eq!(names, ["t"], "only the copy is left");
+
+        // A manifest that is a link, or a FIFO, is not read.
+        std::fs::remove_file(copy.join("manifest.json")).expect("rm");
+        std::os::unix::fs::symlink(source.join("manifest.json"), copy.join("manifest.json")).expect("symlink");
+        assert!(user_copy_manifest(&home, "t").is_none(), "a linked manifest was read");
+        std::fs::remove_file(copy.join("manifest.json")).expect("rm");
+        nix::unistd::mkfifo(&copy.join("manifest.json"), nix::sys::stat::Mode::from_bits_truncate(0o644))
+            .expect("mkfifo");
+        assert!(user_copy_manifest(&home, "t").is_none(), "a FIFO is no manifest");
     }
 
     #[test]

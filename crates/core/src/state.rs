@@ -58,15 +58,47 @@ impl StateDir {
 
 /// Makes `dir` and its missing parents mode 0700, and closes `dir` to
 /// others if it was open (made by an earlier moat, or under another
-/// umask): a user's sandboxes and tasks are that user's alone.
+/// umask): a user's sandboxes and tasks are that user's alone. Refused
+/// where `dir` or a directory above it is another user's, or open to
+/// everyone's writes without the sticky bit: whoever could write there
+/// could plant names moat trusts (a state directory its sweep kills and
+/// removes the cgroups of, a link its files are written through).
 pub fn private_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let me = nix::unistd::geteuid().as_raw();
+    // Before anything is made in them.
+    for level in dir.ancestors().filter(|d| !d.as_os_str().is_empty()) {
+        let meta = match std::fs::metadata(level) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            other => other?,
+        };
+        if let Some(why) = unsafe_owner(meta.uid(), meta.mode(), me) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} {why}: another user could plant state moat trusts there; use a data directory of your \
+                     own (MOAT_DATA_DIR, or the default under your home)",
+                    level.display()
+                ),
+            ));
+        }
+    }
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
     let meta = std::fs::metadata(dir)?;
-    if meta.mode() & 0o077 != 0 && meta.uid() == nix::unistd::geteuid().as_raw() {
+    if meta.mode() & 0o077 != 0 && meta.uid() == me {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
     }
     Ok(())
+}
+
+/// Why a directory owned by `uid` with `mode` is not safe to keep user
+/// `me`'s state in or beneath: `None` when it is (the user's or root's,
+/// and not writable by everyone unless sticky, as `/tmp` is).
+fn unsafe_owner(uid: u32, mode: u32, me: u32) -> Option<String> {
+    if uid != me && uid != 0 {
+        return Some(format!("belongs to uid {uid}"));
+    }
+    (mode & 0o002 != 0 && mode & 0o1000 == 0).then(|| format!("is writable by every user (mode {:o})", mode & 0o7777))
 }
 
 /// State directories this process is creating and has not locked yet.
@@ -158,6 +190,28 @@ fn is_monitor_of(pid: i32, dir: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn state_is_kept_only_where_no_other_user_writes() {
+        assert_eq!(unsafe_owner(1000, 0o40700, 1000), None);
+        assert_eq!(unsafe_owner(0, 0o40755, 1000), None, "root's directories above are fine");
+        assert_eq!(unsafe_owner(0, 0o41777, 1000), None, "a sticky /tmp is fine");
+        assert_eq!(unsafe_owner(1000, 0o40775, 1000), None, "a user's private group may write");
+        assert!(unsafe_owner(1001, 0o40700, 1000).expect("another user's").contains("uid 1001"));
+        assert!(unsafe_owner(1001, 0o40755, 0).is_some(), "root keeps no state in a user's directory");
+        assert!(unsafe_owner(0, 0o40777, 1000).expect("open").contains("mode 777"));
+        // A real tree: another user's directory above is refused, by name.
+        let scratch = tempfile::tempdir().expect("tempdir");
+        let theirs = scratch.path().join("theirs");
+        std::fs::create_dir(&theirs).expect("mkdir");
+        if std::os::unix::fs::chown(&theirs, Some(4242), Some(4242)).is_err() {
+            return eprintln!("skipping the tree: chown needs root");
+        }
+        let why = private_dir(&theirs.join("sandboxes")).expect_err("another user's directory is refused");
+        assert!(why.to_string().contains("belongs to uid 4242") && why.to_string().contains("MOAT_DATA_DIR"), "{why}");
+        assert!(!theirs.join("sandboxes").exists(), "nothing is made in another user's directory");
+        private_dir(&scratch.path().join("mine/sandboxes")).expect("one's own is fine");
+    }
 
     #[test]
     fn live_owners_are_kept_dead_ones_swept() {

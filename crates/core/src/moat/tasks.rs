@@ -208,12 +208,7 @@ impl Moat {
         // The task stays in progress until its whole record is saved: a
         // record that cannot be written (a full disk) is removed, and the
         // call can be repeated once there is room.
-        if let Err(e) = self.save_record(&record, &dir, &diff, &log) {
-            if dir.exists() {
-                let _ = std::fs::remove_dir_all(&dir);
-            }
-            return Err(e);
-        }
+        self.save_record(&record, &dir, &diff, &log)?;
         self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(task_id);
         if !keep_sandbox {
             let _ = self.destroy(&record.task.sandbox_id).await;
@@ -230,13 +225,20 @@ impl Moat {
         };
         crate::state::private_dir(&task::tasks_dir(&self.inner.config.data_dir))
             .map_err(io("creating the task record"))?;
+        // A directory that is there already is another record's: it is
+        // left whole, and only what this call made is removed on failure.
         std::fs::create_dir(dir).map_err(io("creating the task record"))?;
-        hostfs::write_new(&record.patch_path, diff.as_bytes()).map_err(io("writing the patch"))?;
-        let log_json = serde_json::to_string_pretty(log).unwrap_or_default();
-        hostfs::write_new(&record.log_path, log_json.as_bytes()).map_err(io("writing the log"))?;
-        let record_json = serde_json::to_string_pretty(record).unwrap_or_default();
-        hostfs::write_new(&dir.join("record.json"), record_json.as_bytes()).map_err(io("writing the record"))?;
-        Ok(())
+        let written = (|| {
+            hostfs::write_new(&record.patch_path, diff.as_bytes()).map_err(io("writing the patch"))?;
+            let log_json = serde_json::to_string_pretty(log).unwrap_or_default();
+            hostfs::write_new(&record.log_path, log_json.as_bytes()).map_err(io("writing the log"))?;
+            let record_json = serde_json::to_string_pretty(record).unwrap_or_default();
+            hostfs::write_new(&dir.join("record.json"), record_json.as_bytes()).map_err(io("writing the record"))
+        })();
+        if written.is_err() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        written.map_err(Into::into)
     }
 
     /// Retained task records.
