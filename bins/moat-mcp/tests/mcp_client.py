@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from mcp import ClientSession, StdioServerParameters
@@ -250,7 +251,8 @@ async def every_tool(session, contract, project):
     message = await call(session, "preview_link", {"port": 0}, expect_error=True)
     assert "from 1 to 65535" in message, message
     link = await call(session, "preview_link", {"port": 8000})
-    assert link["url"].startswith("http://127.0.0.1:") and link["token"] in link["url"], link
+    host = urllib.parse.urlsplit(link["url"]).hostname
+    assert link["url"].startswith("http://127.") and host != "127.0.0.1" and link["token"] in link["url"], link
     again = await call(session, "preview_link", {"port": 8000})
     assert again["url"].split("?")[0] == link["url"].split("?")[0], "one listener per port"
     assert again["token"] != link["token"], "each call gives a new one-time token"

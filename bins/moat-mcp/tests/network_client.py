@@ -24,6 +24,7 @@ import base64
 import http.client
 import http.cookiejar
 import http.server
+import ipaddress
 import os
 import socket
 import ssl
@@ -475,7 +476,7 @@ async def checks(session, port, first, main, feature, ca_pem):
                "python3 -m http.server 8000 --bind 127.0.0.1 --directory site",
         "background": True})
     link = await call(session, "preview_link", {"port": 8000})
-    assert link["port"] == 8000 and link["token"] in link["url"] and link["url"].startswith("http://127.0.0.1:"), link
+    assert link["port"] == 8000 and link["token"] in link["url"] and own_loopback_site(link["url"]), link
     base = link["url"].split("?")[0]
     jar = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
     for _ in range(100):
@@ -573,6 +574,13 @@ def raw_get_headers(url, headers):
     return response.status, response.headers, body
 
 
+def own_loopback_site(url):
+    """Whether a preview URL names an address of the loopback network of
+    its own: not 127.0.0.1, where the user's own web services are."""
+    address = ipaddress.ip_address(urllib.parse.urlsplit(url).hostname)
+    return url.startswith("http://") and address.is_loopback and str(address) != "127.0.0.1"
+
+
 async def preview_attacks(session, first, second):
     """Issue 15, item 8: a sandbox's server sees the headers it is sent. It
     must see no moat_* cookie (no link's token), no X-Moat header and not
@@ -601,7 +609,7 @@ async def preview_attacks(session, first, second):
     for secret in (echo["token"], first["token"], second["token"], "moat_", "X-Moat"):
         assert secret not in body, f"{secret} reached the sandbox: {body}"
     # Every request of a kept-alive connection is cleaned, not only the first.
-    connection = http.client.HTTPConnection("127.0.0.1", int(host_port), timeout=30)
+    connection = http.client.HTTPConnection(urllib.parse.urlsplit(base).hostname, int(host_port), timeout=30)
     for path in ("/one", "/two"):
         connection.request("GET", path, headers={"Cookie": cookie})
         response = connection.getresponse()
@@ -610,13 +618,13 @@ async def preview_attacks(session, first, second):
     connection.close()
     # A page of the first link (its origin) cannot use the echo link, even
     # with the echo link's cookie: the browser says where the request is from.
-    first_origin = "http://127.0.0.1:" + first["url"].split(":")[2].split("/")[0]
+    first_origin = first["url"].split("/?")[0]
     own = f"moat_preview_{host_port}={echo_session}"
     for headers in ({"Origin": first_origin}, {"Sec-Fetch-Site": "same-site"}, {"Sec-Fetch-Site": "cross-site"}):
         status, body = raw_get(base + "headers", {"Cookie": own, **headers})
         assert status == 403 and "another" in body, (headers, status, body)
     status, body = raw_get(base + "headers", {"Cookie": own, "Sec-Fetch-Site": "same-origin",
-                                              "Origin": f"http://127.0.0.1:{host_port}"})
+                                              "Origin": base.rstrip("/")})
     assert status == 200, (status, body)
 
 

@@ -12,7 +12,7 @@ use std::net::IpAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use moat_core::{EgressConfig, Moat, NetworkPolicy, SandboxSpec};
+use moat_core::{EgressConfig, Moat, NetworkPolicy, PreviewLink, SandboxSpec};
 
 mod common;
 use common::sh;
@@ -527,12 +527,21 @@ async fn preview_links_open_from_another_machine() {
     drop(netns);
 }
 
+/// Where a link listens: the host of its URL (on the loopback, an address
+/// of its own) and its port.
+fn link_address(link: &PreviewLink) -> (String, u16) {
+    let rest = link.url.strip_prefix("http://").expect("an http URL");
+    let host = rest.split(':').next().expect("a host").to_owned();
+    (host, link.host_port)
+}
+
 /// One plain HTTP/1.1 GET; returns the status line and the rest.
-async fn http_get(port: u16, target: &str, cookie: Option<&str>) -> String {
+async fn http_get(link: &PreviewLink, target: &str, cookie: Option<&str>) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connects");
+    let (host, port) = link_address(link);
+    let mut stream = tokio::net::TcpStream::connect((host.as_str(), port)).await.expect("connects");
     let cookie = cookie.map(|c| format!("Cookie: {c}\r\n")).unwrap_or_default();
-    let request = format!("GET {target} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{cookie}Connection: close\r\n\r\n");
+    let request = format!("GET {target} HTTP/1.1\r\nHost: {host}:{port}\r\n{cookie}Connection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).await.expect("sends");
     let mut response = Vec::new();
     stream.read_to_end(&mut response).await.expect("reads");
@@ -556,26 +565,26 @@ async fn preview_links_work_in_a_browser_and_only_with_their_token() {
     assert!(dom.contains("served from the sandbox"), "Chromium rendered: {dom}");
 
     // Without the token, with a wrong one, or with another link's token: refused.
-    let response = http_get(link.host_port, "/", None).await;
+    let response = http_get(&link, "/", None).await;
     assert!(response.starts_with("HTTP/1.1 403"), "{response}");
     assert!(response.contains("no token"), "{response}");
     let other = moat.preview_link(id, 8001).await.expect("another port's link");
     assert_ne!(other.token, link.token);
-    let response = http_get(other.host_port, &format!("/?moat_token={}", link.token), None).await;
+    let response = http_get(&other, &format!("/?moat_token={}", link.token), None).await;
     assert!(response.starts_with("HTTP/1.1 403"), "another port's token: {response}");
     let cookie = format!("moat_preview_{}={}", other.host_port, link.token);
-    let response = http_get(other.host_port, "/", Some(&cookie)).await;
+    let response = http_get(&other, "/", Some(&cookie)).await;
     assert!(response.starts_with("HTTP/1.1 403"), "another port's token as a cookie: {response}");
     // Chromium used the first token: it opens nothing any more.
-    let response = http_get(link.host_port, &format!("/?moat_token={}", link.token), None).await;
+    let response = http_get(&link, &format!("/?moat_token={}", link.token), None).await;
     assert!(response.starts_with("HTTP/1.1 403") && response.contains("opened already"), "{response}");
     // An unused token: a redirect that sets a session cookie (not the
     // token), then the page.
-    let response = http_get(again.host_port, &format!("/?moat_token={}", again.token), None).await;
+    let response = http_get(&again, &format!("/?moat_token={}", again.token), None).await;
     assert!(response.starts_with("HTTP/1.1 303"), "{response}");
     let cookie = session_cookie(&response, again.host_port);
     assert!(!cookie.contains(&again.token), "the cookie is a session of its own: {cookie}");
-    let response = http_get(again.host_port, "/index.html", Some(&cookie)).await;
+    let response = http_get(&again, "/index.html", Some(&cookie)).await;
     assert!(response.starts_with("HTTP/1.0 200") && response.contains("served from the sandbox"), "{response}");
 
     // After the first request head the link splices raw bytes: an upgraded
@@ -609,11 +618,11 @@ while True:
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let ws = moat.preview_link(id, 8002).await.expect("a link for the upgrade server");
-    let opened = http_get(ws.host_port, &format!("/?moat_token={}", ws.token), None).await;
+    let opened = http_get(&ws, &format!("/?moat_token={}", ws.token), None).await;
     let ws_cookie = session_cookie(&opened, ws.host_port);
     {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", ws.host_port)).await.expect("connects");
+        let mut stream = tokio::net::TcpStream::connect(link_address(&ws)).await.expect("connects");
         let request = format!(
             "GET /socket HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nCookie: {ws_cookie}\r\n\r\n"
         );
@@ -634,7 +643,7 @@ while True:
     moat.destroy(id).await.expect("destroyed");
     // The listener's task is aborted with the sandbox and closes as the runtime drops it.
     for attempt in 0.. {
-        if tokio::net::TcpStream::connect(("127.0.0.1", link.host_port)).await.is_err() {
+        if tokio::net::TcpStream::connect(link_address(&link)).await.is_err() {
             break;
         }
         assert!(attempt < 500, "the preview listener outlived the sandbox");

@@ -20,7 +20,8 @@
 //! - its cookie must be this link's, and it must come from this link's own
 //!   pages: a browser's `Sec-Fetch-Site` must be `same-origin` or `none`,
 //!   and an `Origin` this link's own, so a page served through another
-//!   link (all links share the site 127.0.0.1) cannot use this one;
+//!   link cannot use this one (on the host's loopback each link is also a
+//!   site of its own, its own address in 127.0.0.0/8: [`PreviewHost`]);
 //! - what goes into the sandbox carries no `moat_*` cookie (no link's
 //!   token), no `X-Moat-*` header and no `Authorization` holding a secret
 //!   of the host ([`never_forward`], such as moat-mcp's HTTP token).
@@ -107,9 +108,41 @@ impl PreviewHost {
         Self::for_http(http, base.as_deref())
     }
 
-    fn url(&self, port: u16, token: &str) -> String {
-        format!("http://{}:{port}/?{TOKEN_PARAM}={token}", self.host)
+    /// Where one link listens and the host its URL names. On the host's
+    /// loopback each link gets an address of its own in 127.0.0.0/8 (all
+    /// of it is this machine's): a browser keeps cookies per host, not per
+    /// port, and counts one host as one site, so on a shared 127.0.0.1 a
+    /// sandbox's page, served through its link, could set cookies for every
+    /// other link and every web service of the user on that address, and
+    /// pass their `SameSite` checks. Elsewhere (a remote client's links)
+    /// the configured address serves them all. Falls back to 127.0.0.1
+    /// where the loopback takes no other address.
+    async fn listen(&self) -> std::io::Result<(TcpListener, String)> {
+        if *self == Self::default() {
+            let own = link_address()?;
+            if let Ok(listener) = TcpListener::bind((own, 0)).await {
+                return Ok((listener, own.to_string()));
+            }
+        }
+        Ok((TcpListener::bind((self.bind, 0)).await?, self.host.clone()))
     }
+}
+
+/// A random address of the loopback network other than 127.0.0.1 and the
+/// network's first and last.
+fn link_address() -> std::io::Result<Ipv4Addr> {
+    loop {
+        let mut bytes = [0u8; 3];
+        getrandom::fill(&mut bytes)?;
+        let address = Ipv4Addr::new(127, bytes[0], bytes[1], bytes[2]);
+        if !matches!(bytes, [0, 0, 0 | 1] | [255, 255, 255]) {
+            return Ok(address);
+        }
+    }
+}
+
+fn url(host: &str, port: u16, token: &str) -> String {
+    format!("http://{host}:{port}/?{TOKEN_PARAM}={token}")
 }
 
 /// The host of a `MOAT_PREVIEW_URL` (`http://HOST`, a path or port after
@@ -184,13 +217,13 @@ impl Drop for Preview {
 impl Preview {
     /// Listens on `host` for links to `port` in the sandbox.
     pub async fn start(port: u16, expires_at: u64, host: &PreviewHost, connect: Connect) -> std::io::Result<Self> {
-        let listener = TcpListener::bind((host.bind, 0)).await?;
+        let (listener, name) = host.listen().await?;
         let host_port = listener.local_addr()?.port();
-        let link = PreviewLink { url: host.url(host_port, ""), port, token: String::new(), host_port, expires_at };
+        let link = PreviewLink { url: url(&name, host_port, ""), port, token: String::new(), host_port, expires_at };
         let guard = Arc::new(Guard {
             tokens: Mutex::default(),
             cookie: format!("moat_preview_{host_port}"),
-            origin: format!("http://{}:{host_port}", host.host),
+            origin: format!("http://{name}:{host_port}"),
             port,
         });
         let task = tokio::spawn(serve(listener, guard.clone(), connect));
@@ -701,7 +734,7 @@ mod tests {
         assert_eq!(PreviewHost::for_http(at("127.0.0.1:8080"), None), Ok(PreviewHost::default()));
         let lan = PreviewHost::for_http(at("10.1.2.3:8080"), None).expect("a host");
         assert_eq!((lan.bind.to_string(), lan.host.as_str()), ("10.1.2.3".into(), "10.1.2.3"));
-        assert_eq!(lan.url(4000, "t"), "http://10.1.2.3:4000/?moat_token=t");
+        assert_eq!(url(&lan.host, 4000, "t"), "http://10.1.2.3:4000/?moat_token=t");
         let v6 = PreviewHost::for_http(at("[fd00::1]:8080"), None).expect("a host");
         assert_eq!(v6.host, "[fd00::1]");
         let named = PreviewHost::for_http(at("0.0.0.0:8080"), Some("http://devbox.lan:9999/x")).expect("a host");
@@ -772,6 +805,38 @@ mod tests {
             body_of(&parsed("POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n")),
             Body::Unsupported
         );
+    }
+
+    /// On the host's loopback each link is a site of its own: its own
+    /// address in 127.0.0.0/8, which its URL and origin name, and nothing
+    /// of it on 127.0.0.1, where the user's own web services are.
+    #[tokio::test]
+    async fn loopback_links_each_listen_on_an_address_of_their_own() {
+        let connect: Connect = Arc::new(|| Ok(AgentClient::unix("/nonexistent")));
+        let host = PreviewHost::default();
+        let a = Preview::start(8000, 0, &host, connect.clone()).await.expect("listens");
+        let b = Preview::start(8000, 0, &host, connect).await.expect("listens");
+        let address = |p: &Preview| -> Ipv4Addr {
+            let rest = p.link.url.strip_prefix("http://").expect("http");
+            rest.split(':').next().expect("a host").parse().expect("an address")
+        };
+        let (one, two) = (address(&a), address(&b));
+        assert_ne!(one, two, "two links share a site");
+        for (ip, p) in [(one, &a), (two, &b)] {
+            assert!(ip.is_loopback() && ip != Ipv4Addr::LOCALHOST, "{ip}");
+            assert_eq!(p.guard.origin, format!("http://{ip}:{}", p.link.host_port));
+            TcpStream::connect((ip, p.link.host_port)).await.expect("the link's own address answers");
+            assert!(
+                TcpStream::connect((Ipv4Addr::LOCALHOST, p.link.host_port)).await.is_err(),
+                "the link listens on 127.0.0.1 too"
+            );
+        }
+        // A remote client's links keep the address they were given.
+        let remote = PreviewHost { bind: IpAddr::V4(Ipv4Addr::LOCALHOST), host: "[fd00::2]".into() };
+        let c = Preview::start(8000, 0, &remote, Arc::new(|| Ok(AgentClient::unix("/nonexistent"))))
+            .await
+            .expect("listens");
+        assert!(c.link.url.starts_with("http://[fd00::2]:"), "{}", c.link.url);
     }
 
     #[tokio::test]
