@@ -524,52 +524,80 @@ impl HostRoots {
 }
 
 impl Destination {
-    /// Makes a new, empty file under a hidden name beside the destination;
-    /// [`Staged::commit`] gives it its name.
+    /// Makes a new, empty file in a private directory beside the
+    /// destination; [`Staged::commit`] gives it its name.
     pub fn stage_file(self) -> Result<(Staged, std::fs::File), HostPathError> {
         let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        let (temp, fd) = self.stage(|parent, temp| openat(parent, temp, flags, Mode::from_bits_truncate(0o600)))?;
-        Ok((Staged::new(self, temp, false), std::fs::File::from(fd)))
+        let (staged, fd) =
+            self.stage(false, |box_fd| openat(box_fd, PAYLOAD, flags, Mode::from_bits_truncate(0o600)))?;
+        Ok((staged, std::fs::File::from(fd)))
     }
 
-    /// Makes a new, empty directory (mode 0700 until committed) under a
-    /// hidden name beside the destination, and opens it.
+    /// Makes a new, empty directory (mode 0700 until committed) in a
+    /// private directory beside the destination, and opens it.
     pub fn stage_dir(self) -> Result<(Staged, OwnedFd), HostPathError> {
-        let (temp, fd) = self.stage(|parent, temp| {
-            nix::sys::stat::mkdirat(parent, temp, Mode::from_bits_truncate(0o700))?;
+        self.stage(true, |box_fd| {
+            nix::sys::stat::mkdirat(box_fd, PAYLOAD, Mode::from_bits_truncate(0o700))?;
             let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-            openat(parent, temp, flags, Mode::empty())
-        })?;
-        Ok((Staged::new(self, temp, true), fd))
+            openat(box_fd, PAYLOAD, flags, Mode::empty())
+        })
     }
 
+    /// A private directory (mode 0700) under a hidden name beside the
+    /// destination, and `make`'s copy in it. The copy is reached only
+    /// through the box's descriptor, never by a name in the parent: where
+    /// others may write in the parent (a shared root), one who renames the
+    /// box away and puts something else at its name gets moat to remove,
+    /// chmod or rename nothing of theirs.
     fn stage(
-        &self,
-        make: impl Fn(&OwnedFd, &OsStr) -> nix::Result<OwnedFd>,
-    ) -> Result<(OsString, OwnedFd), HostPathError> {
+        self,
+        dir: bool,
+        make: impl Fn(&OwnedFd) -> nix::Result<OwnedFd>,
+    ) -> Result<(Staged, OwnedFd), HostPathError> {
         use std::hash::{BuildHasher, Hasher};
+        let failed = |e: Errno| HostPathError(format!("{}: cannot create it: {}", self.shown.display(), e.desc()));
+        let mut made = None;
         for _ in 0..16 {
             let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
             hasher.write_u32(std::process::id());
             let temp = OsString::from(format!(".moat-copy-{:016x}", hasher.finish()));
-            match make(&self.parent, &temp) {
-                Ok(fd) => return Ok((temp, fd)),
-                Err(Errno::EEXIST) => {}
-                Err(e) => {
-                    return Err(HostPathError(format!("{}: cannot create it: {}", self.shown.display(), e.desc())));
+            match nix::sys::stat::mkdirat(&self.parent, temp.as_os_str(), Mode::from_bits_truncate(0o700)) {
+                Ok(()) => {
+                    made = Some(temp);
+                    break;
                 }
+                Err(Errno::EEXIST) => {}
+                Err(e) => return Err(failed(e)),
             }
         }
-        Err(HostPathError(format!("{}: cannot find a free temporary name beside it", self.shown.display())))
+        let Some(temp) = made else {
+            return Err(HostPathError(format!(
+                "{}: cannot find a free temporary name beside it",
+                self.shown.display()
+            )));
+        };
+        let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let box_fd = openat(&self.parent, temp.as_os_str(), flags, Mode::empty()).map_err(failed)?;
+        let staged = Staged { parent: self.parent, box_fd, temp, name: self.name, shown: self.shown, dir, done: false };
+        let fd = make(&staged.box_fd)
+            .map_err(|e| HostPathError(format!("{}: cannot create it: {}", staged.shown.display(), e.desc())))?;
+        Ok((staged, fd))
     }
 }
 
-/// A copy being written under a hidden name beside its destination, so
-/// that nothing a sandbox sent is at the destination's name before it has
-/// all been checked. Dropped without [`Staged::commit`], it is removed.
+/// The name of a staged copy in its private directory.
+const PAYLOAD: &str = "copy";
+
+/// A copy being written in a private directory under a hidden name beside
+/// its destination, so that nothing a sandbox sent is at the destination's
+/// name before it has all been checked. Dropped without
+/// [`Staged::commit`], it is removed.
 #[derive(Debug)]
 pub struct Staged {
     parent: OwnedFd,
+    /// The private directory, mode 0700, holding the copy as [`PAYLOAD`].
+    box_fd: OwnedFd,
+    /// The private directory's name in `parent`.
     temp: OsString,
     name: OsString,
     shown: PathBuf,
@@ -578,21 +606,17 @@ pub struct Staged {
 }
 
 impl Staged {
-    fn new(dest: Destination, temp: OsString, dir: bool) -> Self {
-        Self { parent: dest.parent, temp, name: dest.name, shown: dest.shown, dir, done: false }
-    }
-
     /// Gives the copy its name: a rename that never replaces anything.
     pub fn commit(mut self) -> Result<(), HostPathError> {
         if self.dir {
             let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-            if let Ok(fd) = openat(&self.parent, self.temp.as_os_str(), flags, Mode::empty()) {
+            if let Ok(fd) = openat(&self.box_fd, PAYLOAD, flags, Mode::empty()) {
                 let _ = nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(0o755));
             }
         }
         let renamed = nix::fcntl::renameat2(
-            &self.parent,
-            self.temp.as_os_str(),
+            &self.box_fd,
+            PAYLOAD,
             &self.parent,
             self.name.as_os_str(),
             nix::fcntl::RenameFlags::RENAME_NOREPLACE,
@@ -608,15 +632,30 @@ impl Staged {
             Err(e) => Err(HostPathError(format!("{}: cannot create it: {}", self.shown.display(), e.desc()))),
         }
     }
+
+    /// Removes the private directory from the parent, if the name there is
+    /// still it (another's directory put at that name is left alone).
+    fn remove_box(&self) {
+        let (Ok(own), Ok(named)) = (
+            nix::sys::stat::fstat(&self.box_fd),
+            fstatat(&self.parent, self.temp.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW),
+        ) else {
+            return;
+        };
+        if (own.st_dev, own.st_ino) == (named.st_dev, named.st_ino) {
+            let _ = nix::unistd::unlinkat(&self.parent, self.temp.as_os_str(), nix::unistd::UnlinkatFlags::RemoveDir);
+        }
+    }
 }
 
 impl Drop for Staged {
     fn drop(&mut self) {
         if !self.done
-            && let Err(e) = remove_beneath(&self.parent, &self.temp, 0)
+            && let Err(e) = remove_beneath(&self.box_fd, OsStr::new(PAYLOAD), 0)
         {
             tracing::warn!(path = %self.shown.display(), "could not remove a failed copy: {e}");
         }
+        self.remove_box();
     }
 }
 

@@ -581,3 +581,46 @@ fn ssh_keys_are_read_beneath_dot_ssh_or_a_root_and_nowhere_else() {
     std::fs::write(ssh.join("huge"), format!("{key}{}", "x".repeat(64 << 10))).expect("write");
     refused(f.roots.read_ssh_key(&ssh.join("huge")), "not an SSH private key");
 }
+
+/// Where others may write in a root's directory (a shared root), one who
+/// renames a staged copy's private directory away and puts a tree of
+/// their choosing at its name gets moat to remove, chmod or rename
+/// nothing of it: the copy is reached through its directory's descriptor.
+#[test]
+fn a_staged_copy_swapped_for_another_tree_leaves_that_tree_alone() {
+    let f = fixture(MIB);
+    let staging = |dir: &Path| -> PathBuf {
+        std::fs::read_dir(dir)
+            .expect("ls")
+            .map(|e| e.expect("entry").path())
+            .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(".moat-copy")))
+            .expect("a staging directory")
+    };
+    let swap = |at: &Path| {
+        std::fs::rename(at, f.root.join("moved-away")).expect("renames the staging away");
+        std::fs::create_dir_all(at.join("copy")).expect("another tree at its name");
+        std::fs::write(at.join("copy/victim"), "theirs").expect("write");
+        std::fs::set_permissions(at, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    };
+    // A copy that fails: what is at the staging name is not removed.
+    let dest = f.roots.destination(&f.root.join("failed")).expect("new");
+    let (staged, _file) = dest.stage_file().expect("staged");
+    let at = staging(&f.root);
+    swap(&at);
+    drop(staged);
+    assert_eq!(std::fs::read_to_string(at.join("copy/victim")).expect("kept"), "theirs");
+    assert!(!f.root.join("moved-away/copy").exists(), "the copy itself is removed where it went");
+    std::fs::remove_dir_all(&at).expect("rm");
+    std::fs::remove_dir_all(f.root.join("moved-away")).expect("rm");
+    // A copy that is committed: its own directory is named, not the tree
+    // at the staging name, which keeps its mode.
+    let dest = f.roots.destination(&f.root.join("done")).expect("new");
+    let (staged, dir) = dest.stage_dir().expect("staged");
+    nix::sys::stat::mkdirat(&dir, "mine", Mode::from_bits_truncate(0o755)).expect("mkdirat");
+    let at = staging(&f.root);
+    swap(&at);
+    staged.commit().expect("committed");
+    assert!(f.root.join("done/mine").is_dir(), "the copy that was written is named");
+    assert_eq!(std::fs::read_to_string(at.join("copy/victim")).expect("kept"), "theirs");
+    assert_eq!(std::fs::metadata(&at).expect("stat").permissions().mode() & 0o777, 0o700, "their tree was chmodded");
+}
