@@ -807,7 +807,24 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
         step("creating overlay directories", std::fs::create_dir(dir))?;
     }
     step("chown upper", nix::unistd::chown(&upper, base.0, base.1))?;
-    let options = format!("lowerdir={},upperdir={},workdir={}", spec.rootfs.display(), upper.display(), work.display());
+    // The overlay's directories by descriptor: its options show in the
+    // sandbox's mountinfo, where host paths (the user's home, the data
+    // directory, the sandbox's state) have no business.
+    let open_path = |dir: &Path| {
+        nix::fcntl::open(
+            dir,
+            nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+    };
+    let layers = [
+        step("opening the image's rootfs", open_path(&spec.rootfs))?,
+        step("opening the overlay's upper directory", open_path(&upper))?,
+        step("opening the overlay's work directory", open_path(&work))?,
+    ];
+    let [lower_fd, upper_fd, work_fd] = layers.each_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+    let options =
+        format!("lowerdir=/proc/self/fd/{lower_fd},upperdir=/proc/self/fd/{upper_fd},workdir=/proc/self/fd/{work_fd}");
     step(
         "mounting the overlay root",
         mount(
@@ -818,6 +835,7 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
             Some(options.as_str()),
         ),
     )?;
+    drop(layers);
 
     // /dev: a tmpfs with bind mounts of harmless host devices.
     let dev = root.join("dev");

@@ -637,6 +637,11 @@ async fn escapes_fail() {
             .expect("runs");
         let listed = String::from_utf8_lossy(&out.stdout).trim().replace("\ncgroup", "");
         assert_eq!(listed, "agent\n0", "host paths visible inside");
+        // The overlay's options name no host directory (its layers are
+        // given by descriptor).
+        let (mounts, _) = sh(&moat, id, "cat /proc/self/mountinfo").await;
+        let data = moat.data_dir().display().to_string();
+        assert!(!mounts.contains(&data) && mounts.contains("lowerdir=/proc/self/fd/"), "{mounts}");
         let out = moat.run(id, ExecRequest::shell("ls /.moat/cgroup 2>&1; echo $?")).await.expect("runs");
         assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"), "user reaches the cgroups");
         let out = moat
