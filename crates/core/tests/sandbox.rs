@@ -2415,11 +2415,7 @@ async fn sandbox_root_freezing_its_own_cgroups_leaves_nothing_behind() {
     let said = format!("{}{}", String::from_utf8_lossy(&frozen.stdout), String::from_utf8_lossy(&frozen.stderr));
     assert_eq!(frozen.status.code, Some(0), "sandbox root could not freeze its cgroups: {said}");
     let (_, sandbox) = freezer_cgroup(&moat, &id, hierarchy);
-    let host_pids: Vec<String> = cgroup_dirs(&sandbox)
-        .iter()
-        .filter_map(|dir| std::fs::read_to_string(dir.join("cgroup.procs")).ok())
-        .flat_map(|procs| procs.lines().map(str::to_owned).collect::<Vec<_>>())
-        .collect();
+    let host_pids = processes_beneath(std::slice::from_ref(&sandbox));
     assert!(host_pids.len() >= 3, "the sandbox's processes: {host_pids:?}");
     moat.destroy(&id).await.expect("destroyed");
     assert_eq!(
@@ -2493,12 +2489,7 @@ async fn sandbox_root_cgroups_at_any_depth_leave_nothing_behind() {
     let monitor = moat.host_pid(&id).expect("live");
     let dirs = sandbox_cgroups(monitor, &id);
     assert!(dirs.len() >= 2, "the sandbox's cgroups: {dirs:?}");
-    let host_pids: Vec<String> = dirs
-        .iter()
-        .flat_map(|dir| cgroup_dirs(dir))
-        .filter_map(|dir| std::fs::read_to_string(dir.join("cgroup.procs")).ok())
-        .flat_map(|procs| procs.lines().map(str::to_owned).collect::<Vec<_>>())
-        .collect();
+    let host_pids = processes_beneath(&dirs);
     assert!(host_pids.len() >= 3, "the sandbox's processes: {host_pids:?}");
     // The monitor dies first, as in a crash: its keeper and the sandbox's
     // init see it go, and the destroy finds the rest.
@@ -2528,6 +2519,15 @@ async fn alive_after_reaping(pids: &[String]) -> usize {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     alive()
+}
+
+/// The host pids of every process in the cgroups `dirs` and beneath them.
+fn processes_beneath(dirs: &[std::path::PathBuf]) -> Vec<String> {
+    dirs.iter()
+        .flat_map(|dir| cgroup_dirs(dir))
+        .filter_map(|dir| std::fs::read_to_string(dir.join("cgroup.procs")).ok())
+        .flat_map(|procs| procs.lines().map(str::to_owned).collect::<Vec<_>>())
+        .collect()
 }
 
 /// Every cgroup directory at and beneath `dir`.
