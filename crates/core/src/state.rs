@@ -43,9 +43,15 @@ impl StateDir {
         Ok(Self { path, _lock: lock })
     }
 
-    /// Records the pid of the sandbox's monitor process.
+    /// Records the sandbox's monitor process: its pid and its start time
+    /// (clock ticks after boot), which together name one process for the
+    /// life of the host, so a sweep never kills one that reused the pid.
     pub fn record_monitor(&self, pid: u32) -> std::io::Result<()> {
-        std::fs::write(self.path.join("monitor"), pid.to_string())
+        let pid = i32::try_from(pid).map_err(std::io::Error::other)?;
+        let started = start_time(pid).ok_or_else(|| {
+            std::io::Error::other(format!("the monitor (pid {pid}) exited before it could be recorded"))
+        })?;
+        std::fs::write(self.path.join("monitor"), format!("{pid} {started}"))
     }
 
     /// Removes the directory (the lock goes with the value).
@@ -157,9 +163,7 @@ pub fn sweep(data_dir: &Path, sweeper: Option<&crate::cgroup::Sweeper>) -> Vec<S
             continue;
         }
         let owner = std::fs::read_to_string(dir.join("owner")).unwrap_or_default();
-        if let Some(monitor) = read_pid(&dir.join("monitor"))
-            && is_monitor_of(monitor, &dir)
-        {
+        if let Some(monitor) = recorded_monitor(&dir.join("monitor")) {
             let _ = kill(Pid::from_raw(monitor), Signal::SIGKILL);
         }
         Cgroup::remove_leftovers(&id, sweeper);
@@ -172,24 +176,53 @@ pub fn sweep(data_dir: &Path, sweeper: Option<&crate::cgroup::Sweeper>) -> Vec<S
     swept
 }
 
-fn read_pid(path: &Path) -> Option<i32> {
-    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+/// The monitor recorded at `path`, where that process still lives: the
+/// same pid, started at the same clock tick. A pid alone, or a look at its
+/// command line, could name a process that reused it.
+fn recorded_monitor(path: &Path) -> Option<i32> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let (pid, started) = text.trim().split_once(' ')?;
+    let (pid, started): (i32, u64) = (pid.parse().ok()?, started.parse().ok()?);
+    // Not its owner's uid as well: a rootless monitor runs as an id of
+    // the user's namespace, and a non-dumpable process's /proc entry is
+    // root's. Pid and tick name one process.
+    (pid > 1 && start_time(pid) == Some(started)).then_some(pid)
 }
 
-/// Whether `pid` is still the monitor of the sandbox at `dir` (and not a
-/// process that reused the pid).
-fn is_monitor_of(pid: i32, dir: &Path) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|cmdline| {
-            let text = String::from_utf8_lossy(&cmdline);
-            (text.contains("jail") || text.contains("moat-vmm")) && text.contains(&*dir.to_string_lossy())
-        })
-        .unwrap_or(false)
+/// When process `pid` started, in clock ticks after boot (field 22 of
+/// `/proc/PID/stat`; the fields are counted after the command name, which
+/// may hold spaces and parentheses).
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_recorded_monitor_is_that_process_only() {
+        let scratch = tempfile::tempdir().expect("tempdir");
+        let state = StateDir::create(scratch.path(), "sbx-test").expect("state dir");
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("sleep");
+        state.record_monitor(child.id()).expect("record");
+        let file = state.path.join("monitor");
+        let pid = i32::try_from(child.id()).expect("pid");
+        assert_eq!(recorded_monitor(&file), Some(pid));
+        // Another start time is another process that has the pid now.
+        let started = start_time(pid).expect("alive");
+        std::fs::write(&file, format!("{pid} {}", started + 1)).expect("write");
+        assert_eq!(recorded_monitor(&file), None);
+        // A bare pid (an older record, or one planted) names nobody.
+        std::fs::write(&file, pid.to_string()).expect("write");
+        assert_eq!(recorded_monitor(&file), None);
+        std::fs::write(&file, format!("{pid} {started}")).expect("write");
+        child.kill().expect("kill");
+        child.wait().expect("wait");
+        assert_eq!(recorded_monitor(&file), None, "a dead process is not a monitor");
+        assert_eq!(start_time(1).map(|_| ()), Some(()), "init's stat parses");
+    }
 
     #[test]
     fn state_is_kept_only_where_no_other_user_writes() {
