@@ -64,7 +64,8 @@ pub struct PreviewHost {
     /// The address listeners bind (port 0: the kernel picks one per link).
     pub bind: IpAddr,
     /// The host of the links' URLs: an address or a name, an IPv6 address
-    /// in brackets.
+    /// in brackets, or a name under a wildcard (`*.preview.example.com`),
+    /// whose `*` each link fills with a label of its own.
     pub host: String,
 }
 
@@ -115,8 +116,12 @@ impl PreviewHost {
     /// sandbox's page, served through its link, could set cookies for every
     /// other link and every web service of the user on that address, and
     /// pass their `SameSite` checks. Elsewhere (a remote client's links)
-    /// the configured address serves them all. Falls back to 127.0.0.1
-    /// where the loopback takes no other address.
+    /// the configured address serves them all, under one name (links
+    /// there share a site, and so their cookies) unless that name is a
+    /// wildcard (`*.preview.example.com`, whose every name the operator's
+    /// DNS points here): then each link is a host of its own,
+    /// `<random label>.preview.example.com`. Falls back to 127.0.0.1 where
+    /// the loopback takes no other address.
     async fn listen(&self) -> std::io::Result<(TcpListener, String)> {
         if *self == Self::default() {
             let own = link_address()?;
@@ -124,7 +129,11 @@ impl PreviewHost {
                 return Ok((listener, own.to_string()));
             }
         }
-        Ok((TcpListener::bind((self.bind, 0)).await?, self.host.clone()))
+        let host = match self.host.strip_prefix("*.") {
+            Some(parent) => format!("{}.{parent}", link_label()?),
+            None => self.host.clone(),
+        };
+        Ok((TcpListener::bind((self.bind, 0)).await?, host))
     }
 }
 
@@ -141,15 +150,26 @@ fn link_address() -> std::io::Result<Ipv4Addr> {
     }
 }
 
+/// A DNS label no one can guess: 20 random letters and digits (about 103
+/// bits), so that a link's host names no other link's.
+fn link_label() -> std::io::Result<String> {
+    const ALPHABET: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
+    let mut bytes = [0u8; 20];
+    getrandom::fill(&mut bytes)?;
+    Ok(bytes.iter().map(|b| char::from(ALPHABET[usize::from(b % 32)])).collect())
+}
+
 fn url(host: &str, port: u16, token: &str) -> String {
     format!("http://{host}:{port}/?{TOKEN_PARAM}={token}")
 }
 
 /// The host of a `MOAT_PREVIEW_URL` (`http://HOST`, a path or port after
-/// it ignored: each link has its own port); an error says what is allowed.
+/// it ignored: each link has its own port; `http://*.NAME`, a host per
+/// link); an error says what is allowed.
 fn parse_base(base: &str) -> Result<String, String> {
     let rule = "MOAT_PREVIEW_URL must be http://HOST (a name or address that clients reach this machine at; \
-                each link adds its own port)";
+                each link adds its own port) or http://*.NAME (a wildcard name whose every host reaches this \
+                machine: each link gets a host of its own)";
     let rest = base.trim().strip_prefix("http://").ok_or_else(|| {
         if base.trim().starts_with("https://") {
             format!("{rule}: preview links are served over plain HTTP, not {base:?}")
@@ -164,8 +184,12 @@ fn parse_base(base: &str) -> Result<String, String> {
         authority.split(':').next().unwrap_or_default().to_owned()
     };
     let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '[' | ']' | ':');
-    if host.is_empty() || host.contains('@') || !host.chars().all(plain) {
+    let name = host.strip_prefix("*.").unwrap_or(&host);
+    if name.is_empty() || name.contains('@') || !name.chars().all(plain) {
         return Err(format!("{rule}, not {base:?}"));
+    }
+    if name.len() != host.len() && (name.contains(['[', ':']) || !name.contains('.') || name.ends_with('.')) {
+        return Err(format!("{rule}: a wildcard goes before a DNS name of two labels or more, not {base:?}"));
     }
     Ok(host)
 }
@@ -741,10 +765,46 @@ mod tests {
         assert_eq!((named.bind.to_string(), named.host.as_str()), ("0.0.0.0".into(), "devbox.lan"));
         let tunnel = PreviewHost::for_http(at("127.0.0.1:8080"), Some("http://[fd00::2]")).expect("a host");
         assert_eq!((tunnel.bind.to_string(), tunnel.host.as_str()), ("127.0.0.1".into(), "[fd00::2]"));
-        for bad in ["https://devbox.lan", "devbox.lan", "http://", "http://user@devbox", "http://a b"] {
+        for bad in [
+            "https://devbox.lan",
+            "devbox.lan",
+            "http://",
+            "http://user@devbox",
+            "http://a b",
+            "http://*.",
+            "http://*.lan",
+            "http://*.[fd00::2]",
+            "http://a.*.lan",
+            "http://*.*.lan",
+        ] {
             let why = PreviewHost::for_http(at("0.0.0.0:1"), Some(bad)).expect_err(bad);
             assert!(why.contains("MOAT_PREVIEW_URL must be http://HOST"), "{bad}: {why}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_wildcard_preview_url_gives_each_link_a_host_of_its_own() {
+        let at = |addr: &str| addr.parse::<SocketAddr>().expect("an address");
+        let host = PreviewHost::for_http(at("127.0.0.1:8080"), Some("http://*.preview.example.com:1/x"))
+            .expect("a wildcard host");
+        assert_eq!(host.host, "*.preview.example.com");
+        let mut names = std::collections::HashSet::new();
+        for _ in 0..8 {
+            let (listener, name) = host.listen().await.expect("a listener");
+            let label = name.strip_suffix(".preview.example.com").expect("under the wildcard's name");
+            assert!(label.len() == 20 && label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()), "{name}");
+            assert!(listener.local_addr().expect("bound").ip().is_loopback());
+            names.insert(name);
+        }
+        assert_eq!(names.len(), 8, "each link a host of its own");
+        // A link's origin is its own host: a page of another link's host is
+        // another origin, refused.
+        let connect: Connect = Arc::new(|| Err(SandboxError::Expired("none".into())));
+        let preview = Preview::start(3000, 0, &host, connect).await.expect("a link");
+        let link = preview.new_link().expect("a link");
+        let own = link.url.split('/').nth(2).expect("an authority").to_owned();
+        assert!(own.ends_with(&format!(".preview.example.com:{}", link.host_port)), "{}", link.url);
+        assert_eq!(preview.guard.origin, format!("http://{own}"));
     }
 
     #[test]
