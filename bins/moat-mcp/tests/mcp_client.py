@@ -365,7 +365,8 @@ async def a_killed_sandbox_fails(session, env):
         await asyncio.sleep(0.05)
     else:
         raise AssertionError("the command did not start")
-    monitor = open(os.path.join(data_dir_of(env), "sandboxes", sid, "monitor")).read().strip()
+    # The record is "PID START-TICK".
+    monitor = open(os.path.join(data_dir_of(env), "sandboxes", sid, "monitor")).read().split()[0]
     # The jail's init: the monitor's child that is not its keeper (cgroup v1).
     children = open(f"/proc/{monitor}/task/{monitor}/children").read().split()
     agent = next(c for c in children if open(f"/proc/{c}/comm").read().strip() != "moat-keeper")

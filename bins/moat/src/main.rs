@@ -407,14 +407,18 @@ fn rm(ids: &[String], all: bool) -> Result<ExitCode> {
     let mut code = ExitCode::SUCCESS;
     for id in targets {
         let state = dir.join(&id);
-        match std::fs::read_to_string(state.join("monitor")).ok().and_then(|p| p.trim().parse::<i32>().ok()) {
-            Some(pid) => {
+        match state.join("monitor").exists() {
+            true => {
                 // The monitor's death takes the sandbox's pid namespace along;
-                // its owner notices on its next operation.
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+                // its owner notices on its next operation. One that is gone
+                // already (its pid maybe another process's now) is left to
+                // the sweep below.
+                if let Some(pid) = moat_core::state::live_monitor(&state) {
+                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+                }
                 println!("removed {id}");
             }
-            None => {
+            false => {
                 eprintln!("moat: no sandbox {id}");
                 code = ExitCode::FAILURE;
             }
@@ -579,8 +583,8 @@ fn doctor(image_name: &str) -> ExitCode {
     println!("cgroup moves:            {moves}");
     match moat_core::limits::max_memory_mib_from_env() {
         Ok(mib) => println!(
-            "memory of all sandboxes: at most {mib} MiB of memory_mib together (MOAT_MAX_MEMORY_MIB; by default \
-             {}% of the host's)",
+            "memory of all sandboxes: at most {mib} MiB together, memory_mib and a jail's disk_mib \
+             (MOAT_MAX_MEMORY_MIB; by default {}% of the host's)",
             moat_core::limits::DEFAULT_SHARE_PERCENT
         ),
         Err(e) => println!("memory of all sandboxes: {e}"),

@@ -104,6 +104,7 @@ async fn bench() {
         grants: moat_core::Grants::everything(),
         extra_ca: None,
         preview: moat_core::net::preview::PreviewHost::default(),
+        max_memory_mib: None,
     };
     let moat = Moat::new(config).await.expect("moat starts");
     for _ in 0..3 {

@@ -52,6 +52,7 @@ async fn bench() {
         grants: moat_core::Grants::everything(),
         extra_ca: None,
         preview: moat_core::net::preview::PreviewHost::default(),
+        max_memory_mib: None,
     };
     let moat = Moat::new(config.clone()).await.expect("moat starts");
 
@@ -143,7 +144,7 @@ fn bwrap() {
 /// process in its pid namespace (found as descendants of the monitor).
 fn sandbox_pss_kib(moat: &Moat, id: &str) -> u64 {
     let state = moat.data_dir().join("sandboxes").join(id);
-    let Some(monitor) = std::fs::read_to_string(state.join("monitor")).ok().and_then(|p| p.trim().parse::<u32>().ok())
+    let Some(monitor) = moat_core::state::live_monitor(&state).and_then(|pid| u32::try_from(pid).ok())
     else {
         return 0;
     };

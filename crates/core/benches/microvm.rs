@@ -89,6 +89,7 @@ async fn bench(runs: usize) {
         grants: moat_core::Grants::everything(),
         extra_ca: None,
         preview: moat_core::net::preview::PreviewHost::default(),
+        max_memory_mib: None,
     };
     let moat = Moat::new(config).await.expect("moat starts with the vm backend");
     let image = moat_core::Image::open(&data_dir, "default").expect("the default image");
@@ -170,9 +171,8 @@ struct Memory {
 /// moat-vmm's resident memory, all of it and that of the guest memory
 /// mapping (the one mapping of the guest's size).
 fn vmm_memory(data_dir: &Path, id: &str) -> Memory {
-    let pid = std::fs::read_to_string(data_dir.join("sandboxes").join(id).join("monitor"))
-        .ok()
-        .and_then(|p| p.trim().parse::<u32>().ok())
+    let pid = moat_core::state::live_monitor(&data_dir.join("sandboxes").join(id))
+        .and_then(|pid| u32::try_from(pid).ok())
         .expect("the sandbox records its VMM's pid");
     let (total_kib, mut mappings) = smaps(pid);
     let guest = mappings.iter().position(|(size, _, _)| *size == GUEST_MIB * 1024);

@@ -1,9 +1,11 @@
 //! What all sandboxes together may cost the host, set by the operator.
 //!
-//! - `MOAT_MAX_MEMORY_MIB`: the most the `memory_mib` of live sandboxes may
-//!   add up to; by default [`DEFAULT_SHARE_PERCENT`] % of the host's
+//! - `MOAT_MAX_MEMORY_MIB`: the most the memory of live sandboxes may add
+//!   up to (`memory_mib`, and for a jail `disk_mib` too: its disk is in
+//!   memory); by default [`DEFAULT_SHARE_PERCENT`] % of the host's
 //!   `MemTotal`. [`Moat::create`](crate::Moat::create) refuses a sandbox that
-//!   would pass it, naming the figures.
+//!   would pass it, naming the figures; sandboxes being created and pooled
+//!   ones count.
 //! - `MOAT_ALLOW_UNLIMITED=1`: start jails even where their cgroups (the
 //!   memory, pids and CPU limits) cannot be set up; refused otherwise.
 //!
@@ -71,17 +73,34 @@ fn parse_max_memory(value: Option<&str>, mem_total_mib: Option<u64>) -> Result<u
     }
 }
 
-/// Refuses a sandbox of `asked` MiB when the live ones already hold `live`
-/// MiB of at most `max`; the error names the figures and what to do.
-pub fn check_memory(live: u64, live_count: usize, asked: u64, max: u64) -> Result<(), CreateError> {
-    if live.saturating_add(asked) <= max {
+/// The host memory a new sandbox asks for.
+#[derive(Debug, Clone, Copy)]
+pub struct Asked {
+    /// In all, in MiB.
+    pub mib: u64,
+    /// For a jail, the `disk_mib` within `mib` (a jail's disk is a tmpfs).
+    pub jail_disk: Option<u64>,
+}
+
+/// Refuses a sandbox that asks for `asked` when the live ones already hold
+/// `live` MiB of at most `max`; the error names the figures and what to do.
+pub fn check_memory(live: u64, live_count: usize, asked: Asked, max: u64) -> Result<(), CreateError> {
+    let Asked { mib, jail_disk } = asked;
+    if live.saturating_add(mib) <= max {
         return Ok(());
     }
+    let what = match jail_disk {
+        Some(disk) => format!(
+            "memory_mib {} and disk_mib {disk} (a jail's disk is held in memory)",
+            mib.saturating_sub(disk)
+        ),
+        None => format!("memory_mib {mib}"),
+    };
     Err(CreateError::HostMemory(format!(
-        "memory_mib {asked} would bring the live sandboxes' memory to {} MiB, over the host's limit of {max} MiB \
-         ({live_count} live sandbox{} hold {live} MiB); destroy a sandbox, ask for less memory_mib, or raise \
-         MOAT_MAX_MEMORY_MIB (by default {DEFAULT_SHARE_PERCENT}% of the host's memory)",
-        live.saturating_add(asked),
+        "{what} would bring the live sandboxes' memory to {} MiB, over the host's limit of {max} MiB ({live_count} \
+         live sandbox{} hold {live} MiB); destroy a sandbox, ask for less, or raise MOAT_MAX_MEMORY_MIB (by \
+         default {DEFAULT_SHARE_PERCENT}% of the host's memory)",
+        live.saturating_add(mib),
         if live_count == 1 { "" } else { "es" },
     )))
 }
@@ -92,9 +111,10 @@ mod tests {
 
     #[test]
     fn the_memory_sum_is_checked_with_the_figures_in_the_refusal() {
-        assert!(check_memory(0, 0, 1024, 1024).is_ok());
-        assert!(check_memory(3072, 3, 1024, 4096).is_ok());
-        let refused = check_memory(3072, 3, 2048, 4096).expect_err("5120 MiB is over 4096").to_string();
+        let vm = |mib| Asked { mib, jail_disk: None };
+        assert!(check_memory(0, 0, vm(1024), 1024).is_ok());
+        assert!(check_memory(3072, 3, vm(1024), 4096).is_ok());
+        let refused = check_memory(3072, 3, vm(2048), 4096).expect_err("5120 MiB is over 4096").to_string();
         for words in [
             "memory_mib 2048",
             "5120 MiB",
@@ -104,7 +124,10 @@ mod tests {
         ] {
             assert!(refused.contains(words), "{words:?} missing from {refused}");
         }
-        assert!(check_memory(u64::MAX, 1, 128, u64::MAX).is_ok(), "no overflow");
+        assert!(check_memory(u64::MAX, 1, vm(128), u64::MAX).is_ok(), "no overflow");
+        let jail = Asked { mib: 128 + 262_144, jail_disk: Some(262_144) };
+        let refused = check_memory(0, 0, jail, 18_000).expect_err("a jail's disk is memory").to_string();
+        assert!(refused.contains("memory_mib 128 and disk_mib 262144") && refused.contains("262272 MiB"), "{refused}");
     }
 
     #[test]

@@ -163,7 +163,7 @@ pub fn sweep(data_dir: &Path, sweeper: Option<&crate::cgroup::Sweeper>) -> Vec<S
             continue;
         }
         let owner = std::fs::read_to_string(dir.join("owner")).unwrap_or_default();
-        if let Some(monitor) = recorded_monitor(&dir.join("monitor")) {
+        if let Some(monitor) = live_monitor(&dir) {
             let _ = kill(Pid::from_raw(monitor), Signal::SIGKILL);
         }
         Cgroup::remove_leftovers(&id, sweeper);
@@ -174,6 +174,13 @@ pub fn sweep(data_dir: &Path, sweeper: Option<&crate::cgroup::Sweeper>) -> Vec<S
         swept.push(id);
     }
     swept
+}
+
+/// The monitor (or VMM) of the sandbox whose state directory is
+/// `state_dir`, while that process lives: the pid to signal, never one
+/// that another process took over.
+pub fn live_monitor(state_dir: &Path) -> Option<i32> {
+    recorded_monitor(&state_dir.join("monitor"))
 }
 
 /// The monitor recorded at `path`, where that process still lives: the

@@ -220,6 +220,50 @@ async fn expired_sandboxes_are_destroyed_and_limits_hold() {
     moat.destroy_all().await;
 }
 
+/// `MOAT_MAX_MEMORY_MIB` holds however many creates run at once: each is
+/// admitted, its memory held, before it starts, so none past the limit is
+/// ever started (the state directories made are counted by inotify); and
+/// a jail's `disk_mib` counts, its disk being memory (256 + 128 MiB each:
+/// two fit in 1000 MiB, where three would by `memory_mib` alone).
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn concurrent_creates_never_start_past_the_memory_limit() {
+    use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+    if backend() != moat_core::BackendKind::Jail {
+        return;
+    }
+    let top = tempfile::tempdir().expect("tempdir");
+    let data = top.path().join("data");
+    let sandboxes = data.join("sandboxes");
+    std::fs::create_dir_all(&sandboxes).expect("mkdir");
+    std::os::unix::fs::symlink(moat_core::image::data_dir().join("images"), data.join("images")).expect("images");
+    let config = MoatConfig {
+        data_dir: data.clone(),
+        max_memory_mib: Some(1000),
+        ..common::config(backend(), 16, moat_core::EgressConfig::default())
+    };
+    let moat = Moat::new(config).await.expect("moat starts");
+    let watch = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).expect("inotify");
+    watch.add_watch(&sandboxes, AddWatchFlags::IN_CREATE).expect("watch");
+    let mut creates = tokio::task::JoinSet::new();
+    for _ in 0..6 {
+        let moat = moat.clone();
+        creates.spawn(async move { moat.create(small()).await });
+    }
+    let results = creates.join_all().await;
+    let made = std::iter::from_fn(|| watch.read_events().ok().filter(|events| !events.is_empty()))
+        .flatten()
+        .filter(|event| event.mask.contains(AddWatchFlags::IN_ISDIR))
+        .count();
+    let refusals: Vec<String> = results.iter().filter_map(|r| r.as_ref().err()).map(ToString::to_string).collect();
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 2, "{refusals:?}");
+    for refusal in &refusals {
+        assert!(refusal.contains("memory_mib 256 and disk_mib 128") && refusal.contains("MOAT_MAX_MEMORY_MIB"), "{refusal}");
+    }
+    assert_eq!(made, 2, "sandboxes started past the limit: {refusals:?}");
+    moat.destroy_all().await;
+}
+
 /// Rootless: jails join the user namespace that the user's holder keeps
 /// mapped (moat_agent::userns_holder) instead of mapping one each; one
 /// that a false holder offers (other maps) is refused, the jail maps its
@@ -235,8 +279,7 @@ async fn rootless_jails_join_the_held_namespace_and_refuse_a_false_one() {
     let data = moat_core::image::data_dir();
     let socket = data.join(moat_core::backend::jail::USERNS_SOCKET);
     let monitor_ns = |id: &str| -> (String, String) {
-        let pid = std::fs::read_to_string(data.join("sandboxes").join(id).join("monitor")).expect("monitor pid");
-        let pid = pid.trim();
+        let pid = moat_core::state::live_monitor(&data.join("sandboxes").join(id)).expect("monitor pid");
         let ns = std::fs::read_link(format!("/proc/{pid}/ns/user")).expect("the monitor's namespace");
         let map = std::fs::read_to_string(format!("/proc/{pid}/uid_map")).expect("its uid_map");
         (ns.to_string_lossy().into_owned(), map.split_whitespace().collect::<Vec<_>>().join(" "))
@@ -355,8 +398,7 @@ async fn sandboxes_never_outlive_a_killed_owner() {
         said.push_str(&line);
     };
     let state = moat_core::image::data_dir().join("sandboxes").join(&id);
-    let monitor: i32 =
-        std::fs::read_to_string(state.join("monitor")).expect("monitor pid").trim().parse().expect("pid");
+    let monitor: i32 = moat_core::state::live_monitor(&state).expect("monitor pid");
     owner.kill().expect("SIGKILL");
     owner.wait().expect("reaped");
     // The monitor dies with its owner (PR_SET_PDEATHSIG), and the sandbox's
@@ -1260,6 +1302,7 @@ async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {
         grants: moat_core::Grants::everything(),
         extra_ca: None,
         preview: moat_core::net::preview::PreviewHost::default(),
+        max_memory_mib: None,
     };
     let moat = Moat::new(config).await.expect("moat starts");
     // A guard against a hang: microVMs under nested emulation take seconds each.

@@ -45,6 +45,10 @@ pub struct MoatConfig {
     /// Where preview links listen and the host their URLs name: the
     /// loopback, unless moat-mcp serves remote clients over HTTP.
     pub preview: PreviewHost,
+    /// The most the live sandboxes' memory may add up to, in MiB
+    /// ([`crate::limits`]); `None`: `MOAT_MAX_MEMORY_MIB`, read when the
+    /// `Moat` starts, or its default share of the host.
+    pub max_memory_mib: Option<u64>,
 }
 
 impl MoatConfig {
@@ -75,6 +79,7 @@ impl MoatConfig {
             grants: Grants::everything(),
             extra_ca,
             preview: PreviewHost::default(),
+            max_memory_mib: None,
         })
     }
 }

@@ -75,9 +75,13 @@ struct Inner {
     tasks: Mutex<BTreeMap<String, (Task, Vec<LogEntry>)>>,
     /// Started sandboxes waiting to be handed out, by id.
     pool: Mutex<Vec<(String, Machine, ImageBuild)>>,
-    /// The most the live sandboxes' `memory_mib` may add up to
-    /// (`MOAT_MAX_MEMORY_MIB`; see [`crate::limits`]).
+    /// The most the live sandboxes' memory (see [`Inner::charged_mib`])
+    /// may add up to (`MOAT_MAX_MEMORY_MIB`; see [`crate::limits`]).
     max_memory_mib: u64,
+    /// Creates admitted and not yet live: how many, and their memory.
+    /// Taken only while `sandboxes` is held (lock order: `sandboxes`,
+    /// then this), so admission is one step however many creates run.
+    reserved: Mutex<(usize, u64)>,
     refill: Arc<tokio::sync::Notify>,
     /// Set by [`Moat::close`]: a create that finishes afterwards destroys
     /// its sandbox instead of keeping it, so none outlives its owner.
@@ -116,7 +120,10 @@ impl Moat {
         if config.pool_size > 0 {
             config.grants.check(&config.pool_spec, &config.egress)?;
         }
-        let max_memory_mib = crate::limits::max_memory_mib_from_env()?;
+        let max_memory_mib = match config.max_memory_mib {
+            Some(mib) => mib,
+            None => crate::limits::max_memory_mib_from_env()?,
+        };
         let backend = choose_backend(&config)?;
         tracing::info!(backend = %backend.kind(), "sandboxes run in this backend");
         if backend.kind() == BackendKind::Jail && !config.agent.is_file() {
@@ -143,6 +150,7 @@ impl Moat {
             tasks: Mutex::new(BTreeMap::new()),
             pool: Mutex::new(Vec::new()),
             max_memory_mib,
+            reserved: Mutex::new((0, 0)),
             refill: Arc::new(tokio::sync::Notify::new()),
             closing: std::sync::atomic::AtomicBool::new(false),
         });
@@ -208,11 +216,10 @@ impl Moat {
         spec.validate()?;
         self.inner.config.grants.check(&spec, &self.inner.egress)?;
         let max = self.inner.config.max_sandboxes;
-        if self.inner.lock().len() >= max {
-            return Err(CreateError::LimitReached { max });
-        }
         let from_pool = spec == self.inner.config.pool_spec && self.pooled() > 0;
-        self.inner.check_memory(spec.memory_mib, from_pool)?;
+        // Admitted, with its memory held, before it starts: concurrent
+        // creates never start more sandboxes than the limits allow.
+        let reservation = self.inner.reserve(&spec, from_pool)?;
         let pooled = if spec == self.inner.config.pool_spec { self.inner.take_pooled() } else { None };
         let (id, name, machine, build) = match pooled {
             Some((id, machine, build)) => (id.clone(), id, machine, build),
@@ -260,8 +267,10 @@ impl Moat {
         };
         let rejected = {
             let mut sandboxes = self.inner.lock();
-            // Checked again: other creates may have finished meanwhile.
-            let memory = self.inner.memory_check(&sandboxes, info.spec.memory_mib, false);
+            // Checked again without its own reservation: the pool may have
+            // grown meanwhile.
+            drop(reservation);
+            let memory = self.inner.memory_check(&sandboxes, &info.spec, false);
             if self.inner.closing.load(std::sync::atomic::Ordering::SeqCst) {
                 Some((machine, Some(closing(&id))))
             } else if sandboxes.len() >= max || memory.is_err() {
@@ -580,26 +589,72 @@ impl Inner {
         Ok(machine)
     }
 
-    /// Refuses a sandbox of `asked` MiB that would bring the live
-    /// sandboxes' `memory_mib` over [`Inner::max_memory_mib`]. Pooled
-    /// sandboxes count too, unless `pooled_counted` says the new one is
-    /// already among them.
-    fn check_memory(&self, asked: u64, pooled_counted: bool) -> Result<(), CreateError> {
-        let sandboxes = self.lock();
-        self.memory_check(&sandboxes, asked, pooled_counted)
+    /// The host memory a sandbox of `spec` may hold: its `memory_mib`, and
+    /// for a jail its `disk_mib` too, since a jail's disk is a tmpfs (its
+    /// cgroup's limit is the sum). A microVM's disk is a file.
+    fn charged_mib(&self, spec: &SandboxSpec) -> u64 {
+        match self.backend.kind() {
+            BackendKind::Jail => spec.memory_mib.saturating_add(spec.disk_mib),
+            BackendKind::Vm | BackendKind::Auto => spec.memory_mib,
+        }
     }
 
+    /// Admits a create of `spec`: refused when `max_sandboxes` are live or
+    /// being created, or when its memory would bring theirs over
+    /// [`Inner::max_memory_mib`]; else holds its place and its memory
+    /// until the reservation is dropped. `pooled_counted`: it will be taken
+    /// from the pool, whose sandboxes are counted already.
+    fn reserve(&self, spec: &SandboxSpec, pooled_counted: bool) -> Result<Reservation<'_>, CreateError> {
+        let sandboxes = self.lock();
+        let max = self.config.max_sandboxes;
+        if sandboxes.len() + self.reserved().0 >= max {
+            return Err(CreateError::LimitReached { max });
+        }
+        self.memory_check(&sandboxes, spec, pooled_counted)?;
+        let mib = if pooled_counted { 0 } else { self.charged_mib(spec) };
+        let mut reserved = self.reserved();
+        reserved.0 += 1;
+        reserved.1 = reserved.1.saturating_add(mib);
+        Ok(Reservation { inner: self, mib })
+    }
+
+    fn reserved(&self) -> std::sync::MutexGuard<'_, (usize, u64)> {
+        // Each critical section is two additions: a panic leaves it whole.
+        self.reserved.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Refuses a sandbox of `spec` that would bring the memory of the live,
+    /// pooled and admitted sandboxes over [`Inner::max_memory_mib`], unless
+    /// `pooled_counted` says it is among the pooled ones already.
     fn memory_check(
         &self,
         sandboxes: &BTreeMap<String, Entry>,
-        asked: u64,
+        spec: &SandboxSpec,
         pooled_counted: bool,
     ) -> Result<(), CreateError> {
         let pooled = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
-        let pooled_mib = self.config.pool_spec.memory_mib.saturating_mul(pooled as u64);
-        let live: u64 = sandboxes.values().map(|e| e.info.spec.memory_mib).sum::<u64>().saturating_add(pooled_mib);
-        let asked = if pooled_counted { 0 } else { asked };
-        crate::limits::check_memory(live, sandboxes.len() + pooled, asked, self.max_memory_mib)
+        let pooled_mib = self.charged_mib(&self.config.pool_spec).saturating_mul(pooled as u64);
+        let (admitted, admitted_mib) = *self.reserved();
+        let live: u64 = sandboxes
+            .values()
+            .map(|e| self.charged_mib(&e.info.spec))
+            .sum::<u64>()
+            .saturating_add(pooled_mib)
+            .saturating_add(admitted_mib);
+        let asked = if pooled_counted { 0 } else { self.charged_mib(spec) };
+        let jail_disk = (self.backend.kind() == BackendKind::Jail).then_some(spec.disk_mib);
+        let count = sandboxes.len() + pooled + admitted;
+        crate::limits::check_memory(live, count, crate::limits::Asked { mib: asked, jail_disk }, self.max_memory_mib)
+    }
+
+    /// Whether one more pooled sandbox fits beside the live ones.
+    pub(super) fn pool_has_room(&self) -> Result<(), CreateError> {
+        let sandboxes = self.lock();
+        let pooled = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
+        if sandboxes.len() + pooled + self.reserved().0 >= self.config.max_sandboxes {
+            return Err(CreateError::LimitReached { max: self.config.max_sandboxes });
+        }
+        self.memory_check(&sandboxes, &self.config.pool_spec, false)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Entry>> {
@@ -726,5 +781,20 @@ fn closing(id: &str) -> CreateError {
     CreateError::StartFailed {
         id: id.to_owned(),
         reason: "moat is shutting down, so the new sandbox was destroyed; create it again once moat runs".into(),
+    }
+}
+
+/// A create admitted by [`Inner::reserve`]: its place and memory are held
+/// until it is dropped (when the sandbox is live, or its start failed).
+struct Reservation<'a> {
+    inner: &'a Inner,
+    mib: u64,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        let mut reserved = self.inner.reserved();
+        reserved.0 = reserved.0.saturating_sub(1);
+        reserved.1 = reserved.1.saturating_sub(self.mib);
     }
 }

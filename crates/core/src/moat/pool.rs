@@ -25,6 +25,15 @@ pub(super) async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::
             refill.notified().await;
             continue;
         }
+        if let Err(full) = strong.pool_has_room() {
+            // The pool counts against MOAT_MAX_SANDBOXES and the memory
+            // limit like live sandboxes: it waits for a take, or looks
+            // again after a while (a destroy makes room without a word).
+            tracing::debug!("the sandbox pool waits for room: {full}");
+            drop(strong);
+            let _ = tokio::time::timeout(Duration::from_secs(5), refill.notified()).await;
+            continue;
+        }
         let spec = strong.config.pool_spec.clone();
         let started = match Image::open_ref(&strong.config.data_dir, &spec.image) {
             Ok(image) => {

@@ -43,6 +43,7 @@ pub fn config(backend: BackendKind, max_sandboxes: usize, egress: EgressConfig) 
         grants: moat_core::Grants::everything(),
         extra_ca: None,
         preview: moat_core::net::preview::PreviewHost::default(),
+        max_memory_mib: None,
     }
 }
 
