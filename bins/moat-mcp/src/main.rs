@@ -133,6 +133,7 @@ fn main() -> ExitCode {
     } else {
         None
     };
+    raise_descriptor_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -348,5 +349,23 @@ fn manual_dir() -> Option<std::path::PathBuf> {
     match &args[..] {
         [flag, dir] if flag == "--write-manual" => Some(dir.into()),
         _ => None,
+    }
+}
+
+/// Raises this process's soft limit of open descriptors to its hard limit:
+/// every sandbox, agent connection, preview link and HTTP session holds
+/// some, and the usual soft limit (1024) is a few dozen busy sandboxes.
+/// The hard limit stays the operator's (`ulimit -Hn`, systemd's
+/// `LimitNOFILE`).
+fn raise_descriptor_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!("cannot raise the open-descriptor limit from {soft} to {hard}: {e}");
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!("cannot read the open-descriptor limit: {e}"),
     }
 }

@@ -100,6 +100,14 @@ pub enum SandboxError {
     /// A preview link was asked for port 0.
     #[error("Invalid sandbox spec: port must be from 1 to 65535")]
     InvalidPort,
+    /// Sandbox `id` has [`crate::net::preview::MAX_LINKS`] preview
+    /// listeners already.
+    #[error(
+        "Sandbox {id} has preview links for {max} ports already, the most one sandbox may have (each lasts until \
+         the sandbox ends): ask again for one of its ports ({ports}) for a new URL, serve more pages behind one \
+         port, or use another sandbox"
+    )]
+    TooManyPreviews { id: String, max: usize, ports: String },
     #[error(transparent)]
     Io(#[from] IoError),
 }

@@ -639,6 +639,19 @@ while True:
         }
     }
 
+    // A sandbox has links for at most MAX_LINKS ports (listeners on the
+    // host); a port it has already is always given a new URL.
+    let mut port = 9000;
+    while moat.preview_link(id, port).await.is_ok() {
+        port += 1;
+        assert!(port < 9100, "preview links are not bounded");
+    }
+    let refused = moat.preview_link(id, port).await.expect_err("past the bound").to_string();
+    let max = moat_core::net::preview::MAX_LINKS;
+    assert_eq!(usize::from(port - 9000) + 3, max, "{refused}");
+    assert!(refused.contains(&format!("for {max} ports")) && refused.contains("8000, 8001, 8002"), "{refused}");
+    moat.preview_link(id, 8000).await.expect("a port it has: a new URL");
+
     // The link ends with the sandbox.
     moat.destroy(id).await.expect("destroyed");
     // The listener's task is aborted with the sandbox and closes as the runtime drops it.

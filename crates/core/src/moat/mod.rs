@@ -541,6 +541,16 @@ impl Moat {
         if let Some(link) = existing {
             return Ok(link.map_err(io)?);
         }
+        let too_many = |previews: &BTreeMap<u16, Preview>| {
+            (previews.len() >= crate::net::preview::MAX_LINKS).then(|| SandboxError::TooManyPreviews {
+                id: id.into(),
+                max: crate::net::preview::MAX_LINKS,
+                ports: previews.keys().map(u16::to_string).collect::<Vec<_>>().join(", "),
+            })
+        };
+        if let Some(refused) = self.inner.lock().get(id).and_then(|entry| too_many(&entry.previews)) {
+            return Err(refused);
+        }
         let weak = Arc::downgrade(&self.inner);
         let sandbox = id.to_owned();
         let connect = move || -> Result<AgentClient<UnixConnector>, SandboxError> {
@@ -552,6 +562,12 @@ impl Moat {
             .map_err(|source| IoError { id: id.into(), what: "listening for the preview link".into(), source })?;
         let mut sandboxes = self.inner.lock();
         let entry = sandboxes.get_mut(id).ok_or_else(|| SandboxError::Expired(id.into()))?;
+        // Checked again: another call may have added a port meanwhile.
+        if !entry.previews.contains_key(&port)
+            && let Some(refused) = too_many(&entry.previews)
+        {
+            return Err(refused);
+        }
         Ok(entry.previews.entry(port).or_insert(preview).new_link().map_err(io)?)
     }
 

@@ -52,6 +52,9 @@ const MAX_HEADERS: usize = 128;
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections one link carries at once.
 const MAX_CONNECTIONS: usize = 64;
+/// The most ports one sandbox has preview links for: each is a listener
+/// and a task on the host, until the sandbox ends.
+pub const MAX_LINKS: usize = 16;
 /// The query parameter that carries the token.
 pub const TOKEN_PARAM: &str = "moat_token";
 /// Unused tokens, used tokens and sessions one link remembers, each: the
