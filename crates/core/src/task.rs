@@ -18,6 +18,11 @@ use crate::runtime::Runtime;
 /// Output kept per command in the execution log.
 pub const LOG_OUTPUT_BYTES: usize = 4096;
 
+/// The most commands a task's execution log keeps (the newest): with each
+/// entry's command and output clipped to [`LOG_OUTPUT_BYTES`], a task's
+/// log holds at most about 12 MiB of the host's memory, and of its record.
+pub const LOG_ENTRIES: usize = 1024;
+
 /// One command run during a task.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LogEntry {
@@ -26,7 +31,8 @@ pub struct LogEntry {
     pub signal: Option<i32>,
     pub started_at: u64,
     pub duration_ms: u64,
-    /// The first [`LOG_OUTPUT_BYTES`] of stdout and of stderr.
+    /// The first [`LOG_OUTPUT_BYTES`] of the command, of stdout and of
+    /// stderr; `truncated` says whether any was cut.
     pub stdout: String,
     pub stderr: String,
     pub truncated: bool,

@@ -956,6 +956,10 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
     let work = "cd /workspace && echo \"print('changed')\" > main.py && rm delete_me.txt && echo new > new.txt && printf '\\000\\377' > data.bin";
     let (_, code) = sh(&moat, &task.sandbox_id, work).await;
     assert_eq!(code, Some(0));
+    // A command's text is logged clipped, like its output: a model's
+    // 64 KiB of command holds 4 KiB of the host's memory and record.
+    let long = format!("true {}", "#".repeat(64 << 10));
+    assert_eq!(sh(&moat, &task.sandbox_id, &long).await.1, Some(0));
     let (diff, summary) = moat.task_diff(&task.id).await.expect("diff");
     assert!(diff.contains("+print('changed')"), "{diff}");
     assert!(diff.contains("deleted file mode") && diff.contains("delete_me.txt"), "{diff}");
@@ -967,6 +971,9 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
     assert_eq!(std::fs::read_to_string(&record.patch_path).expect("patch"), diff);
     let log = std::fs::read_to_string(&record.log_path).expect("log");
     assert!(log.contains("python3 main.py") && log.contains("delete_me.txt"), "{log}");
+    let entries: Vec<moat_core::task::LogEntry> = serde_json::from_str(&log).expect("the log is a list of entries");
+    let clipped = entries.iter().find(|e| e.command.starts_with("true ##")).expect("the long command is logged");
+    assert!(clipped.command.len() <= moat_core::task::LOG_OUTPUT_BYTES && clipped.truncated, "{}", clipped.command.len());
     assert!(matches!(moat.get(&task.sandbox_id), Err(SandboxError::UnknownSandbox { .. })), "sandbox destroyed");
     assert!(moat.task_records().iter().any(|r| r.task.id == task.id));
     moat.remove_task(&task.id).expect("removed");

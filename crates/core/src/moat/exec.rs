@@ -261,17 +261,21 @@ impl Moat {
     pub fn log_command(&self, id: &str, command: &str, started_at: u64, output: &Output) {
         let mut tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((_, log)) = tasks.values_mut().find(|(task, _)| task.sandbox_id == id) {
+            let (command, cut_command) = task::clip(command.as_bytes());
             let (stdout, cut_out) = task::clip(&output.stdout);
             let (stderr, cut_err) = task::clip(&output.stderr);
+            if log.len() >= task::LOG_ENTRIES {
+                log.remove(0);
+            }
             log.push(LogEntry {
-                command: command.to_owned(),
+                command,
                 exit_code: output.status.code,
                 signal: output.status.signal,
                 started_at,
                 duration_ms: output.status.duration_ms,
                 stdout,
                 stderr,
-                truncated: cut_out || cut_err,
+                truncated: cut_command || cut_out || cut_err,
             });
         }
     }

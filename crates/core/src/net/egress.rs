@@ -472,7 +472,19 @@ async fn serve<C: Connector>(
 }
 
 fn decision(request: &EgressRequest, allowed: bool, address: Option<String>, reason: String) -> EgressDecision {
-    EgressDecision { at: now(), host: request.host.clone(), port: request.port, allowed, address, reason }
+    // The agent checked the name, but the agent is inside the sandbox: a
+    // name the host would not accept is kept as a marker, never as the
+    // bytes the sandbox sent (up to a frame's 4 MiB each, 256 decisions).
+    let host = if proxy_host_ok(&request.host) { request.host.clone() } else { "(an invalid name)".into() };
+    EgressDecision { at: now(), host, port: request.port, allowed, address, reason }
+}
+
+/// Whether `host`, as the agent's proxy passed it on, is a name or an
+/// address at all: the agent's own rule, checked again on the host.
+fn proxy_host_ok(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 253
+        && host.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':'))
 }
 
 /// Decides, connects and splices one proxy client.
@@ -490,6 +502,10 @@ async fn tunnel<C: Connector>(
             let _ = deny.send((id, reason)).await;
         }
     };
+    if !proxy_host_ok(&request.host) {
+        return refuse("not a host name or address (letters, digits, '.', '-', '_', ':', at most 253)".into(), None)
+            .await;
+    }
     let addrs = match policy.resolve(&request.host, request.port).await {
         Ok(addrs) => addrs,
         Err((reason, address)) => return refuse(reason, address).await,
@@ -526,6 +542,19 @@ async fn tunnel<C: Connector>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_host_checks_the_name_the_agent_passed_on() {
+        for good in ["pypi.org", "10.0.0.1", "::1", "my_host.internal"] {
+            assert!(proxy_host_ok(good), "{good}");
+        }
+        let long = "a".repeat(254);
+        for bad in ["", "evil.com\r\nX: y", "a b", "\u{0}", long.as_str(), "h\u{e9}te"] {
+            assert!(!proxy_host_ok(bad), "{bad:?}");
+        }
+        let request = EgressRequest { id: 1, host: "x".repeat(5000), port: 443 };
+        assert_eq!(decision(&request, false, None, "no".into()).host, "(an invalid name)");
+    }
 
     #[test]
     fn internal_addresses_are_forbidden() {
