@@ -144,8 +144,7 @@ fn bwrap() {
 /// process in its pid namespace (found as descendants of the monitor).
 fn sandbox_pss_kib(moat: &Moat, id: &str) -> u64 {
     let state = moat.data_dir().join("sandboxes").join(id);
-    let Some(monitor) = moat_core::state::live_monitor(&state).and_then(|pid| u32::try_from(pid).ok())
-    else {
+    let Some(monitor) = moat_core::state::live_monitor(&state).and_then(|pid| u32::try_from(pid).ok()) else {
         return 0;
     };
     let mut pids = vec![monitor];

@@ -90,10 +90,9 @@ pub fn check_memory(live: u64, live_count: usize, asked: Asked, max: u64) -> Res
         return Ok(());
     }
     let what = match jail_disk {
-        Some(disk) => format!(
-            "memory_mib {} and disk_mib {disk} (a jail's disk is held in memory)",
-            mib.saturating_sub(disk)
-        ),
+        Some(disk) => {
+            format!("memory_mib {} and disk_mib {disk} (a jail's disk is held in memory)", mib.saturating_sub(disk))
+        }
         None => format!("memory_mib {mib}"),
     };
     Err(CreateError::HostMemory(format!(

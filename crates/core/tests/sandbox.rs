@@ -258,7 +258,10 @@ async fn concurrent_creates_never_start_past_the_memory_limit() {
     let refusals: Vec<String> = results.iter().filter_map(|r| r.as_ref().err()).map(ToString::to_string).collect();
     assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 2, "{refusals:?}");
     for refusal in &refusals {
-        assert!(refusal.contains("memory_mib 256 and disk_mib 128") && refusal.contains("MOAT_MAX_MEMORY_MIB"), "{refusal}");
+        assert!(
+            refusal.contains("memory_mib 256 and disk_mib 128") && refusal.contains("MOAT_MAX_MEMORY_MIB"),
+            "{refusal}"
+        );
     }
     assert_eq!(made, 2, "sandboxes started past the limit: {refusals:?}");
     moat.destroy_all().await;
@@ -973,7 +976,11 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
     assert!(log.contains("python3 main.py") && log.contains("delete_me.txt"), "{log}");
     let entries: Vec<moat_core::task::LogEntry> = serde_json::from_str(&log).expect("the log is a list of entries");
     let clipped = entries.iter().find(|e| e.command.starts_with("true ##")).expect("the long command is logged");
-    assert!(clipped.command.len() <= moat_core::task::LOG_OUTPUT_BYTES && clipped.truncated, "{}", clipped.command.len());
+    assert!(
+        clipped.command.len() <= moat_core::task::LOG_OUTPUT_BYTES && clipped.truncated,
+        "{}",
+        clipped.command.len()
+    );
     assert!(matches!(moat.get(&task.sandbox_id), Err(SandboxError::UnknownSandbox { .. })), "sandbox destroyed");
     assert!(moat.task_records().iter().any(|r| r.task.id == task.id));
     moat.remove_task(&task.id).expect("removed");
