@@ -407,21 +407,18 @@ fn rm(ids: &[String], all: bool) -> Result<ExitCode> {
     let mut code = ExitCode::SUCCESS;
     for id in targets {
         let state = dir.join(&id);
-        match state.join("monitor").exists() {
-            true => {
-                // The monitor's death takes the sandbox's pid namespace along;
-                // its owner notices on its next operation. One that is gone
-                // already (its pid maybe another process's now) is left to
-                // the sweep below.
-                if let Some(pid) = moat_core::state::live_monitor(&state) {
-                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-                }
-                println!("removed {id}");
+        if state.join("monitor").exists() {
+            // The monitor's death takes the sandbox's pid namespace along;
+            // its owner notices on its next operation. One that is gone
+            // already (its pid maybe another process's now) is left to
+            // the sweep below.
+            if let Some(pid) = moat_core::state::live_monitor(&state) {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
             }
-            false => {
-                eprintln!("moat: no sandbox {id}");
-                code = ExitCode::FAILURE;
-            }
+            println!("removed {id}");
+        } else {
+            eprintln!("moat: no sandbox {id}");
+            code = ExitCode::FAILURE;
         }
     }
     // Directories whose owner is gone are swept now.

@@ -177,17 +177,11 @@ pub fn sweep(data_dir: &Path, sweeper: Option<&crate::cgroup::Sweeper>) -> Vec<S
 }
 
 /// The monitor (or VMM) of the sandbox whose state directory is
-/// `state_dir`, while that process lives: the pid to signal, never one
-/// that another process took over.
+/// `state_dir`, while that process lives: the same pid, started at the
+/// same clock tick as recorded. A pid alone, or a look at its command
+/// line, could name a process that reused it.
 pub fn live_monitor(state_dir: &Path) -> Option<i32> {
-    recorded_monitor(&state_dir.join("monitor"))
-}
-
-/// The monitor recorded at `path`, where that process still lives: the
-/// same pid, started at the same clock tick. A pid alone, or a look at its
-/// command line, could name a process that reused it.
-fn recorded_monitor(path: &Path) -> Option<i32> {
-    let text = std::fs::read_to_string(path).ok()?;
+    let text = std::fs::read_to_string(state_dir.join("monitor")).ok()?;
     let (pid, started) = text.trim().split_once(' ')?;
     let (pid, started): (i32, u64) = (pid.parse().ok()?, started.parse().ok()?);
     // Not its owner's uid as well: a rootless monitor runs as an id of
@@ -216,18 +210,18 @@ mod tests {
         state.record_monitor(child.id()).expect("record");
         let file = state.path.join("monitor");
         let pid = i32::try_from(child.id()).expect("pid");
-        assert_eq!(recorded_monitor(&file), Some(pid));
+        assert_eq!(live_monitor(&state.path), Some(pid));
         // Another start time is another process that has the pid now.
         let started = start_time(pid).expect("alive");
         std::fs::write(&file, format!("{pid} {}", started + 1)).expect("write");
-        assert_eq!(recorded_monitor(&file), None);
+        assert_eq!(live_monitor(&state.path), None);
         // A bare pid (an older record, or one planted) names nobody.
         std::fs::write(&file, pid.to_string()).expect("write");
-        assert_eq!(recorded_monitor(&file), None);
+        assert_eq!(live_monitor(&state.path), None);
         std::fs::write(&file, format!("{pid} {started}")).expect("write");
         child.kill().expect("kill");
         child.wait().expect("wait");
-        assert_eq!(recorded_monitor(&file), None, "a dead process is not a monitor");
+        assert_eq!(live_monitor(&state.path), None, "a dead process is not a monitor");
         assert_eq!(start_time(1).map(|_| ()), Some(()), "init's stat parses");
     }
 
