@@ -119,7 +119,8 @@ async def main(binary, contract_path, project, transport, era):
     env = dict(os.environ, MOAT_ROOTS=os.path.dirname(project), MOAT_HTTP_TOKEN=TOKEN)
     # The operator grants no network here (the default): tool calls that
     # ask for more are refused (see operator_grants).
-    for var in ("MOAT_ALLOW_NETWORK", "MOAT_NETWORK", "MOAT_ALLOW_HOSTS"):
+    for var in ("MOAT_ALLOW_NETWORK", "MOAT_NETWORK", "MOAT_ALLOW_HOSTS", "MOAT_TIMEOUT_SECONDS",
+                "MOAT_MAX_TIMEOUT_SECONDS", "MOAT_MAX_CPUS", "MOAT_MAX_SANDBOX_MEMORY_MIB", "MOAT_MAX_DISK_MIB"):
         env.pop(var, None)
     server = HttpServer(binary, env) if transport == "http" else None
     try:
@@ -308,6 +309,15 @@ async def operator_grants(session, box):
     assert "MOAT_ALLOW_NETWORK" in message, message
     message = await call(session, "git_clone", {"url": "https://github.com/x/y"}, expect_error=True)
     assert "MOAT_ALLOW_NETWORK" in message, message
+    # One sandbox's size and life are the operator's too: unset, at most the
+    # host's CPUs and the default lifetime (MOAT_TIMEOUT_SECONDS, 3600).
+    over = {"timeout_seconds": 28800}
+    if len(os.sched_getaffinity(0)) < 16:
+        over["cpus"] = len(os.sched_getaffinity(0)) + 1
+    for field, value in over.items():
+        message = await call(session, "create_sandbox", {field: value}, expect_error=True)
+        var = {"cpus": "MOAT_MAX_CPUS", "timeout_seconds": "MOAT_MAX_TIMEOUT_SECONDS"}[field]
+        assert f"{field} {value}" in message and f"by setting {var}" in message, message
     # An SSH key is the operator's to allow (MOAT_ALLOW_SSH_KEY), whatever the path.
     for key in ("~/.ssh/id_ed25519", "/etc/ssh/ssh_host_ed25519_key"):
         message = await call(session, "git_clone", {"url": "git@github.com:x/y.git", "ssh_key_path": key},

@@ -1,15 +1,21 @@
 //! What the operator grants: the ceiling on what a model may ask for.
 //!
 //! The person who starts moat decides how much network a sandbox may have
-//! (`MOAT_ALLOW_NETWORK=none|filtered|open`, default `none`) and which
-//! hosts a `filtered` sandbox may reach (`MOAT_ALLOW_HOSTS`, `MOAT_GIT_HOSTS`
-//! and the package registries built into [`crate::net::egress`]). A
-//! [`SandboxSpec`] — what a tool call asks for — may only ask for something
-//! inside that: [`Grants::check`] refuses the rest with a message naming
-//! the variable that would allow it. [`Moat::create`](crate::Moat::create)
-//! checks every spec, so code that embeds moat-core gets the same ceiling
-//! as the MCP server; the `moat` CLI is the operator itself and grants
-//! everything ([`Grants::everything`]).
+//! (`MOAT_ALLOW_NETWORK=none|filtered|open`, default `none`), which hosts a
+//! `filtered` sandbox may reach (`MOAT_ALLOW_HOSTS`, `MOAT_GIT_HOSTS` and
+//! the package registries built into [`crate::net::egress`]), and how much
+//! one sandbox may hold: CPUs (`MOAT_MAX_CPUS`, default the host's),
+//! memory (`MOAT_MAX_SANDBOX_MEMORY_MIB`), disk (`MOAT_MAX_DISK_MIB`) and
+//! lifetime (`MOAT_MAX_TIMEOUT_SECONDS`, default `MOAT_TIMEOUT_SECONDS`,
+//! itself 3600 by default). A [`SandboxSpec`] — what a tool call asks for —
+//! may only ask for something inside that: [`Grants::check`] refuses the
+//! rest with a message naming the variable that would allow it.
+//! [`Moat::create`](crate::Moat::create) checks every spec, so code that
+//! embeds moat-core gets the same ceiling as the MCP server; the `moat` CLI
+//! is the operator itself and grants everything ([`Grants::everything`]).
+//!
+//! What all sandboxes together may hold (`MOAT_MAX_MEMORY_MIB`,
+//! `MOAT_MAX_SANDBOXES`) is [`crate::limits`]'s and the `Moat`'s.
 
 use std::collections::BTreeSet;
 
@@ -19,27 +25,42 @@ use crate::sandbox::{NetworkPolicy, SandboxSpec};
 
 /// The variable that sets the network ceiling.
 pub const NETWORK_VAR: &str = "MOAT_ALLOW_NETWORK";
+/// The most CPUs one sandbox may ask for.
+pub const CPUS_VAR: &str = "MOAT_MAX_CPUS";
+/// The most memory one sandbox may ask for (the sum over all of them is
+/// `MOAT_MAX_MEMORY_MIB`'s).
+pub const MEMORY_VAR: &str = "MOAT_MAX_SANDBOX_MEMORY_MIB";
+/// The most disk one sandbox may ask for.
+pub const DISK_VAR: &str = "MOAT_MAX_DISK_MIB";
+/// The longest lifetime one sandbox may ask for.
+pub const TIMEOUT_VAR: &str = "MOAT_MAX_TIMEOUT_SECONDS";
+/// The lifetime of a sandbox that asks for none, and by default also the
+/// longest one may ask for.
+pub const DEFAULT_TIMEOUT_VAR: &str = "MOAT_TIMEOUT_SECONDS";
 
 /// What the operator allows models to ask for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Grants {
     /// The most network a sandbox may have (`none` < `filtered` < `open`).
     pub network: NetworkPolicy,
+    /// The most CPUs one sandbox may have.
+    pub cpus: u32,
+    /// The most memory one sandbox may have, in MiB.
+    pub memory_mib: u64,
+    /// The most disk one sandbox may have, in MiB.
+    pub disk_mib: u64,
+    /// The longest one sandbox may live, in seconds.
+    pub timeout_seconds: u64,
 }
 
-impl Default for Grants {
-    /// Nothing beyond loopback: what a server started without
-    /// `MOAT_ALLOW_NETWORK` grants.
-    fn default() -> Self {
-        Self { network: NetworkPolicy::None }
-    }
-}
-
-/// `MOAT_ALLOW_NETWORK` holds a value moat does not know.
+/// A variable of the grants holds a value moat cannot use.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{NETWORK_VAR}={value:?} is invalid: none, filtered or open (the most network a model may ask for)")]
+#[error("{var}={value:?} is invalid: {allowed}")]
 pub struct GrantsError {
+    pub var: &'static str,
     pub value: String,
+    /// What the variable takes.
+    pub allowed: String,
 }
 
 /// A tool call asked for more than the operator grants.
@@ -47,26 +68,96 @@ pub struct GrantsError {
 #[error("{0}")]
 pub struct NotGranted(pub String);
 
+/// The CPUs this process may run on, as many as a sandbox may have by
+/// default (at least 1, at most [`SandboxSpec::MAX_CPUS`]).
+pub fn host_cpus() -> u32 {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    u32::try_from(cpus).unwrap_or(u32::MAX).clamp(SandboxSpec::MIN_CPUS, SandboxSpec::MAX_CPUS)
+}
+
 impl Grants {
     /// Everything: for the operator's own tools (the `moat` CLI) and tests.
+    /// One sandbox may still ask for no more than [`SandboxSpec`]'s bounds.
     pub fn everything() -> Self {
-        Self { network: NetworkPolicy::Open }
-    }
-
-    /// `MOAT_ALLOW_NETWORK` from the environment (unset or empty: `none`).
-    pub fn from_env() -> Result<Self, GrantsError> {
-        Self::from_value(std::env::var(NETWORK_VAR).ok().as_deref())
-    }
-
-    /// The grants a value of `MOAT_ALLOW_NETWORK` sets.
-    pub fn from_value(value: Option<&str>) -> Result<Self, GrantsError> {
-        match value.map(str::trim).filter(|v| !v.is_empty()) {
-            None => Ok(Self::default()),
-            Some(v) => {
-                let network = v.parse::<NetworkPolicy>().map_err(|_| GrantsError { value: v.to_owned() })?;
-                Ok(Self { network })
-            }
+        Self {
+            network: NetworkPolicy::Open,
+            cpus: SandboxSpec::MAX_CPUS,
+            memory_mib: SandboxSpec::MAX_MEMORY_MIB,
+            disk_mib: SandboxSpec::MAX_DISK_MIB,
+            timeout_seconds: SandboxSpec::MAX_TIMEOUT_SECONDS,
         }
+    }
+
+    /// What a server started without any of the variables grants: no
+    /// network, the host's CPUs, [`SandboxSpec`]'s bounds of memory and
+    /// disk, and the default lifetime.
+    pub fn unset() -> Self {
+        Self::from_lookup(|_| None).unwrap_or_else(|_| Self::everything())
+    }
+
+    /// The grants of the environment's variables.
+    pub fn from_env() -> Result<Self, GrantsError> {
+        Self::from_lookup(|var| std::env::var(var).ok())
+    }
+
+    /// The grants of the variables `get` gives (unset or empty: the
+    /// default).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, GrantsError> {
+        let get = |var: &str| get(var).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
+        let network = match get(NETWORK_VAR) {
+            None => NetworkPolicy::None,
+            Some(v) => v.parse::<NetworkPolicy>().map_err(|_| GrantsError {
+                var: NETWORK_VAR,
+                value: v.clone(),
+                allowed: "none, filtered or open (the most network a model may ask for)".into(),
+            })?,
+        };
+        let number = |var: &'static str, min: u64, max: u64, what: &str| -> Result<Option<u64>, GrantsError> {
+            let Some(v) = get(var) else { return Ok(None) };
+            match v.parse::<u64>() {
+                Ok(n) if (min..=max).contains(&n) => Ok(Some(n)),
+                _ => Err(GrantsError { var, value: v, allowed: format!("an integer from {min} to {max} ({what})") }),
+            }
+        };
+        let cpus = number(
+            CPUS_VAR,
+            SandboxSpec::MIN_CPUS.into(),
+            SandboxSpec::MAX_CPUS.into(),
+            "the most CPUs one sandbox may ask for",
+        )?
+        .map_or_else(host_cpus, |n| u32::try_from(n).unwrap_or(SandboxSpec::MAX_CPUS));
+        let memory_mib = number(
+            MEMORY_VAR,
+            SandboxSpec::MIN_MEMORY_MIB,
+            SandboxSpec::MAX_MEMORY_MIB,
+            "the most memory one sandbox may ask for, in MiB",
+        )?
+        .unwrap_or(SandboxSpec::MAX_MEMORY_MIB);
+        let disk_mib = number(
+            DISK_VAR,
+            SandboxSpec::MIN_DISK_MIB,
+            SandboxSpec::MAX_DISK_MIB,
+            "the most disk one sandbox may ask for, in MiB",
+        )?
+        .unwrap_or(SandboxSpec::MAX_DISK_MIB);
+        let lifetime = "in seconds; unset, the most is MOAT_TIMEOUT_SECONDS";
+        let timeout_seconds = match number(
+            TIMEOUT_VAR,
+            SandboxSpec::MIN_TIMEOUT_SECONDS,
+            SandboxSpec::MAX_TIMEOUT_SECONDS,
+            &format!("the longest lifetime one sandbox may ask for, {lifetime}"),
+        )? {
+            Some(n) => n,
+            // The default lifetime is the ceiling too: an operator who
+            // shortens it is not overruled by a tool call. A bad value is
+            // the server configuration's to report; here it grants the
+            // default.
+            None => get(DEFAULT_TIMEOUT_VAR)
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|n| (SandboxSpec::MIN_TIMEOUT_SECONDS..=SandboxSpec::MAX_TIMEOUT_SECONDS).contains(n))
+                .unwrap_or(SandboxSpec::default().timeout_seconds),
+        };
+        Ok(Self { network, cpus, memory_mib, disk_mib, timeout_seconds })
     }
 
     /// The network policies a model may ask for, lowest first.
@@ -115,6 +206,35 @@ impl Grants {
         if !self.allows_network(spec.network) {
             return Err(self.refuse_network(spec.network, "the sandbox asks for"));
         }
+        let ceilings = [
+            (
+                "cpus",
+                u64::from(spec.cpus),
+                u64::from(self.cpus),
+                CPUS_VAR,
+                "the host's CPUs",
+                SandboxSpec::MAX_CPUS.into(),
+            ),
+            ("memory_mib", spec.memory_mib, self.memory_mib, MEMORY_VAR, "65536", SandboxSpec::MAX_MEMORY_MIB),
+            ("disk_mib", spec.disk_mib, self.disk_mib, DISK_VAR, "262144", SandboxSpec::MAX_DISK_MIB),
+            (
+                "timeout_seconds",
+                spec.timeout_seconds,
+                self.timeout_seconds,
+                TIMEOUT_VAR,
+                "MOAT_TIMEOUT_SECONDS, itself 3600 unless set",
+                SandboxSpec::MAX_TIMEOUT_SECONDS,
+            ),
+        ];
+        for (field, asked, most, var, default, bound) in ceilings {
+            if asked > most {
+                return Err(NotGranted(format!(
+                    "the sandbox asks for {field} {asked}, but this server grants one sandbox at most {most} \
+                     ({var}; unset, it is {default}); ask for {most} or less. Only the operator who starts moat can \
+                     allow more, by setting {var} (up to {bound})"
+                )));
+            }
+        }
         if spec.allow_hosts.is_empty() {
             return Ok(());
         }
@@ -146,8 +266,14 @@ impl Grants {
         };
         let ssh = if egress.ssh_keys { "allowed" } else { "not allowed" };
         format!(
-            "network up to {} ({NETWORK_VAR}); {hosts}; SSH keys for clones {ssh} (MOAT_ALLOW_SSH_KEY)",
-            self.network.as_str()
+            "network up to {} ({NETWORK_VAR}); {hosts}; SSH keys for clones {ssh} (MOAT_ALLOW_SSH_KEY); one sandbox \
+             up to {} CPUs ({CPUS_VAR}), {} MiB of memory ({MEMORY_VAR}), {} MiB of disk ({DISK_VAR}) and {} s of \
+             life ({TIMEOUT_VAR})",
+            self.network.as_str(),
+            self.cpus,
+            self.memory_mib,
+            self.disk_mib,
+            self.timeout_seconds,
         )
     }
 }
@@ -156,15 +282,28 @@ impl Grants {
 mod tests {
     use super::*;
 
+    /// The grants of the variables `vars` (the others unset).
+    fn with(vars: &[(&str, &str)]) -> Result<Grants, GrantsError> {
+        Grants::from_lookup(|var| vars.iter().find(|(v, _)| *v == var).map(|(_, value)| (*value).to_owned()))
+    }
+
+    fn network(value: Option<&str>) -> Result<Grants, GrantsError> {
+        match value {
+            Some(v) => with(&[(NETWORK_VAR, v)]),
+            None => with(&[]),
+        }
+    }
+
     fn spec(network: NetworkPolicy, hosts: &[&str]) -> SandboxSpec {
         SandboxSpec { network, allow_hosts: hosts.iter().map(|h| (*h).to_owned()).collect(), ..SandboxSpec::default() }
     }
 
     #[test]
     fn the_default_grants_no_network() {
-        let grants = Grants::from_value(None).expect("unset");
-        assert_eq!(grants, Grants::default());
-        assert_eq!(Grants::from_value(Some("")).expect("empty"), Grants::default());
+        let grants = network(None).expect("unset");
+        assert_eq!(grants, Grants::unset());
+        assert_eq!(grants.network, NetworkPolicy::None);
+        assert_eq!(network(Some("")).expect("empty"), Grants::unset());
         let egress = EgressConfig::default();
         assert!(grants.check(&spec(NetworkPolicy::None, &[]), &egress).is_ok());
         for network in [NetworkPolicy::Filtered, NetworkPolicy::Open] {
@@ -176,20 +315,20 @@ mod tests {
     #[test]
     fn the_ceiling_orders_none_filtered_open() {
         let egress = EgressConfig::default();
-        let filtered = Grants::from_value(Some("filtered")).expect("valid");
+        let filtered = network(Some("filtered")).expect("valid");
         assert!(filtered.check(&spec(NetworkPolicy::Filtered, &[]), &egress).is_ok());
         assert!(filtered.check(&spec(NetworkPolicy::None, &[]), &egress).is_ok());
         let err = filtered.check(&spec(NetworkPolicy::Open, &[]), &egress).expect_err("open is more").to_string();
         assert!(err.contains("grants at most \"filtered\"") && err.contains("none, filtered"), "{err}");
-        let open = Grants::from_value(Some("open")).expect("valid");
-        assert_eq!(open, Grants::everything());
+        let open = network(Some("open")).expect("valid");
+        assert_eq!(open.network, Grants::everything().network);
         assert!(open.check(&spec(NetworkPolicy::Open, &[]), &egress).is_ok());
     }
 
     #[test]
     fn bad_values_are_refused_with_what_is_allowed() {
         for bad in ["all", "OPEN", "yes", "filtered,open"] {
-            let err = Grants::from_value(Some(bad)).expect_err(bad).to_string();
+            let err = network(Some(bad)).expect_err(bad).to_string();
             assert!(err.starts_with("MOAT_ALLOW_NETWORK=") && err.contains("none, filtered or open"), "{err}");
         }
     }
@@ -215,11 +354,74 @@ mod tests {
     #[test]
     fn descriptions_show_the_ceiling_and_hosts() {
         let egress = EgressConfig { allow_hosts: vec!["api.example.com".into()], ..EgressConfig::default() };
-        let text = Grants::from_value(Some("filtered")).expect("valid").describe(&egress);
+        let text = network(Some("filtered")).expect("valid").describe(&egress);
         assert!(
             text.contains("network up to filtered (MOAT_ALLOW_NETWORK)") && text.contains("api.example.com"),
             "{text}"
         );
-        assert!(Grants::default().describe(&egress).contains("network up to none"));
+        let text = with(&[(CPUS_VAR, "2"), (TIMEOUT_VAR, "600")]).expect("valid").describe(&egress);
+        assert!(text.contains("network up to none") && text.contains("up to 2 CPUs (MOAT_MAX_CPUS)"), "{text}");
+        assert!(text.contains("600 s of life (MOAT_MAX_TIMEOUT_SECONDS)"), "{text}");
+    }
+
+    #[test]
+    fn one_sandbox_asks_for_no_more_than_the_operator_set() {
+        let egress = EgressConfig::default();
+        let grants =
+            with(&[(CPUS_VAR, "2"), (MEMORY_VAR, "512"), (DISK_VAR, "1024"), (TIMEOUT_VAR, "600")]).expect("valid");
+        let inside =
+            SandboxSpec { cpus: 2, memory_mib: 512, disk_mib: 1024, timeout_seconds: 600, ..SandboxSpec::default() };
+        assert!(grants.check(&inside, &egress).is_ok());
+        let over = [
+            (SandboxSpec { cpus: 3, ..inside.clone() }, "cpus 3", "at most 2", CPUS_VAR),
+            (SandboxSpec { memory_mib: 513, ..inside.clone() }, "memory_mib 513", "at most 512", MEMORY_VAR),
+            (SandboxSpec { disk_mib: 262_144, ..inside.clone() }, "disk_mib 262144", "at most 1024", DISK_VAR),
+            (
+                SandboxSpec { timeout_seconds: 28_800, ..inside.clone() },
+                "timeout_seconds 28800",
+                "at most 600",
+                TIMEOUT_VAR,
+            ),
+        ];
+        for (spec, asked, most, var) in over {
+            let err = grants.check(&spec, &egress).expect_err(asked).to_string();
+            assert!(err.contains(asked) && err.contains(most) && err.contains(&format!("by setting {var}")), "{err}");
+        }
+        // The CLI's grants stop only at the spec's own bounds.
+        let most = SandboxSpec {
+            cpus: SandboxSpec::MAX_CPUS,
+            memory_mib: SandboxSpec::MAX_MEMORY_MIB,
+            disk_mib: SandboxSpec::MAX_DISK_MIB,
+            timeout_seconds: SandboxSpec::MAX_TIMEOUT_SECONDS,
+            ..SandboxSpec::default()
+        };
+        assert!(Grants::everything().check(&most, &egress).is_ok());
+    }
+
+    #[test]
+    fn the_ceilings_default_to_the_host_and_the_default_lifetime() {
+        let unset = Grants::unset();
+        assert_eq!(unset.cpus, host_cpus());
+        assert!((1..=SandboxSpec::MAX_CPUS).contains(&unset.cpus));
+        assert_eq!((unset.memory_mib, unset.disk_mib), (SandboxSpec::MAX_MEMORY_MIB, SandboxSpec::MAX_DISK_MIB));
+        assert_eq!(unset.timeout_seconds, 3600, "the default lifetime is the longest");
+        assert_eq!(with(&[(DEFAULT_TIMEOUT_VAR, "600")]).expect("valid").timeout_seconds, 600);
+        let both = with(&[(DEFAULT_TIMEOUT_VAR, "600"), (TIMEOUT_VAR, "7200")]).expect("valid");
+        assert_eq!(both.timeout_seconds, 7200, "the ceiling may be above the default");
+        assert!(Grants::unset().check(&SandboxSpec::default(), &EgressConfig::default()).is_ok());
+    }
+
+    #[test]
+    fn bad_ceilings_name_the_variable_and_the_range() {
+        for (var, bad, range) in [
+            (CPUS_VAR, "0", "from 1 to 16"),
+            (CPUS_VAR, "many", "from 1 to 16"),
+            (MEMORY_VAR, "64", "from 128 to 65536"),
+            (DISK_VAR, "1T", "from 64 to 262144"),
+            (TIMEOUT_VAR, "30000", "from 60 to 28800"),
+        ] {
+            let err = with(&[(var, bad)]).expect_err(bad).to_string();
+            assert!(err.starts_with(&format!("{var}={bad:?} is invalid")) && err.contains(range), "{err}");
+        }
     }
 }

@@ -99,13 +99,8 @@ impl ServerConfig {
             None => NetworkPolicy::None,
             Some(v) => v.parse::<NetworkPolicy>().map_err(|_| bad("MOAT_NETWORK", &v, "none, filtered or open"))?,
         };
-        let grants = Grants::from_value(get(moat_core::grants::NETWORK_VAR).as_deref()).map_err(|e| {
-            bad(
-                moat_core::grants::NETWORK_VAR,
-                &e.value,
-                "none, filtered or open (the most network a model may ask for)",
-            )
-        })?;
+        let grants =
+            Grants::from_lookup(&get).map_err(|e| ConfigError { var: e.var, value: e.value, allowed: e.allowed })?;
         if !grants.allows_network(network) {
             let asked = get("MOAT_NETWORK").unwrap_or_default();
             return Err(bad(
@@ -119,6 +114,17 @@ impl ServerConfig {
             ));
         }
         let timeout = number("MOAT_TIMEOUT_SECONDS", 3600, 60, 28_800)?;
+        if timeout > grants.timeout_seconds {
+            return Err(bad(
+                "MOAT_TIMEOUT_SECONDS",
+                &timeout.to_string(),
+                &format!(
+                    "at most MOAT_MAX_TIMEOUT_SECONDS ({}), the longest a sandbox may live; raise \
+                     MOAT_MAX_TIMEOUT_SECONDS or lower MOAT_TIMEOUT_SECONDS",
+                    grants.timeout_seconds
+                ),
+            ));
+        }
         let idle = number("MOAT_IDLE_SECONDS", 300, 0, 28_800)?;
         if idle != 0 && (idle < 60 || idle >= timeout) {
             return Err(bad(
@@ -209,8 +215,19 @@ impl ServerConfig {
                 ));
             }
         };
-        let defaults =
-            SandboxSpec { image, network, timeout_seconds: timeout, idle_seconds: idle, ..SandboxSpec::default() };
+        // A sandbox made without arguments asks for no more than the
+        // ceilings: an operator who lowers one lowers the default with it.
+        let base = SandboxSpec::default();
+        let defaults = SandboxSpec {
+            image,
+            network,
+            timeout_seconds: timeout,
+            idle_seconds: idle,
+            cpus: base.cpus.min(grants.cpus),
+            memory_mib: base.memory_mib.min(grants.memory_mib),
+            disk_mib: base.disk_mib.min(grants.disk_mib),
+            ..base
+        };
         Ok(Self {
             backend,
             max_sandboxes: usize::try_from(max_sandboxes).unwrap_or(16),
@@ -304,12 +321,35 @@ mod tests {
 
     #[test]
     fn the_operator_grants_no_network_unless_it_says_so() {
-        assert_eq!(with(&[]).expect("valid").grants, Grants::default());
+        assert_eq!(with(&[]).expect("valid").grants, Grants::unset());
         assert_eq!(with(&[]).expect("valid").grants.network, NetworkPolicy::None);
         let open = with(&[("MOAT_ALLOW_NETWORK", "open"), ("MOAT_NETWORK", "filtered")]).expect("within");
         assert_eq!((open.grants.network, open.defaults.network), (NetworkPolicy::Open, NetworkPolicy::Filtered));
         let err = with(&[("MOAT_ALLOW_NETWORK", "filtered"), ("MOAT_NETWORK", "open")]).expect_err("above").to_string();
         assert!(err.starts_with("MOAT_NETWORK=\"open\"") && err.contains("MOAT_ALLOW_NETWORK"), "{err}");
+    }
+
+    #[test]
+    fn the_operators_ceilings_bound_the_defaults() {
+        let config = with(&[("MOAT_MAX_SANDBOX_MEMORY_MIB", "512"), ("MOAT_MAX_DISK_MIB", "1024")]).expect("valid");
+        assert_eq!((config.defaults.memory_mib, config.defaults.disk_mib), (512, 1024));
+        assert_eq!((config.grants.memory_mib, config.grants.disk_mib), (512, 1024));
+        let config = with(&[("MOAT_TIMEOUT_SECONDS", "600")]).expect("valid");
+        assert_eq!((config.defaults.timeout_seconds, config.grants.timeout_seconds), (600, 600));
+        let config = with(&[("MOAT_TIMEOUT_SECONDS", "600"), ("MOAT_MAX_TIMEOUT_SECONDS", "7200")]).expect("valid");
+        assert_eq!((config.defaults.timeout_seconds, config.grants.timeout_seconds), (600, 7200));
+        let err = with(&[("MOAT_TIMEOUT_SECONDS", "7200"), ("MOAT_MAX_TIMEOUT_SECONDS", "600")])
+            .expect_err("the default above the ceiling")
+            .to_string();
+        assert!(
+            err.starts_with("MOAT_TIMEOUT_SECONDS=\"7200\"") && err.contains("MOAT_MAX_TIMEOUT_SECONDS (600)"),
+            "{err}"
+        );
+        for (var, value) in [("MOAT_MAX_CPUS", "32"), ("MOAT_MAX_SANDBOX_MEMORY_MIB", "1G"), ("MOAT_MAX_DISK_MIB", "0")]
+        {
+            let err = with(&[(var, value)]).expect_err(var).to_string();
+            assert!(err.starts_with(&format!("{var}=")) && err.contains("an integer from"), "{err}");
+        }
     }
 
     #[test]

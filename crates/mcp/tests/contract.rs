@@ -17,8 +17,10 @@ fn render() -> String {
          to do. Text outputs are cut at 100,000 characters.\n\n\
          `git_clone` needs a sandbox with network `filtered` or `open`. A model may\n\
          ask only for what the operator grants: network up to `MOAT_ALLOW_NETWORK`\n\
-         (`none` unless set) and `allow_hosts` among the operator's hosts; more is\n\
-         refused with the variable that would allow it. Network policies, the\n\
+         (`none` unless set), `allow_hosts` among the operator's hosts, and for one\n\
+         sandbox at most `MOAT_MAX_CPUS`, `MOAT_MAX_SANDBOX_MEMORY_MIB`,\n\
+         `MOAT_MAX_DISK_MIB` and `MOAT_MAX_TIMEOUT_SECONDS`; more is refused with the\n\
+         variable that would allow it. Network policies, the\n\
          egress log and preview links are described in [network.md](network.md).\n",
     );
     for tool in contract["tools"].as_array().expect("tools") {
