@@ -25,8 +25,29 @@ const RUNNER: &str = include_str!("runner.py");
 const INTERRUPT_GRACE: Duration = Duration::from_secs(5);
 
 /// The largest protocol line accepted from the runner (a cell's results,
-/// images included).
-const MAX_EVENT: usize = 256 << 20;
+/// images included). The runner is the sandbox's: the cell's own code
+/// runs in its process and may write anything to the protocol pipe, so
+/// everything read from it is bounded here, not there.
+const MAX_EVENT: usize = 32 << 20;
+
+/// The most bytes of rich results (displays and the cell's value, images
+/// as base64) one cell keeps; later results are left out and said so.
+pub const RESULTS_BUDGET: usize = 16 << 20;
+
+/// The most rich results (displays and the cell's value) one cell keeps.
+pub const MAX_RESULTS: usize = 64;
+
+/// The most MIME types kept of one result, and the longest type name.
+const MAX_MIME_TYPES: usize = 16;
+const MAX_MIME_NAME: usize = 128;
+
+/// The largest non-text value of a result (an `application/json` bundle)
+/// that is parsed; larger ones are left out (parsing JSON builds a tree
+/// many times the size of its text).
+const MAX_STRUCTURED: usize = 1 << 20;
+
+/// The longest exception name kept.
+const MAX_ERROR_NAME: usize = 256;
 
 /// How much of the runner's own diagnostics is kept for error reports.
 const DIAG_KEEP: usize = 8 << 10;
@@ -112,23 +133,133 @@ impl Stop {
     }
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(tag = "type", rename_all = "lowercase")]
+#[derive(Debug)]
 enum Event {
     Ready,
     Stream {
         name: String,
         text: String,
         /// Characters the runner read past the cell's limit and dropped.
-        #[serde(default)]
         dropped: u64,
     },
     Done {
         execution_count: u64,
-        result: Option<Map<String, Value>>,
-        displays: Vec<Map<String, Value>>,
+        result: Option<RawBundle>,
+        displays: Vec<RawBundle>,
         error: Option<CodeError>,
     },
+}
+
+/// One protocol line as read, before it is known which event it is. A
+/// plain struct, not a tagged enum: serde reads a tagged enum's content
+/// into a tree first, as large as the line allows, where this reads the
+/// fields in place (and bundle values as their text).
+#[derive(Deserialize)]
+struct Line {
+    #[serde(rename = "type")]
+    kind: String,
+    name: Option<String>,
+    text: Option<String>,
+    #[serde(default)]
+    dropped: u64,
+    execution_count: Option<u64>,
+    result: Option<RawBundle>,
+    #[serde(default)]
+    displays: Vec<RawBundle>,
+    error: Option<CodeError>,
+}
+
+impl Event {
+    /// The event of one protocol line.
+    fn decode(line: &[u8]) -> Result<Self, SessionError> {
+        let bad = |why: String| SessionError::Protocol(clip_to(why, 512).0);
+        let line: Line = serde_json::from_slice(line).map_err(|e| bad(e.to_string()))?;
+        match line.kind.as_str() {
+            "ready" => Ok(Self::Ready),
+            "stream" => Ok(Self::Stream {
+                name: line.name.unwrap_or_default(),
+                text: line.text.unwrap_or_default(),
+                dropped: line.dropped,
+            }),
+            "done" => Ok(Self::Done {
+                execution_count: line
+                    .execution_count
+                    .ok_or_else(|| bad("a done event without execution_count".into()))?,
+                result: line.result,
+                displays: line.displays,
+                error: line.error,
+            }),
+            other => Err(bad(format!("an event of unknown type {other:?}"))),
+        }
+    }
+}
+
+/// A MIME bundle as the runner sent it: each value kept as its JSON text,
+/// so that reading it costs no more memory than the line it came in.
+type RawBundle = std::collections::BTreeMap<String, Box<serde_json::value::RawValue>>;
+
+/// Keeps what fits of a cell's rich results: at most [`MAX_RESULTS`]
+/// bundles, [`MAX_MIME_TYPES`] types each, [`RESULTS_BUDGET`] bytes in all,
+/// structured values up to [`MAX_STRUCTURED`]. Returns the bundles kept and
+/// how many whole bundles or values were left out.
+fn bounded_results(bundles: impl IntoIterator<Item = RawBundle>) -> (Vec<Map<String, Value>>, usize) {
+    let (mut kept, mut left_out, mut budget) = (Vec::new(), 0usize, RESULTS_BUDGET);
+    for bundle in bundles {
+        if kept.len() == MAX_RESULTS {
+            left_out += 1;
+            continue;
+        }
+        let mut map = Map::new();
+        for (mime, raw) in bundle {
+            let text = raw.get();
+            if map.len() == MAX_MIME_TYPES || mime.len() > MAX_MIME_NAME || text.len() > budget {
+                left_out += 1;
+                continue;
+            }
+            let value = if text.starts_with('"') {
+                serde_json::from_str::<String>(text).ok().map(Value::String)
+            } else if text.len() <= MAX_STRUCTURED {
+                serde_json::from_str::<Value>(text).ok()
+            } else {
+                None
+            };
+            match value {
+                Some(value) => {
+                    budget -= text.len();
+                    map.insert(mime, value);
+                }
+                None => left_out += 1,
+            }
+        }
+        if !map.is_empty() {
+            kept.push(map);
+        }
+    }
+    (kept, left_out)
+}
+
+/// `text` cut to at most `max` bytes, on a character boundary.
+fn clip_to(mut text: String, max: usize) -> (String, bool) {
+    if text.len() <= max {
+        return (text, false);
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.truncate(end);
+    (text, true)
+}
+
+impl CodeError {
+    /// The error with its name, value and traceback cut to sizes a result
+    /// can carry (`limit` bytes each for the value and the traceback).
+    fn bounded(self, limit: usize) -> (Self, bool) {
+        let (name, a) = clip_to(self.name, MAX_ERROR_NAME);
+        let (value, b) = clip_to(self.value, limit);
+        let (traceback, c) = clip_to(self.traceback, limit);
+        (Self { name, value, traceback }, a || b || c)
+    }
 }
 
 /// Why the session cannot go on; the caller drops it.
@@ -150,6 +281,8 @@ pub(crate) struct PythonSession {
     stdin: ExecStdin,
     stdout: mpsc::Receiver<Bytes>,
     pending: Vec<u8>,
+    /// How much of `pending` is known to hold no newline.
+    scanned: usize,
     diagnostics: Arc<Mutex<Vec<u8>>>,
 }
 
@@ -187,7 +320,7 @@ impl PythonSession {
                 }
             });
         }
-        let mut session = Self { handle, stdin, stdout, pending: Vec::new(), diagnostics };
+        let mut session = Self { handle, stdin, stdout, pending: Vec::new(), scanned: 0, diagnostics };
         match tokio::time::timeout(within, session.next_event()).await {
             Ok(Ok(Event::Ready)) => Ok(session),
             Ok(Ok(other)) => Err(SessionError::Protocol(format!("expected ready, got {other:?}"))),
@@ -274,15 +407,31 @@ impl PythonSession {
                 }
                 Event::Done { execution_count, result, displays, error } => {
                     output.execution_count = Some(execution_count);
-                    output.results = displays;
-                    if let Some(mut result) = result {
-                        if let Some(Value::String(text)) = result.remove("text/plain") {
-                            output.text = text;
-                        }
-                        if !result.is_empty() {
-                            output.results.push(result);
-                        }
+                    let mut result = result.unwrap_or_default();
+                    if let Some(raw) = result.remove("text/plain") {
+                        let text = serde_json::from_str::<String>(raw.get()).unwrap_or_default();
+                        let (text, cut) = clip_to(text, limit);
+                        output.text = text;
+                        output.truncated |= cut;
                     }
+                    let value = (!result.is_empty()).then_some(result);
+                    let (results, left_out) = bounded_results(displays.into_iter().chain(value));
+                    output.results = results;
+                    if left_out > 0 {
+                        output.truncated = true;
+                        let note = format!(
+                            "\nmoat: {left_out} rich result{} (displays, images or MIME types) left out: a cell keeps \
+                             at most {MAX_RESULTS} results and {} MiB of them; save large outputs to files instead\n",
+                            if left_out == 1 { " was" } else { "s were" },
+                            RESULTS_BUDGET >> 20
+                        );
+                        output.stderr.extend_from_slice(note.as_bytes());
+                    }
+                    let error = error.map(|e| {
+                        let (e, cut) = e.bounded(limit);
+                        output.truncated |= cut;
+                        e
+                    });
                     output.error = match stop {
                         Some(stop) => Some(stop.error(false, error.map(|e| e.traceback).unwrap_or_default())),
                         None => error,
@@ -312,12 +461,21 @@ impl PythonSession {
 
     async fn next_event(&mut self) -> Result<Event, SessionError> {
         loop {
-            if let Some(end) = self.pending.iter().position(|&b| b == b'\n') {
+            // Only the bytes not looked at yet are searched: a long line
+            // arriving in many chunks is scanned once, not once per chunk.
+            if let Some(at) = self.pending[self.scanned..].iter().position(|&b| b == b'\n') {
+                let end = self.scanned + at;
+                self.scanned = 0;
                 let line: Vec<u8> = self.pending.drain(..=end).collect();
-                return serde_json::from_slice(&line).map_err(|e| SessionError::Protocol(e.to_string()));
+                return Event::decode(&line);
             }
+            self.scanned = self.pending.len();
             if self.pending.len() > MAX_EVENT {
-                return Err(SessionError::Protocol(format!("a message longer than {} MiB", MAX_EVENT >> 20)));
+                return Err(SessionError::Protocol(format!(
+                    "a message longer than {} MiB: the cell's results (displays, images) are too large; save large \
+                     outputs to files instead",
+                    MAX_EVENT >> 20
+                )));
             }
             match self.stdout.recv().await {
                 Some(chunk) => self.pending.extend_from_slice(&chunk),
@@ -419,14 +577,65 @@ mod tests {
 
     #[test]
     fn events_decode() {
-        let done: Event = serde_json::from_str(
-            r#"{"type":"done","execution_count":3,"result":{"text/plain":"42"},"displays":[],"error":null}"#,
+        let done = Event::decode(
+            br#"{"type":"done","execution_count":3,"result":{"text/plain":"42"},"displays":[],"error":null}"#,
         )
         .expect("decodes");
         assert!(matches!(done, Event::Done { execution_count: 3, .. }));
-        let stream: Event =
-            serde_json::from_str(r#"{"type":"stream","name":"stdout","text":"hi\n"}"#).expect("decodes");
+        let stream = Event::decode(br#"{"type":"stream","name":"stdout","text":"hi\n"}"#).expect("decodes");
         assert!(matches!(stream, Event::Stream { .. }));
+        assert!(matches!(Event::decode(br#"{"type":"ready"}"#), Ok(Event::Ready)));
+        let unknown = Event::decode(format!(r#"{{"type":"{}"}}"#, "x".repeat(4096)).as_bytes()).expect_err("unknown");
+        assert!(unknown.to_string().len() < 700, "a bad line is not echoed whole: {unknown}");
+    }
+
+    fn bundle(pairs: &[(&str, &str)]) -> RawBundle {
+        pairs
+            .iter()
+            .map(|(mime, json)| {
+                ((*mime).to_owned(), serde_json::value::RawValue::from_string((*json).to_owned()).unwrap())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_cells_rich_results_are_bounded() {
+        // Within the bounds, everything is kept as sent.
+        let (kept, left_out) = bounded_results([bundle(&[("image/png", r#""iVBOR""#), ("application/json", "[1,2]")])]);
+        assert_eq!(left_out, 0);
+        assert_eq!(kept[0]["image/png"], Value::String("iVBOR".into()));
+        assert_eq!(kept[0]["application/json"], serde_json::json!([1, 2]));
+        // A thousand displays: the first MAX_RESULTS.
+        let many = (0..1000).map(|_| bundle(&[("text/html", r#""<b>x</b>""#)]));
+        let (kept, left_out) = bounded_results(many);
+        assert_eq!((kept.len(), left_out), (MAX_RESULTS, 1000 - MAX_RESULTS));
+        // Images past the byte budget, a structured value too large to
+        // parse, too many or too long MIME types.
+        let image = format!("\"{}\"", "A".repeat(RESULTS_BUDGET / 3));
+        let (kept, left_out) = bounded_results((0..4).map(|_| bundle(&[("image/png", &image)])));
+        assert_eq!((kept.len(), left_out), (2, 2), "two fit in the budget");
+        let huge = format!("[{}0]", "0,".repeat(MAX_STRUCTURED));
+        let types: Vec<(String, String)> = (0..40).map(|i| (format!("x/{i}"), "\"v\"".to_owned())).collect();
+        let types: Vec<(&str, &str)> = types.iter().map(|(m, v)| (m.as_str(), v.as_str())).collect();
+        let long_name = "x".repeat(MAX_MIME_NAME + 1);
+        let (kept, left_out) = bounded_results([
+            bundle(&[("application/json", &huge)]),
+            bundle(&types),
+            bundle(&[(&long_name, "\"v\""), ("text/plain", "\"ok\"")]),
+        ]);
+        assert_eq!(kept.len(), 2, "the bundle left empty is dropped: {kept:?}");
+        assert_eq!(kept[0].len(), MAX_MIME_TYPES);
+        assert_eq!(left_out, 1 + (40 - MAX_MIME_TYPES) + 1);
+    }
+
+    #[test]
+    fn a_cells_error_is_cut_to_the_limit() {
+        let error = CodeError { name: "E".repeat(10_000), value: "é".repeat(600), traceback: "t".repeat(5000) };
+        let (error, cut) = error.bounded(1001);
+        assert!(cut);
+        assert_eq!((error.name.len(), error.value.len(), error.traceback.len()), (MAX_ERROR_NAME, 1000, 1001));
+        let small = CodeError { name: "ValueError".into(), value: "bad".into(), traceback: String::new() };
+        assert_eq!(small.clone().bounded(1000), (small, false));
     }
 
     #[test]

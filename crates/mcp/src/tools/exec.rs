@@ -356,6 +356,15 @@ async fn run_code(server: &Session<'_>, args: RunCode, context: &CallContext) ->
     let (stdout, cut_out) = clip(&String::from_utf8_lossy(&output.stdout));
     let (stderr, cut_err) = clip(&String::from_utf8_lossy(&output.stderr));
     let (text, cut_text) = clip(&output.text);
+    // The error is the cell's (its code chose the message): cut like the
+    // streams.
+    let mut cut_error = false;
+    let error = output.error.as_ref().map(|e| {
+        let (value, a) = clip(&e.value);
+        let (traceback, b) = clip(&e.traceback);
+        cut_error = a || b;
+        json!({ "name": e.name, "value": value, "traceback": traceback })
+    });
     let mut extra = Vec::new();
     let mut results = Vec::new();
     for (index, bundle) in output.results.iter().enumerate() {
@@ -373,8 +382,8 @@ async fn run_code(server: &Session<'_>, args: RunCode, context: &CallContext) ->
         }
     }
     let mut value = json!({
-        "text": text, "stdout": stdout, "stderr": stderr, "error": output.error, "results": results,
-        "truncated": output.truncated || cut_out || cut_err || cut_text,
+        "text": text, "stdout": stdout, "stderr": stderr, "error": error, "results": results,
+        "truncated": output.truncated || cut_out || cut_err || cut_text || cut_error,
     });
     if let Some(count) = output.execution_count {
         value["execution_count"] = json!(count);

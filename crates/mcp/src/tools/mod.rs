@@ -244,8 +244,16 @@ fn sandbox_path(path: &str) -> String {
     if path.starts_with('/') { path.to_owned() } else { format!("/home/user/{path}") }
 }
 
+/// The latest time RFC 3339 can write: 9999-12-31T23:59:59Z.
+const LAST_RFC3339: u64 = 253_402_300_799;
+
+/// `secs` after the epoch in RFC 3339. A time from a sandbox (a file's
+/// mtime) may be anything its processes set: later than the format's last
+/// year it is written as that year's end (humantime's `Display` fails
+/// there, and `to_string` would panic).
 pub(crate) fn rfc3339(secs: u64) -> String {
-    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs)).to_string()
+    let time = std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs.min(LAST_RFC3339));
+    humantime::format_rfc3339_seconds(time).to_string()
 }
 
 /// Checks that sandbox `id` is this session's and still alive.
@@ -290,6 +298,15 @@ fn rand_u32() -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn any_time_a_sandbox_sets_is_written() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(LAST_RFC3339), "9999-12-31T23:59:59Z");
+        for far in [LAST_RFC3339 + 1, 300_000_000_000, i64::MAX as u64, u64::MAX] {
+            assert_eq!(rfc3339(far), "9999-12-31T23:59:59Z", "{far}");
+        }
+    }
 
     #[test]
     fn long_text_is_clipped_with_a_count() {
