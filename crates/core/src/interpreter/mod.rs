@@ -593,7 +593,7 @@ mod tests {
         pairs
             .iter()
             .map(|(mime, json)| {
-                ((*mime).to_owned(), serde_json::value::RawValue::from_string((*json).to_owned()).unwrap())
+                ((*mime).to_owned(), serde_json::value::RawValue::from_string((*json).to_owned()).expect("valid JSON"))
             })
             .collect()
     }
