@@ -272,6 +272,16 @@ async def every_tool(session, contract, project):
     assert "exists" in message, message
     message = await call(session, "copy_to_sandbox", {"host_path": "/etc/passwd", "sandbox_path": "x"}, expect_error=True)
     assert "outside the shared directories" in message and "MOAT_ROOTS" in message, message
+    # Nothing a host program runs by itself is written: not a git hook, nor
+    # a .git directory (or an editor's settings) inside a copied tree.
+    hook = os.path.join(back_dir, ".git", "hooks", "pre-commit")
+    message = await call(session, "copy_from_sandbox", {"sandbox_path": "one.py", "host_path": hook}, expect_error=True)
+    assert "moat never writes a copy into or as .git" in message and not os.path.exists(hook), message
+    await call(session, "run_command", {"cmd": "mkdir -p planted/.git/hooks planted/.vscode && echo x > planted/.git/hooks/pre-commit && chmod +x planted/.git/hooks/pre-commit && echo '{}' > planted/.vscode/tasks.json && echo ok > planted/ok"})
+    planted = os.path.join(os.path.dirname(project), "planted-" + str(os.getpid()))
+    got = await call(session, "copy_from_sandbox", {"sandbox_path": "planted", "host_path": planted})
+    assert sorted(os.listdir(planted)) == ["ok"], (os.listdir(planted), got)
+    assert any(".git" in s and "moat never writes" in s for s in got["skipped"]), got
 
     # A task: import, change, diff, finish.
     task = await call(session, "task_start", {"source": project})

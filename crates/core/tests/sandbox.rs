@@ -932,6 +932,22 @@ async fn output_floods_are_bounded() {
     );
     let out = out.await.expect("the next cell runs");
     assert_eq!((out.stdout.as_slice(), out.truncated), (b"after\n".as_slice(), false));
+    // Rich results and errors are the cell's to choose too: a flood of
+    // displays and a 20 MB exception message are cut on the host.
+    let cell = "kept = 7\nfrom IPython.display import display, HTML\nfor i in range(300):\n    \
+                display(HTML(f'<b>{i}</b>'))\nraise ValueError('v' * 20_000_000)";
+    let out = moat.run_code(id, Language::Python, cell, Duration::from_secs(120), std::future::pending(), &|_, _| {});
+    let out = out.await.expect("the cell runs");
+    assert_eq!(out.results.len(), moat_core::interpreter::MAX_RESULTS, "the first results are kept");
+    assert_eq!(out.results[0]["text/html"], "<b>0</b>");
+    let error = out.error.expect("the exception is reported");
+    assert_eq!(error.name, "ValueError");
+    assert!(out.truncated && error.value.len() <= limit, "{}", error.value.len());
+    let note = String::from_utf8_lossy(&out.stderr);
+    assert!(note.contains("236 rich results (displays, images or MIME types) were left out"), "{note}");
+    let out =
+        moat.run_code(id, Language::Python, "print(kept)", Duration::from_secs(60), std::future::pending(), &|_, _| {});
+    assert_eq!(out.await.expect("runs").stdout, b"7\n", "the session lived through it");
 
     // And after all that, the sandbox still answers.
     still_answers(&moat, id).await;

@@ -15,6 +15,13 @@
 //!   home directory, so neither the data directory nor a dot directory of
 //!   the home directory (`~/.ssh`, `~/.config`) is reachable through any
 //!   root, bind mounts and hard links included.
+//!   The homes of the system's other accounts (`/etc/passwd`) are guarded
+//!   alike: a moat run as root from `/home/alice` keeps out of
+//!   `/home/alice/.ssh`.
+//! - **Nothing the host acts on by itself.** No copy writes a name that
+//!   programs on the host run commands from when they meet it ([`ACTED_ON`]:
+//!   `.git`, editors' and agents' project settings), anywhere beneath a
+//!   root, as a destination or inside a copied tree.
 //! - **Create, never replace.** A destination must not exist. A copy is
 //!   written under a hidden name beside it (`O_CREAT | O_EXCL | O_NOFOLLOW`,
 //!   `mkdirat`) and renamed with `RENAME_NOREPLACE` once everything in it
@@ -51,6 +58,34 @@ pub const SYSTEM_DIRS: &[&str] = &[
     "/etc", "/usr", "/var", "/proc", "/sys", "/dev", "/boot", "/root", "/run", "/bin", "/sbin", "/lib", "/lib32",
     "/lib64", "/libx32", "/nix", "/snap",
 ];
+
+/// Names programs on the host act on by themselves when they meet them in a
+/// directory, and what they do: written by a sandbox into a shared
+/// directory, one would have the host run the sandbox's commands as the
+/// person who runs moat (git runs hooks, `core.fsmonitor` and pagers from a
+/// `.git` directory, and a `.git` file points it at any directory; editors
+/// and agent tools start tasks, hooks and MCP servers from their project
+/// settings). A copy from a sandbox never writes one, at any depth; the
+/// comparison ignores ASCII case (case-insensitive file systems). Files a
+/// person must choose to run (a script, a Makefile) keep their modes: the
+/// line is what runs with no one asking.
+pub const ACTED_ON: &[(&str, &str)] = &[
+    (".git", "git runs hooks and commands from it"),
+    (".hg", "Mercurial runs hooks from it"),
+    (".vscode", "VS Code and its forks run tasks and MCP servers from it"),
+    (".cursor", "Cursor starts MCP servers from it"),
+    (".claude", "Claude Code runs hooks from it"),
+    (".mcp.json", "MCP clients start the servers it names"),
+    (".idea", "JetBrains IDEs run configurations from it"),
+    (".zed", "Zed runs tasks from it"),
+    (".devcontainer", "editors build and start containers from it"),
+    (".envrc", "direnv runs it"),
+];
+
+/// What a program on the host does with `name` ([`ACTED_ON`]), if anything.
+pub fn acted_on(name: &[u8]) -> Option<&'static str> {
+    ACTED_ON.iter().find(|(known, _)| known.as_bytes().eq_ignore_ascii_case(name)).map(|(_, what)| *what)
+}
 
 /// Trees deeper than this are cut there (the rest is listed as skipped),
 /// both ways: each level holds a descriptor open while a walk is inside it,
@@ -154,7 +189,32 @@ fn unsuitable_root(dir: &Path, home: Option<&Path>) -> Option<&'static str> {
             return Some("inside a hidden directory of the home directory");
         }
     }
+    for other in account_homes() {
+        if dir == other {
+            return Some("an account's home directory");
+        }
+        if in_dot_dir(&dir, &other) {
+            return Some("inside a hidden directory of an account's home directory");
+        }
+    }
     if is_system(&dir, home) { Some("a system directory") } else { None }
+}
+
+/// The home directories of the system's accounts (`/etc/passwd`; accounts
+/// only a directory service knows are not listed), as they resolve, but
+/// `/` and what does not exist.
+fn account_homes() -> Vec<PathBuf> {
+    let Ok(passwd) = std::fs::read_to_string("/etc/passwd") else { return Vec::new() };
+    let mut homes: Vec<PathBuf> = passwd
+        .lines()
+        .filter_map(|line| line.split(':').nth(5))
+        .filter(|home| home.starts_with('/'))
+        .filter_map(|home| Path::new(home).canonicalize().ok())
+        .filter(|home| home != Path::new("/") && home.is_dir())
+        .collect();
+    homes.sort();
+    homes.dedup();
+    homes
 }
 
 fn is_system(dir: &Path, home: Option<&Path>) -> bool {
@@ -230,8 +290,9 @@ pub struct HostRoots {
     roots: Vec<Root>,
     /// moat's data directory: never reachable through a root.
     data_dir: Option<FileId>,
-    /// The home directory, whose dot directories are never reachable.
-    home: Option<FileId>,
+    /// The home directories (moat's own and every account's), whose dot
+    /// entries are never reachable.
+    homes: Vec<FileId>,
     /// `~/.ssh`, where [`HostRoots::read_ssh_key`] also reads keys from.
     ssh_dir: Option<PathBuf>,
     /// The most one copy may move, in bytes.
@@ -306,7 +367,7 @@ impl HostRoots {
         Ok(Self {
             roots: opened,
             data_dir: data_id,
-            home: home.as_deref().and_then(FileId::of_path),
+            homes: home.iter().cloned().chain(account_homes()).filter_map(|h| FileId::of_path(&h)).collect(),
             ssh_dir: home.map(|h| h.join(".ssh")),
             copy_limit,
         })
@@ -398,14 +459,16 @@ impl HostRoots {
         }
     }
 
-    /// Refuses `name` in `dir` when `dir` is the home directory and `name`
+    /// Whether `dir` is a home directory.
+    fn is_home(&self, dir: &OwnedFd) -> bool {
+        !self.homes.is_empty() && fstat(dir).is_ok_and(|s| self.homes.contains(&FileId::of(&s)))
+    }
+
+    /// Refuses `name` in `dir` when `dir` is a home directory and `name`
     /// a dot entry.
     fn check_entry(&self, dir: &OwnedFd, name: &OsStr, shown: &Path) -> Result<(), HostPathError> {
-        if name.as_encoded_bytes().starts_with(b".")
-            && let Some(home) = self.home
-            && fstat(dir).is_ok_and(|s| FileId::of(&s) == home)
-        {
-            return Err(self.refuse(shown, "inside a hidden directory of the home directory, which is never shared"));
+        if name.as_encoded_bytes().starts_with(b".") && self.is_home(dir) {
+            return Err(self.refuse(shown, "inside a hidden directory of a home directory, which is never shared"));
         }
         Ok(())
     }
@@ -470,7 +533,7 @@ impl HostRoots {
                 let view = Self {
                     roots: vec![Root { path: dir.clone(), dir: fd }],
                     data_dir: self.data_dir,
-                    home: None,
+                    homes: Vec::new(),
                     ssh_dir: None,
                     copy_limit: 0,
                 };
@@ -509,6 +572,16 @@ impl HostRoots {
     /// Checks that `path` is a new name beneath a root, and opens its parent.
     pub fn destination(&self, path: &Path) -> Result<Destination, HostPathError> {
         let (root, parts) = self.locate(path)?;
+        if let Some((name, what)) = parts.iter().find_map(|p| Some((p, acted_on(p.as_encoded_bytes())?))) {
+            return Err(self.refuse(
+                path,
+                format!(
+                    "moat never writes a copy into or as {}: {what}, so a file there from a sandbox could run \
+                     commands on the host; copy to another path and look at what you move there yourself",
+                    name.to_string_lossy()
+                ),
+            ));
+        }
         let Some((name, parents)) = parts.split_last() else {
             return Err(self.refuse(path, "exists; copy to a new path (nothing on the host is overwritten)"));
         };

@@ -63,7 +63,7 @@ impl Walk<'_> {
         emit: &mut dyn FnMut(&Path, Item<'_>) -> Result<(), HostPathError>,
     ) -> Result<(), HostPathError> {
         let failed = |what: &str, e: Errno| HostPathError(format!("{}: {what}: {}", rel.display(), e.desc()));
-        let is_home = self.roots.home.is_some_and(|h| fstat(dir).is_ok_and(|s| FileId::of(&s) == h));
+        let is_home = self.roots.is_home(dir);
         let mut names = super::names_in(dir).map_err(|e| failed("cannot list it", e))?;
         names.sort();
         for name in names {
@@ -75,7 +75,7 @@ impl Walk<'_> {
                 self.summary.top.push(name.to_string_lossy().into_owned());
             }
             if is_home && name.as_bytes().starts_with(b".") {
-                self.skip(&path, "a hidden directory of the home directory is never shared");
+                self.skip(&path, "a hidden entry of a home directory is never shared");
                 continue;
             }
             let stat = match fstatat(dir, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {

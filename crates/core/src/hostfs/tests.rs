@@ -624,3 +624,59 @@ fn a_staged_copy_swapped_for_another_tree_leaves_that_tree_alone() {
     assert_eq!(std::fs::read_to_string(at.join("copy/victim")).expect("kept"), "theirs");
     assert_eq!(std::fs::metadata(&at).expect("stat").permissions().mode() & 0o777, 0o700, "their tree was chmodded");
 }
+
+#[test]
+fn nothing_a_host_program_runs_by_itself_is_written() {
+    use tar::EntryType::{Directory, Regular, Symlink};
+    let f = fixture(MIB);
+    std::fs::create_dir_all(f.root.join("proj/.git/hooks")).expect("mkdir");
+    // As a destination, at any depth, in any case.
+    for dest in ["proj/.git/hooks/pre-commit", "proj/.git/config2", "proj/.GIT/x", "new/.vscode", "proj/.mcp.json"] {
+        refused(f.roots.destination(&f.root.join(dest)), "moat never writes a copy into or as");
+    }
+    refused(f.roots.destination(&f.root.join("proj/.claude/settings.json")), "Claude Code runs hooks from it");
+    assert!(f.roots.destination(&f.root.join("proj/.gitignore")).is_ok(), "other dot names are copied");
+    // Inside a copied tree: left out and listed, the rest copied.
+    let archive = hostile_tar(&[
+        (b".git", Directory, b"", b""),
+        (b".git/config", Regular, b"", b"[core]\n\tfsmonitor = touch /tmp/pwned\n"),
+        (b"sub/.Git", Regular, b"", b"gitdir: ../g\n"),
+        (b".claude/settings.json", Regular, b"", b"{}"),
+        (b"a/.vscode/tasks.json", Regular, b"", b"{}"),
+        (b".envrc", Regular, b"", b"touch /tmp/pwned\n"),
+        (b"g/.git", Symlink, b"../sub", b""),
+        (b".gitignore", Regular, b"", b"target\n"),
+        (b"src/main.rs", Regular, b"", b"fn main() {}\n"),
+    ]);
+    let summary = unpack_into(&f, "out", &archive).expect("unpacks");
+    assert_eq!(summary.files, 2, "{summary:?}");
+    assert_eq!(summary.skipped.len(), 7, "{summary:?}");
+    assert!(summary.skipped.iter().any(|s| s.contains(".git/config: moat never writes .git from a sandbox")));
+    for gone in [".git", "sub/.Git", ".claude", "a/.vscode", ".envrc", "g/.git"] {
+        assert!(std::fs::symlink_metadata(f.root.join("out").join(gone)).is_err(), "{gone} was written");
+    }
+    assert!(f.root.join("out/.gitignore").is_file() && f.root.join("out/src/main.rs").is_file());
+    assert_eq!(acted_on(b".GiT"), acted_on(b".git"));
+    assert_eq!(acted_on(b".github"), None);
+}
+
+#[test]
+fn every_accounts_home_is_guarded() {
+    let f = fixture(MIB);
+    // Another account's home under the root (as /home/alice is under a
+    // root of /home, or is the working directory of a moat run as root).
+    let alice = f.root.join("alice");
+    std::fs::create_dir_all(alice.join(".ssh")).expect("mkdir");
+    std::fs::write(alice.join(".ssh/id_ed25519"), "secret").expect("write");
+    std::fs::write(alice.join("notes.txt"), "notes").expect("write");
+    let homes = vec![FileId::of_path(&alice).expect("alice")];
+    let roots = HostRoots { homes, ..f.roots };
+    refused(roots.open_source(&alice.join(".ssh/id_ed25519")), "hidden directory of a home directory");
+    refused(roots.destination(&alice.join(".profile")), "hidden directory of a home directory");
+    assert!(roots.open_source(&alice.join("notes.txt")).is_ok());
+    // The system's accounts are read from /etc/passwd: root's is there.
+    if Path::new("/root").is_dir() {
+        assert!(account_homes().contains(&PathBuf::from("/root")), "{:?}", account_homes());
+    }
+    assert!(!account_homes().contains(&PathBuf::from("/")), "/ is no one's home here");
+}

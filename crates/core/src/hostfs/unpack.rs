@@ -170,6 +170,11 @@ pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, H
             skip(&mut summary, &mut dropped, format!("{shown}: a name with `..` or an absolute path"));
             continue;
         };
+        if let Some((part, what)) = parts.iter().find_map(|p| Some((p, super::acted_on(p)?))) {
+            let name = String::from_utf8_lossy(part);
+            skip(&mut summary, &mut dropped, format!("{shown}: moat never writes {name} from a sandbox ({what})"));
+            continue;
+        }
         if parts.len() > MAX_DEPTH {
             skip(&mut summary, &mut dropped, format!("{shown}: deeper than {MAX_DEPTH} levels"));
             continue;

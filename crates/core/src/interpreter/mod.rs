@@ -28,7 +28,7 @@ const INTERRUPT_GRACE: Duration = Duration::from_secs(5);
 /// images included). The runner is the sandbox's: the cell's own code
 /// runs in its process and may write anything to the protocol pipe, so
 /// everything read from it is bounded here, not there.
-const MAX_EVENT: usize = 32 << 20;
+const MAX_EVENT: usize = 64 << 20;
 
 /// The most bytes of rich results (displays and the cell's value, images
 /// as base64) one cell keeps; later results are left out and said so.
@@ -146,6 +146,7 @@ enum Event {
         execution_count: u64,
         result: Option<RawBundle>,
         displays: Vec<RawBundle>,
+        left_out: u64,
         error: Option<CodeError>,
     },
 }
@@ -166,6 +167,9 @@ struct Line {
     result: Option<RawBundle>,
     #[serde(default)]
     displays: Vec<RawBundle>,
+    /// Displays the runner left out to keep within the bounds it was given.
+    #[serde(default)]
+    left_out: u64,
     error: Option<CodeError>,
 }
 
@@ -187,6 +191,7 @@ impl Event {
                     .ok_or_else(|| bad("a done event without execution_count".into()))?,
                 result: line.result,
                 displays: line.displays,
+                left_out: line.left_out,
                 error: line.error,
             }),
             other => Err(bad(format!("an event of unknown type {other:?}"))),
@@ -373,7 +378,10 @@ impl PythonSession {
     ) -> Result<(), SessionError> {
         // The runner stops sending a stream past `limit` characters (at most
         // `limit` bytes here are kept of it anyway).
-        let line = serde_json::json!({ "code": code, "limit": limit }).to_string() + "\n";
+        let request = serde_json::json!({
+            "code": code, "limit": limit, "max_results": MAX_RESULTS, "results_budget": RESULTS_BUDGET,
+        });
+        let line = request.to_string() + "\n";
         self.stdin.write(Bytes::from(line)).await.map_err(|_| self.ended())?;
         let deadline = tokio::time::sleep(timeout);
         tokio::pin!(deadline);
@@ -405,7 +413,7 @@ impl PythonSession {
                     output.truncated |= text.len() > room;
                     buffer.extend_from_slice(&text.as_bytes()[..text.len().min(room)]);
                 }
-                Event::Done { execution_count, result, displays, error } => {
+                Event::Done { execution_count, result, displays, left_out: left_by_runner, error } => {
                     output.execution_count = Some(execution_count);
                     let mut result = result.unwrap_or_default();
                     if let Some(raw) = result.remove("text/plain") {
@@ -416,6 +424,7 @@ impl PythonSession {
                     }
                     let value = (!result.is_empty()).then_some(result);
                     let (results, left_out) = bounded_results(displays.into_iter().chain(value));
+                    let left_out = usize::try_from(left_by_runner).unwrap_or(usize::MAX).saturating_add(left_out);
                     output.results = results;
                     if left_out > 0 {
                         output.truncated = true;

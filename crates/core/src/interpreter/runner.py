@@ -2,12 +2,18 @@
 # cell per request, so state persists between calls like a notebook.
 #
 # moat-core starts it with `python3 -c` inside the sandbox and speaks JSON
-# lines: requests {"code": str} on stdin; events on stdout:
+# lines: requests {"code": str, "limit": int, "max_results": int,
+# "results_budget": int} on stdin; events on stdout:
 #   {"type": "ready"}
 #   {"type": "stream", "name": "stdout"|"stderr", "text": str}
 #   {"type": "done", "execution_count": int, "result": {mime: value}|null,
-#    "displays": [{mime: value}], "error": {name, value, traceback}|null}
-# Binary values (PNG, JPEG) are base64 strings.
+#    "displays": [{mime: value}], "left_out": int,
+#    "error": {name, value, traceback}|null}
+# Binary values (PNG, JPEG) are base64 strings. The displays kept are at
+# most max_results and results_budget characters (left_out counts the
+# rest), and the error's texts at most limit characters each, so that a
+# cell's results fit the host's bound on one line. The host bounds them
+# again: the cell's own code runs in this process and can send anything.
 #
 # File descriptors 0, 1 and 2 are taken over so that nothing the code does
 # (print, os.write, subprocesses, input()) can mix with the protocol: the
@@ -165,7 +171,20 @@ def plain(data):
     return out
 
 
-def run(code):
+def fit(bundles, most, budget):
+    """The bundles that fit `most` and `budget` characters, and how many did not."""
+    kept, left_out = [], 0
+    for bundle in bundles:
+        size = sum(len(v) if isinstance(v, str) else len(json.dumps(v)) for v in bundle.values())
+        if len(kept) >= most or size > budget:
+            left_out += 1
+            continue
+        budget -= size
+        kept.append(bundle)
+    return kept, left_out
+
+
+def run(code, limit, most, budget):
     Cell.result, Cell.displays, Cell.traceback = None, [], None
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -179,13 +198,16 @@ def run(code):
     error = None
     exc = outcome.error_in_exec or outcome.error_before_exec
     if exc is not None:
-        error = {"name": type(exc).__name__, "value": str(exc), "traceback": Cell.traceback or ""}
+        error = {"name": type(exc).__name__[:256], "value": str(exc)[:limit],
+                 "traceback": (Cell.traceback or "")[:limit]}
+    displays, left_out = fit([plain(d) for d in Cell.displays], most, budget)
     send(
         {
             "type": "done",
             "execution_count": shell.execution_count - 1,
             "result": plain(Cell.result) if Cell.result else None,
-            "displays": [plain(d) for d in Cell.displays],
+            "displays": displays,
+            "left_out": left_out,
             "error": error,
         }
     )
@@ -201,7 +223,7 @@ def main():
             request = json.loads(line)
             for pump in PUMPS:
                 pump.budget = request["limit"]
-            run(request["code"])
+            run(request["code"], request["limit"], request["max_results"], request["results_budget"])
         except KeyboardInterrupt:
             continue
         except Exception as e:  # the runner's own failure, not the user's
