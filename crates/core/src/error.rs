@@ -141,7 +141,7 @@ pub enum TaskError {
     #[error("Host path refused: {} is not a directory; give a project directory", .0.display())]
     NotADirectory(std::path::PathBuf),
     /// The baseline commit or the diff failed in the task's sandbox.
-    #[error("Sandbox {id} failed to start: {reason}")]
+    #[error("Git in sandbox {id}: {reason}")]
     Git { id: String, reason: String },
     /// Writing or removing a task record failed.
     #[error(transparent)]

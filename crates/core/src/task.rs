@@ -63,24 +63,41 @@ pub struct DiffSummary {
     pub files: Vec<String>,
 }
 
+/// The most files a summary (or a task's top-level listing) names; the
+/// rest are counted.
+pub const MAX_LISTED: usize = 1000;
+
 impl DiffSummary {
-    /// Parses `git diff --numstat`.
+    /// Parses `git diff --numstat -z` (without renames: one record per
+    /// file, `added TAB removed TAB path NUL`). It comes from the sandbox:
+    /// figures that are not plain counts are taken as a binary file's, sums
+    /// saturate, and at most [`MAX_LISTED`] files are named.
     pub fn from_numstat(numstat: &str) -> Self {
         let mut summary = Self::default();
-        for line in numstat.lines() {
-            let mut fields = line.splitn(3, '\t');
+        let count =
+            |field: &str| field.bytes().all(|b| b.is_ascii_digit()).then(|| field.parse::<u64>().ok()).flatten();
+        for record in numstat.split('\0') {
+            let mut fields = record.splitn(3, '\t');
             let (Some(added), Some(removed), Some(path)) = (fields.next(), fields.next(), fields.next()) else {
                 continue;
             };
-            summary.files_changed += 1;
-            match (added.parse::<u64>(), removed.parse::<u64>()) {
-                (Ok(a), Ok(r)) => {
-                    summary.insertions += a;
-                    summary.deletions += r;
-                    summary.files.push(format!("{path} (+{a} -{r})"));
+            summary.files_changed = summary.files_changed.saturating_add(1);
+            let named = summary.files.len() < MAX_LISTED;
+            match (count(added), count(removed)) {
+                (Some(a), Some(r)) => {
+                    summary.insertions = summary.insertions.saturating_add(a);
+                    summary.deletions = summary.deletions.saturating_add(r);
+                    if named {
+                        summary.files.push(format!("{path} (+{a} -{r})"));
+                    }
                 }
-                _ => summary.files.push(format!("{path} (binary)")),
+                _ if named => summary.files.push(format!("{path} (binary)")),
+                _ => {}
             }
+        }
+        let unnamed = summary.files_changed.saturating_sub(summary.files.len() as u64);
+        if unnamed > 0 {
+            summary.files.push(format!("… and {unnamed} more files"));
         }
         summary
     }
@@ -146,8 +163,23 @@ mod tests {
 
     #[test]
     fn numstat_summaries() {
-        let s = DiffSummary::from_numstat("3\t1\tsrc/main.rs\n-\t-\timage.png\n0\t5\tgone.txt\n");
+        let s = DiffSummary::from_numstat("3\t1\tsrc/main.rs\u{0}-\t-\timage.png\u{0}0\t5\tgone.txt\u{0}");
         assert_eq!((s.files_changed, s.insertions, s.deletions), (3, 3, 6));
         assert_eq!(s.files[1], "image.png (binary)");
+        // A name with a newline or a tab is one name.
+        let s = DiffSummary::from_numstat("1\t0\ta\nb\tc.txt\u{0}");
+        assert_eq!((s.files_changed, s.files[0].as_str()), (1, "a\nb\tc.txt (+1 -0)"));
+    }
+
+    #[test]
+    fn a_numstat_from_the_sandbox_cannot_overflow_or_flood_the_summary() {
+        let huge = format!("{m}\t{m}\ta\x00{m}\t{m}\tb\x00+5\t1\tc\x00", m = u64::MAX);
+        let s = DiffSummary::from_numstat(&huge);
+        assert_eq!((s.files_changed, s.insertions, s.deletions), (3, u64::MAX, u64::MAX));
+        assert_eq!(s.files[2], "c (binary)", "only plain counts are counts");
+        let many: String = (0..MAX_LISTED + 5).map(|i| format!("1\t1\tf{i}\u{0}")).collect();
+        let s = DiffSummary::from_numstat(&many);
+        assert_eq!((s.files_changed, s.files.len()), (MAX_LISTED as u64 + 5, MAX_LISTED + 1));
+        assert_eq!(s.files[MAX_LISTED], "… and 5 more files");
     }
 }

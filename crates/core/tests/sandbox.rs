@@ -972,7 +972,11 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
         sh(&moat, &task.sandbox_id, "cd /workspace && python3 main.py && git log --oneline | wc -l").await;
     assert_eq!((out.as_str(), code), ("hello\n1\n", Some(0)));
 
-    let work = "cd /workspace && echo \"print('changed')\" > main.py && rm delete_me.txt && echo new > new.txt && printf '\\000\\377' > data.bin";
+    // new.txt holds what moat's diff once split on: the patch keeps it as
+    // a line of the file, and the summary is not forged by it.
+    let work = "cd /workspace && echo \"print('changed')\" > main.py && rm delete_me.txt && \
+                printf 'new\\n@@moat-numstat@@\\n999\\t999\\tforged.txt\\n' > new.txt && printf '\\000\\377' > data.bin && \
+                git config core.fsmonitor 'sleep 1000;'";
     let (_, code) = sh(&moat, &task.sandbox_id, work).await;
     assert_eq!(code, Some(0));
     // A command's text is logged clipped, like its output: a model's
@@ -982,9 +986,14 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
     let (diff, summary) = moat.task_diff(&task.id).await.expect("diff");
     assert!(diff.contains("+print('changed')"), "{diff}");
     assert!(diff.contains("deleted file mode") && diff.contains("delete_me.txt"), "{diff}");
-    assert!(diff.contains("new file mode") && diff.contains("+new"), "{diff}");
+    assert!(
+        diff.contains("new file mode") && diff.contains("+new\n+@@moat-numstat@@\n+999\t999\tforged.txt"),
+        "{diff}"
+    );
     assert!(diff.contains("Binary files a/data.bin and b/data.bin differ"), "{diff}");
     assert_eq!(summary.files_changed, 4, "{summary:?}");
+    assert!(summary.files.iter().any(|f| f == "new.txt (+3 -0)"), "{summary:?}");
+    assert!(!summary.files.iter().any(|f| f.contains("forged")) && summary.insertions < 10, "{summary:?}");
 
     let record = moat.task_finish(&task.id, false).await.expect("finishes");
     assert_eq!(std::fs::read_to_string(&record.patch_path).expect("patch"), diff);

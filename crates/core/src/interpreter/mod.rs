@@ -429,9 +429,11 @@ impl PythonSession {
                     if left_out > 0 {
                         output.truncated = true;
                         let note = format!(
-                            "\nmoat: {left_out} rich result{} (displays, images or MIME types) left out: a cell keeps \
-                             at most {MAX_RESULTS} results and {} MiB of them; save large outputs to files instead\n",
-                            if left_out == 1 { " was" } else { "s were" },
+                            "\nmoat: {left_out} rich result{} (displays, images or MIME types) {} left out: a \
+                             cell keeps at most {MAX_RESULTS} results and {} MiB of them; save large outputs to \
+                             files instead\n",
+                            if left_out == 1 { "" } else { "s" },
+                            if left_out == 1 { "was" } else { "were" },
                             RESULTS_BUDGET >> 20
                         );
                         output.stderr.extend_from_slice(note.as_bytes());

@@ -6,6 +6,9 @@
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use moat_proto::ProtoError;
 use nix::fcntl::OFlag;
@@ -34,13 +37,15 @@ fn too_large(limit: u64, shown: &Path, size: u64) -> HostPathError {
 struct Watched<W> {
     inner: W,
     failed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    moved: Arc<AtomicU64>,
 }
 
 impl<W: std::io::Write> std::io::Write for Watched<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let result = self.inner.write(buf);
-        if result.is_err() {
-            self.failed.store(true, std::sync::atomic::Ordering::Relaxed);
+        match &result {
+            Ok(n) => _ = self.moved.fetch_add(*n as u64, Ordering::Relaxed),
+            Err(_) => self.failed.store(true, Ordering::Relaxed),
         }
         result
     }
@@ -48,6 +53,55 @@ impl<W: std::io::Write> std::io::Write for Watched<W> {
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush()
     }
+}
+
+/// A reader that counts what it read into `moved`.
+struct Counted<R> {
+    inner: R,
+    moved: Arc<AtomicU64>,
+}
+
+impl<R: std::io::Read> std::io::Read for Counted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.moved.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// The longest a tree copy may go without a byte moving through its pipe.
+/// The agent is the sandbox's: one that stops reading or sending in the
+/// middle of a copy must not hold the copy's thread (one of the host's
+/// blocking threads, which stopping sandboxes need too) for ever.
+const COPY_STALL: Duration = Duration::from_secs(120);
+
+/// `work`'s output, or `None` when `moved` stood still for a whole
+/// `stall` (then `work` is dropped, which closes its end of the pipe).
+async fn unless_stalled<F: Future>(moved: &AtomicU64, stall: Duration, work: F) -> Option<F::Output> {
+    tokio::pin!(work);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + stall, stall);
+    let mut last = moved.load(Ordering::Relaxed);
+    loop {
+        tokio::select! {
+            out = &mut work => return Some(out),
+            _ = tick.tick() => {
+                let now = moved.load(Ordering::Relaxed);
+                if now == last {
+                    return None;
+                }
+                last = now;
+            }
+        }
+    }
+}
+
+fn stalled(id: &str, way: &str) -> CopyError {
+    HostPathError(format!(
+        "the copy {way} sandbox {id} stopped: nothing moved for {} s, so it was given up and nothing of it kept; \
+         check the sandbox with run_command, then copy again",
+        COPY_STALL.as_secs()
+    ))
+    .into()
 }
 
 impl Moat {
@@ -116,16 +170,19 @@ impl Moat {
         let mut receiver = tokio::net::unix::pipe::Receiver::from_owned_fd(read)
             .map_err(|e| HostPathError(format!("cannot stream the copy: {e}")))?;
         let inner = self.inner.clone();
-        let sent = Watched { inner: std::fs::File::from(write), failed: Default::default() };
+        let moved = Arc::new(AtomicU64::new(0));
+        let sent = Watched { inner: std::fs::File::from(write), failed: Default::default(), moved: moved.clone() };
         let write_failed = sent.failed.clone();
         let packer = tokio::task::spawn_blocking(move || {
             hostfs::pack(&inner.host, &dir, skip_git, std::io::BufWriter::new(sent))
         });
-        let uploaded = client.tar_in(dest, Some("user".into()), &mut receiver).await;
+        let uploaded =
+            unless_stalled(&moved, COPY_STALL, client.tar_in(dest, Some("user".into()), &mut receiver)).await;
         // An agent that stopped reading must not leave the packer blocked on
         // a full pipe: closing the read end makes its next write fail.
         drop(receiver);
         let packed = packer.await.map_err(|e| HostPathError(format!("archiving failed: {e}")))?;
+        let Some(uploaded) = uploaded else { return Err(stalled(id, "into")) };
         let agent_stopped = write_failed.load(std::sync::atomic::Ordering::Relaxed);
         match (packed, uploaded) {
             // The agent refused the archive (a file in the way, a full disk)
@@ -168,14 +225,17 @@ impl Moat {
         let mut sender = tokio::net::unix::pipe::Sender::from_owned_fd(write)
             .map_err(|e| HostPathError(format!("cannot stream the copy: {e}")))?;
         let limit = self.inner.host.copy_limit();
+        let moved = Arc::new(AtomicU64::new(0));
+        let received = Counted { inner: std::fs::File::from(read), moved: moved.clone() };
         let unpacker = tokio::task::spawn_blocking(move || {
-            hostfs::unpack(std::io::BufReader::with_capacity(64 << 10, std::fs::File::from(read)), sink, limit)
+            hostfs::unpack(std::io::BufReader::with_capacity(64 << 10, received), sink, limit)
         });
-        let downloaded = client.tar_out(sandbox_path, &mut sender).await;
+        let downloaded = unless_stalled(&moved, COPY_STALL, client.tar_out(sandbox_path, &mut sender)).await;
         // The unpacker reads to the end of the archive; closing our end ends
         // it when the agent stopped early.
         drop(sender);
         let unpacked = unpacker.await.map_err(|e| HostPathError(format!("unpacking failed: {e}")))?;
+        let Some(downloaded) = downloaded else { return Err(stalled(id, "out of")) };
         let summary = match (unpacked, downloaded) {
             (Ok(summary), Ok(_)) => summary,
             // The unpacker stopped (limit, bad entry) and the agent's writes
@@ -186,5 +246,29 @@ impl Moat {
         // Everything is checked: the copy takes its name.
         staged.commit()?;
         Ok(summary)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_copy_that_stops_moving_is_given_up_and_one_that_moves_is_not() {
+        let stall = Duration::from_secs(120);
+        let moved = AtomicU64::new(0);
+        // Nothing ever moves: given up after one stall.
+        let started = tokio::time::Instant::now();
+        assert!(unless_stalled(&moved, stall, std::future::pending::<()>()).await.is_none());
+        assert_eq!(started.elapsed(), stall);
+        // Slow but moving (a byte every minute for ten minutes): finished.
+        let slow = async {
+            for _ in 0..10 {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                moved.fetch_add(1, Ordering::Relaxed);
+            }
+            "done"
+        };
+        assert_eq!(unless_stalled(&moved, stall, slow).await, Some("done"));
     }
 }

@@ -2,11 +2,13 @@
 //! baseline, and the record kept when it finishes.
 
 use std::path::Path;
+use std::time::Duration;
 
-use moat_proto::ExecRequest;
+use moat_proto::{ExecRequest, Output};
 
+use super::exec::answered_within;
 use super::{Moat, RUN_OUTPUT_LIMIT, new_id};
-use crate::error::{CopyError, IoError, SandboxError, TaskError};
+use crate::error::{CopyError, IoError, TaskError};
 use crate::grants::Grants;
 use crate::hostfs::{self, SourceKind};
 use crate::runtime::Runtime;
@@ -14,7 +16,60 @@ use crate::sandbox::SandboxSpec;
 use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
 use crate::timing::now;
 
+/// The longest one of moat's own git commands in a task's sandbox may run.
+/// The sandbox owns its git (its configuration, filters, even the binary),
+/// so a command that does not end is stopped, never waited for.
+const GIT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `git` with what the workspace's configuration could add to a diff turned
+/// off: hooks, the file-system monitor, external diff programs and text
+/// conversions (they would run, and shape the patch, on every diff).
+const GIT: &str = "git -c core.fsmonitor=false -c core.hooksPath=/dev/null -c core.quotepath=off";
+
 impl Moat {
+    /// Runs one of moat's own git scripts in task sandbox `id`: bounded in
+    /// time and output, outside the task's execution log. Output that
+    /// reached the bound, a timeout or a failure is an error naming `what`.
+    async fn task_git(&self, id: &str, what: &str, script: String) -> Result<Output, TaskError> {
+        let mut request = ExecRequest::shell(script);
+        request.cwd = Some("/workspace".into());
+        request.env = vec![
+            ("GIT_CONFIG_NOSYSTEM".into(), "1".into()),
+            ("GIT_CONFIG_GLOBAL".into(), "/dev/null".into()),
+            ("GIT_CONFIG_COUNT".into(), "0".into()),
+        ];
+        request.timeout_ms = Some(GIT_TIMEOUT.as_secs() * 1000);
+        request.output_limit = Some(RUN_OUTPUT_LIMIT as u64);
+        let work = async {
+            let handle = self.exec(id, request).await?;
+            match handle.output_limited(RUN_OUTPUT_LIMIT).await {
+                Ok(out) => Ok(out),
+                Err(source) => Err(self.agent_error(id, source).await),
+            }
+        };
+        let out = answered_within(id, Some(GIT_TIMEOUT), work).await?;
+        let failed = |reason: String| Err(TaskError::Git { id: id.into(), reason });
+        if out.status.timed_out {
+            return failed(format!(
+                "{what} did not finish within {} s and was stopped (a git filter or hook in /workspace may \
+                 hang); fix the workspace and try again",
+                GIT_TIMEOUT.as_secs()
+            ));
+        }
+        if out.truncated || out.status.dropped_bytes > 0 {
+            return failed(format!(
+                "{what} printed more than {} MiB, more than a task keeps; commit or remove large generated files \
+                 in /workspace and try again",
+                RUN_OUTPUT_LIMIT >> 20
+            ));
+        }
+        if !out.status.success() {
+            let (stderr, _) = task::clip(&out.stderr);
+            return failed(format!("{what} failed: {}", stderr.trim()));
+        }
+        Ok(out)
+    }
+
     /// Imports the project at `path` (inside one of the configured roots)
     /// into `/workspace` of a new sandbox and
     /// commits it as the baseline.
@@ -37,19 +92,11 @@ impl Moat {
         let id = sandbox.id.clone();
         let result = async {
             let packed = self.send_tree(&id, source, "/workspace", true).await?;
-            let baseline = "cd /workspace && git init -q && git add -A && \
-                git -c user.name=moat -c user.email=moat@localhost commit -q --allow-empty -m baseline";
-            let out = self.exec(&id, ExecRequest::shell(baseline)).await?.output_limited(RUN_OUTPUT_LIMIT).await;
-            match out {
-                Ok(out) if out.status.success() => {}
-                Ok(out) => {
-                    return Err(TaskError::Git {
-                        id: id.clone(),
-                        reason: format!("the baseline commit failed: {}", String::from_utf8_lossy(&out.stderr)),
-                    });
-                }
-                Err(source) => return Err(SandboxError::Agent { id: id.clone(), source }.into()),
-            }
+            let baseline = format!(
+                "{GIT} init -q && {GIT} add -A && \
+                 {GIT} -c user.name=moat -c user.email=moat@localhost commit -q --allow-empty --no-verify -m baseline"
+            );
+            self.task_git(&id, "the baseline commit", baseline).await?;
             Ok(packed)
         }
         .await;
@@ -76,18 +123,14 @@ impl Moat {
         host: Option<String>,
         runtime: Option<Runtime>,
     ) -> Result<Task, TaskError> {
-        let script = "cd /workspace && git rev-parse --verify -q HEAD >/dev/null && ls -A1 && \
-            echo '@@moat-files@@' && git ls-files | wc -l";
-        let out = self.run(id, ExecRequest::shell(script)).await?;
+        // The count comes first: no name in the listing after it can pass
+        // for it.
+        let script = format!("{GIT} rev-parse --verify -q HEAD >/dev/null && {GIT} ls-files | wc -l && ls -A1");
+        let out = self.task_git(id, "reading /workspace as a Git checkout", script).await?;
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let Some((names, files)) = text.split_once("@@moat-files@@\n").filter(|_| out.status.success()) else {
-            return Err(TaskError::Git {
-                id: id.into(),
-                reason: format!("/workspace is not a Git checkout: {}", String::from_utf8_lossy(&out.stderr).trim()),
-            });
-        };
-        let top: Vec<String> = names.lines().map(str::to_owned).collect();
-        let files = files.trim().parse().unwrap_or(0);
+        let mut lines = text.lines();
+        let files = lines.next().and_then(|count| count.trim().parse().ok()).unwrap_or(0);
+        let top: Vec<String> = lines.take(task::MAX_LISTED).map(str::to_owned).collect();
         let task = self.register_task(id.into(), source.into(), &top, files, host, runtime);
         Ok(self.with_runtime_version(task).await)
     }
@@ -167,22 +210,15 @@ impl Moat {
     /// deleted files included, binary files marked), and its summary.
     pub async fn task_diff(&self, task_id: &str) -> Result<(String, DiffSummary), TaskError> {
         let task = self.task(task_id)?;
-        let script = "cd /workspace && git add -A && git -c core.quotepath=off diff --cached --no-color HEAD && \
-            echo '@@moat-numstat@@' && git diff --cached --numstat HEAD";
-        let out = self.exec(&task.sandbox_id, ExecRequest::shell(script)).await?.output_limited(RUN_OUTPUT_LIMIT).await;
-        let out = match out {
-            Ok(out) => out,
-            Err(source) => return Err(self.agent_error(&task.sandbox_id, source).await.into()),
-        };
-        if !out.status.success() {
-            return Err(TaskError::Git {
-                id: task.sandbox_id,
-                reason: format!("git diff failed: {}", String::from_utf8_lossy(&out.stderr)),
-            });
-        }
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let (diff, numstat) = text.split_once("@@moat-numstat@@\n").unwrap_or((text.as_str(), ""));
-        Ok((diff.to_owned(), DiffSummary::from_numstat(numstat)))
+        let id = &task.sandbox_id;
+        // The patch and its summary come from two runs, each whole: no
+        // line of a file in the patch can pass for the summary.
+        let flags = "--cached --no-color --no-ext-diff --no-textconv --no-renames HEAD";
+        let diff = format!("{GIT} add -A && {GIT} diff {flags}");
+        let diff = self.task_git(id, "git diff", diff).await?;
+        let numstat = self.task_git(id, "git diff --numstat", format!("{GIT} diff --numstat -z {flags}")).await?;
+        let summary = DiffSummary::from_numstat(&String::from_utf8_lossy(&numstat.stdout));
+        Ok((String::from_utf8_lossy(&diff.stdout).into_owned(), summary))
     }
 
     /// Saves the patch and execution log as a retained record and destroys

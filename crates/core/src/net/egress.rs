@@ -446,7 +446,8 @@ async fn serve<C: Connector>(
             request = control.next_request() => match request {
                 Some(Ok(request)) => {
                     if tunnels.len() >= MAX_TUNNELS {
-                        let reason = format!("moat refused {}:{}: more than {MAX_TUNNELS} tunnels open", request.host, request.port);
+                        // The name is not checked yet: it is not repeated.
+                        let reason = format!("moat refused a connection: more than {MAX_TUNNELS} tunnels open");
                         policy.record(decision(&request, false, None, reason.clone()));
                         if control.deny(request.id, reason).await.is_err() {
                             break;
@@ -526,10 +527,16 @@ async fn tunnel<C: Connector>(
         let reason = format!("moat could not reach {}:{}: {last_error}", request.host, request.port);
         return refuse(reason, None).await;
     };
-    let mut attached = match client.egress_attach(request.id).await {
-        Ok(attached) => attached,
-        Err(e) => {
+    // Bounded like the connection upstream: an agent that never attaches
+    // would hold the upstream connection and a place among the tunnels.
+    let mut attached = match tokio::time::timeout(CONNECT_TIMEOUT, client.egress_attach(request.id)).await {
+        Ok(Ok(attached)) => attached,
+        Ok(Err(e)) => {
             tracing::debug!(host = request.host, "the proxy client left before its tunnel was up: {e}");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(host = request.host, "the agent did not take the tunnel within {CONNECT_TIMEOUT:?}");
             return;
         }
     };

@@ -194,9 +194,34 @@ pub async fn call(server: &Session<'_>, name: &str, args: Value, context: &CallC
             result
         }
         Err(ToolError(message)) => {
-            CallToolResult::error(vec![ContentBlock::text(hide_private_paths(&message, server.moat))])
+            CallToolResult::error(vec![ContentBlock::text(error_text(&hide_private_paths(&message, server.moat)))])
         }
     }
+}
+
+/// The longest error text a tool result carries, in characters.
+pub const MAX_ERROR_TEXT: usize = 16 * 1024;
+
+/// An error as the model is shown it. Parts of many errors come from the
+/// sandbox (the agent's own messages, a command's stderr, a microVM's
+/// console): they are cut to [`MAX_ERROR_TEXT`], and control characters
+/// other than newlines and tabs (terminal escapes) are shown as `\u{…}`
+/// escapes instead of passed on.
+fn error_text(message: &str) -> String {
+    let mut out = String::with_capacity(message.len().min(MAX_ERROR_TEXT));
+    for (count, c) in message.chars().enumerate() {
+        if count == MAX_ERROR_TEXT {
+            let rest = message.chars().count() - count;
+            out.push_str(&format!("… [{rest} more characters cut]"));
+            break;
+        }
+        if c.is_control() && c != '\n' && c != '\t' {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// `message` with moat's own host paths ([`moat_core::Moat::private_paths`]:
@@ -298,6 +323,15 @@ fn rand_u32() -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_texts_are_cut_and_show_no_control_characters() {
+        assert_eq!(error_text("plain\n\ttext"), "plain\n\ttext");
+        assert_eq!(error_text("red \x1b[31mtext\x1b[0m\r"), "red \\u{1b}[31mtext\\u{1b}[0m\\u{d}");
+        let long = "é".repeat(MAX_ERROR_TEXT + 10);
+        let cut = error_text(&long);
+        assert!(cut.ends_with("… [10 more characters cut]") && cut.chars().count() < MAX_ERROR_TEXT + 40, "{cut}");
+    }
 
     #[test]
     fn any_time_a_sandbox_sets_is_written() {
