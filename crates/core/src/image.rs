@@ -571,15 +571,17 @@ fn open_user_dir(home: &Path, rel: &Path, owner: (u32, u32)) -> std::io::Result<
             Err(nix::errno::Errno::ENOENT) => {
                 nix::sys::stat::mkdirat(dir.as_fd(), name, Mode::from_bits_truncate(0o755))
                     .map_err(|e| fail(&path, "making", e))?;
-                nix::unistd::fchownat(
-                    dir.as_fd(),
-                    name,
-                    Some(owner.0.into()),
-                    Some(owner.1.into()),
-                    nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-                )
-                .map_err(|e| fail(&path, "giving", e))?;
-                openat(dir.as_fd(), name, flags, Mode::empty())
+                // Given away through its descriptor, once it is known to be
+                // the directory just made (ours, no link): the user may
+                // swap the name for a link to a file of root's meanwhile.
+                let made = openat(dir.as_fd(), name, flags, Mode::empty()).map_err(|e| fail(&path, "opening", e))?;
+                let stat = nix::sys::stat::fstat(&made).map_err(|e| fail(&path, "checking", e))?;
+                if stat.st_uid != nix::unistd::geteuid().as_raw() {
+                    return Err(fail(&path, "making", nix::errno::Errno::EEXIST));
+                }
+                nix::unistd::fchown(&made, Some(owner.0.into()), Some(owner.1.into()))
+                    .map_err(|e| fail(&path, "giving", e))?;
+                Ok(made)
             }
             other => other,
         };

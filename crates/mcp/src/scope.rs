@@ -18,6 +18,12 @@ struct Owned {
     current: Option<String>,
 }
 
+/// The most tool calls one connection or session has running at once.
+/// Each holds the server's memory (a command's output up to 16 MiB until
+/// it ends) and often a thread: a client that sends calls without waiting
+/// for answers is told to wait, not served until the host runs out.
+pub const MAX_CALLS_IN_FLIGHT: usize = 32;
+
 /// The sandboxes and tasks of one client connection or session.
 #[derive(Debug)]
 pub struct Scope {
@@ -26,11 +32,42 @@ pub struct Scope {
     /// Whether task records left by earlier servers are visible (stdio: the
     /// user's own machine); HTTP sessions see only their own tasks.
     all_records: bool,
+    calls: CallGate,
+}
+
+/// A permit per tool call running, at most `most` ([`MAX_CALLS_IN_FLIGHT`]).
+#[derive(Debug)]
+pub struct CallGate {
+    permits: tokio::sync::Semaphore,
+    most: usize,
+}
+
+impl CallGate {
+    pub fn new(most: usize) -> Self {
+        Self { permits: tokio::sync::Semaphore::new(most), most }
+    }
+
+    /// Admits one more call while fewer than the most run; the permit is
+    /// held until the call ends.
+    pub fn admit(&self) -> Result<tokio::sync::SemaphorePermit<'_>, String> {
+        self.permits.try_acquire().map_err(|_| {
+            format!(
+                "this session already has {} tool calls running, the most one session may have at once; wait for \
+                 some to finish (or cancel them) and call again",
+                self.most
+            )
+        })
+    }
 }
 
 impl Scope {
     pub fn new(moat: Moat, all_records: bool) -> Self {
-        Self { moat, owned: Mutex::default(), all_records }
+        Self { moat, owned: Mutex::default(), all_records, calls: CallGate::new(MAX_CALLS_IN_FLIGHT) }
+    }
+
+    /// Admits one more tool call of this scope ([`CallGate::admit`]).
+    pub fn admit_call(&self) -> Result<tokio::sync::SemaphorePermit<'_>, String> {
+        self.calls.admit()
     }
 
     fn lock(&self) -> MutexGuard<'_, Owned> {
@@ -97,5 +134,20 @@ impl Drop for Scope {
             // destroys every sandbox when it drops.
             Err(_) => tracing::debug!(count = ids.len(), "scope ended outside the runtime"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_runs_at_most_its_share_of_calls_at_once() {
+        let gate = CallGate::new(3);
+        let running: Vec<_> = (0..3).map(|_| gate.admit().expect("admitted")).collect();
+        let busy = gate.admit().expect_err("a fourth waits");
+        assert!(busy.contains("already has 3 tool calls running") && busy.contains("wait"), "{busy}");
+        drop(running);
+        assert!(gate.admit().is_ok(), "a call that ended gives its place back");
     }
 }

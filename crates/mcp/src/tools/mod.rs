@@ -184,6 +184,11 @@ pub async fn call(server: &Session<'_>, name: &str, args: Value, context: &CallC
     if let Err(mistake) = crate::arguments::check(name, &SCHEMAS[index], &args) {
         return CallToolResult::error(vec![ContentBlock::text(format!("Invalid arguments: {mistake}"))]);
     }
+    let scope = server.scope.clone();
+    let _running = match scope.admit_call() {
+        Ok(permit) => permit,
+        Err(busy) => return CallToolResult::error(vec![ContentBlock::text(busy)]),
+    };
     match (HANDLERS[index].call)(server, args, context).await {
         Ok((value, extra)) => {
             let text = serde_json::to_string_pretty(&value).unwrap_or_default();
