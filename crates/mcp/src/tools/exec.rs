@@ -106,6 +106,9 @@ fn clip_keeping_report(text: &str) -> (String, bool) {
     }
 }
 
+/// The longest the start of a background command may take.
+const BACKGROUND_START: Duration = Duration::from_secs(30);
+
 async fn run_command(server: &Session<'_>, args: RunCommand, context: &CallContext) -> Outcome {
     let RunCommand { cmd, cwd, env, stdin, timeout, background, sandbox } = args;
     let timeout = timeout.unwrap_or(COMMAND_TIMEOUT);
@@ -119,7 +122,18 @@ async fn run_command(server: &Session<'_>, args: RunCommand, context: &CallConte
         let mut req = ExecRequest::shell(script);
         req.cwd = cwd;
         req.env = env;
+        // Starting it takes a moment; what the sandbox's shell or `env`
+        // makes of it (a profile that waits, LD_PRELOAD) is bounded.
+        req.timeout_ms = Some(BACKGROUND_START.as_secs() * 1000);
+        req.output_limit = Some(4096);
         let out = server.moat.run(&id, req).await?;
+        if out.status.timed_out {
+            return Err(ToolError(format!(
+                "starting the background command did not finish within {} s (the sandbox's shell or the env \
+                 given may hold it); check with a foreground run_command",
+                BACKGROUND_START.as_secs()
+            )));
+        }
         let pid: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(0);
         return Ok(json!({
             "stdout": "", "stderr": "", "exit_code": null, "timed_out": false, "duration_ms": out.status.duration_ms,
