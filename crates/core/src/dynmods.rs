@@ -182,12 +182,13 @@ pub fn enable() -> Result<Enabled, String> {
         remount(v2).map_err(|e| format!("remounting {} with {OPTION}: {}", v2.target.display(), explain(e)))?;
         return took(Enabled::Remounted(v2.target.clone()));
     }
-    // A directory of this process's own, gone again when done.
-    let dir = std::env::temp_dir().join(format!("moat-cgroup2-{}", std::process::id()));
-    std::fs::create_dir(&dir)
-        .map_err(|e| format!("cannot make {} to mount cgroup v2 on for a moment ({e})", dir.display()))?;
+    // A directory of this process's own under a name no one could take
+    // beforehand, gone again when done.
+    let dir = nix::unistd::mkdtemp(&std::env::temp_dir().join("moat-cgroup2-XXXXXX"))
+        .map_err(|e| format!("cannot make a directory to mount cgroup v2 on for a moment ({e})"))?;
     // No cgroup v2 mount: no option of the hierarchy's is set to keep.
     let mounted = mount_briefly(&dir, OPTION);
+    // Not recursively: were the mount still there, its cgroups are not ours.
     let _ = std::fs::remove_dir(&dir);
     let shown = mounted.map_err(|e| format!("mounting cgroup v2 with {OPTION}: {}", explain(e)))?;
     if shown { Ok(Enabled::Mounted) } else { Err(not_shown()) }

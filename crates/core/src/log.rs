@@ -57,6 +57,40 @@ impl FromStr for LogLevel {
 /// words (why it stops, where it serves): they go to the log file only.
 pub const SAID: &str = "moat::said";
 
+/// Opens `path` for appending the logs: never through a symlink (its last
+/// name), and only a regular file of this process's own user that no one
+/// else may read or write, made owner-only when it is new. A log holds what
+/// tool calls asked and what sandboxes said: a file someone else made
+/// beforehand in a shared directory would hand them every line.
+fn open_log_file(path: &Path) -> Result<std::fs::File, String> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let refuse = |why: String| format!("MOAT_LOG_FILE={}: {why}", path.display());
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| refuse(format!("cannot open it for appending ({e}); it must not be a symlink")))?;
+    let meta = file.metadata().map_err(|e| refuse(format!("cannot read its metadata ({e})")))?;
+    if !meta.file_type().is_file() {
+        return Err(refuse("not a regular file".into()));
+    }
+    if meta.uid() != nix::unistd::geteuid().as_raw() {
+        return Err(refuse(format!(
+            "owned by uid {}, not by the user moat runs as; remove it, or name a file of your own",
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o077 != 0 {
+        return Err(refuse(format!(
+            "others may read or write it (mode {:o}); chmod 600 it, or name a new file",
+            meta.mode() & 0o777
+        )));
+    }
+    Ok(file)
+}
+
 /// Installs the process's logger: everything at `level` and above (and
 /// each of `directives`, `target=level`, on top) to stderr, and appended
 /// to `file` when one is given. Fails only when the file cannot be opened.
@@ -66,14 +100,7 @@ pub fn init(level: LogLevel, directives: &[&str], file: Option<&Path>) -> Result
     use tracing_subscriber::util::SubscriberInitExt;
 
     let file = match file {
-        Some(path) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .mode(0o600)
-                .open(path)
-                .map_err(|e| format!("MOAT_LOG_FILE={}: cannot open it for appending ({e})", path.display()))?,
-        ),
+        Some(path) => Some(open_log_file(path)?),
         None => None,
     };
     let mut filter = tracing_subscriber::EnvFilter::new(level.as_str());
@@ -106,6 +133,34 @@ pub fn from_env(default: LogLevel) -> Result<(LogLevel, Option<std::path::PathBu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_file_is_ours_alone_and_never_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let new = dir.path().join("moat.log");
+        open_log_file(&new).expect("a new file is made");
+        assert_eq!(std::fs::metadata(&new).expect("stat").permissions().mode() & 0o777, 0o600);
+        open_log_file(&new).expect("and appended to again");
+        let target = dir.path().join("target");
+        std::fs::write(&target, "").expect("write");
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        let link = dir.path().join("link.log");
+        std::os::unix::fs::symlink(&target, &link).expect("symlink");
+        let err = open_log_file(&link).expect_err("a link");
+        assert!(err.contains("must not be a symlink"), "{err}");
+        let shared = dir.path().join("shared.log");
+        std::fs::write(&shared, "").expect("write");
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let err = open_log_file(&shared).expect_err("readable by others");
+        assert!(err.contains("others may read or write it (mode 644)"), "{err}");
+        if nix::unistd::geteuid().is_root() {
+            std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+            nix::unistd::chown(&shared, Some(nix::unistd::Uid::from_raw(4242)), None).expect("chown");
+            let err = open_log_file(&shared).expect_err("someone else's");
+            assert!(err.contains("owned by uid 4242"), "{err}");
+        }
+    }
 
     #[test]
     fn levels_are_read_in_any_case_and_by_their_other_names() {

@@ -71,21 +71,43 @@ pub fn check_owner(tree: &Path, base: u32) -> Result<()> {
 
 /// Makes `dest` an ext4 image of `tree` with the ids as the sandbox sees
 /// them (0 for root, 1000 for `user`): mkfs.ext4 reads the tree from inside
-/// the namespace. The file is made by the user first, writable by the
-/// namespace's root for the run (which cannot create files in the user's
-/// directories), and then the user's alone.
+/// the namespace. The namespace's root is not the user and cannot create
+/// files in the user's directories, so the user makes the file, writable by
+/// all for the run. No one else may find it meanwhile: it has a random
+/// name of 128 bits in a directory others may pass through but not list
+/// (mode 0711), and it takes its own name, the user's alone (0644), only
+/// once mkfs has closed it. (One who opened it for writing while it could
+/// be would keep that descriptor past any later chmod.)
 pub fn make_ext4(tree: &Path, dest: &Path) -> Result<()> {
-    std::fs::File::create(dest).with_context(|| format!("creating {}", dest.display()))?;
-    std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o666))?;
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = dest.parent().context("the image file has no directory")?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))?;
+    let mut secret = [0u8; 16];
+    getrandom::fill(&mut secret).map_err(|e| anyhow::anyhow!("no random name for the image file: {e}"))?;
+    let name: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    let temp = dir.join(format!(".mkfs-{name}"));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&temp)
+        .with_context(|| format!("creating {}", temp.display()))?;
+    std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o666))?;
     let made = run(command("mkfs.ext4")
         .args(rootfs::ext4_args())
         .arg("-d")
         .arg(tree)
-        .arg(dest)
+        .arg(&temp)
         .arg(rootfs::ext4_size())
         .stdout(Stdio::null()));
-    std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o644))?;
-    made.context("mkfs.ext4 in the build's user namespace")
+    std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o644))?;
+    if let Err(e) = made {
+        let _ = std::fs::remove_file(&temp);
+        return Err(e.context("mkfs.ext4 in the build's user namespace"));
+    }
+    std::fs::rename(&temp, dest).with_context(|| format!("naming {}", dest.display()))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    Ok(())
 }
 
 /// The [`TreeDigest`] of a rootless build's `tree`, as a walk by root would
@@ -222,5 +244,29 @@ mod tests {
             let listed = TreeDigest::of(parse_listing(&out.stdout, 0).expect("parses"));
             assert_eq!(listed, moat_core::image::digest_tree(root).expect("walks"));
         }
+    }
+
+    /// As an unprivileged user with a subordinate range (the gate's
+    /// rootless account): the image file is made under a random name in a
+    /// directory others cannot list, and left the user's alone.
+    #[test]
+    #[ignore = "needs an unprivileged user with a subordinate range, mmdebstrap and mkfs.ext4"]
+    fn a_rootless_ext4_is_made_where_no_one_else_finds_it() {
+        if nix::unistd::geteuid().is_root() || base(&moat_core::hostuser::HostUser::current()).is_err() {
+            eprintln!("skipped: not an unprivileged user with a subordinate range");
+            return;
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tree = dir.path().join("tree");
+        std::fs::create_dir_all(tree.join("etc")).expect("mkdir");
+        std::fs::write(tree.join("etc/hostname"), "sandbox\n").expect("write");
+        let work = dir.path().join("work");
+        std::fs::create_dir(&work).expect("mkdir");
+        let dest = work.join("rootfs.ext4");
+        make_ext4(&tree, &dest).expect("made");
+        let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+        assert_eq!((mode(&dest), mode(&work)), (0o644, 0o755));
+        let names: Vec<_> = std::fs::read_dir(&work).expect("ls").map(|e| e.expect("entry").file_name()).collect();
+        assert_eq!(names, ["rootfs.ext4"], "no temporary name is left");
     }
 }

@@ -6,6 +6,13 @@
 //! more than [`EVENT_LOG_BYTES`], and none is kept longer than
 //! [`EVENT_LOG_AGE`]. A client that comes back later than that, or after a
 //! flood of other responses, is told its event is gone and calls again.
+//!
+//! One log serves every session, and rmcp replays by the event id alone
+//! (it does not ask whose session the id came from). So an id is a
+//! capability: `KEY-INDEX`, where KEY is 128 random bits of the stream the
+//! event belongs to. A client sees only its own streams' ids, and an id
+//! replays only the events of the stream whose key it carries; an index
+//! guessed with another key is "gone".
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -26,8 +33,6 @@ pub struct EventLog {
     inner: Mutex<Inner>,
     max_bytes: usize,
     max_age: Duration,
-    /// Tells this process's event ids from another's (a restarted server).
-    epoch: u32,
 }
 
 #[derive(Debug, Default)]
@@ -35,15 +40,34 @@ struct Inner {
     next: u64,
     bytes: usize,
     events: VecDeque<Stored>,
+    /// Each stream's key and how many of its events are kept; a stream
+    /// leaves with its last event.
+    keys: std::collections::HashMap<Arc<str>, (Arc<str>, usize)>,
 }
 
 #[derive(Debug)]
 struct Stored {
     index: u64,
     stream: Arc<str>,
+    /// The stream's key: the part of an event id that makes it a
+    /// capability.
+    key: Arc<str>,
     at: Instant,
     size: usize,
     event: ServerSseMessage,
+}
+
+/// 128 random bits, as hex.
+fn new_key() -> Arc<str> {
+    let mut bytes = [0u8; 16];
+    // getrandom fails only where the kernel has no random source at all;
+    // then the time and pid still make a key no other client has seen.
+    if getrandom::fill(&mut bytes).is_err() {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        bytes[..8].copy_from_slice(&now.as_nanos().to_le_bytes()[..8]);
+        bytes[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect::<String>().into()
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -63,11 +87,7 @@ impl Default for EventLog {
 
 impl EventLog {
     pub fn new(max_bytes: usize, max_age: Duration) -> Self {
-        let epoch = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos() ^ std::process::id())
-            .unwrap_or_else(|_| std::process::id());
-        Self { inner: Mutex::new(Inner::default()), max_bytes, max_age, epoch }
+        Self { inner: Mutex::new(Inner::default()), max_bytes, max_age }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -76,14 +96,14 @@ impl EventLog {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn event_id(&self, index: u64) -> String {
-        format!("{:08x}-{index}", self.epoch)
+    fn event_id(key: &str, index: u64) -> String {
+        format!("{key}-{index}")
     }
 
-    fn parse_id(&self, id: &str) -> Option<u64> {
-        let (epoch, index) = id.split_once('-')?;
-        (u32::from_str_radix(epoch, 16).ok()? == self.epoch).then_some(())?;
-        index.parse().ok()
+    /// The key and index of an event id.
+    fn parse_id(id: &str) -> Option<(&str, u64)> {
+        let (key, index) = id.split_once('-')?;
+        Some((key, index.parse().ok()?))
     }
 
     /// Drops what is too old, then the oldest while over the size bound
@@ -97,7 +117,14 @@ impl EventLog {
                 break;
             }
             inner.bytes -= front.size;
-            inner.events.pop_front();
+            if let Some(gone) = inner.events.pop_front()
+                && let Some((_, count)) = inner.keys.get_mut(&gone.stream)
+            {
+                *count -= 1;
+                if *count == 0 {
+                    inner.keys.remove(&gone.stream);
+                }
+            }
         }
     }
 
@@ -120,25 +147,34 @@ impl EventStore for EventLog {
         let mut inner = self.lock();
         let index = inner.next;
         inner.next += 1;
-        let stream = match inner.events.back() {
-            Some(last) if &*last.stream == stream_id => last.stream.clone(),
-            _ => Arc::from(stream_id),
+        let (stream, key) = match inner.keys.get_key_value(stream_id) {
+            Some((stream, (key, _))) => (stream.clone(), key.clone()),
+            None => (Arc::<str>::from(stream_id), new_key()),
         };
+        inner.keys.entry(stream.clone()).or_insert_with(|| (key.clone(), 0)).1 += 1;
+        let id = Self::event_id(&key, index);
         let mut event = event.clone();
-        event.event_id = Some(self.event_id(index));
+        event.event_id = Some(id.clone());
         inner.bytes += size;
-        inner.events.push_back(Stored { index, stream, at: Instant::now(), size, event });
+        inner.events.push_back(Stored { index, stream, key, at: Instant::now(), size, event });
         self.evict(&mut inner);
-        Ok(self.event_id(index))
+        Ok(id)
     }
 
     async fn replay_events_after(&self, last_event_id: &str) -> Result<EventStream, EventStoreError> {
-        let index = self.parse_id(last_event_id).ok_or_else(|| self.gone(last_event_id))?;
+        let (key, index) = Self::parse_id(last_event_id).ok_or_else(|| self.gone(last_event_id))?;
         let mut inner = self.lock();
         self.evict(&mut inner);
         // Indexes rise along the deque: find the event by binary search.
         let position =
             inner.events.binary_search_by_key(&index, |stored| stored.index).map_err(|_| self.gone(last_event_id))?;
+        // The id must carry its stream's key; compared in constant time.
+        let stored_key = inner.events[position].key.as_bytes();
+        let same = stored_key.len() == key.len()
+            && stored_key.iter().zip(key.as_bytes()).fold(0u8, |diff, (a, b)| diff | (a ^ b)) == 0;
+        if !same {
+            return Err(self.gone(last_event_id));
+        }
         let stream = inner.events[position].stream.clone();
         let after: Vec<ServerSseMessage> = inner
             .events
@@ -184,6 +220,31 @@ mod tests {
         let unknown = replayed(&log, "00000000-1").await.concat();
         assert!(unknown.contains("send the request again"), "{unknown}");
         assert!(replayed(&log, "garbage").await.concat().contains("error"));
+    }
+
+    #[tokio::test]
+    async fn an_id_replays_only_its_own_streams_events() {
+        let log = EventLog::default();
+        // Session A's stream, and session B's, which sees only its own ids.
+        let a_first = log.store_event("session-a/1", &response(1)).await.expect("stored");
+        let a_secret = log.store_event("session-a/1", &response(2)).await.expect("stored");
+        let b_own = log.store_event("session-b/1", &response(3)).await.expect("stored");
+        let (a_key, a_index) = EventLog::parse_id(&a_first).expect("an id");
+        let (b_key, _) = EventLog::parse_id(&b_own).expect("an id");
+        assert_ne!(a_key, b_key, "each stream has a key of its own");
+        assert_eq!(a_key.len(), 32, "128 bits");
+        // B guesses A's indexes with its own key, or any other: gone.
+        for guess in [format!("{b_key}-{a_index}"), format!("{b_key}-0"), format!("{}-{a_index}", "0".repeat(32))] {
+            let got = replayed(&log, &guess).await.concat();
+            assert!(got.contains("send the request again"), "{guess}: {got}");
+        }
+        assert_eq!(replayed(&log, &a_first).await, vec![a_secret], "A's own id still works");
+        // Keys go with their streams' last events.
+        let log = EventLog::new(1 << 20, Duration::from_millis(1));
+        log.store_event("old", &response(1)).await.expect("stored");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        log.store_event("new", &response(2)).await.expect("stored");
+        assert_eq!(log.lock().keys.len(), 1, "the old stream's key is dropped");
     }
 
     #[tokio::test]

@@ -47,7 +47,7 @@ use nix::fcntl::{OFlag, openat};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat};
 
 pub use pack::{PackSummary, file_size, measure, pack};
-pub use unpack::{CopySummary, Sink, unpack};
+pub use unpack::{CopySummary, Limit, Sink, unpack};
 
 use crate::error::{ConfigError, HostPathError};
 
@@ -85,6 +85,26 @@ pub const ACTED_ON: &[(&str, &str)] = &[
 /// What a program on the host does with `name` ([`ACTED_ON`]), if anything.
 pub fn acted_on(name: &[u8]) -> Option<&'static str> {
     ACTED_ON.iter().find(|(known, _)| known.as_bytes().eq_ignore_ascii_case(name)).map(|(_, what)| *what)
+}
+
+/// What moat keeps free of a host file system it writes a copy or a task
+/// record into, in words.
+pub const RESERVE_RULE: &str = "5 % of it, at most 1 GiB";
+
+/// The free space a copy or a record never takes from a file system of
+/// `total` bytes ([`RESERVE_RULE`]): a model that copies in a loop fills no
+/// host disk, whatever the copy limit.
+pub fn disk_reserve(total: u64) -> u64 {
+    (total / 20).min(1 << 30)
+}
+
+/// The bytes that may still be written on the file system of `fd` before
+/// its [`disk_reserve`]; `None` when it cannot be asked.
+pub fn room(fd: &impl AsFd) -> Option<u64> {
+    let stat = nix::sys::statvfs::fstatvfs(fd).ok()?;
+    let block = stat.fragment_size();
+    let available = stat.blocks_available().saturating_mul(block);
+    Some(available.saturating_sub(disk_reserve(stat.blocks().saturating_mul(block))))
 }
 
 /// Trees deeper than this are cut there (the rest is listed as skipped),
@@ -597,6 +617,15 @@ impl HostRoots {
 }
 
 impl Destination {
+    /// What one copy here may write: the copy limit, or less where the
+    /// file system's free space beyond its [`disk_reserve`] is less.
+    pub fn limit(&self, copy_limit: u64) -> Limit {
+        match room(&self.parent) {
+            Some(room) if room < copy_limit => Limit { bytes: room, by_disk: true },
+            _ => Limit::from(copy_limit),
+        }
+    }
+
     /// Makes a new, empty file in a private directory beside the
     /// destination; [`Staged::commit`] gives it its name.
     pub fn stage_file(self) -> Result<(Staged, std::fs::File), HostPathError> {

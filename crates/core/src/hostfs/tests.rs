@@ -680,3 +680,26 @@ fn every_accounts_home_is_guarded() {
     }
     assert!(!account_homes().contains(&PathBuf::from("/")), "/ is no one's home here");
 }
+
+#[test]
+fn a_copy_never_takes_the_space_the_disk_keeps_free() {
+    assert_eq!(disk_reserve(100 << 20), 5 << 20, "5 % of a small disk");
+    assert_eq!(disk_reserve(1 << 40), 1 << 30, "at most 1 GiB of a large one");
+    let f = fixture(MIB);
+    let dir = std::fs::File::open(&f.root).expect("root");
+    let stat = nix::sys::statvfs::fstatvfs(&dir).expect("statvfs");
+    let free = stat.blocks_available() * stat.fragment_size();
+    let room = room(&dir).expect("asked");
+    assert!(room <= free && free - room <= 1 << 30, "{room} of {free}");
+    // The limit a destination gets is the smaller of the two, and one that
+    // the disk sets says so.
+    let dest = f.roots.destination(&f.root.join("new")).expect("new");
+    assert_eq!(dest.limit(1).bytes, 1);
+    assert_eq!(dest.limit(u64::MAX), Limit { bytes: room, by_disk: true });
+    let archive = hostile_tar(&[(b"big", tar::EntryType::Regular, b"", &[7u8; 8192])]);
+    let (staged, out) = dest.stage_dir().expect("staged");
+    let err = unpack(&archive[..], Sink::Dir(out), Limit { bytes: 4096, by_disk: true }).expect_err("past the room");
+    assert!(err.to_string().contains("less free space than moat keeps free (5 % of it, at most 1 GiB)"), "{err}");
+    drop(staged);
+    assert!(!f.root.join("new").exists(), "nothing of it kept");
+}

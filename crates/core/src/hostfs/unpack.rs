@@ -104,11 +104,35 @@ fn shown(name: &[u8]) -> String {
     format!("{cut}…")
 }
 
-fn too_large(limit: u64, shown: &str, size: u64) -> HostPathError {
+/// What bounds one copy, and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limit {
+    pub bytes: u64,
+    /// The host file system's free space bounds it, below the setting.
+    pub by_disk: bool,
+}
+
+impl From<u64> for Limit {
+    /// The operator's `MOAT_COPY_MAX_MIB`.
+    fn from(bytes: u64) -> Self {
+        Self { bytes, by_disk: false }
+    }
+}
+
+fn too_large(limit: Limit, shown: &str, size: u64) -> HostPathError {
+    if limit.by_disk {
+        return HostPathError(format!(
+            "the copy would leave the host's file system with less free space than moat keeps free ({}); it was \
+             stopped at {shown} ({size} bytes) after {} MiB and nothing of it was kept; free space on the host, or \
+             copy a smaller part",
+            super::RESERVE_RULE,
+            limit.bytes >> 20,
+        ));
+    }
     HostPathError(format!(
         "the copy is larger than the limit of {} MiB (MOAT_COPY_MAX_MIB; each entry and directory counts {} KiB \
          beyond its data), reached at {shown} ({size} bytes); copy a smaller part, or the operator may raise the limit",
-        limit >> 20,
+        limit.bytes >> 20,
         ENTRY_COST >> 10,
     ))
 }
@@ -116,7 +140,8 @@ fn too_large(limit: u64, shown: &str, size: u64) -> HostPathError {
 /// Writes the archive `input` into `sink`, stopping with an error before the
 /// data and entries pass `limit` bytes (each entry, and each directory its
 /// name makes, counts [`ENTRY_COST`] beyond its data and name).
-pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, HostPathError> {
+pub fn unpack(input: impl Read, sink: Sink, limit: impl Into<Limit>) -> Result<CopySummary, HostPathError> {
+    let limit = limit.into();
     let allowance = std::rc::Rc::new(std::cell::Cell::new(METADATA_ALLOWANCE));
     let mut archive = tar::Archive::new(Budget { inner: input, allowance: allowance.clone() });
     let broken = |e: std::io::Error| HostPathError(format!("the sandbox sent a broken archive: {e}"));
@@ -138,7 +163,7 @@ pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, H
         let shown = shown(&name);
         let named = (name.len() + link.as_ref().map_or(0, Vec::len)) as u64;
         cost = cost.saturating_add(ENTRY_COST).saturating_add(size).saturating_add(named);
-        if cost > limit {
+        if cost > limit.bytes {
             return Err(too_large(limit, &shown, size));
         }
         let kind = entry.header().entry_type();
@@ -190,7 +215,7 @@ pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, H
             let mut made = 0u64;
             let parent = parent_dir(dir, parents, &mut made);
             cost = cost.saturating_add(made * ENTRY_COST);
-            if cost > limit {
+            if cost > limit.bytes {
                 return Err(too_large(limit, &shown, size));
             }
             let parent = match parent {
@@ -218,7 +243,7 @@ pub fn unpack(input: impl Read, sink: Sink, limit: u64) -> Result<CopySummary, H
             let mut made = 0u64;
             let made_dir = parent_dir(dir, &parts, &mut made);
             cost = cost.saturating_add(made * ENTRY_COST);
-            if cost > limit {
+            if cost > limit.bytes {
                 return Err(too_large(limit, &shown, size));
             }
             if let Err(why) = made_dir {

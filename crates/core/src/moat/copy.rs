@@ -207,6 +207,7 @@ impl Moat {
 
     async fn copy_out(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<CopySummary, CopyError> {
         let dest = self.inner.host.destination(host)?;
+        let limit = dest.limit(self.inner.host.copy_limit());
         let client = self.client(id)?;
         let agent = |source| SandboxError::Agent { id: id.into(), source };
         let info = client.stat(sandbox_path).await.map_err(agent)?;
@@ -224,7 +225,6 @@ impl Moat {
         let (read, write) = pipe()?;
         let mut sender = tokio::net::unix::pipe::Sender::from_owned_fd(write)
             .map_err(|e| HostPathError(format!("cannot stream the copy: {e}")))?;
-        let limit = self.inner.host.copy_limit();
         let moved = Arc::new(AtomicU64::new(0));
         let received = Counted { inner: std::fs::File::from(read), moved: moved.clone() };
         let unpacker = tokio::task::spawn_blocking(move || {

@@ -16,6 +16,11 @@ use crate::sandbox::SandboxSpec;
 use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
 use crate::timing::now;
 
+/// Room counted per execution-log entry when a record's size is checked
+/// against the free space (an entry holds at most 4 KiB of command and of
+/// each stream, and its JSON).
+const LOG_ENTRY_ROOM: u64 = 16 << 10;
+
 /// The longest one of moat's own git commands in a task's sandbox may run.
 /// The sandbox owns its git (its configuration, filters, even the binary),
 /// so a command that does not end is stopped, never waited for.
@@ -259,8 +264,17 @@ impl Moat {
             let id = record.task.id.clone();
             move |source| IoError { id, what: what.into(), source }
         };
-        crate::state::private_dir(&task::tasks_dir(&self.inner.config.data_dir))
-            .map_err(io("creating the task record"))?;
+        let tasks_dir = task::tasks_dir(&self.inner.config.data_dir);
+        crate::state::private_dir(&tasks_dir).map_err(io("creating the task record"))?;
+        // A record never takes the space the file system keeps free: a
+        // model finishing tasks in a loop fills no host disk. Refused like
+        // a full disk (ENOSPC), which the error explains.
+        let needed = diff.len() as u64 + (LOG_ENTRY_ROOM * log.len() as u64);
+        let tasks = std::fs::File::open(&tasks_dir).map_err(io("creating the task record"))?;
+        if hostfs::room(&tasks).is_some_and(|room| room < needed) {
+            let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
+            return Err(io("writing the patch (moat keeps 5 % of the disk, at most 1 GiB, free)")(full).into());
+        }
         // A directory that is there already is another record's: it is
         // left whole, and only what this call made is removed on failure.
         std::fs::create_dir(dir).map_err(io("creating the task record"))?;
