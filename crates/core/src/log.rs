@@ -95,7 +95,6 @@ fn open_log_file(path: &Path) -> Result<std::fs::File, String> {
 /// each of `directives`, `target=level`, on top) to stderr, and appended
 /// to `file` when one is given. Fails only when the file cannot be opened.
 pub fn init(level: LogLevel, directives: &[&str], file: Option<&Path>) -> Result<(), String> {
-    use std::os::unix::fs::OpenOptionsExt;
     use tracing_subscriber::layer::{Layer, SubscriberExt};
     use tracing_subscriber::util::SubscriberInitExt;
 
