@@ -387,6 +387,14 @@ async def a_killed_sandbox_fails(session, env):
         raise AssertionError("the command did not start")
     # The record is "PID START-TICK".
     monitor = open(os.path.join(data_dir_of(env), "sandboxes", sid, "monitor")).read().split()[0]
+    # The monitor parses what the sandbox does: it is given none of the
+    # server's environment, whose secrets (the HTTP token here) it need not
+    # hold. (A rootless run cannot read a non-dumpable process's environ.)
+    try:
+        environ = open(f"/proc/{monitor}/environ", "rb").read().split(b"\0")
+    except PermissionError:
+        environ = []
+    assert not any(v.startswith(b"MOAT_HTTP_TOKEN=") or TOKEN.encode() in v for v in environ), environ
     # The jail's init: the monitor's child that is not its keeper (cgroup v1).
     children = open(f"/proc/{monitor}/task/{monitor}/children").read().split()
     agent = next(c for c in children if open(f"/proc/{c}/comm").read().strip() != "moat-keeper")

@@ -380,6 +380,8 @@ impl Sweeper {
     /// Removes `dirs`; what the program said when it could not.
     fn run(&self, dirs: &[&Path]) -> Result<(), String> {
         let mut child = std::process::Command::new(&self.agent)
+            .env_clear()
+            .envs(crate::process::helper_env())
             .arg("cgroup-sweep")
             .args(&self.args)
             .args(dirs)

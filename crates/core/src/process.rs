@@ -27,6 +27,19 @@ impl Exited for Pidfd {
     }
 }
 
+/// The variables a helper moat starts on the host (the jail's monitor and
+/// its cgroup sweeper, moat-vmm, passt; pasta through the monitor) is
+/// given, when set: the rest of moat's environment is not. It may hold
+/// secrets (`MOAT_HTTP_TOKEN`, whatever keys the MCP host passes its
+/// servers), and these helpers parse what sandboxes send: one taken over
+/// would find nothing of them in its memory or its `/proc/PID/environ`.
+pub const HELPER_ENV: &[&str] = &["PATH", "LANG", "LC_ALL", "TZ", "RUST_BACKTRACE"];
+
+/// [`HELPER_ENV`]'s variables of this process, for `env_clear().envs(…)`.
+pub fn helper_env() -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    HELPER_ENV.iter().filter_map(|var| Some(((*var).into(), std::env::var_os(var)?))).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

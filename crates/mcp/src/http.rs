@@ -295,6 +295,14 @@ async fn check_request(State(gate): State<Arc<Gate>>, request: Request, next: Ne
         response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
         return response;
     }
+    // A request that starts a session (or is served without one) while the
+    // server keeps as many as it may is refused before anything is made
+    // for it.
+    if !request.headers().contains_key("mcp-session-id")
+        && let Some(full) = session_full(crate::scope::live_scopes())
+    {
+        return full;
+    }
     let closing = request.method() == axum::http::Method::DELETE;
     let mut cut = false;
     let request = if request.method() == axum::http::Method::POST {
@@ -318,6 +326,24 @@ async fn check_request(State(gate): State<Arc<Gate>>, request: Request, next: Ne
         *response.status_mut() = StatusCode::OK;
     }
     response
+}
+
+/// The 503 for a new session when `live` ones are as many as the server
+/// keeps ([`crate::scope::MAX_SESSIONS`]); `None` while one more fits.
+fn session_full(live: usize) -> Option<Response> {
+    if live < crate::scope::MAX_SESSIONS {
+        return None;
+    }
+    let mut response = refuse(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!(
+            "moat-mcp serves at most {} sessions at once and has that many; close one (DELETE /mcp with its \
+             Mcp-Session-Id) or wait until one ends or expires, then connect again",
+            crate::scope::MAX_SESSIONS
+        ),
+    );
+    response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("10"));
+    Some(response)
 }
 
 /// How much of an oversized body is read to find its id before the
@@ -424,6 +450,14 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_session_past_the_most_is_refused_with_when_to_retry() {
+        assert!(session_full(0).is_none() && session_full(crate::scope::MAX_SESSIONS - 1).is_none());
+        let full = session_full(crate::scope::MAX_SESSIONS).expect("full");
+        assert_eq!(full.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(full.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()), Some("10"));
+    }
 
     #[test]
     fn hosts_are_single_addresses() {

@@ -24,6 +24,28 @@ struct Owned {
 /// for answers is told to wait, not served until the host runs out.
 pub const MAX_CALLS_IN_FLIGHT: usize = 32;
 
+/// The most tool calls the whole server runs at once, all sessions
+/// together: HTTP sessions are many, and each may run
+/// [`MAX_CALLS_IN_FLIGHT`].
+pub const MAX_SERVER_CALLS: usize = 256;
+
+/// The most HTTP sessions one server keeps at once; one more is refused
+/// (503) until a session ends or expires.
+pub const MAX_SESSIONS: usize = 256;
+
+/// The server's own gate, shared by every session ([`MAX_SERVER_CALLS`]).
+pub static SERVER_CALLS: std::sync::LazyLock<CallGate> =
+    std::sync::LazyLock::new(|| CallGate::new(MAX_SERVER_CALLS, "this server", "all sessions together"));
+
+/// Scopes alive (connections, HTTP sessions and sessionless requests being
+/// served), for [`MAX_SESSIONS`].
+static LIVE_SCOPES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many scopes are alive.
+pub fn live_scopes() -> usize {
+    LIVE_SCOPES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The sandboxes and tasks of one client connection or session.
 #[derive(Debug)]
 pub struct Scope {
@@ -35,16 +57,20 @@ pub struct Scope {
     calls: CallGate,
 }
 
-/// A permit per tool call running, at most `most` ([`MAX_CALLS_IN_FLIGHT`]).
+/// A permit per tool call running, at most `most` ([`MAX_CALLS_IN_FLIGHT`]
+/// for a session, [`MAX_SERVER_CALLS`] for the server).
 #[derive(Debug)]
 pub struct CallGate {
     permits: tokio::sync::Semaphore,
     most: usize,
+    /// Whose calls, and whose share it is, for the refusal.
+    whose: &'static str,
+    share: &'static str,
 }
 
 impl CallGate {
-    pub fn new(most: usize) -> Self {
-        Self { permits: tokio::sync::Semaphore::new(most), most }
+    pub fn new(most: usize, whose: &'static str, share: &'static str) -> Self {
+        Self { permits: tokio::sync::Semaphore::new(most), most, whose, share }
     }
 
     /// Admits one more call while fewer than the most run; the permit is
@@ -52,9 +78,9 @@ impl CallGate {
     pub fn admit(&self) -> Result<tokio::sync::SemaphorePermit<'_>, String> {
         self.permits.try_acquire().map_err(|_| {
             format!(
-                "this session already has {} tool calls running, the most one session may have at once; wait for \
-                 some to finish (or cancel them) and call again",
-                self.most
+                "{} already has {} tool calls running, the most {} may have at once; wait for some to finish (or \
+                 cancel them) and call again",
+                self.whose, self.most, self.share
             )
         })
     }
@@ -62,7 +88,9 @@ impl CallGate {
 
 impl Scope {
     pub fn new(moat: Moat, all_records: bool) -> Self {
-        Self { moat, owned: Mutex::default(), all_records, calls: CallGate::new(MAX_CALLS_IN_FLIGHT) }
+        LIVE_SCOPES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let calls = CallGate::new(MAX_CALLS_IN_FLIGHT, "this session", "one session");
+        Self { moat, owned: Mutex::default(), all_records, calls }
     }
 
     /// Admits one more tool call of this scope ([`CallGate::admit`]).
@@ -117,6 +145,7 @@ impl Scope {
 
 impl Drop for Scope {
     fn drop(&mut self) {
+        LIVE_SCOPES.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         let ids: Vec<String> = std::mem::take(&mut self.lock().sandboxes).into_iter().collect();
         if ids.is_empty() {
             return;
@@ -143,7 +172,7 @@ mod tests {
 
     #[test]
     fn a_session_runs_at_most_its_share_of_calls_at_once() {
-        let gate = CallGate::new(3);
+        let gate = CallGate::new(3, "this session", "one session");
         let running: Vec<_> = (0..3).map(|_| gate.admit().expect("admitted")).collect();
         let busy = gate.admit().expect_err("a fourth waits");
         assert!(busy.contains("already has 3 tool calls running") && busy.contains("wait"), "{busy}");

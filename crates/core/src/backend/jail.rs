@@ -247,6 +247,7 @@ impl Backend for JailBackend {
         let limits = Limits { memory_bytes: (spec.memory_mib + spec.disk_mib) << 20, pids: PIDS_MAX, cpus: spec.cpus };
         let log = std::fs::File::create(state.path.join("jail.log")).map_err(io("creating its log"))?;
         let mut command = Command::new(&self.agent);
+        command.env_clear().envs(crate::process::helper_env());
         command
             .arg("jail")
             .arg("--rootfs")

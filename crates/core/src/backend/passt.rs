@@ -105,6 +105,7 @@ impl Passt {
         let (vmm_end, passt_end) = socketpair(AddressFamily::Unix, SockType::Stream, None, SockFlag::SOCK_CLOEXEC)
             .map_err(std::io::Error::from)?;
         let mut command = Command::new(binary);
+        command.env_clear().envs(crate::process::helper_env());
         command.args(args(host_has_default_route())).stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
         // Its own process group: a terminal's Ctrl-C reaches only the host
         // process, which then destroys the sandbox in order.

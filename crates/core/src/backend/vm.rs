@@ -256,6 +256,7 @@ impl Backend for VmBackend {
             CappedLog::start(&files.console, LOG_CAP).map_err(io("creating its console log"))?;
         let (log, vmm_log) = CappedLog::start(&state.path.join("vmm.log"), LOG_CAP).map_err(io("creating its log"))?;
         let mut command = Command::new(&self.vmm);
+        command.env_clear().envs(crate::process::helper_env());
         // Jailed (docs/vmm.md): its own namespaces, a root holding only the
         // image's kernel, initramfs and disk, this sandbox's overlay and
         // socket directory; no capabilities. The console is an inherited pipe.

@@ -185,8 +185,8 @@ pub async fn call(server: &Session<'_>, name: &str, args: Value, context: &CallC
         return CallToolResult::error(vec![ContentBlock::text(format!("Invalid arguments: {mistake}"))]);
     }
     let scope = server.scope.clone();
-    let _running = match scope.admit_call() {
-        Ok(permit) => permit,
+    let _running = match scope.admit_call().and_then(|own| Ok((own, crate::scope::SERVER_CALLS.admit()?))) {
+        Ok(permits) => permits,
         Err(busy) => return CallToolResult::error(vec![ContentBlock::text(busy)]),
     };
     match (HANDLERS[index].call)(server, args, context).await {
