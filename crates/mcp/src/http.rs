@@ -75,8 +75,6 @@ pub enum HttpError {
         #[source]
         source: std::io::Error,
     },
-    #[error("The HTTP server failed")]
-    Serve(#[source] std::io::Error),
     #[error("The tools contract does not parse")]
     Contract(#[source] serde_json::Error),
     #[error(
@@ -251,11 +249,83 @@ impl HttpServer {
         let app = axum::Router::new()
             .nest_service("/mcp", service)
             .layer(axum::middleware::from_fn_with_state(gate, check_request));
-        axum::serve(self.listener, app)
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await
-            .map_err(HttpError::Serve)
+        serve_connections(self.listener, app, shutdown, ConnectionLimits::default()).await;
+        Ok(())
     }
+}
+
+/// What one connection may take of the server before any request on it
+/// is checked (the token included): every local account can open them.
+#[derive(Debug, Clone, Copy)]
+struct ConnectionLimits {
+    /// The most connections served at once; more wait in the kernel's
+    /// backlog until one closes.
+    max: usize,
+    /// How long a client may take to send a request's head, and a
+    /// kept-alive connection may wait for its next request, before it is
+    /// closed. A response being streamed (SSE) is not waiting.
+    head_timeout: Duration,
+    /// The most bytes of a request's head kept while it is read.
+    head_bytes: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        Self { max: 1024, head_timeout: Duration::from_secs(30), head_bytes: 64 * 1024 }
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown`, then lets the connections
+/// finish. Written here rather than with `axum::serve`, which gives hyper
+/// no timer (so no header timeout) and caps neither connections nor what a
+/// head may buffer: a client trickling one header byte at a time would
+/// hold a descriptor and 400 KiB for ever, and enough of them would stop
+/// the server for everyone.
+async fn serve_connections(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    shutdown: CancellationToken,
+    limits: ConnectionLimits,
+) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+            () = shutdown.cancelled() => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of descriptors, most likely: wait for some to close.
+                    tracing::warn!("accepting an HTTP connection failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = shutdown.cancelled() => break,
+        };
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(limits.head_timeout)
+            .max_buf_size(limits.head_bytes);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!("an HTTP connection ended: {e}");
+            }
+            drop(slot);
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
 }
 
 /// The gate in front of the MCP endpoint.
@@ -450,6 +520,54 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server of `app` with `limits`, and its address.
+    async fn served(limits: ConnectionLimits) -> (SocketAddr, CancellationToken, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let app = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(serve_connections(listener, app, stop.clone(), limits));
+        (addr, stop, task)
+    }
+
+    /// Reads what the server sends until it closes the connection (or 10 s).
+    async fn until_closed(stream: &mut tokio::net::TcpStream) -> Option<String> {
+        use tokio::io::AsyncReadExt;
+        let mut got = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut got)).await;
+        read.ok().map(|_| String::from_utf8_lossy(&got).into_owned())
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_sends_no_whole_head_is_closed_and_a_slot_freed() {
+        use tokio::io::AsyncWriteExt;
+        let limits = ConnectionLimits { max: 2, head_timeout: Duration::from_millis(300), head_bytes: 8192 };
+        let (addr, stop, task) = served(limits).await;
+        // Two slow clients take both slots: a third waits in the backlog.
+        let mut slow = Vec::new();
+        for _ in 0..2 {
+            let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            stream.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").await.expect("part of a head");
+            slow.push(stream);
+        }
+        // The head timeout closes them, and the third is served.
+        for stream in &mut slow {
+            assert!(until_closed(stream).await.is_some(), "a trickling head is closed");
+        }
+        let mut third = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        third.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.expect("a request");
+        let answer = until_closed(&mut third).await.expect("answered");
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("ok"), "{answer}");
+        // A head larger than the buffer is refused, not buffered.
+        let mut big = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let head = format!("GET / HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n", "a".repeat(64 * 1024));
+        let _ = big.write_all(head.as_bytes()).await;
+        let answer = until_closed(&mut big).await.unwrap_or_default();
+        assert!(!answer.starts_with("HTTP/1.1 200"), "{answer}");
+        stop.cancel();
+        tokio::time::timeout(Duration::from_secs(10), task).await.expect("stops").expect("ends");
+    }
 
     #[test]
     fn a_session_past_the_most_is_refused_with_when_to_retry() {
