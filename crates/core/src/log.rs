@@ -58,8 +58,9 @@ impl FromStr for LogLevel {
 pub const SAID: &str = "moat::said";
 
 /// Opens `path` for appending the logs: never through a symlink (its last
-/// name), and only a regular file of this process's own user that no one
-/// else may read or write, made owner-only when it is new. A log holds what
+/// name, so not `/dev/stderr` either: stderr gets the logs anyway), and
+/// only a regular file of this process's own user that others may neither
+/// read nor write (its group may read it), made owner-only when it is new. A log holds what
 /// tool calls asked and what sandboxes said: a file someone else made
 /// beforehand in a shared directory would hand them every line.
 fn open_log_file(path: &Path) -> Result<std::fs::File, String> {
@@ -82,9 +83,11 @@ fn open_log_file(path: &Path) -> Result<std::fs::File, String> {
             meta.uid()
         )));
     }
-    if meta.mode() & 0o077 != 0 {
+    // Group read is allowed (logrotate's `create 0640 root adm`); writing
+    // by the group, or anything by others, is not.
+    if meta.mode() & 0o027 != 0 {
         return Err(refuse(format!(
-            "others may read or write it (mode {:o}); chmod 600 it, or name a new file",
+            "others may read or write it, or its group write it (mode {:o}); chmod 600 it, or name a new file",
             meta.mode() & 0o777
         )));
     }
@@ -152,7 +155,9 @@ mod tests {
         std::fs::write(&shared, "").expect("write");
         std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o644)).expect("chmod");
         let err = open_log_file(&shared).expect_err("readable by others");
-        assert!(err.contains("others may read or write it (mode 644)"), "{err}");
+        assert!(err.contains("others may read or write it, or its group write it (mode 644)"), "{err}");
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+        open_log_file(&shared).expect("a log its group may read (logrotate's 0640)");
         if nix::unistd::geteuid().is_root() {
             std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o600)).expect("chmod");
             nix::unistd::chown(&shared, Some(nix::unistd::Uid::from_raw(4242)), None).expect("chown");

@@ -79,9 +79,17 @@ pub fn check_owner(tree: &Path, base: u32) -> Result<()> {
 /// once mkfs has closed it. (One who opened it for writing while it could
 /// be would keep that descriptor past any later chmod.)
 pub fn make_ext4(tree: &Path, dest: &Path) -> Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
     let dir = dest.parent().context("the image file has no directory")?;
+    let mode = std::fs::metadata(dir)?.permissions();
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))?;
+    let made = make_hidden(tree, dir, dest);
+    std::fs::set_permissions(dir, mode)?;
+    made
+}
+
+/// [`make_ext4`]'s work in `dir`, while others cannot list it.
+fn make_hidden(tree: &Path, dir: &Path, dest: &Path) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let mut secret = [0u8; 16];
     getrandom::fill(&mut secret).map_err(|e| anyhow::anyhow!("no random name for the image file: {e}"))?;
     let name: String = secret.iter().map(|b| format!("{b:02x}")).collect();
@@ -106,7 +114,6 @@ pub fn make_ext4(tree: &Path, dest: &Path) -> Result<()> {
         return Err(e.context("mkfs.ext4 in the build's user namespace"));
     }
     std::fs::rename(&temp, dest).with_context(|| format!("naming {}", dest.display()))?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
     Ok(())
 }
 

@@ -225,8 +225,9 @@ impl HttpServer {
         let tools = Arc::new(tools);
         let sessionless = Arc::new(Scope::new(moat.clone(), false));
         // A session idle this long is closed and its sandboxes destroyed;
-        // they would have expired by then anyway.
-        let keep_alive = Duration::from_secs(defaults.timeout_seconds);
+        // they would have expired by then anyway (none lives longer than
+        // the operator grants).
+        let keep_alive = Duration::from_secs(defaults.timeout_seconds.max(moat.grants().timeout_seconds));
         let mut sessions = LocalSessionManager::default();
         sessions.session_config.keep_alive = Some(keep_alive);
         // A response that finishes while its client's SSE stream is down is

@@ -91,7 +91,7 @@ impl MoatServer {
         sessionless: Arc<Scope>,
         fixtures: bool,
     ) -> Self {
-        let own = Arc::new(Scope::new(moat.clone(), false));
+        let own = Arc::new(Scope::counted(moat.clone()));
         Self { moat, tools, defaults, own, sessionless: Some(sessionless), fixtures }
     }
 

@@ -37,8 +37,8 @@ pub const MAX_SESSIONS: usize = 256;
 pub static SERVER_CALLS: std::sync::LazyLock<CallGate> =
     std::sync::LazyLock::new(|| CallGate::new(MAX_SERVER_CALLS, "this server", "all sessions together"));
 
-/// Scopes alive (connections, HTTP sessions and sessionless requests being
-/// served), for [`MAX_SESSIONS`].
+/// HTTP sessions alive, and requests without one being served, for
+/// [`MAX_SESSIONS`].
 static LIVE_SCOPES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// How many scopes are alive.
@@ -55,6 +55,8 @@ pub struct Scope {
     /// user's own machine); HTTP sessions see only their own tasks.
     all_records: bool,
     calls: CallGate,
+    /// Counted in [`LIVE_SCOPES`] ([`Scope::counted`]).
+    counted: bool,
 }
 
 /// A permit per tool call running, at most `most` ([`MAX_CALLS_IN_FLIGHT`]
@@ -87,10 +89,20 @@ impl CallGate {
 }
 
 impl Scope {
+    /// The scope of a stdio connection, or the one that requests without a
+    /// session share.
     pub fn new(moat: Moat, all_records: bool) -> Self {
-        LIVE_SCOPES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let calls = CallGate::new(MAX_CALLS_IN_FLIGHT, "this session", "one session");
-        Self { moat, owned: Mutex::default(), all_records, calls }
+        Self { moat, owned: Mutex::default(), all_records, calls, counted: false }
+    }
+
+    /// The scope of one HTTP session (or of a request served without one,
+    /// while it is), counted against [`MAX_SESSIONS`].
+    pub fn counted(moat: Moat) -> Self {
+        LIVE_SCOPES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut scope = Self::new(moat, false);
+        scope.counted = true;
+        scope
     }
 
     /// Admits one more tool call of this scope ([`CallGate::admit`]).
@@ -145,7 +157,9 @@ impl Scope {
 
 impl Drop for Scope {
     fn drop(&mut self) {
-        LIVE_SCOPES.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        if self.counted {
+            LIVE_SCOPES.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
         let ids: Vec<String> = std::mem::take(&mut self.lock().sandboxes).into_iter().collect();
         if ids.is_empty() {
             return;

@@ -616,13 +616,46 @@ impl HostRoots {
     }
 }
 
+/// Bytes of room promised to copies under way ([`Destination::limit`]),
+/// all file systems together: copies that run at once share the room
+/// instead of each counting on all of it. (Counting them against every file
+/// system errs on the safe side, and matters only near a full disk.)
+static PROMISED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The room promised to copies under way.
+pub fn promised() -> u64 {
+    PROMISED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// One copy's share of the room, given back when it ends.
+#[derive(Debug)]
+pub struct Promise(u64);
+
+impl Drop for Promise {
+    fn drop(&mut self) {
+        PROMISED.fetch_sub(self.0, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 impl Destination {
     /// What one copy here may write: the copy limit, or less where the
-    /// file system's free space beyond its [`disk_reserve`] is less.
-    pub fn limit(&self, copy_limit: u64) -> Limit {
-        match room(&self.parent) {
-            Some(room) if room < copy_limit => Limit { bytes: room, by_disk: true },
-            _ => Limit::from(copy_limit),
+    /// file system's free space beyond its [`disk_reserve`], less what
+    /// copies under way were promised, is less. The share is held until
+    /// the [`Promise`] is dropped.
+    pub fn limit(&self, copy_limit: u64) -> (Limit, Promise) {
+        use std::sync::atomic::Ordering;
+        let room = room(&self.parent);
+        let mut promised = PROMISED.load(Ordering::Relaxed);
+        loop {
+            let limit = match room.map(|r| r.saturating_sub(promised)) {
+                Some(left) if left < copy_limit => Limit { bytes: left, by_disk: true },
+                _ => Limit::from(copy_limit),
+            };
+            let total = promised.saturating_add(limit.bytes);
+            match PROMISED.compare_exchange(promised, total, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return (limit, Promise(limit.bytes)),
+                Err(now) => promised = now,
+            }
         }
     }
 

@@ -694,8 +694,15 @@ fn a_copy_never_takes_the_space_the_disk_keeps_free() {
     // The limit a destination gets is the smaller of the two, and one that
     // the disk sets says so.
     let dest = f.roots.destination(&f.root.join("new")).expect("new");
-    assert_eq!(dest.limit(1).bytes, 1);
-    assert_eq!(dest.limit(u64::MAX), Limit { bytes: room, by_disk: true });
+    assert_eq!(dest.limit(1).0.bytes, 1);
+    let (all, share) = dest.limit(u64::MAX);
+    assert!(all.by_disk && all.bytes <= room, "{all:?} of {room}");
+    // Copies at once share the room: while the first holds it all, the
+    // next gets none, and it comes back when the first ends.
+    let (next, next_share) = dest.limit(u64::MAX);
+    assert!(next.by_disk && next.bytes < all.bytes / 2 + 4096, "{next:?} beside {all:?}");
+    drop((share, next_share));
+    assert!(dest.limit(u64::MAX).0.bytes >= all.bytes / 2, "given back");
     let archive = hostile_tar(&[(b"big", tar::EntryType::Regular, b"", &[7u8; 8192])]);
     let (staged, out) = dest.stage_dir().expect("staged");
     let err = unpack(&archive[..], Sink::Dir(out), Limit { bytes: 4096, by_disk: true }).expect_err("past the room");

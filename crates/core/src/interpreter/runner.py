@@ -9,10 +9,11 @@
 #   {"type": "done", "execution_count": int, "result": {mime: value}|null,
 #    "displays": [{mime: value}], "left_out": int,
 #    "error": {name, value, traceback}|null}
-# Binary values (PNG, JPEG) are base64 strings. The displays kept are at
-# most max_results and results_budget characters (left_out counts the
-# rest), and the error's texts at most limit characters each, so that a
-# cell's results fit the host's bound on one line. The host bounds them
+# Binary values (PNG, JPEG) are base64 strings. The displays and the
+# value's rich types kept are at most max_results and results_budget bytes
+# as written (left_out counts the rest), and the value's text and the
+# error's texts at most limit bytes each, so that a cell's line fits the
+# host's bound on one line. The host bounds them
 # again: the cell's own code runs in this process and can send anything.
 #
 # File descriptors 0, 1 and 2 are taken over so that nothing the code does
@@ -171,15 +172,27 @@ def plain(data):
     return out
 
 
+def size(value):
+    """Bytes `value` takes in a protocol line (as send() writes it)."""
+    return len(json.dumps(value, ensure_ascii=False).encode())
+
+
+def cut(text, most):
+    """`text`, shortened until it takes at most `most` bytes in a line."""
+    while text and size(text) > most:
+        text = text[: max(0, min(len(text) - 1, len(text) * most // size(text)))]
+    return text
+
+
 def fit(bundles, most, budget):
-    """The bundles that fit `most` and `budget` characters, and how many did not."""
+    """The bundles that fit `most` and `budget` bytes, and how many did not."""
     kept, left_out = [], 0
     for bundle in bundles:
-        size = sum(len(v) if isinstance(v, str) else len(json.dumps(v)) for v in bundle.values())
-        if len(kept) >= most or size > budget:
+        taken = sum(size(v) for v in bundle.values())
+        if len(kept) >= most or taken > budget:
             left_out += 1
             continue
-        budget -= size
+        budget -= taken
         kept.append(bundle)
     return kept, left_out
 
@@ -198,14 +211,27 @@ def run(code, limit, most, budget):
     error = None
     exc = outcome.error_in_exec or outcome.error_before_exec
     if exc is not None:
-        error = {"name": type(exc).__name__[:256], "value": str(exc)[:limit],
-                 "traceback": (Cell.traceback or "")[:limit]}
-    displays, left_out = fit([plain(d) for d in Cell.displays], most, budget)
+        error = {"name": cut(type(exc).__name__, 256), "value": cut(str(exc), limit),
+                 "traceback": cut(Cell.traceback or "", limit)}
+    # The line stays within the host's bound on it (results, the value's
+    # text and the error's two texts, each bounded in bytes as written).
+    result = plain(Cell.result) if Cell.result else None
+    text = None
+    if result is not None and isinstance(result.get("text/plain"), str):
+        text = cut(result.pop("text/plain"), limit)
+    bundles = [plain(d) for d in Cell.displays] + ([result] if result else [])
+    displays, left_out = fit(bundles, most, budget)
+    if result and displays and displays[-1] is result:
+        displays.pop()
+    else:
+        result = None
+    if text is not None:
+        result = dict(result or {}, **{"text/plain": text})
     send(
         {
             "type": "done",
             "execution_count": shell.execution_count - 1,
-            "result": plain(Cell.result) if Cell.result else None,
+            "result": result,
             "displays": displays,
             "left_out": left_out,
             "error": error,

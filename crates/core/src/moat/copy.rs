@@ -207,7 +207,7 @@ impl Moat {
 
     async fn copy_out(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<CopySummary, CopyError> {
         let dest = self.inner.host.destination(host)?;
-        let limit = dest.limit(self.inner.host.copy_limit());
+        let (limit, _share) = dest.limit(self.inner.host.copy_limit());
         let client = self.client(id)?;
         let agent = |source| SandboxError::Agent { id: id.into(), source };
         let info = client.stat(sandbox_path).await.map_err(agent)?;

@@ -63,8 +63,8 @@ impl Moat {
         }
         if out.truncated || out.status.dropped_bytes > 0 {
             return failed(format!(
-                "{what} printed more than {} MiB, more than a task keeps; commit or remove large generated files \
-                 in /workspace and try again",
+                "{what} printed more than {} MiB, more than a task keeps; remove large generated files from \
+                 /workspace or list them in its .gitignore, and try again",
                 RUN_OUTPUT_LIMIT >> 20
             ));
         }
@@ -131,7 +131,12 @@ impl Moat {
         // The count comes first: no name in the listing after it can pass
         // for it.
         let script = format!("{GIT} rev-parse --verify -q HEAD >/dev/null && {GIT} ls-files | wc -l && ls -A1");
-        let out = self.task_git(id, "reading /workspace as a Git checkout", script).await?;
+        let out = self.task_git(id, "reading /workspace as a Git checkout", script).await.map_err(|e| match e {
+            TaskError::Git { id, reason } => {
+                TaskError::Git { id, reason: format!("/workspace is not a Git checkout ({reason})") }
+            }
+            other => other,
+        })?;
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         let mut lines = text.lines();
         let files = lines.next().and_then(|count| count.trim().parse().ok()).unwrap_or(0);
@@ -271,7 +276,7 @@ impl Moat {
         // a full disk (ENOSPC), which the error explains.
         let needed = diff.len() as u64 + (LOG_ENTRY_ROOM * log.len() as u64);
         let tasks = std::fs::File::open(&tasks_dir).map_err(io("creating the task record"))?;
-        if hostfs::room(&tasks).is_some_and(|room| room < needed) {
+        if hostfs::room(&tasks).is_some_and(|room| room.saturating_sub(hostfs::promised()) < needed) {
             let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
             return Err(io("writing the patch (moat keeps 5 % of the disk, at most 1 GiB, free)")(full).into());
         }

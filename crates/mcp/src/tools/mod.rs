@@ -214,17 +214,17 @@ pub const MAX_ERROR_TEXT: usize = 16 * 1024;
 /// escapes instead of passed on.
 fn error_text(message: &str) -> String {
     let mut out = String::with_capacity(message.len().min(MAX_ERROR_TEXT));
+    let mut written = 0;
     for (count, c) in message.chars().enumerate() {
-        if count == MAX_ERROR_TEXT {
+        let shown: Vec<char> =
+            if c.is_control() && c != '\n' && c != '\t' { c.escape_unicode().collect() } else { vec![c] };
+        if written + shown.len() > MAX_ERROR_TEXT {
             let rest = message.chars().count() - count;
             out.push_str(&format!("… [{rest} more characters cut]"));
             break;
         }
-        if c.is_control() && c != '\n' && c != '\t' {
-            out.extend(c.escape_unicode());
-        } else {
-            out.push(c);
-        }
+        written += shown.len();
+        out.extend(shown);
     }
     out
 }
@@ -336,6 +336,8 @@ mod tests {
         let long = "é".repeat(MAX_ERROR_TEXT + 10);
         let cut = error_text(&long);
         assert!(cut.ends_with("… [10 more characters cut]") && cut.chars().count() < MAX_ERROR_TEXT + 40, "{cut}");
+        let escapes = error_text(&"\x1b".repeat(MAX_ERROR_TEXT));
+        assert!(escapes.chars().count() < MAX_ERROR_TEXT + 40, "escapes count as what they show");
     }
 
     #[test]
