@@ -948,6 +948,15 @@ async fn output_floods_are_bounded() {
     let out =
         moat.run_code(id, Language::Python, "print(kept)", Duration::from_secs(60), std::future::pending(), &|_, _| {});
     assert_eq!(out.await.expect("runs").stdout, b"7\n", "the session lived through it");
+    // A cell whose value is larger than the output limit: its text is cut
+    // by the runner, and the session goes on.
+    let big = "'é' * 6_000_000";
+    let out = moat.run_code(id, Language::Python, big, Duration::from_secs(120), std::future::pending(), &|_, _| {});
+    let out = out.await.expect("the cell runs");
+    assert!(out.truncated && out.text.len() <= limit && out.text.starts_with("'éé"), "{}", out.text.len());
+    let out =
+        moat.run_code(id, Language::Python, "print(kept)", Duration::from_secs(60), std::future::pending(), &|_, _| {});
+    assert_eq!(out.await.expect("runs").stdout, b"7\n", "and through that");
 
     // And after all that, the sandbox still answers.
     still_answers(&moat, id).await;

@@ -147,6 +147,7 @@ enum Event {
         result: Option<RawBundle>,
         displays: Vec<RawBundle>,
         left_out: u64,
+        cut: bool,
         error: Option<CodeError>,
     },
 }
@@ -170,6 +171,9 @@ struct Line {
     /// Displays the runner left out to keep within the bounds it was given.
     #[serde(default)]
     left_out: u64,
+    /// The runner cut the value's text or the error's to fit.
+    #[serde(default)]
+    cut: bool,
     error: Option<CodeError>,
 }
 
@@ -192,6 +196,7 @@ impl Event {
                 result: line.result,
                 displays: line.displays,
                 left_out: line.left_out,
+                cut: line.cut,
                 error: line.error,
             }),
             other => Err(bad(format!("an event of unknown type {other:?}"))),
@@ -413,8 +418,9 @@ impl PythonSession {
                     output.truncated |= text.len() > room;
                     buffer.extend_from_slice(&text.as_bytes()[..text.len().min(room)]);
                 }
-                Event::Done { execution_count, result, displays, left_out: left_by_runner, error } => {
+                Event::Done { execution_count, result, displays, left_out: left_by_runner, cut, error } => {
                     output.execution_count = Some(execution_count);
+                    output.truncated |= cut;
                     let mut result = result.unwrap_or_default();
                     if let Some(raw) = result.remove("text/plain") {
                         let text = serde_json::from_str::<String>(raw.get()).unwrap_or_default();

@@ -7,13 +7,13 @@
 #   {"type": "ready"}
 #   {"type": "stream", "name": "stdout"|"stderr", "text": str}
 #   {"type": "done", "execution_count": int, "result": {mime: value}|null,
-#    "displays": [{mime: value}], "left_out": int,
+#    "displays": [{mime: value}], "left_out": int, "cut": bool,
 #    "error": {name, value, traceback}|null}
 # Binary values (PNG, JPEG) are base64 strings. The displays and the
 # value's rich types kept are at most max_results and results_budget bytes
 # as written (left_out counts the rest), and the value's text and the
 # error's texts at most limit bytes each, so that a cell's line fits the
-# host's bound on one line. The host bounds them
+# host's bound on one line; "cut" says a text was shortened. The host bounds them
 # again: the cell's own code runs in this process and can send anything.
 #
 # File descriptors 0, 1 and 2 are taken over so that nothing the code does
@@ -210,15 +210,20 @@ def run(code, limit, most, budget):
         pump.drain()
     error = None
     exc = outcome.error_in_exec or outcome.error_before_exec
+    shortened = False
     if exc is not None:
-        error = {"name": cut(type(exc).__name__, 256), "value": cut(str(exc), limit),
-                 "traceback": cut(Cell.traceback or "", limit)}
+        whole = {"name": type(exc).__name__, "value": str(exc), "traceback": Cell.traceback or ""}
+        error = {"name": cut(whole["name"], 256), "value": cut(whole["value"], limit),
+                 "traceback": cut(whole["traceback"], limit)}
+        shortened = error != whole
     # The line stays within the host's bound on it (results, the value's
     # text and the error's two texts, each bounded in bytes as written).
     result = plain(Cell.result) if Cell.result else None
     text = None
     if result is not None and isinstance(result.get("text/plain"), str):
-        text = cut(result.pop("text/plain"), limit)
+        whole = result.pop("text/plain")
+        text = cut(whole, limit)
+        shortened = shortened or text != whole
     bundles = [plain(d) for d in Cell.displays] + ([result] if result else [])
     displays, left_out = fit(bundles, most, budget)
     if result and displays and displays[-1] is result:
@@ -234,6 +239,7 @@ def run(code, limit, most, budget):
             "result": result,
             "displays": displays,
             "left_out": left_out,
+            "cut": shortened,
             "error": error,
         }
     )
