@@ -63,6 +63,11 @@ pub struct GrantsError {
     pub allowed: String,
 }
 
+/// One of [`Grants::check`]'s ceilings: the argument, what was asked, the
+/// most granted, its variable, what it is when unset (said only in a
+/// refusal), and the most the variable may say.
+type Ceiling<'a> = (&'static str, u64, u64, &'static str, &'a dyn Fn() -> String, u64);
+
 /// A tool call asked for more than the operator grants.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -206,23 +211,40 @@ impl Grants {
         if !self.allows_network(spec.network) {
             return Err(self.refuse_network(spec.network, "the sandbox asks for"));
         }
-        let ceilings = [
+        // What each ceiling is when unset: said only in a refusal.
+        let default_lifetime =
+            || format!("{DEFAULT_TIMEOUT_VAR}, itself {} unless set", SandboxSpec::default().timeout_seconds);
+        let ceilings: [Ceiling<'_>; 4] = [
             (
                 "cpus",
                 u64::from(spec.cpus),
                 u64::from(self.cpus),
                 CPUS_VAR,
-                "the host's CPUs",
+                &|| "the host's CPUs".to_owned(),
                 SandboxSpec::MAX_CPUS.into(),
             ),
-            ("memory_mib", spec.memory_mib, self.memory_mib, MEMORY_VAR, "65536", SandboxSpec::MAX_MEMORY_MIB),
-            ("disk_mib", spec.disk_mib, self.disk_mib, DISK_VAR, "262144", SandboxSpec::MAX_DISK_MIB),
+            (
+                "memory_mib",
+                spec.memory_mib,
+                self.memory_mib,
+                MEMORY_VAR,
+                &|| SandboxSpec::MAX_MEMORY_MIB.to_string(),
+                SandboxSpec::MAX_MEMORY_MIB,
+            ),
+            (
+                "disk_mib",
+                spec.disk_mib,
+                self.disk_mib,
+                DISK_VAR,
+                &|| SandboxSpec::MAX_DISK_MIB.to_string(),
+                SandboxSpec::MAX_DISK_MIB,
+            ),
             (
                 "timeout_seconds",
                 spec.timeout_seconds,
                 self.timeout_seconds,
                 TIMEOUT_VAR,
-                "MOAT_TIMEOUT_SECONDS, itself 3600 unless set",
+                &default_lifetime,
                 SandboxSpec::MAX_TIMEOUT_SECONDS,
             ),
         ];
@@ -230,8 +252,9 @@ impl Grants {
             if asked > most {
                 return Err(NotGranted(format!(
                     "the sandbox asks for {field} {asked}, but this server grants one sandbox at most {most} \
-                     ({var}; unset, it is {default}); ask for {most} or less. Only the operator who starts moat can \
-                     allow more, by setting {var} (up to {bound})"
+                     ({var}; unset, it is {}); ask for {most} or less. Only the operator who starts moat can \
+                     allow more, by setting {var} (up to {bound})",
+                    default()
                 )));
             }
         }

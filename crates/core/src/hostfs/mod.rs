@@ -210,10 +210,10 @@ fn unsuitable_root(dir: &Path, home: Option<&Path>) -> Option<&'static str> {
         }
     }
     for other in account_homes() {
-        if dir == other {
+        if dir == *other {
             return Some("an account's home directory");
         }
-        if in_dot_dir(&dir, &other) {
+        if in_dot_dir(&dir, other) {
             return Some("inside a hidden directory of an account's home directory");
         }
     }
@@ -223,18 +223,23 @@ fn unsuitable_root(dir: &Path, home: Option<&Path>) -> Option<&'static str> {
 /// The home directories of the system's accounts (`/etc/passwd`; accounts
 /// only a directory service knows are not listed), as they resolve, but
 /// `/` and what does not exist.
-fn account_homes() -> Vec<PathBuf> {
-    let Ok(passwd) = std::fs::read_to_string("/etc/passwd") else { return Vec::new() };
-    let mut homes: Vec<PathBuf> = passwd
-        .lines()
-        .filter_map(|line| line.split(':').nth(5))
-        .filter(|home| home.starts_with('/'))
-        .filter_map(|home| Path::new(home).canonicalize().ok())
-        .filter(|home| home != Path::new("/") && home.is_dir())
-        .collect();
-    homes.sort();
-    homes.dedup();
-    homes
+/// Read once per process: the default root's check and [`HostRoots::open`]
+/// both need them, and accounts do not come and go under a running server.
+fn account_homes() -> &'static [PathBuf] {
+    static HOMES: std::sync::OnceLock<Vec<PathBuf>> = std::sync::OnceLock::new();
+    HOMES.get_or_init(|| {
+        let Ok(passwd) = std::fs::read_to_string("/etc/passwd") else { return Vec::new() };
+        let mut homes: Vec<PathBuf> = passwd
+            .lines()
+            .filter_map(|line| line.split(':').nth(5))
+            .filter(|home| home.starts_with('/'))
+            .filter_map(|home| Path::new(home).canonicalize().ok())
+            .filter(|home| home != Path::new("/") && home.is_dir())
+            .collect();
+        homes.sort();
+        homes.dedup();
+        homes
+    })
 }
 
 fn is_system(dir: &Path, home: Option<&Path>) -> bool {
@@ -384,13 +389,13 @@ impl HostRoots {
             }
             opened.push(Root { path, dir });
         }
-        Ok(Self {
-            roots: opened,
-            data_dir: data_id,
-            homes: home.iter().cloned().chain(account_homes()).filter_map(|h| FileId::of_path(&h)).collect(),
-            ssh_dir: home.map(|h| h.join(".ssh")),
-            copy_limit,
-        })
+        // Guarded while walking beneath a root: with none, not needed.
+        let homes = if opened.is_empty() {
+            Vec::new()
+        } else {
+            home.iter().chain(account_homes()).filter_map(|h| FileId::of_path(h)).collect()
+        };
+        Ok(Self { roots: opened, data_dir: data_id, homes, ssh_dir: home.map(|h| h.join(".ssh")), copy_limit })
     }
 
     /// The most one copy may move, in bytes.

@@ -179,8 +179,10 @@ def size(value):
 
 def cut(text, most):
     """`text`, shortened until it takes at most `most` bytes in a line."""
-    while text and size(text) > most:
-        text = text[: max(0, min(len(text) - 1, len(text) * most // size(text)))]
+    taken = size(text)
+    while text and taken > most:
+        text = text[: max(0, min(len(text) - 1, len(text) * most // taken))]
+        taken = size(text)
     return text
 
 

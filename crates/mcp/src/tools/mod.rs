@@ -216,15 +216,19 @@ fn error_text(message: &str) -> String {
     let mut out = String::with_capacity(message.len().min(MAX_ERROR_TEXT));
     let mut written = 0;
     for (count, c) in message.chars().enumerate() {
-        let shown: Vec<char> =
-            if c.is_control() && c != '\n' && c != '\t' { c.escape_unicode().collect() } else { vec![c] };
-        if written + shown.len() > MAX_ERROR_TEXT {
+        let escaped = c.is_control() && c != '\n' && c != '\t';
+        let width = if escaped { c.escape_unicode().len() } else { 1 };
+        if written + width > MAX_ERROR_TEXT {
             let rest = message.chars().count() - count;
             out.push_str(&format!("… [{rest} more characters cut]"));
             break;
         }
-        written += shown.len();
-        out.extend(shown);
+        written += width;
+        if escaped {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
     }
     out
 }
