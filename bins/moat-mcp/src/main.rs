@@ -221,6 +221,7 @@ async fn serve_http(moat: &Moat, config: &ServerConfig, host: std::net::IpAddr, 
         port,
         token: String::new(),
         fixtures: config.test_conformance_tools,
+        sandboxes_per_session: config.sandboxes_per_session,
     })
     .await
     {

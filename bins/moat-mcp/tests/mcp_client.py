@@ -741,12 +741,35 @@ async def http_only(binary, env, server):
             assert "this session" in message, message
         out = await call(first, "run_command", {"cmd": "echo still here"})
         assert out["stdout"] == "still here\n", out
+        await a_session_keeps_to_its_share(binary, env, server, first)
     state = os.path.join(data_dir, "sandboxes", mine["sandbox_id"])
     deadline = time.monotonic() + 60
     while os.path.exists(state) and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
     assert not os.path.exists(state), f"{state} outlived its closed session"
     await generated_token(binary, env)
+
+
+async def a_session_keeps_to_its_share(binary, env, server, first):
+    """One session cannot take every sandbox of a shared server: it owns at
+    most MOAT_MAX_SANDBOXES_PER_SESSION live ones (half of MOAT_MAX_SANDBOXES,
+    16, by default), creates running at once included, and another session
+    still gets one. `first` owns one sandbox already."""
+    small = {"memory_mib": 128, "disk_mib": 64}
+    tries = await asyncio.gather(*(first.call_tool("create_sandbox", small) for _ in range(8)))
+    made = [structured(r)["sandbox_id"] for r in tries if not is_error(r)]
+    refused = [text(r) for r in tries if is_error(r)]
+    assert len(made) == 7 and len(refused) == 1, (made, refused)
+    assert "MOAT_MAX_SANDBOXES_PER_SESSION=8" in refused[0] and "destroy_sandbox" in refused[0], refused[0]
+    message = await call(first, "task_start", {"source": "/nonexistent"}, expect_error=True)
+    assert "MOAT_MAX_SANDBOXES_PER_SESSION" in message, message
+    async with connect(binary, env, "http", "handshake", server) as other:
+        theirs = await call(other, "create_sandbox", small)
+        await call(other, "destroy_sandbox", {"sandbox_id": theirs["sandbox_id"]})
+    await call(first, "destroy_sandbox", {"sandbox_id": made.pop()})
+    again = await call(first, "create_sandbox", small)
+    for sandbox_id in made + [again["sandbox_id"]]:
+        await call(first, "destroy_sandbox", {"sandbox_id": sandbox_id})
 
 
 async def generated_token(binary, env):

@@ -18,6 +18,10 @@ pub struct ConfigError {
 pub struct ServerConfig {
     pub backend: BackendKind,
     pub max_sandboxes: usize,
+    /// `MOAT_MAX_SANDBOXES_PER_SESSION`: the most live sandboxes one HTTP
+    /// session (or all requests without a session, together) may own, so
+    /// that one client cannot take every place of a shared server.
+    pub sandboxes_per_session: usize,
     pub pool_size: usize,
     /// Defaults for sandboxes created without arguments.
     pub defaults: SandboxSpec,
@@ -138,6 +142,10 @@ impl ServerConfig {
             return Err(bad("MOAT_IMAGE", &image, &format!("an image name: {}", moat_core::image::NAME_RULE)));
         }
         let max_sandboxes = number("MOAT_MAX_SANDBOXES", 16, 1, 1024)?;
+        let sandboxes_per_session =
+            number("MOAT_MAX_SANDBOXES_PER_SESSION", max_sandboxes.div_ceil(2), 1, max_sandboxes).map_err(|e| {
+                ConfigError { allowed: format!("{} (at most MOAT_MAX_SANDBOXES, {max_sandboxes})", e.allowed), ..e }
+            })?;
         let pool_size = number("MOAT_POOL_SIZE", 0, 0, 64)?;
         let log_level = match get("MOAT_LOG_LEVEL").filter(|l| !l.trim().is_empty()) {
             Some(level) => level.parse().map_err(|_| bad("MOAT_LOG_LEVEL", &level, moat_core::log::LEVELS))?,
@@ -231,6 +239,7 @@ impl ServerConfig {
         Ok(Self {
             backend,
             max_sandboxes: usize::try_from(max_sandboxes).unwrap_or(16),
+            sandboxes_per_session: usize::try_from(sandboxes_per_session).unwrap_or(8),
             pool_size: usize::try_from(pool_size).unwrap_or(0),
             defaults,
             grants,
@@ -274,7 +283,7 @@ mod tests {
         let config = with(&[]).expect("valid");
         assert_eq!(config.backend, BackendKind::Auto);
         assert_eq!((config.defaults.timeout_seconds, config.defaults.idle_seconds), (3600, 300));
-        assert_eq!((config.max_sandboxes, config.pool_size), (16, 0));
+        assert_eq!((config.max_sandboxes, config.sandboxes_per_session, config.pool_size), (16, 8, 0));
         assert_eq!((config.log_level, config.log_file), (moat_core::log::LogLevel::Warn, None));
     }
 
@@ -298,6 +307,8 @@ mod tests {
             (("MOAT_ALLOW_NETWORK", "all"), "none, filtered or open"),
             (("MOAT_NETWORK", "filtered"), "set MOAT_ALLOW_NETWORK=filtered"),
             (("MOAT_MAX_SANDBOXES", "-1"), "from 1 to 1024"),
+            (("MOAT_MAX_SANDBOXES_PER_SESSION", "0"), "from 1 to 16 (at most MOAT_MAX_SANDBOXES, 16)"),
+            (("MOAT_MAX_SANDBOXES_PER_SESSION", "17"), "at most MOAT_MAX_SANDBOXES"),
             (("MOAT_LOG_LEVEL", "loud"), "error, warn"),
             (("MOAT_IMAGE", "../x"), "image name"),
             (("MOAT_HTTP_TOKEN", "short"), "at least 16"),
@@ -327,6 +338,15 @@ mod tests {
         assert_eq!((open.grants.network, open.defaults.network), (NetworkPolicy::Open, NetworkPolicy::Filtered));
         let err = with(&[("MOAT_ALLOW_NETWORK", "filtered"), ("MOAT_NETWORK", "open")]).expect_err("above").to_string();
         assert!(err.starts_with("MOAT_NETWORK=\"open\"") && err.contains("MOAT_ALLOW_NETWORK"), "{err}");
+    }
+
+    #[test]
+    fn a_session_may_own_half_the_servers_sandboxes_unless_the_operator_says_otherwise() {
+        let share = |vars: &[(&str, &str)]| with(vars).expect("valid").sandboxes_per_session;
+        assert_eq!(share(&[("MOAT_MAX_SANDBOXES", "5")]), 3, "half, rounded up");
+        assert_eq!(share(&[("MOAT_MAX_SANDBOXES", "1")]), 1);
+        assert_eq!(share(&[("MOAT_MAX_SANDBOXES", "40"), ("MOAT_MAX_SANDBOXES_PER_SESSION", "40")]), 40);
+        assert_eq!(share(&[("MOAT_MAX_SANDBOXES_PER_SESSION", "2")]), 2);
     }
 
     #[test]

@@ -58,6 +58,10 @@ pub struct HttpConfig {
     /// TEST ONLY (`MOAT_TEST_CONFORMANCE_TOOLS`): list and serve the
     /// conformance suite's fixtures ([`crate::fixtures`]).
     pub fixtures: bool,
+    /// The most live sandboxes one session may own
+    /// (`MOAT_MAX_SANDBOXES_PER_SESSION`); the requests without a session
+    /// share one such share.
+    pub sandboxes_per_session: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -223,7 +227,8 @@ impl HttpServer {
             tools.extend(crate::fixtures::tools());
         }
         let tools = Arc::new(tools);
-        let sessionless = Arc::new(Scope::new(moat.clone(), false));
+        let share = self.config.sandboxes_per_session;
+        let sessionless = Arc::new(Scope::new(moat.clone(), false, share));
         // A session idle this long is closed and its sandboxes destroyed;
         // they would have expired by then anyway (none lives longer than
         // the operator grants).
@@ -241,7 +246,14 @@ impl HttpServer {
             .with_cancellation_token(shutdown.child_token());
         let service = StreamableHttpService::new(
             move || {
-                Ok(MoatServer::for_http(moat.clone(), defaults.clone(), tools.clone(), sessionless.clone(), fixtures))
+                Ok(MoatServer::for_http(
+                    moat.clone(),
+                    defaults.clone(),
+                    tools.clone(),
+                    sessionless.clone(),
+                    fixtures,
+                    share,
+                ))
             },
             Arc::new(sessions),
             transport,

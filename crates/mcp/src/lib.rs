@@ -78,20 +78,23 @@ impl std::fmt::Debug for MoatServer {
 impl MoatServer {
     /// The server of a stdio connection: it sees every task record.
     pub fn new(moat: Moat, defaults: moat_core::SandboxSpec) -> Result<Self, serde_json::Error> {
-        let own = Arc::new(Scope::new(moat.clone(), true));
+        // The server's only client: its share is every place the Moat has.
+        let own = Arc::new(Scope::new(moat.clone(), true, usize::MAX));
         Ok(Self { moat, tools: Arc::new(contract_tools()?), defaults, own, sessionless: None, fixtures: false })
     }
 
     /// The server of one HTTP session (or of one sessionless request);
-    /// `fixtures`: `tools` lists the conformance fixtures, which it serves.
+    /// `fixtures`: `tools` lists the conformance fixtures, which it serves;
+    /// the session may own at most `sandboxes_per_session` live sandboxes.
     pub fn for_http(
         moat: Moat,
         defaults: moat_core::SandboxSpec,
         tools: Arc<Vec<Tool>>,
         sessionless: Arc<Scope>,
         fixtures: bool,
+        sandboxes_per_session: usize,
     ) -> Self {
-        let own = Arc::new(Scope::counted(moat.clone()));
+        let own = Arc::new(Scope::counted(moat.clone(), sandboxes_per_session));
         Self { moat, tools, defaults, own, sessionless: Some(sessionless), fixtures }
     }
 

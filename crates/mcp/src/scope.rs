@@ -16,6 +16,8 @@ struct Owned {
     sandboxes: BTreeSet<String>,
     tasks: BTreeSet<String>,
     current: Option<String>,
+    /// Places held by creates under way ([`SandboxPlace`]).
+    making: usize,
 }
 
 /// The most tool calls one connection or session has running at once.
@@ -57,6 +59,41 @@ pub struct Scope {
     calls: CallGate,
     /// Counted in [`LIVE_SCOPES`] ([`Scope::counted`]).
     counted: bool,
+    /// The most live sandboxes this scope may own at once
+    /// (`MOAT_MAX_SANDBOXES_PER_SESSION` over HTTP; a stdio connection,
+    /// the server's only client, may own them all).
+    max_sandboxes: usize,
+}
+
+/// A place for one more sandbox of a scope, held from before a create
+/// starts until its sandbox is adopted ([`SandboxPlace::adopt`]) or the
+/// create fails (the place is given back on drop): creates running at
+/// once cannot together pass the scope's share.
+#[derive(Debug)]
+pub struct SandboxPlace<'a> {
+    scope: &'a Scope,
+    held: bool,
+}
+
+impl SandboxPlace<'_> {
+    /// The created sandbox takes the place; `make_current` as
+    /// [`Scope::adopt`].
+    pub fn adopt(mut self, sandbox_id: &str, make_current: bool) {
+        let mut owned = self.scope.lock();
+        owned.making = owned.making.saturating_sub(1);
+        drop(owned);
+        self.held = false;
+        self.scope.adopt(sandbox_id, make_current);
+    }
+}
+
+impl Drop for SandboxPlace<'_> {
+    fn drop(&mut self) {
+        if self.held {
+            let mut owned = self.scope.lock();
+            owned.making = owned.making.saturating_sub(1);
+        }
+    }
 }
 
 /// A permit per tool call running, at most `most` ([`MAX_CALLS_IN_FLIGHT`]
@@ -91,18 +128,44 @@ impl CallGate {
 impl Scope {
     /// The scope of a stdio connection, or the one that requests without a
     /// session share.
-    pub fn new(moat: Moat, all_records: bool) -> Self {
+    /// `max_sandboxes`: the most live sandboxes it may own at once.
+    pub fn new(moat: Moat, all_records: bool, max_sandboxes: usize) -> Self {
         let calls = CallGate::new(MAX_CALLS_IN_FLIGHT, "this session", "one session");
-        Self { moat, owned: Mutex::default(), all_records, calls, counted: false }
+        Self { moat, owned: Mutex::default(), all_records, calls, counted: false, max_sandboxes }
     }
 
     /// The scope of one HTTP session (or of a request served without one,
     /// while it is), counted against [`MAX_SESSIONS`].
-    pub fn counted(moat: Moat) -> Self {
+    pub fn counted(moat: Moat, max_sandboxes: usize) -> Self {
         LIVE_SCOPES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut scope = Self::new(moat, false);
+        let mut scope = Self::new(moat, false, max_sandboxes);
         scope.counted = true;
         scope
+    }
+
+    /// Holds a place for one more sandbox, or says why there is none: the
+    /// scope's live sandboxes and the creates under way already fill its
+    /// share. Failed and expired sandboxes take no place (they hold no
+    /// resources), though the scope still lists them until destroyed.
+    pub fn reserve_sandbox(&self) -> Result<SandboxPlace<'_>, String> {
+        // The scope's lock, then the Moat's (in `get`): the Moat never
+        // calls back into a scope, so the two are always taken in this order.
+        let mut owned = self.lock();
+        let live = owned.sandboxes.iter().filter(|id| self.moat.get(id).is_ok()).count();
+        if live + owned.making >= self.max_sandboxes {
+            return Err(format!(
+                "This session already has {live} live sandboxes{}, the most one session may have at once \
+                 (MOAT_MAX_SANDBOXES_PER_SESSION={}, which the server's operator sets); destroy one with \
+                 destroy_sandbox, or reuse one, and call again",
+                match owned.making {
+                    0 => String::new(),
+                    n => format!(" and {n} being created"),
+                },
+                self.max_sandboxes
+            ));
+        }
+        owned.making += 1;
+        Ok(SandboxPlace { scope: self, held: true })
     }
 
     /// Admits one more tool call of this scope ([`CallGate::admit`]).

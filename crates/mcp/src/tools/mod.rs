@@ -267,8 +267,9 @@ impl SandboxRef {
         {
             return Ok(id);
         }
+        let place = server.scope.reserve_sandbox().map_err(ToolError)?;
         let sandbox = server.moat.create(server.defaults.clone()).await?;
-        server.scope.adopt(&sandbox.id, true);
+        place.adopt(&sandbox.id, true);
         Ok(sandbox.id)
     }
 }

@@ -150,8 +150,9 @@ async fn create_sandbox(server: &Session<'_>, args: CreateSandbox) -> Outcome {
         }
     }
     spec.env.extend(args.env.into_iter().flatten());
+    let place = server.scope.reserve_sandbox().map_err(ToolError)?;
     let sandbox = server.moat.create(spec).await?;
-    server.scope.adopt(&sandbox.id, true);
+    place.adopt(&sandbox.id, true);
     Ok(sandbox_json(server, &sandbox))
 }
 

@@ -107,8 +107,9 @@ async fn task_start(server: &Session<'_>, args: TaskStart) -> Outcome {
         return Err(ToolError(format!("{field} applies only to a source that is a Git URL (https://HOST/OWNER/REPO)")));
     }
     let spec = SandboxSpec { name: args.name, runtime: args.runtime, ..server.defaults.clone() };
+    let place = server.scope.reserve_sandbox().map_err(ToolError)?;
     let task = server.moat.task_start(std::path::Path::new(&args.source), spec).await?;
-    server.scope.adopt(&task.sandbox_id, true);
+    place.adopt(&task.sandbox_id, true);
     server.scope.adopt_task(&task.id);
     Ok(task_json(&task))
 }
@@ -135,11 +136,12 @@ async fn task_from_repository(server: &Session<'_>, args: TaskStart) -> Outcome 
     if spec.network == NetworkPolicy::None {
         spec.network = NetworkPolicy::Filtered;
     }
+    let place = server.scope.reserve_sandbox().map_err(ToolError)?;
     let sandbox = server.moat.create(spec).await.map_err(moat_core::CoreError::from)?;
     let id = sandbox.id;
     // The session's from the start: a call cut short (its session closed)
     // leaves no sandbox behind the session's end.
-    server.scope.adopt(&id, false);
+    place.adopt(&id, false);
     let adopted = async {
         let cloned = clone_into(server, &clone, &id).await?;
         let task = server.moat.task_adopt(&id, &args.source, Some(clone.host.clone()), args.runtime).await?;
