@@ -468,8 +468,13 @@ pub fn copy_for_user(image: &Image, home: &Path, base: u32, owner: (u32, u32)) -
     let dir_flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
     let work = openat(images.as_fd(), work_name.as_str(), dir_flags, Mode::empty())
         .map_err(nix_io(format!("opening {}", shown.join(&work_name).display())))?;
-    // The directory made above, not one the user put there meanwhile.
-    if nix::sys::stat::fstat(work.as_fd()).map_err(nix_io("fstat".into()))?.st_uid != 0 {
+    // The directory made above, not one the user put there meanwhile: a
+    // directory of root's renamed to this name would pass an owner check
+    // alone, so it must also be as made: empty (no subdirectory, and no
+    // entry, which the walk below would follow), mode 0700.
+    let made = nix::sys::stat::fstat(work.as_fd()).map_err(nix_io("fstat".into()))?;
+    let empty = || nix::dir::Dir::from_fd(nix::unistd::dup(&work)?).map(|mut d| d.iter().count() <= 2);
+    if made.st_uid != 0 || made.st_nlink != 2 || made.st_mode & 0o7777 != 0o700 || !empty().unwrap_or(false) {
         return Err(std::io::Error::other(format!("{} changed hands while it was made", shown.display())));
     }
     // This process's descriptor, for the programs it runs and for paths:
@@ -545,7 +550,13 @@ pub fn copy_for_user(image: &Image, home: &Path, base: u32, owner: (u32, u32)) -
 
 /// As root: the directory `rel` beneath the user's `home`, opened one
 /// component at a time without following a link; what is missing is made
-/// and given to `owner`. (Below `home` everything is the user's.)
+/// as `owner` (below `home` everything is the user's).
+///
+/// A missing directory is made with this thread's file-system ids set to
+/// the owner's ([`as_owner`]): it is theirs from its first moment, made
+/// only where they may make it, and root never gives anything away after
+/// the fact. A `chown` after `mkdir` would act on whatever the name holds
+/// by then, which the user may rename another directory of root's to.
 fn open_user_dir(home: &Path, rel: &Path, owner: (u32, u32)) -> std::io::Result<std::os::fd::OwnedFd> {
     use nix::fcntl::{OFlag, open, openat};
     use nix::sys::stat::Mode;
@@ -569,25 +580,37 @@ fn open_user_dir(home: &Path, rel: &Path, owner: (u32, u32)) -> std::io::Result<
         let name = part.as_os_str();
         let next = match openat(dir.as_fd(), name, flags, Mode::empty()) {
             Err(nix::errno::Errno::ENOENT) => {
-                nix::sys::stat::mkdirat(dir.as_fd(), name, Mode::from_bits_truncate(0o755))
-                    .map_err(|e| fail(&path, "making", e))?;
-                // Given away through its descriptor, once it is known to be
-                // the directory just made (ours, no link): the user may
-                // swap the name for a link to a file of root's meanwhile.
-                let made = openat(dir.as_fd(), name, flags, Mode::empty()).map_err(|e| fail(&path, "opening", e))?;
-                let stat = nix::sys::stat::fstat(&made).map_err(|e| fail(&path, "checking", e))?;
-                if stat.st_uid != nix::unistd::geteuid().as_raw() {
-                    return Err(fail(&path, "making", nix::errno::Errno::EEXIST));
+                match as_owner(owner, || nix::sys::stat::mkdirat(dir.as_fd(), name, Mode::from_bits_truncate(0o755))) {
+                    Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
+                    Err(e) => return Err(fail(&path, "making", e)),
                 }
-                nix::unistd::fchown(&made, Some(owner.0.into()), Some(owner.1.into()))
-                    .map_err(|e| fail(&path, "giving", e))?;
-                Ok(made)
+                openat(dir.as_fd(), name, flags, Mode::empty())
             }
             other => other,
         };
         dir = next.map_err(|e| fail(&path, "opening", e))?;
+        // Whatever the name holds now must be the user's: root writes the
+        // copy into it.
+        let stat = nix::sys::stat::fstat(&dir).map_err(|e| fail(&path, "checking", e))?;
+        if stat.st_uid != owner.0 {
+            return Err(fail(&path, "using", nix::errno::Errno::EPERM));
+        }
     }
     Ok(dir)
+}
+
+/// Runs `op` with this thread's file-system uid and gid set to `owner`'s
+/// (`setfsuid(2)`: one thread's, and only the ids that permission checks
+/// and new files take), then puts the old ones back: what `op` creates is
+/// the owner's, and it may create only where the owner may.
+fn as_owner<T>(owner: (u32, u32), op: impl FnOnce() -> T) -> T {
+    use nix::unistd::{Gid, Uid, setfsgid, setfsuid};
+    let gid = setfsgid(Gid::from_raw(owner.1));
+    let uid = setfsuid(Uid::from_raw(owner.0));
+    let out = op();
+    setfsuid(uid);
+    setfsgid(gid);
+    out
 }
 
 /// As root: the manifest of the user's copy of image `name` (beneath
@@ -649,6 +672,42 @@ mod tests {
     }
 
     #[test]
+    fn a_users_directories_are_theirs_from_the_start_and_never_roots() {
+        use std::os::unix::fs::MetadataExt;
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root (it makes directories as another user)");
+            return;
+        }
+        let owner = (4_000_123, 4_000_123);
+        let home = tempfile::tempdir().expect("tempdir");
+        std::os::unix::fs::chown(home.path(), Some(owner.0), Some(owner.1)).expect("chown");
+        let made = open_user_dir(home.path(), Path::new("a/b/c"), owner).expect("made");
+        for dir in ["a", "a/b", "a/b/c"] {
+            let meta = std::fs::metadata(home.path().join(dir)).expect(dir);
+            assert_eq!((meta.uid(), meta.gid()), owner, "{dir} is the user's");
+        }
+        assert_eq!(nix::sys::stat::fstat(&made).expect("fstat").st_uid, owner.0);
+        // The thread is root again: what it makes now is root's.
+        std::fs::create_dir(home.path().join("root's")).expect("mkdir");
+        assert_eq!(std::fs::metadata(home.path().join("root's")).expect("stat").uid(), 0);
+        // A directory of root's (say one the user renamed into place) or a
+        // link is refused, and nothing is made or given away through it.
+        std::fs::create_dir(home.path().join("a/b/c/d")).expect("mkdir");
+        let err = open_user_dir(home.path(), Path::new("a/b/c/d/e"), owner).expect_err("root's");
+        assert!(err.to_string().contains("directory of the user's"), "{err}");
+        assert!(!home.path().join("a/b/c/d/e").exists());
+        assert_eq!(std::fs::metadata(home.path().join("a/b/c/d")).expect("stat").uid(), 0, "still root's");
+        std::os::unix::fs::symlink("/etc", home.path().join("a/link")).expect("symlink");
+        assert!(open_user_dir(home.path(), Path::new("a/link/x"), owner).is_err(), "a link is not followed");
+        assert!(!Path::new("/etc/x").exists());
+        // Where the user may not write, root does not make it for them.
+        std::fs::set_permissions(home.path().join("a/b"), std::os::unix::fs::PermissionsExt::from_mode(0o555))
+            .expect("chmod");
+        assert!(open_user_dir(home.path(), Path::new("a/b/new"), owner).is_err(), "not the user's to make");
+        assert!(!home.path().join("a/b/new").exists());
+    }
+
+    #[test]
     fn packages_are_kept_as_text_and_read_when_asked() {
         let map: BTreeMap<String, String> =
             [("bash".to_owned(), "5.2.15-2+b7".to_owned()), ("git".to_owned(), "1:2.39.5-0+deb12u2".to_owned())].into();
@@ -704,6 +763,10 @@ mod tests {
         // An earlier copy that is a link to a system directory: replaced
         // by the copy, the directory it named left as it was.
         std::fs::create_dir_all(&images).expect("mkdir");
+        // Below the home everything is the user's.
+        for dir in images.ancestors().take_while(|d| d.starts_with(&home)) {
+            std::os::unix::fs::chown(dir, Some(owner.0), Some(owner.1)).expect("chown");
+        }
         std::os::unix::fs::symlink(victim.join("t"), images.join("t")).expect("symlink");
         let copy = copy_for_user(&image, &home, base, owner).expect("copies");
         assert_eq!(copy, images.join("t"));
