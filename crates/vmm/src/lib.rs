@@ -5,7 +5,8 @@
 //! (buses, serial, i8042, boot timer, ACPI), `builder` (configuration →
 //! running VM), `vmm` (the event loop), `control` (the JSON-lines control
 //! socket), `seccomp` (the per-thread filters) and `jail` (the namespaces,
-//! file system and privileges of a jailed VMM). See `docs/vmm.md`.
+//! file system and privileges of a jailed VMM), `log_budget` (log lines
+//! a guest can cause, rationed). See `docs/vmm.md`.
 
 pub mod arch;
 pub mod builder;
@@ -13,6 +14,7 @@ pub mod config;
 pub mod control;
 pub mod devices;
 pub mod jail;
+pub mod log_budget;
 pub mod seccomp;
 pub mod vmm;
 pub mod vstate;

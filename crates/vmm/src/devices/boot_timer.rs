@@ -56,10 +56,12 @@ impl BusDevice for BootTimer {
                 // Only the first ready counts: a later one is a reboot's or a
                 // confused guest's.
                 if self.ready.0.compare_exchange(0, us, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                    tracing::info!("Guest ready after {} µs ({} ms)", us, us / 1000);
+                    crate::guest_triggered!(info, "Guest ready after {} µs ({} ms)", us, us / 1000);
                 }
             }
-            (_, value) => tracing::info!("Guest boot marker {value:?} at offset {offset} after {elapsed:?}"),
+            (_, value) => {
+                crate::guest_triggered!(info, "Guest boot marker {value:?} at offset {offset} after {elapsed:?}");
+            }
         }
     }
 }

@@ -37,7 +37,7 @@ impl BusDevice for SleepControl {
             && (value >> 2) & 0x7 == S5_SLEEP_TYPE
             && let Err(e) = self.poweroff.trigger()
         {
-            tracing::error!("Cannot signal the guest's power-off: {e}");
+            crate::guest_triggered!(error, "Cannot signal the guest's power-off: {e}");
         }
     }
 }

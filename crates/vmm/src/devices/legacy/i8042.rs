@@ -42,6 +42,11 @@ const KBD_IDENTIFY: u8 = 0xf2;
 /// Commands followed by one parameter byte (LEDs, typematic rate, scan set).
 const KBD_COMMANDS_WITH_PARAMETER: [u8; 3] = [0xed, 0xf0, 0xf3];
 
+/// The most bytes waiting for the guest to read. A real keyboard buffers
+/// 16; a guest that writes commands without reading their answers (in a
+/// loop, to make the host hold its answers) loses what does not fit.
+const OUTPUT_CAP: usize = 16;
+
 /// Ctrl, Alt, Delete as scan code set 2 make codes, which Linux's atkbd
 /// decodes (the controller does not translate).
 const CTRL_ALT_DEL: [&[u8]; 3] = [&[0x14], &[0x11], &[0xe0, 0x71]];
@@ -75,8 +80,10 @@ impl I8042 {
         }
     }
 
-    /// Presses Ctrl+Alt+Del.
+    /// Presses Ctrl+Alt+Del. What the guest left unread goes, so that the
+    /// keys always fit.
     pub fn press_ctrl_alt_del(&mut self) {
+        self.output.clear();
         for key in CTRL_ALT_DEL {
             self.output.extend(key);
         }
@@ -84,7 +91,8 @@ impl I8042 {
     }
 
     fn push(&mut self, bytes: &[u8]) {
-        self.output.extend(bytes);
+        let room = OUTPUT_CAP.saturating_sub(self.output.len());
+        self.output.extend(bytes.iter().take(room));
         self.raise();
     }
 
@@ -97,7 +105,7 @@ impl I8042 {
         if self.config & CONFIG_KEYBOARD_INTERRUPT != 0
             && let Err(e) = self.irq.trigger()
         {
-            tracing::warn!("Cannot raise the keyboard interrupt: {e}");
+            crate::guest_triggered!(warn, "Cannot raise the keyboard interrupt: {e}");
         }
     }
 
@@ -113,7 +121,7 @@ impl I8042 {
             CMD_DISABLE_KEYBOARD | CMD_ENABLE_KEYBOARD | CMD_DISABLE_AUX | CMD_ENABLE_AUX => {}
             CMD_RESET_CPU => {
                 if let Err(e) = self.reset.trigger() {
-                    tracing::error!("Cannot signal the guest's reset request: {e}");
+                    crate::guest_triggered!(error, "Cannot signal the guest's reset request: {e}");
                 }
             }
             _ => tracing::debug!("i8042: ignoring controller command {command:#x}"),
@@ -212,6 +220,22 @@ mod tests {
         dev.write(OFFSET_DATA, &[0xed]);
         dev.write(OFFSET_DATA, &[0x02]);
         assert_eq!((read(&mut dev, OFFSET_DATA), read(&mut dev, OFFSET_DATA)), (KBD_ACK, KBD_ACK));
+    }
+
+    #[test]
+    fn a_guest_that_never_reads_makes_the_host_hold_no_more_than_a_keyboard_would() {
+        let (mut dev, _, _) = controller();
+        for _ in 0..100_000 {
+            dev.write(OFFSET_DATA, &[KBD_RESET]);
+            dev.write(OFFSET_COMMAND, &[CMD_SELF_TEST]);
+        }
+        assert_eq!(dev.output.len(), OUTPUT_CAP);
+        assert_eq!((read(&mut dev, OFFSET_DATA), read(&mut dev, OFFSET_DATA)), (KBD_ACK, KBD_SELF_TEST_PASSED));
+        // The host's Ctrl+Alt+Del still gets through, whole.
+        dev.press_ctrl_alt_del();
+        let keys: Vec<u8> = (0..4).map(|_| read(&mut dev, OFFSET_DATA)).collect();
+        assert_eq!(keys, [0x14, 0x11, 0xe0, 0x71]);
+        assert_eq!(read(&mut dev, OFFSET_COMMAND) & STATUS_OUTPUT_FULL, 0);
     }
 
     #[test]

@@ -31,7 +31,7 @@ impl SerialConsole {
         match self.uart.enqueue_raw_bytes(input) {
             Ok(n) => n,
             Err(e) => {
-                tracing::warn!("Console input dropped: {e:?}");
+                crate::guest_triggered!(warn, "Console input dropped: {e:?}");
                 0
             }
         }

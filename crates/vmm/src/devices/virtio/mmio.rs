@@ -132,7 +132,9 @@ impl MmioTransport {
             if self.queue_evts[index].read().is_err() || !self.active() || !self.queues[index].ready() {
                 continue;
             }
+            let before = self.next_avail();
             used |= self.device.process_queue(index, &mut self.queues, &self.mem);
+            self.come_back_for_the_rest(&before);
         }
         if used {
             self.interrupt();
@@ -142,16 +144,52 @@ impl MmioTransport {
     /// Lets the device handle its host descriptor's readiness.
     pub fn process_host(&mut self) {
         let active = self.active();
+        let before = self.next_avail();
         let queues = active.then_some(&mut self.queues[..]);
         if self.device.process_host(queues, &self.mem) && active {
             self.interrupt();
+        }
+        if active {
+            self.come_back_for_the_rest(&before);
+        }
+    }
+
+    /// Where each queue's device will take its next chain.
+    fn next_avail(&self) -> Vec<u16> {
+        self.queues.iter().map(QueueT::next_avail).collect()
+    }
+
+    /// Signals again the eventfd of each queue whose device served a whole
+    /// pass's share since `before` (one queue's worth, `super::next_chain`)
+    /// while the driver has made more available: the VMM loop serves its
+    /// other events first, then the rest of this queue.
+    fn come_back_for_the_rest(&self, before: &[u16]) {
+        for ((queue, event), before) in self.queues.iter().zip(&self.queue_evts).zip(before) {
+            let served = queue.next_avail().wrapping_sub(*before);
+            let more = queue
+                .avail_idx(&*self.mem, std::sync::atomic::Ordering::Acquire)
+                .is_ok_and(|avail| avail.0 != queue.next_avail());
+            if served >= queue.size()
+                && more
+                && let Err(e) = event.write(1)
+            {
+                crate::guest_triggered!(
+                    warn,
+                    "virtio device {}: cannot resume a queue: {e}",
+                    self.device.device_type()
+                );
+            }
         }
     }
 
     fn interrupt(&mut self) {
         self.interrupt_status |= INT_USED_BUFFER;
         if let Err(e) = self.irq.trigger() {
-            tracing::warn!("virtio device {}: cannot raise its interrupt: {e}", self.device.device_type());
+            crate::guest_triggered!(
+                warn,
+                "virtio device {}: cannot raise its interrupt: {e}",
+                self.device.device_type()
+            );
         }
     }
 
@@ -187,11 +225,16 @@ impl MmioTransport {
             self.reset();
             return;
         }
+        // DEVICE_NEEDS_RESET stays until the driver resets the device (it
+        // cannot clear it by writing the status again, which would
+        // otherwise make the device active on rings that failed the check).
+        let value = value | (self.status & STATUS_DEVICE_NEEDS_RESET);
         let newly = value & !self.status;
         if newly & STATUS_FEATURES_OK != 0 {
             let offered = self.offered_features();
             if self.acked_features & !offered != 0 || self.acked_features & F_VERSION_1 == 0 {
-                tracing::warn!(
+                crate::guest_triggered!(
+                    warn,
                     "virtio device {}: driver features {:#x} are not a modern subset of {offered:#x}",
                     self.device.device_type(),
                     self.acked_features
@@ -204,7 +247,8 @@ impl MmioTransport {
         if newly & STATUS_DRIVER_OK != 0 {
             let mem = &*self.mem;
             if self.status & STATUS_FEATURES_OK == 0 || self.queues.iter().any(|q| q.ready() && !q.is_valid(mem)) {
-                tracing::warn!(
+                crate::guest_triggered!(
+                    warn,
                     "virtio device {}: the driver's queue setup is invalid; the device needs a reset",
                     self.device.device_type()
                 );
@@ -222,7 +266,11 @@ impl MmioTransport {
     fn notify(&mut self, index: u32) {
         let Some(evt) = usize::try_from(index).ok().and_then(|i| self.queue_evts.get(i)) else { return };
         if let Err(e) = evt.write(1) {
-            tracing::warn!("virtio device {}: cannot signal queue {index}: {e}", self.device.device_type());
+            crate::guest_triggered!(
+                warn,
+                "virtio device {}: cannot signal queue {index}: {e}",
+                self.device.device_type()
+            );
         }
     }
 

@@ -9,6 +9,14 @@
 //! thread. A device interrupts the guest through an irqfd. Devices with
 //! host-side work (vsock's sockets, net's passt socket, rng's refill timer) expose one pollable
 //! descriptor that the VMM loop watches too.
+//!
+//! One pass over a queue serves at most one queue's worth of the chains
+//! the driver made available ([`next_chain`]): a driver that keeps adding
+//! cheap buffers as fast as they are used would otherwise hold the VMM
+//! thread in one pass for ever, and with it the control socket, the other
+//! devices and the host's requests to pause or stop the VM. The transport
+//! signals such a queue's eventfd again, so the rest is served after the
+//! loop's other events had their turn.
 
 pub mod block;
 pub mod mmio;
@@ -20,10 +28,22 @@ pub mod vsock;
 
 use std::os::fd::RawFd;
 
-use virtio_queue::Queue;
+use virtio_queue::{DescriptorChain, Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 
 pub use mmio::MmioTransport;
+
+/// The next chain of `queue` while this pass may serve more: `left`
+/// starts at the queue's size ([`QueueT::size`]) and counts down; `None`
+/// once it is spent or the queue is empty.
+pub(crate) fn next_chain<'a>(
+    queue: &mut Queue,
+    mem: &'a GuestMemoryMmap,
+    left: &mut u16,
+) -> Option<DescriptorChain<&'a GuestMemoryMmap>> {
+    *left = left.checked_sub(1)?;
+    queue.pop_descriptor_chain(mem)
+}
 
 /// Device ids (virtio 1.2, §5).
 pub const TYPE_NET: u32 = 1;

@@ -85,11 +85,12 @@ impl Rng {
 
     fn serve(&mut self, queue: &mut Queue, mem: &GuestMemoryMmap) -> bool {
         let mut used_any = false;
+        let mut left = queue.size();
         loop {
             if self.throttled {
                 break;
             }
-            let Some(chain) = queue.pop_descriptor_chain(mem) else { break };
+            let Some(chain) = super::next_chain(queue, mem, &mut left) else { break };
             let head = chain.head_index();
             let mut written = 0u32;
             for desc in chain.writable() {
@@ -105,7 +106,7 @@ impl Rng {
                     // rest wait for the timer.
                     self.throttled = true;
                     if let Err(e) = self.timer.reset(THROTTLE_WAIT, None) {
-                        tracing::warn!("virtio-rng: cannot arm its refill timer: {e}");
+                        crate::guest_triggered!(warn, "virtio-rng: cannot arm its refill timer: {e}");
                         self.throttled = false;
                     }
                     break;
@@ -115,7 +116,7 @@ impl Rng {
                 }
             }
             if let Err(e) = queue.add_used(mem, head, written) {
-                tracing::warn!("virtio-rng: cannot return a buffer to the guest: {e}");
+                crate::guest_triggered!(warn, "virtio-rng: cannot return a buffer to the guest: {e}");
                 break;
             }
             used_any = true;
@@ -381,6 +382,13 @@ mod tests {
         d.offer(16);
         d.write(0x50, 0);
         assert!(d.irq.read().is_err(), "a failed device serves nothing");
+        // Writing the status again without the flag does not clear it: only
+        // a reset does.
+        d.write(0x70, status & !crate::devices::virtio::mmio::STATUS_DEVICE_NEEDS_RESET);
+        let again = d.read(0x70);
+        assert_ne!(again & crate::devices::virtio::mmio::STATUS_DEVICE_NEEDS_RESET, 0, "{again:#x}");
+        d.write(0x50, 0);
+        assert!(d.irq.read().is_err(), "still nothing served on rings that failed the check");
     }
 
     #[test]

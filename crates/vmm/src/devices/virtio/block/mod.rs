@@ -118,7 +118,7 @@ impl Block {
                 let Some(offset) = self.range(sector, len) else { return S_IOERR };
                 self.buf.resize(len, 0);
                 if let Err(e) = self.disk.read_at(&mut self.buf, offset) {
-                    tracing::warn!("virtio-blk: read of {len} bytes at {offset} failed: {e}");
+                    crate::guest_triggered!(warn, "virtio-blk: read of {len} bytes at {offset} failed: {e}");
                     return S_IOERR;
                 }
                 if data.write_all(&self.buf).is_err() {
@@ -142,11 +142,11 @@ impl Block {
                 match self.disk.write_at(&self.buf, offset) {
                     Ok(()) => S_OK,
                     Err(e) if e.kind() == std::io::ErrorKind::StorageFull => {
-                        tracing::warn!("virtio-blk: the overlay is full; a {len}-byte write fails");
+                        crate::guest_triggered!(warn, "virtio-blk: the overlay is full; a {len}-byte write fails");
                         S_IOERR
                     }
                     Err(e) => {
-                        tracing::warn!("virtio-blk: write of {len} bytes at {offset} failed: {e}");
+                        crate::guest_triggered!(warn, "virtio-blk: write of {len} bytes at {offset} failed: {e}");
                         S_IOERR
                     }
                 }
@@ -154,7 +154,7 @@ impl Block {
             T_FLUSH => match self.disk.flush() {
                 Ok(()) => S_OK,
                 Err(e) => {
-                    tracing::warn!("virtio-blk: flush failed: {e}");
+                    crate::guest_triggered!(warn, "virtio-blk: flush failed: {e}");
                     S_IOERR
                 }
             },
@@ -198,7 +198,7 @@ impl Block {
                 match result {
                     Ok(()) => S_OK,
                     Err(e) => {
-                        tracing::warn!("virtio-blk: discard or write-zeroes at {offset} failed: {e}");
+                        crate::guest_triggered!(warn, "virtio-blk: discard or write-zeroes at {offset} failed: {e}");
                         S_IOERR
                     }
                 }
@@ -254,11 +254,12 @@ impl VirtioDevice for Block {
     fn process_queue(&mut self, _index: usize, queues: &mut [Queue], mem: &GuestMemoryMmap) -> bool {
         let Some(queue) = queues.first_mut() else { return false };
         let mut used = false;
-        while let Some(chain) = queue.pop_descriptor_chain(mem) {
+        let mut left = queue.size();
+        while let Some(chain) = super::next_chain(queue, mem, &mut left) {
             let head = chain.head_index();
             let len = self.execute(mem, chain);
             if let Err(e) = queue.add_used(mem, head, len) {
-                tracing::warn!("virtio-blk: cannot return a request to the guest: {e}");
+                crate::guest_triggered!(warn, "virtio-blk: cannot return a request to the guest: {e}");
                 break;
             }
             used = true;

@@ -95,10 +95,13 @@ impl Net {
     /// Takes the guest's frames from TX while passt's buffer has room.
     fn process_tx(&mut self, queue: &mut Queue, mem: &GuestMemoryMmap) -> bool {
         let mut used = false;
+        let mut left = queue.size();
         loop {
             let mut drained = false;
             while self.link.can_send() {
-                let Some(chain) = queue.pop_descriptor_chain(mem) else {
+                // Empty, or this pass's share served: the transport comes
+                // back for the rest.
+                let Some(chain) = super::next_chain(queue, mem, &mut left) else {
                     drained = true;
                     break;
                 };
@@ -113,7 +116,7 @@ impl Net {
                     self.link.send(&self.frame[HDR_LEN..]);
                 }
                 if let Err(e) = queue.add_used(mem, head, 0) {
-                    tracing::warn!("virtio-net: cannot return a TX buffer to the guest: {e}");
+                    crate::guest_triggered!(warn, "virtio-net: cannot return a TX buffer to the guest: {e}");
                     self.link.flush();
                     return used;
                 }
@@ -157,7 +160,7 @@ impl Net {
             let Some(buffers) = writable_buffers(mem, chain) else {
                 // A hostile chain: returned empty; the frame waits for the next.
                 if let Err(e) = queue.add_used(mem, head, 0) {
-                    tracing::warn!("virtio-net: cannot return an RX buffer to the guest: {e}");
+                    crate::guest_triggered!(warn, "virtio-net: cannot return an RX buffer to the guest: {e}");
                     break;
                 }
                 used = true;
@@ -180,7 +183,7 @@ impl Net {
             self.link.consume_frame();
             let len = u32::try_from(written).unwrap_or(0);
             if let Err(e) = queue.add_used(mem, head, len) {
-                tracing::warn!("virtio-net: cannot return an RX buffer to the guest: {e}");
+                crate::guest_triggered!(warn, "virtio-net: cannot return an RX buffer to the guest: {e}");
                 break;
             }
             used = true;

@@ -247,7 +247,7 @@ impl PasstLink {
     /// peer; frames it sends are dropped.
     fn hang_up(&mut self, why: &str) {
         if let Some(stream) = self.stream.take() {
-            tracing::warn!("virtio-net: {why}; the guest's network is down");
+            crate::guest_triggered!(warn, "virtio-net: {why}; the guest's network is down");
             let _ = self.epoll.ctl(ControlOperation::Delete, stream.as_raw_fd(), EpollEvent::default());
         }
         self.interest = EventSet::empty();
@@ -279,7 +279,7 @@ impl PasstLink {
         };
         match done {
             Ok(()) => self.interest = want,
-            Err(e) => tracing::warn!("virtio-net: cannot watch the passt socket: {e}"),
+            Err(e) => crate::guest_triggered!(warn, "virtio-net: cannot watch the passt socket: {e}"),
         }
     }
 }

@@ -50,7 +50,8 @@ impl Vsock {
     /// Takes the guest's packets from TX.
     fn process_tx(&mut self, queue: &mut Queue, mem: &GuestMemoryMmap) -> bool {
         let mut used = false;
-        while let Some(chain) = queue.pop_descriptor_chain(mem) {
+        let mut left = queue.size();
+        while let Some(chain) = super::next_chain(queue, mem, &mut left) {
             let head = chain.head_index();
             if let Ok(mut reader) = Reader::<()>::new(mem, chain) {
                 let mut raw = [0u8; HDR_LEN];
@@ -69,7 +70,7 @@ impl Vsock {
                 }
             }
             if let Err(e) = queue.add_used(mem, head, 0) {
-                tracing::warn!("vsock: cannot return a TX buffer to the guest: {e}");
+                crate::guest_triggered!(warn, "vsock: cannot return a TX buffer to the guest: {e}");
                 break;
             }
             used = true;
@@ -105,7 +106,7 @@ impl Vsock {
             }
             // A buffer too small or outside guest memory is returned empty.
             if let Err(e) = queue.add_used(mem, head, len) {
-                tracing::warn!("vsock: cannot return an RX buffer to the guest: {e}");
+                crate::guest_triggered!(warn, "vsock: cannot return an RX buffer to the guest: {e}");
                 break;
             }
             used = true;

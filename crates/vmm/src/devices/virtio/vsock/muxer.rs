@@ -253,7 +253,8 @@ impl VsockMuxer {
 
     fn push_control(&mut self, header: Header) {
         if self.control.len() >= MAX_CONTROL_BACKLOG {
-            tracing::warn!(
+            crate::guest_triggered!(
+                warn,
                 "vsock: the guest is not taking packets; dropping a {} to port {}",
                 header.op,
                 header.dst_port
@@ -306,7 +307,7 @@ impl VsockMuxer {
         match result {
             Ok(()) => conn.events = want,
             Err(e) => {
-                tracing::warn!("vsock: cannot watch a host socket ({e}); resetting its connection");
+                crate::guest_triggered!(warn, "vsock: cannot watch a host socket ({e}); resetting its connection");
                 self.reset_conn(key);
             }
         }
@@ -427,7 +428,7 @@ impl VsockMuxer {
         }
         let rest = &payload[written..];
         if conn.tx_buf.len() + rest.len() > BUF_ALLOC as usize {
-            tracing::warn!("vsock: the guest sent past its credit on port {}; resetting", key.0);
+            crate::guest_triggered!(warn, "vsock: the guest sent past its credit on port {}; resetting", key.0);
             self.reset_conn(key);
             return false;
         }
@@ -472,7 +473,7 @@ impl VsockMuxer {
             Ok(n) => n,
             Err(e) => {
                 if e.kind() != ErrorKind::Interrupted {
-                    tracing::warn!("vsock: epoll failed: {e}");
+                    crate::guest_triggered!(warn, "vsock: epoll failed: {e}");
                 }
                 return;
             }
@@ -497,13 +498,13 @@ impl VsockMuxer {
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
                     if e.kind() != ErrorKind::WouldBlock {
-                        tracing::warn!("vsock: cannot accept a host connection: {e}");
+                        crate::guest_triggered!(warn, "vsock: cannot accept a host connection: {e}");
                     }
                     return;
                 }
             };
             if self.connections() >= MAX_CONNECTIONS {
-                tracing::warn!("vsock: {MAX_CONNECTIONS} connections open; refusing a host connection");
+                crate::guest_triggered!(warn, "vsock: {MAX_CONNECTIONS} connections open; refusing a host connection");
                 continue; // dropped: the host sees its socket closed
             }
             if stream.set_nonblocking(true).is_err() {
