@@ -131,6 +131,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    moat_core::process::keep_inherited_descriptors_to_this_process();
     // `cargo xtask dist` asks each binary for its manual pages, rendered
     // from this very parser (clap_mangen), so they never drift from --help.
     if let Some(dir) = manual_dir() {

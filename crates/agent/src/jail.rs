@@ -1020,6 +1020,18 @@ fn sandbox_init(
         step("redirecting stdio", redirect(null.as_raw_fd(), fd))?;
     }
     drop(null);
+    // Every other descriptor goes: whatever moat's own parent left open
+    // without close-on-exec (a supervisor's, a shell's) was inherited by
+    // the monitor and so by this process, and the agent would hand it to
+    // every command.
+    // SAFETY: close_range(2) on descriptors of this process only; none
+    // above LISTEN_FD is used from here to the exec.
+    if unsafe { libc::syscall(libc::SYS_close_range, LISTEN_FD + 1, u32::MAX, 0) } != 0 {
+        return Err(JailError {
+            step: "closing inherited descriptors".into(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
     let program = c("/.moat/agent");
     let listen = format!("fd:{LISTEN_FD}");
     let args = [program.clone(), c("--listen"), c(&listen), c("--log-level"), c("warn")];

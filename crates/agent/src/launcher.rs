@@ -255,6 +255,11 @@ pub fn run() -> i32 {
     // SAFETY: the agent installed the socket at SOCKET_FD before exec;
     // nothing else in this process owns it.
     let socket = unsafe { OwnedFd::from_raw_fd(SOCKET_FD) };
+    // Close-on-exec: the commands it starts must not inherit it (one could
+    // write the agent made-up exit statuses).
+    if nix::fcntl::fcntl(&socket, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC)).is_err() {
+        return 1;
+    }
     loop {
         let (request, stdio) = match receive(&socket) {
             Ok(Some(received)) => received,

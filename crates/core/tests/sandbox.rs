@@ -629,6 +629,47 @@ async fn the_kernel_surface_is_closed_to_sandbox_root() {
     moat.destroy_all().await;
 }
 
+/// Threat: a descriptor that whatever started moat left open without
+/// close-on-exec (here the host's `/`, the worst there is) reaches the
+/// sandbox through the monitor and the agent, and a command walks the
+/// host's files through it. Commands see their three streams and nothing
+/// else, as root or as `user`, on every path a command starts by.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_descriptor_moat_inherited_never_reaches_a_command() {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    const LEAKED: i32 = 200;
+    let root = nix::fcntl::open(
+        "/",
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY,
+        nix::sys::stat::Mode::empty(),
+    )
+    .expect("open /");
+    // SAFETY: dup2 onto a number this test process does not use; the
+    // result is owned here and closed at the end.
+    let leaked = unsafe {
+        assert_eq!(libc::dup2(root.as_raw_fd(), LEAKED), LEAKED, "dup2");
+        OwnedFd::from_raw_fd(LEAKED)
+    };
+    drop(root);
+    let moat = moat(4).await;
+    let sandbox = moat.create(small()).await.expect("created");
+    let list = "ls /proc/self/fd | sort -n | tr '\\n' ' '; echo; ls /proc/self/fd/200/ 2>&1 | head -3";
+    let mut as_root = ExecRequest::shell(list);
+    as_root.user = Some("root".into());
+    for request in [ExecRequest::shell(list), as_root.clone(), ExecRequest::shell(list)] {
+        let out = moat.run(&sandbox.id, request).await.expect("runs");
+        let said = String::from_utf8_lossy(&out.stdout);
+        // 0-2, and 3: the directory `ls` is reading.
+        assert!(said.starts_with("0 1 2 3 \n"), "a command holds more than its streams: {said}");
+        assert!(said.contains("No such file or directory") && !said.contains("etc"), "{said}");
+    }
+    let (out, _) = sh(&moat, &sandbox.id, "sleep 1 & ls /proc/self/fd | wc -l; wait").await;
+    assert_eq!(out.trim(), "4", "a background command's sibling: {out}");
+    moat.destroy_all().await;
+    drop(leaked);
+}
+
 /// After an attack, the sandbox still answers.
 async fn still_answers(moat: &Moat, id: &str) {
     let (out, _) = sh(moat, id, "echo still-here").await;
