@@ -423,9 +423,16 @@ fn v1_settings(controller: &str, limits: Limits) -> Vec<Setting> {
     let set = |child, file, value: String, required| Setting { child, file, value, required };
     let (user_memory, user_pids) = limits.user();
     match controller {
+        // v1's memory limit is of RAM alone: where the host swaps, memory
+        // past it would go to swap until the host's is full. The limit of
+        // RAM and swap together (the file is there where the kernel
+        // accounts swap, `swapaccount`) is set to the same, after it (it
+        // may not be below the RAM limit): a sandbox swaps nothing.
         "memory" => vec![
             set("", "memory.limit_in_bytes", limits.memory_bytes.to_string(), true),
+            set("", "memory.memsw.limit_in_bytes", limits.memory_bytes.to_string(), false),
             set("user", "memory.limit_in_bytes", user_memory.to_string(), true),
+            set("user", "memory.memsw.limit_in_bytes", user_memory.to_string(), false),
         ],
         "pids" => {
             vec![
@@ -799,7 +806,20 @@ mod tests {
         let pids = v1_settings("pids", LIMITS);
         assert_eq!(value(&pids, "", "pids.max").as_deref(), Some("1024"));
         assert_eq!(value(&pids, "user", "pids.max").as_deref(), Some("960"));
-        assert!(memory.iter().chain(&pids).all(|s| s.required), "a limit that cannot be set refuses the sandbox");
+        assert!(
+            memory.iter().chain(&pids).filter(|s| !s.file.contains("memsw")).all(|s| s.required),
+            "a limit that cannot be set refuses the sandbox"
+        );
+        // Swap counts too, where the kernel accounts it, each after the
+        // RAM limit it may not be below.
+        for child in ["", "user"] {
+            let at = |file| memory.iter().position(|s| s.child == child && s.file == file).expect(file);
+            assert!(at("memory.limit_in_bytes") < at("memory.memsw.limit_in_bytes"));
+            assert_eq!(
+                value(&memory, child, "memory.memsw.limit_in_bytes"),
+                value(&memory, child, "memory.limit_in_bytes")
+            );
+        }
     }
 
     #[test]
