@@ -44,6 +44,8 @@ pub enum CreateError {
     /// The live sandboxes' `memory_mib` would pass `MOAT_MAX_MEMORY_MIB`.
     #[error("The host's memory for sandboxes is taken: {0}")]
     HostMemory(String),
+    #[error("The host's disk for sandboxes is taken: {0}")]
+    HostDisk(String),
     #[error(transparent)]
     Image(#[from] ImageError),
     #[error("Sandbox {id} failed to start: {reason}")]

@@ -20,6 +20,11 @@ mount -t tmpfs tmpfs /tmp
 # nsdelegate, as systemd mounts it: a cgroup namespace is a delegation
 # boundary (what jails on cgroup v2 must live with).
 mount -t cgroup2 -o nsdelegate cgroup2 /sys/fs/cgroup
+# moat's data directory is on this root, a tmpfs of half the memory by
+# default, and moat promises each microVM's overlay there the whole disk
+# it may write (disk_mib): sized as a disk would be, for the tests' disks
+# (what their guests write stays far below the memory).
+mount -o remount,size=64G / 2>/dev/null || echo "moat-nested: cannot resize /; microVMs may be refused disk"
 
 say() { echo "moat-nested: $*"; }
 CONTROL=

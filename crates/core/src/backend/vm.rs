@@ -91,6 +91,9 @@ pub struct Vm {
     processes: Arc<AtomicU32>,
     /// The serial console and moat-vmm's own output, each capped.
     logs: Vec<CappedLog>,
+    /// The host disk its overlay may grow to, kept from copies, task
+    /// records and other VMs' overlays while it lives.
+    _disk: crate::hostfs::Promise,
 }
 
 /// Where a VM's files are: its image's (in the image's directory), and its
@@ -205,6 +208,35 @@ fn overlay_limit_mib(image: &Image, disk_mib: u64) -> Result<u64, CreateError> {
     Ok(disk.overlay_limit_mib(disk_mib))
 }
 
+/// The host disk a VM's overlay (in its state directory, beneath
+/// `data_dir`) may grow to, promised for the VM's life: the overlay is a
+/// sparse file that fills as the guest writes, up to `overlay_limit_mib`,
+/// so a guest that writes its whole disk must find the room there, beyond
+/// what moat keeps free ([`crate::hostfs::RESERVE_RULE`]) and what copies,
+/// task records and other VMs were promised; else the create is refused.
+fn promise_disk(
+    id: &str,
+    data_dir: &Path,
+    disk_mib: u64,
+    overlay_limit_mib: u64,
+) -> Result<crate::hostfs::Promise, CreateError> {
+    let dir = std::fs::File::open(data_dir).map_err(|source| IoError {
+        id: id.into(),
+        what: format!("opening the data directory {}", data_dir.display()),
+        source,
+    })?;
+    crate::hostfs::promise_room(&dir, overlay_limit_mib << 20).map_err(|left| {
+        CreateError::HostDisk(format!(
+            "a microVM with disk_mib {disk_mib} may write {overlay_limit_mib} MiB to the host's disk, and the file \
+             system of moat's data directory has {} MiB left beyond what moat keeps free ({}) and what copies \
+             and other microVMs' disks may still write; destroy a microVM, ask for a smaller disk_mib, or free \
+             space there",
+            left >> 20,
+            crate::hostfs::RESERVE_RULE
+        ))
+    })
+}
+
 impl Backend for VmBackend {
     type Instance = Vm;
 
@@ -236,6 +268,7 @@ impl Backend for VmBackend {
             NetworkPolicy::None | NetworkPolicy::Filtered => None,
         };
         let overlay_limit_mib = overlay_limit_mib(image, spec.disk_mib)?;
+        let disk = promise_disk(id, data_dir, spec.disk_mib, overlay_limit_mib)?;
         let state = StateDir::create(data_dir, id).map_err(io("creating its state directory"))?;
         // passt first: moat-vmm inherits its end of passt's socketpair.
         let (passt, vmm_net_end) = match &passt_binary {
@@ -301,8 +334,18 @@ impl Backend for VmBackend {
         state.record_monitor(vmm.id()).map_err(io("recording its VMM"))?;
         let logs = vec![console_log, vmm_log];
         let (vsock, control) = (files.vsock, files.control);
-        let mut vm =
-            Vm { id: id.into(), vmm, exit, state: Some(state), vsock, control, passt, processes: Arc::default(), logs };
+        let mut vm = Vm {
+            id: id.into(),
+            vmm,
+            exit,
+            state: Some(state),
+            vsock,
+            control,
+            passt,
+            processes: Arc::default(),
+            logs,
+            _disk: disk,
+        };
         let ready = match vm.wait_ready().await {
             Ok(()) => vm.check_passt(),
             Err(e) => Err(e),
@@ -375,7 +418,7 @@ fn request_line(request: &Request) -> std::io::Result<Vec<u8>> {
 /// One request on a VMM's control socket; its answer (each way bounded by
 /// [`CONTROL_TIMEOUT`]).
 fn control_request<T: DeserializeOwned>(control: &Path, request: &Request) -> std::io::Result<T> {
-    let mut stream = UnixStream::connect(control)?;
+    let mut stream = connect_at_once(control)?;
     stream.set_read_timeout(Some(CONTROL_TIMEOUT))?;
     stream.set_write_timeout(Some(CONTROL_TIMEOUT))?;
     stream.write_all(&request_line(request)?)?;
@@ -383,6 +426,30 @@ fn control_request<T: DeserializeOwned>(control: &Path, request: &Request) -> st
     BufReader::new(&stream).read_line(&mut line)?;
     let reply: Reply<T> = serde_json::from_str(&line).map_err(std::io::Error::other)?;
     reply.into_result().map_err(|error| std::io::Error::other(format!("moat-vmm refused {}: {error}", request.op())))
+}
+
+/// A connection to the control socket at `control`, made without waiting:
+/// a VMM that does not accept (its thread stuck, its backlog full) is an
+/// error now, where a blocking `connect(2)` would wait for a place for as
+/// long as it takes, with whatever lock its caller holds.
+fn connect_at_once(control: &Path) -> std::io::Result<UnixStream> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+    use std::os::fd::AsRawFd;
+    let fd = socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
+    let address = UnixAddr::new(control)?;
+    match connect(fd.as_raw_fd(), &address) {
+        Ok(()) => {}
+        Err(nix::errno::Errno::EAGAIN) => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                "its control socket takes no more connections: the VMM is not serving it",
+            ));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    let stream = UnixStream::from(fd);
+    stream.set_nonblocking(false)?;
+    Ok(stream)
 }
 
 /// Whether the moat-vmm behind `control` reports the guest ready (its boot
@@ -497,7 +564,7 @@ impl Vm {
     fn stop(&mut self) {
         if let Ok(None) = self.vmm.try_wait() {
             // A forced shutdown ends the VM at once, paused or not.
-            let forced = UnixStream::connect(&self.control).and_then(|mut s| {
+            let forced = connect_at_once(&self.control).and_then(|mut s| {
                 s.set_write_timeout(Some(CONTROL_TIMEOUT))?;
                 s.write_all(&request_line(&Request::Shutdown { force: true, timeout_ms: None })?)
             });

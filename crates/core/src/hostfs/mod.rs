@@ -99,9 +99,13 @@ pub fn disk_reserve(total: u64) -> u64 {
 }
 
 /// The bytes that may still be written on the file system of `fd` before
-/// its [`disk_reserve`]; `None` when it cannot be asked.
+/// its [`disk_reserve`]; `None` when it cannot be asked, or the file system
+/// tells no size (ramfs, some virtual ones: zero blocks).
 pub fn room(fd: &impl AsFd) -> Option<u64> {
     let stat = nix::sys::statvfs::fstatvfs(fd).ok()?;
+    if stat.blocks() == 0 {
+        return None;
+    }
     let block = stat.fragment_size();
     let available = stat.blocks_available().saturating_mul(block);
     Some(available.saturating_sub(disk_reserve(stat.blocks().saturating_mul(block))))
@@ -639,6 +643,28 @@ pub struct Promise(u64);
 impl Drop for Promise {
     fn drop(&mut self) {
         PROMISED.fetch_sub(self.0, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Promises `bytes` of the room of the file system of `fd` ([`room`],
+/// less what is promised already) to something that will write up to that
+/// much over its life (a microVM's disk overlay), or says how much is
+/// left: `Err(left)`. Where the room cannot be asked, the promise is made.
+pub fn promise_room(fd: &impl AsFd, bytes: u64) -> Result<Promise, u64> {
+    use std::sync::atomic::Ordering;
+    let room = room(fd);
+    let mut promised = PROMISED.load(Ordering::Relaxed);
+    loop {
+        if let Some(left) = room.map(|r| r.saturating_sub(promised))
+            && left < bytes
+        {
+            return Err(left);
+        }
+        match PROMISED.compare_exchange(promised, promised.saturating_add(bytes), Ordering::Relaxed, Ordering::Relaxed)
+        {
+            Ok(_) => return Ok(Promise(bytes)),
+            Err(now) => promised = now,
+        }
     }
 }
 

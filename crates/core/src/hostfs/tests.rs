@@ -706,6 +706,17 @@ fn a_copy_never_takes_the_space_the_disk_keeps_free() {
     assert!(next.by_disk && next.bytes < all.bytes / 2 + 4096, "{next:?} beside {all:?}");
     drop((share, next_share));
     assert!(dest.limit(u64::MAX).0.bytes >= all.bytes / 2, "given back");
+    // A microVM's disk overlay is promised its room the same way: none is
+    // left while a copy holds it all, and what it holds is kept from copies.
+    let (_, everything) = dest.limit(u64::MAX);
+    assert_eq!(promise_room(&dir, MIB).expect_err("no room left"), 0);
+    drop(everything);
+    let disk = promise_room(&dir, 64 * MIB).expect("room for a small disk");
+    assert!(promised() >= 64 * MIB);
+    let (beside, beside_share) = dest.limit(u64::MAX);
+    assert!(beside.bytes + 64 * MIB <= room + slack, "{beside:?}: the disk's share is kept from copies");
+    drop((disk, beside_share));
+    assert!(promise_room(&dir, u64::MAX).is_err(), "more than the disk has");
     let archive = hostile_tar(&[(b"big", tar::EntryType::Regular, b"", &[7u8; 8192])]);
     let (staged, out) = dest.stage_dir().expect("staged");
     let err = unpack(&archive[..], Sink::Dir(out), Limit { bytes: 4096, by_disk: true }).expect_err("past the room");

@@ -760,7 +760,13 @@ impl Inner {
                             entry.info.state = SandboxState::Paused;
                             tracing::debug!(%id, "suspended after being idle");
                         }
-                        Err(e) => tracing::warn!(%id, "cannot suspend: {e}"),
+                        Err(e) => {
+                            // Not again every second (each try may wait
+                            // for the VMM's answer, with this lock held):
+                            // after another idle period.
+                            entry.info.last_used_at = now;
+                            tracing::warn!(%id, "cannot suspend: {e}; trying again after {idle} s more");
+                        }
                     }
                 }
             }
