@@ -136,6 +136,80 @@ pub fn loopback_up() -> std::io::Result<()> {
     Ok(())
 }
 
+/// Adds the routing rules "to 169.254.0.0/16 prohibit" and "to
+/// fd00:ec2::254 prohibit" to this network namespace, ahead of every
+/// table: the cloud's metadata service (169.254.169.254, and AWS's IPv6
+/// address) hands whoever asks the host machine's credentials, and a jail
+/// whose network is `open` (pasta) would otherwise reach it as the host
+/// does. Rules, not routes: pasta copies the host's routes into the
+/// namespace (a host route to the metadata address among them, on some
+/// clouds), never its rules. Sandbox root has no `CAP_NET_ADMIN` to remove
+/// them. IPv6 is best effort (a namespace may have none).
+///
+/// Written by hand (one `RTM_NEWRULE` each, `linux/fib_rules.h`): four
+/// fixed messages do not need a netlink crate in the agent.
+pub fn prohibit_link_local() -> std::io::Result<()> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // linux/fib_rules.h
+    const FRA_DST: u16 = 1;
+    const FRA_PRIORITY: u16 = 6;
+    const FR_ACT_PROHIBIT: u8 = 8;
+    // Ahead of the local (0), main (32766) and default (32767) tables'.
+    const PRIORITY: u32 = 100;
+    // SAFETY: socket(2) with constant arguments; the result is owned below.
+    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and nothing else owns it.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    let rule = |family: u8, dst: &[u8], seq: u32| -> std::io::Result<()> {
+        let attr = |kind: u16, value: &[u8]| {
+            let mut a = Vec::new();
+            a.extend_from_slice(&u16::try_from(4 + value.len()).unwrap_or(0).to_ne_bytes());
+            a.extend_from_slice(&kind.to_ne_bytes());
+            a.extend_from_slice(value);
+            a.resize(a.len().next_multiple_of(4), 0);
+            a
+        };
+        let dst_len: u8 = if dst.len() == 4 { 16 } else { 128 };
+        // struct fib_rule_hdr: family, dst_len, src_len, tos, table,
+        // res1, res2, action, flags (u32).
+        let mut body = vec![family, dst_len, 0, 0, 0, 0, 0, FR_ACT_PROHIBIT, 0, 0, 0, 0];
+        body.extend(attr(FRA_DST, dst));
+        body.extend(attr(FRA_PRIORITY, &PRIORITY.to_ne_bytes()));
+        let flags = libc::NLM_F_REQUEST | libc::NLM_F_ACK | libc::NLM_F_CREATE | libc::NLM_F_EXCL;
+        let mut message = Vec::new();
+        message.extend_from_slice(&u32::try_from(16 + body.len()).unwrap_or(0).to_ne_bytes());
+        message.extend_from_slice(&libc::RTM_NEWRULE.to_ne_bytes());
+        message.extend_from_slice(&u16::try_from(flags).unwrap_or(0).to_ne_bytes());
+        message.extend_from_slice(&seq.to_ne_bytes());
+        message.extend_from_slice(&0u32.to_ne_bytes());
+        message.extend(body);
+        // SAFETY: send(2) reads `message.len()` bytes of `message`.
+        if unsafe { libc::send(socket.as_raw_fd(), message.as_ptr().cast(), message.len(), 0) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // The answer: a NLMSG_ERROR message whose error is 0 (the ack) or
+        // the negated errno.
+        let mut answer = [0u8; 256];
+        // SAFETY: recv(2) writes at most `answer.len()` bytes into it.
+        let got = unsafe { libc::recv(socket.as_raw_fd(), answer.as_mut_ptr().cast(), answer.len(), 0) };
+        let got = usize::try_from(got).map_err(|_| std::io::Error::last_os_error())?;
+        let kind = answer.get(4..6).map(|b| u16::from_ne_bytes([b[0], b[1]]));
+        let error = answer.get(16..20).map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+        match (got >= 20, kind, error) {
+            (true, Some(k), Some(0)) if i32::from(k) == libc::NLMSG_ERROR => Ok(()),
+            (true, Some(k), Some(e)) if i32::from(k) == libc::NLMSG_ERROR => Err(std::io::Error::from_raw_os_error(-e)),
+            _ => Err(std::io::Error::other("an unexpected answer from the kernel's routing socket")),
+        }
+    };
+    rule(u8::try_from(libc::AF_INET).unwrap_or(2), &[169, 254, 0, 0], 1)?;
+    let aws = [0xfd, 0, 0x0e, 0xc2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x02, 0x54];
+    let _ = rule(u8::try_from(libc::AF_INET6).unwrap_or(10), &aws, 2);
+    Ok(())
+}
+
 /// Sends SIGTERM to every process group the agent started, waits up to
 /// `grace` for them, then SIGKILLs what is left (and, as PID 1, everyone).
 pub async fn stop_children(reaper: &Reaper, grace: std::time::Duration, pid1: bool) {

@@ -266,11 +266,18 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
         };
         code as isize
     });
-    // With pasta, the sandbox's user namespace is owned by the host uid its
-    // root maps to (the owner is the creator's effective uid): pasta, run
-    // as that uid, then holds rights over the sandbox's namespaces and none
-    // over the host's.
-    if spec.pasta.is_some() {
+    // The sandbox's user namespace is owned by the host uid its root maps
+    // to (the owner is the creator's effective uid), never by host root:
+    // - the kernel charges what the sandbox's processes hold of per-user
+    //   budgets (inotify instances and watches, user and other namespaces,
+    //   processes) to the owner at each level up: owned by root, a sandbox
+    //   could spend host root's (128 inotify instances by default), and
+    //   systemd's, udev's and every other root process's next one would fail;
+    // - with pasta, run as that uid, pasta then holds rights over the
+    //   sandbox's namespaces and none over the host's.
+    // Rootless without pasta, the owner is already the user.
+    let switch_euid = spec.pasta.is_some() || spec.rootless.is_none();
+    if switch_euid {
         step("switching the effective uid", nix::unistd::seteuid(Uid::from_raw(spec.id_base)))?;
         if spec.rootless.is_some() {
             // The switch left this process non-dumpable, and the clone
@@ -288,7 +295,7 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     // child, a copy of it on `stack`, holds no lock another thread owned; it
     // only runs `sandbox_init`, which ends in exec or exit.
     let cloned = unsafe { nix::sched::clone(child, &mut stack, flags, Some(libc::SIGCHLD)) };
-    if spec.pasta.is_some() {
+    if switch_euid {
         step("switching the effective uid back", nix::unistd::seteuid(Uid::from_raw(0)))?;
         // A change of credentials clears the parent-death signal: set it again.
         step("PR_SET_PDEATHSIG", nix::sys::prctl::set_pdeathsig(Signal::SIGKILL))?;
@@ -712,6 +719,12 @@ impl Split {
         let _ = std::fs::write(user.join("memory.swap.max"), "0");
         write(user.join("pids.max"), self.user_pids.to_string())?;
         write(user.join("cgroup.subtree_control"), if cpu { "+memory +pids +cpu" } else { "+memory +pids" }.into())?;
+        // Sandbox root may make cgroups in `user`: at most so many, so
+        // deep. Memory cgroup ids are a count of the whole host's (65535),
+        // and each cgroup costs the kernel memory its limit does not see.
+        // These two files stay root's.
+        write(user.join("cgroup.max.descendants"), USER_CGROUPS_MAX.to_string())?;
+        write(user.join("cgroup.max.depth"), USER_CGROUPS_DEPTH.to_string())?;
         if cpu {
             write(agent.join("cpu.weight"), AGENT_CPU_WEIGHT.to_string())?;
             // The sandbox's quota becomes the commands' and, as much
@@ -740,6 +753,14 @@ impl Split {
         Ok(())
     }
 }
+
+/// The most cgroups sandbox root may have beneath its `user` cgroup on
+/// cgroup v2 (the agent makes one per command running, and keeps a few
+/// idle ones for the next): a thousand commands at once, far more than a
+/// sandbox's process limit lets run.
+const USER_CGROUPS_MAX: u32 = 1024;
+/// How deep: the agent's command cgroups, and one level within them.
+const USER_CGROUPS_DEPTH: u32 = 2;
 
 /// Reads a `user <controller> <dir>` line: a `user` cgroup to bind.
 fn parse_user_cgroup(line: &str) -> Option<(String, PathBuf)> {
@@ -978,6 +999,7 @@ fn sandbox_init(
     }
     step("sethostname", nix::unistd::sethostname(&spec.hostname))?;
     step("bringing up loopback", crate::init::loopback_up())?;
+    step("keeping the cloud's metadata service out of reach", crate::init::prohibit_link_local())?;
 
     step("pivot_root", nix::unistd::pivot_root(".", ".moat/old"))?;
     step("chdir /", nix::unistd::chdir("/"))?;

@@ -536,6 +536,30 @@ async fn the_kernel_surface_is_closed_to_sandbox_root() {
         assert_eq!(line.strip_prefix(name).map(str::trim), Some(expected), "{name} must fail: {said}");
     }
 
+    // Threat: making cgroups until the host has no memory cgroup id left
+    // (65535 for the whole host). On cgroup v2, `user` takes at most 1024
+    // beneath it, 2 deep; its bounds are root's (cgroup v1 has no such
+    // bound: docs/security.md).
+    let out = moat
+        .run(
+            id,
+            as_root(
+                "cd /.moat/cgroup/unified 2>/dev/null || { echo v1; exit; }; \
+                 mkdir d1 d1/a && mkdir d1/a/b 2>&1 | head -1; rmdir d1/a d1; \
+                 i=0; while [ $i -lt 1100 ] && mkdir m$i 2>/dev/null; do i=$((i+1)); done; echo made $i; \
+                 { echo 9 > cgroup.max.descendants; } 2>&1 | head -1; rmdir m* 2>/dev/null; true",
+            ),
+        )
+        .await
+        .expect("runs");
+    let said = stdout(&out);
+    if !said.starts_with("v1") {
+        let made: usize = said.lines().find_map(|l| l.strip_prefix("made ")?.trim().parse().ok()).unwrap_or(usize::MAX);
+        assert!(made < 1024, "sandbox root made {made} cgroups: {said}");
+        assert!(said.contains("Resource temporarily unavailable"), "a third level was made: {said}");
+        assert!(said.contains("Permission denied"), "sandbox root changed its own bound: {said}");
+    }
+
     // Threat: a new user namespace through the ordinary tools.
     let out = moat
         .run(id, as_root("unshare --user --map-root-user true 2>&1; echo $?; unshare --net true 2>&1; echo $?"))
@@ -668,6 +692,63 @@ async fn a_descriptor_moat_inherited_never_reaches_a_command() {
     assert_eq!(out.trim(), "4", "a background command's sibling: {out}");
     moat.destroy_all().await;
     drop(leaked);
+}
+
+/// Threat: a sandbox spends host root's per-user kernel budgets. The
+/// kernel charges what a user namespace's processes hold to its owner at
+/// each level up; a sandbox whose namespace host root owned could take
+/// all 128 inotify instances root has by default, and systemd's, udev's
+/// and every root process's next one would fail. The sandbox's namespace
+/// is owned by the uid its root maps to, so root's budget is untouched.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_sandbox_spends_none_of_host_roots_kernel_budgets() {
+    if backend() != moat_core::BackendKind::Jail || !nix::unistd::geteuid().is_root() {
+        return;
+    }
+    let limit: usize =
+        std::fs::read_to_string("/proc/sys/fs/inotify/max_user_instances").expect("limit").trim().parse().expect("n");
+    let moat = moat(4).await;
+    let sandbox = moat.create(small()).await.expect("created");
+    let hold = format!(
+        "python3 -c 'import ctypes, time; l = ctypes.CDLL(None); \
+         held = [f for f in (l.inotify_init1(0) for _ in range({})) if f >= 0]; \
+         open(\"/tmp/held\", \"w\").write(str(len(held))); time.sleep(20)'",
+        limit + 16
+    );
+    let holder = tokio::spawn({
+        let (moat, id) = (moat.clone(), sandbox.id.clone());
+        async move { sh(&moat, &id, &hold).await }
+    });
+    let mut held = String::new();
+    for _ in 0..200 {
+        held = sh(&moat, &sandbox.id, "cat /tmp/held 2>/dev/null").await.0;
+        if !held.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let held: usize = held.trim().parse().unwrap_or_else(|_| panic!("the sandbox did not report: {held:?}"));
+    assert!(held >= limit / 2, "the sandbox got {held} instances of its own");
+    // Root here is one of host root's processes: it still gets one.
+    let root = nix::sys::inotify::Inotify::init(nix::sys::inotify::InitFlags::IN_CLOEXEC);
+    assert!(root.is_ok(), "host root has no inotify instance left while a sandbox holds {held}: {root:?}");
+    // And the sandbox's owner is the uid its root maps to, not host root.
+    let monitor = moat.host_pid(&sandbox.id).expect("monitor");
+    let children = std::fs::read_to_string(format!("/proc/{monitor}/task/{monitor}/children")).expect("children");
+    let own_ns = std::fs::read_link("/proc/self/ns/user").ok();
+    let init = children
+        .split_whitespace()
+        .find(|pid| std::fs::read_link(format!("/proc/{pid}/ns/user")).ok() != own_ns)
+        .expect("the sandbox's init among the monitor's children");
+    let ns = std::fs::File::open(format!("/proc/{init}/ns/user")).expect("its user namespace");
+    let mut owner: libc::uid_t = u32::MAX;
+    // SAFETY: NS_GET_OWNER_UID writes one uid_t into the given pointer.
+    let done = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&ns), 0xb704, &mut owner) };
+    assert_eq!(done, 0, "NS_GET_OWNER_UID: {}", std::io::Error::last_os_error());
+    assert_ne!(owner, 0, "host root owns the sandbox's user namespace");
+    moat.destroy_all().await;
+    let _ = holder.await;
 }
 
 /// After an attack, the sandbox still answers.

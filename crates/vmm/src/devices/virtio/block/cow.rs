@@ -50,6 +50,9 @@ pub struct CowDisk {
     size: u64,
     /// One bit per block, set when the overlay holds it.
     map: Vec<u64>,
+    /// Blocks whose space the overlay file holds, counted against
+    /// `limit_blocks`: the mapped ones, and discarded ones whose space its
+    /// file system could not give back.
     mapped: u64,
     limit_blocks: u64,
     data_offset: u64,
@@ -273,7 +276,12 @@ impl DiskBackend for CowDisk {
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         self.overlay.write_all_at(&bytes, HEADER_SIZE + w0 * 8)?;
         for block in freed {
-            punch_hole(&self.overlay, self.block_offset(block), BLOCK_SIZE);
+            if !punch_hole(&self.overlay, self.block_offset(block), BLOCK_SIZE) {
+                // The file keeps the block's space (no hole punching on
+                // its file system): it still counts against the limit, or
+                // discards and writes elsewhere would grow the file past it.
+                self.mapped += 1;
+            }
         }
         Ok(())
     }
@@ -336,12 +344,11 @@ impl CowDisk {
     }
 }
 
-/// Gives a range of a file's space back (best effort: the map already says
-/// the blocks are free, so a file system without hole punching only keeps
-/// the space).
-fn punch_hole(file: &File, offset: u64, len: u64) {
+/// Gives a range of a file's space back; whether it did (a file system
+/// without hole punching keeps the space).
+fn punch_hole(file: &File, offset: u64, len: u64) -> bool {
     use std::os::fd::AsRawFd;
-    let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else { return };
+    let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else { return false };
     // SAFETY: fallocate on a descriptor `file` owns; no memory is passed.
     let rc = unsafe {
         libc::fallocate(file.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
@@ -349,6 +356,7 @@ fn punch_hole(file: &File, offset: u64, len: u64) {
     if rc != 0 {
         tracing::debug!("virtio-blk: cannot punch a hole in the overlay: {}", io::Error::last_os_error());
     }
+    rc == 0
 }
 
 #[cfg(test)]

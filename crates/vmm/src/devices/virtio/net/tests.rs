@@ -162,7 +162,7 @@ fn frames_cross_both_ways_with_their_headers_and_lengths() {
 }
 
 #[test]
-fn only_arp_and_ipv4_to_outside_addresses_reach_passt() {
+fn only_arp_and_ipv4_to_outside_addresses_but_link_local_reach_passt() {
     let mut r = rig();
     let mut arp = frame(42, 0);
     arp[12..14].copy_from_slice(&[0x08, 0x06]);
@@ -175,16 +175,22 @@ fn only_arp_and_ipv4_to_outside_addresses_reach_passt() {
         f[30] = first;
         f
     };
-    for f in [ipv6, vlan, to(127), to(0), frame(60, 0)[..13].to_vec()] {
+    // The cloud's metadata service, 169.254.169.254, and link-local beside it.
+    let mut metadata = to(169);
+    metadata[31] = 254;
+    let mut near = to(169);
+    near[31] = 253;
+    for f in [ipv6, vlan, to(127), to(0), metadata, frame(60, 0)[..13].to_vec()] {
         r.offer_tx(&f);
     }
     r.offer_tx(&arp);
     r.offer_tx(&to(192));
+    r.offer_tx(&near);
     r.notify(TX);
-    assert_eq!(r.tx.take_used(&r.mem).len(), 7, "every buffer is returned");
-    assert_eq!(r.passt_read(2), vec![arp, to(192)]);
+    assert_eq!(r.tx.take_used(&r.mem).len(), 9, "every buffer is returned");
+    assert_eq!(r.passt_read(3), vec![arp, to(192), near]);
     assert!(r.passt_has_nothing());
-    assert_eq!(r.dev.dropped().1, 5);
+    assert_eq!(r.dev.dropped().1, 6);
 }
 
 #[test]
