@@ -113,6 +113,7 @@ struct JailArgs {
 }
 
 fn main() -> ExitCode {
+    moat_sys::fds::keep_inherited_descriptors_to_this_process();
     // The agent's own re-execution into a command cgroup (not for people,
     // so not in --help): see moat_agent::launcher.
     if std::env::args_os().nth(1).is_some_and(|a| a == moat_agent::launcher::SUBCOMMAND) {

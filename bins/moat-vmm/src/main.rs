@@ -104,6 +104,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    moat_sys::fds::keep_inherited_descriptors_to_this_process();
     // `cargo xtask dist` asks each binary for its manual pages, rendered
     // from this very parser (clap_mangen), so they never drift from --help.
     if let Some(dir) = manual_dir() {

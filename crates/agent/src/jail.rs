@@ -999,7 +999,11 @@ fn sandbox_init(
     }
     step("sethostname", nix::unistd::sethostname(&spec.hostname))?;
     step("bringing up loopback", crate::init::loopback_up())?;
-    step("keeping the cloud's metadata service out of reach", crate::init::prohibit_link_local())?;
+    // An `open` jail reaches what the host does, but for the cloud's
+    // metadata services; the other policies have no route out at all.
+    if spec.pasta.is_some() {
+        step("keeping the cloud's metadata services out of reach", crate::init::prohibit_metadata_services())?;
+    }
 
     step("pivot_root", nix::unistd::pivot_root(".", ".moat/old"))?;
     step("chdir /", nix::unistd::chdir("/"))?;
@@ -1049,10 +1053,17 @@ fn sandbox_init(
     // SAFETY: close_range(2) on descriptors of this process only; none
     // above LISTEN_FD is used from here to the exec.
     if unsafe { libc::syscall(libc::SYS_close_range, LISTEN_FD + 1, u32::MAX, 0) } != 0 {
-        return Err(JailError {
-            step: "closing inherited descriptors".into(),
-            source: std::io::Error::last_os_error(),
-        });
+        // Linux before 5.9: each open one, by the list /proc (mounted
+        // above) gives.
+        let open: Vec<i32> = step("listing inherited descriptors", std::fs::read_dir("/proc/self/fd"))?
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .filter(|fd| *fd > LISTEN_FD)
+            .collect();
+        for fd in open {
+            // SAFETY: close(2) of a number this process had open; the
+            // listing's own descriptor, gone by now, fails harmlessly.
+            unsafe { libc::close(fd) };
+        }
     }
     let program = c("/.moat/agent");
     let listen = format!("fd:{LISTEN_FD}");

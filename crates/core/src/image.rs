@@ -470,11 +470,13 @@ pub fn copy_for_user(image: &Image, home: &Path, base: u32, owner: (u32, u32)) -
         .map_err(nix_io(format!("opening {}", shown.join(&work_name).display())))?;
     // The directory made above, not one the user put there meanwhile: a
     // directory of root's renamed to this name would pass an owner check
-    // alone, so it must also be as made: empty (no subdirectory, and no
-    // entry, which the walk below would follow), mode 0700.
+    // alone, so it must also be as made: empty (no entry, which the walk
+    // below would follow), its permissions 0700 (a set-group-id bit it
+    // inherits from `images/` aside; the link count says nothing on
+    // btrfs, whose directories all have one).
     let made = nix::sys::stat::fstat(work.as_fd()).map_err(nix_io("fstat".into()))?;
     let empty = || nix::dir::Dir::from_fd(nix::unistd::dup(&work)?).map(|mut d| d.iter().count() <= 2);
-    if made.st_uid != 0 || made.st_nlink != 2 || made.st_mode & 0o7777 != 0o700 || !empty().unwrap_or(false) {
+    if made.st_uid != 0 || made.st_mode & 0o777 != 0o700 || !empty().unwrap_or(false) {
         return Err(std::io::Error::other(format!("{} changed hands while it was made", shown.display())));
     }
     // This process's descriptor, for the programs it runs and for paths:

@@ -27,29 +27,7 @@ impl Exited for Pidfd {
     }
 }
 
-/// Marks every descriptor this process inherited beyond stdio
-/// close-on-exec, so that none reaches a program it starts (the jail's
-/// monitor, and through it the sandbox; moat-vmm; pasta, passt, git): what
-/// moat's own parent left open without the flag (a supervisor's socket, a
-/// shell's redirection, an editor's pipe) is the parent's business, never
-/// a sandbox's. Called first thing by each binary, while it has no thread.
-pub fn keep_inherited_descriptors_to_this_process() {
-    // SAFETY: close_range(2) with CLOSE_RANGE_CLOEXEC changes only the
-    // flags of this process's descriptors, closing none.
-    let done = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
-    if done != 0 {
-        // Linux before 5.11: no flag. Each open descriptor then, one by one.
-        if let Ok(entries) = std::fs::read_dir("/proc/self/fd") {
-            let fds: Vec<i32> =
-                entries.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).filter(|fd| *fd > 2).collect();
-            for fd in fds {
-                // SAFETY: fcntl(F_SETFD) on a descriptor number; one that is
-                // not open (the listing's own, gone by now) fails harmlessly.
-                unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-            }
-        }
-    }
-}
+pub use moat_sys::fds::keep_inherited_descriptors_to_this_process;
 
 /// The variables a helper moat starts on the host (the jail's monitor and
 /// its cgroup sweeper, moat-vmm, passt; pasta through the monitor) is

@@ -59,8 +59,8 @@ pub struct HttpConfig {
     /// conformance suite's fixtures ([`crate::fixtures`]).
     pub fixtures: bool,
     /// The most live sandboxes one session may own
-    /// (`MOAT_MAX_SANDBOXES_PER_SESSION`); the requests without a session
-    /// share one such share.
+    /// (`MOAT_MAX_SANDBOXES_PER_SESSION`). The requests without a session,
+    /// which share one scope, are bounded by `MOAT_MAX_SANDBOXES` alone.
     pub sandboxes_per_session: usize,
 }
 
@@ -228,7 +228,9 @@ impl HttpServer {
         }
         let tools = Arc::new(tools);
         let share = self.config.sandboxes_per_session;
-        let sessionless = Arc::new(Scope::new(moat.clone(), false, share));
+        // Requests without a session (protocol 2026-07-28) share one scope:
+        // it may use every place the server has, as a stdio client does.
+        let sessionless = Arc::new(Scope::new(moat.clone(), false, usize::MAX));
         // A session idle this long is closed and its sandboxes destroyed;
         // they would have expired by then anyway (none lives longer than
         // the operator grants).

@@ -20,6 +20,15 @@ struct Owned {
     making: usize,
 }
 
+impl Owned {
+    fn take(&mut self, sandbox_id: &str, make_current: bool) {
+        self.sandboxes.insert(sandbox_id.to_owned());
+        if make_current {
+            self.current = Some(sandbox_id.to_owned());
+        }
+    }
+}
+
 /// The most tool calls one connection or session has running at once.
 /// Each holds the server's memory (a command's output up to 16 MiB until
 /// it ends) and often a thread: a client that sends calls without waiting
@@ -79,11 +88,12 @@ impl SandboxPlace<'_> {
     /// The created sandbox takes the place; `make_current` as
     /// [`Scope::adopt`].
     pub fn adopt(mut self, sandbox_id: &str, make_current: bool) {
+        // One lock for both: a reservation in between would see the place
+        // neither held nor taken.
         let mut owned = self.scope.lock();
         owned.making = owned.making.saturating_sub(1);
-        drop(owned);
+        owned.take(sandbox_id, make_current);
         self.held = false;
-        self.scope.adopt(sandbox_id, make_current);
     }
 }
 
@@ -178,11 +188,7 @@ impl Scope {
     }
 
     pub fn adopt(&self, sandbox_id: &str, make_current: bool) {
-        let mut owned = self.lock();
-        owned.sandboxes.insert(sandbox_id.to_owned());
-        if make_current {
-            owned.current = Some(sandbox_id.to_owned());
-        }
+        self.lock().take(sandbox_id, make_current);
     }
 
     pub fn forget(&self, sandbox_id: &str) {

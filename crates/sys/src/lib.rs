@@ -5,6 +5,9 @@
 //! - [`pidfd`]: processes waited for and killed through pidfds.
 //! - [`cgroupfs`]: a cgroup tree thawed, counted and removed through
 //!   directory descriptors, at any depth.
+//! - [`fds`]: descriptors inherited from whatever started a moat process,
+//!   kept from the programs it starts.
 
 pub mod cgroupfs;
+pub mod fds;
 pub mod pidfd;

@@ -6,8 +6,8 @@
 //! thread format and write a line per iteration (the log is capped on the
 //! host, but rotating it costs host CPU and I/O all the same). Each such
 //! call site logs through [`guest_triggered!`](crate::guest_triggered):
-//! at most [`LINES`] lines per [`WINDOW`], then one line saying how many
-//! were left out when the next window opens.
+//! at most [`LINES`] lines per [`WINDOW`]; the first line it logs in a
+//! later window is preceded by one saying how many were left out.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

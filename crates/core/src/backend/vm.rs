@@ -212,8 +212,9 @@ fn overlay_limit_mib(image: &Image, disk_mib: u64) -> Result<u64, CreateError> {
 /// `data_dir`) may grow to, promised for the VM's life: the overlay is a
 /// sparse file that fills as the guest writes, up to `overlay_limit_mib`,
 /// so a guest that writes its whole disk must find the room there, beyond
-/// what moat keeps free ([`crate::hostfs::RESERVE_RULE`]) and what copies,
-/// task records and other VMs were promised; else the create is refused.
+/// what moat keeps free ([`crate::hostfs::RESERVE_RULE`]) and what copies
+/// and other VMs may still write there; else the create is refused. Once
+/// the overlay exists, only what it may still write stays promised.
 fn promise_disk(
     id: &str,
     data_dir: &Path,
@@ -280,6 +281,7 @@ impl Backend for VmBackend {
             None => (None, None),
         };
         let files = VmFiles::new(&image.dir, &state.path);
+        disk.filled_by(files.overlay.clone());
         std::fs::create_dir(&files.sockets).map_err(io("creating its socket directory"))?;
         let config = vmm_config(&files, spec, cmdline_for(hostname, spec), overlay_limit_mib, vmm_net_end.is_some())?;
         let config_path = state.path.join("vm.json");

@@ -625,69 +625,118 @@ impl HostRoots {
     }
 }
 
-/// Bytes of room promised to copies under way ([`Destination::limit`]),
-/// all file systems together: copies that run at once share the room
-/// instead of each counting on all of it. (Counting them against every file
-/// system errs on the safe side, and matters only near a full disk.)
-static PROMISED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Room promised on the host's file systems, each by its device number:
+/// to copies under way ([`Destination::limit`]) and to microVMs' disk
+/// overlays for their lives ([`promise_room`]). Copies, task records and
+/// overlays that share a file system share its room instead of each
+/// counting on all of it; a promise on one file system takes nothing from
+/// another's.
+static PROMISES: std::sync::Mutex<Promises> =
+    std::sync::Mutex::new(Promises { next: 0, shares: std::collections::BTreeMap::new() });
 
-/// The room promised to copies under way.
-pub fn promised() -> u64 {
-    PROMISED.load(std::sync::atomic::Ordering::Relaxed)
+#[derive(Debug)]
+struct Promises {
+    next: u64,
+    shares: std::collections::BTreeMap<u64, Share>,
 }
 
-/// One copy's share of the room, given back when it ends.
+#[derive(Debug)]
+struct Share {
+    device: u64,
+    bytes: u64,
+    /// The file that fills the share ([`Promise::filled_by`]): what it
+    /// holds already is on the disk, and counted by its free space.
+    file: Option<PathBuf>,
+}
+
+impl Share {
+    /// What the share may still write.
+    fn left(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        let written = self.file.as_ref().and_then(|f| std::fs::metadata(f).ok()).map_or(0, |m| m.blocks() * 512);
+        self.bytes.saturating_sub(written)
+    }
+}
+
+impl Promises {
+    fn on(&self, device: u64) -> u64 {
+        self.shares.values().filter(|s| s.device == device).fold(0, |sum, s| sum.saturating_add(s.left()))
+    }
+
+    fn add(&mut self, device: u64, bytes: u64) -> Promise {
+        let id = self.next;
+        self.next += 1;
+        self.shares.insert(id, Share { device, bytes, file: None });
+        Promise(id)
+    }
+}
+
+fn promises() -> std::sync::MutexGuard<'static, Promises> {
+    PROMISES.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn device(fd: &impl AsFd) -> u64 {
+    fstat(fd).map_or(0, |stat| stat.st_dev)
+}
+
+/// What may still be written on the file system of `fd`: its [`room`],
+/// less what copies and microVMs were promised there and have not written
+/// yet; `None` when it cannot be asked.
+pub fn room_left(fd: &impl AsFd) -> Option<u64> {
+    let room = room(fd)?;
+    Some(room.saturating_sub(promises().on(device(fd))))
+}
+
+/// One share of a file system's room, given back when it is dropped.
 #[derive(Debug)]
 pub struct Promise(u64);
 
-impl Drop for Promise {
-    fn drop(&mut self) {
-        PROMISED.fetch_sub(self.0, std::sync::atomic::Ordering::Relaxed);
+impl Promise {
+    /// The share is filled by `file` (a microVM's sparse overlay): from now
+    /// on only what it may still write is held, since what it has written
+    /// is already gone from the file system's free space.
+    pub fn filled_by(&self, file: PathBuf) {
+        if let Some(share) = promises().shares.get_mut(&self.0) {
+            share.file = Some(file);
+        }
     }
 }
 
-/// Promises `bytes` of the room of the file system of `fd` ([`room`],
-/// less what is promised already) to something that will write up to that
-/// much over its life (a microVM's disk overlay), or says how much is
-/// left: `Err(left)`. Where the room cannot be asked, the promise is made.
-pub fn promise_room(fd: &impl AsFd, bytes: u64) -> Result<Promise, u64> {
-    use std::sync::atomic::Ordering;
-    let room = room(fd);
-    let mut promised = PROMISED.load(Ordering::Relaxed);
-    loop {
-        if let Some(left) = room.map(|r| r.saturating_sub(promised))
-            && left < bytes
-        {
-            return Err(left);
-        }
-        match PROMISED.compare_exchange(promised, promised.saturating_add(bytes), Ordering::Relaxed, Ordering::Relaxed)
-        {
-            Ok(_) => return Ok(Promise(bytes)),
-            Err(now) => promised = now,
-        }
+impl Drop for Promise {
+    fn drop(&mut self) {
+        promises().shares.remove(&self.0);
     }
+}
+
+/// Promises `bytes` of the room of the file system of `fd` ([`room_left`])
+/// to something that will write up to that much over its life (a
+/// microVM's disk overlay), or says how much is left: `Err(left)`. Where
+/// the room cannot be asked, the promise is made.
+pub fn promise_room(fd: &impl AsFd, bytes: u64) -> Result<Promise, u64> {
+    let (room, device) = (room(fd), device(fd));
+    let mut promises = promises();
+    if let Some(left) = room.map(|r| r.saturating_sub(promises.on(device)))
+        && left < bytes
+    {
+        return Err(left);
+    }
+    Ok(promises.add(device, bytes))
 }
 
 impl Destination {
     /// What one copy here may write: the copy limit, or less where the
-    /// file system's free space beyond its [`disk_reserve`], less what
-    /// copies under way were promised, is less. The share is held until
+    /// file system's free space beyond its [`disk_reserve`], less what is
+    /// promised there ([`room_left`]), is less. The share is held until
     /// the [`Promise`] is dropped.
     pub fn limit(&self, copy_limit: u64) -> (Limit, Promise) {
-        use std::sync::atomic::Ordering;
-        let room = room(&self.parent);
-        let mut promised = PROMISED.load(Ordering::Relaxed);
-        loop {
-            let limit = match room.map(|r| r.saturating_sub(promised)) {
-                Some(left) if left < copy_limit => Limit { bytes: left, by_disk: true },
-                _ => Limit::from(copy_limit),
-            };
-            let total = promised.saturating_add(limit.bytes);
-            match PROMISED.compare_exchange(promised, total, Ordering::Relaxed, Ordering::Relaxed) {
-                Ok(_) => return (limit, Promise(limit.bytes)),
-                Err(now) => promised = now,
-            }
-        }
+        let (room, device) = (room(&self.parent), device(&self.parent));
+        let mut promises = promises();
+        let limit = match room.map(|r| r.saturating_sub(promises.on(device))) {
+            Some(left) if left < copy_limit => Limit { bytes: left, by_disk: true },
+            _ => Limit::from(copy_limit),
+        };
+        let promise = promises.add(device, limit.bytes);
+        (limit, promise)
     }
 
     /// Makes a new, empty file in a private directory beside the

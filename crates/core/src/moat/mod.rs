@@ -55,6 +55,9 @@ struct Entry {
     /// The sandbox's Python session for `run_code`, started on first use;
     /// the async lock queues calls on one sandbox.
     python: Arc<tokio::sync::Mutex<Option<PythonSession>>>,
+    /// After a suspend failed: not tried again before this time (each try
+    /// may wait for the VMM's answer with the sandboxes' lock held).
+    suspend_after: u64,
 }
 
 struct Inner {
@@ -287,8 +290,14 @@ impl Moat {
                     });
                 }
                 self.watch_exit(&id, &machine);
-                let entry =
-                    Entry { info: info.clone(), egress, previews: BTreeMap::new(), machine, python: Arc::default() };
+                let entry = Entry {
+                    info: info.clone(),
+                    egress,
+                    previews: BTreeMap::new(),
+                    machine,
+                    python: Arc::default(),
+                    suspend_after: 0,
+                };
                 sandboxes.insert(id, entry);
                 None
             }
@@ -753,6 +762,7 @@ impl Inner {
                 if idle > 0
                     && entry.info.state == SandboxState::Running
                     && now.saturating_sub(entry.info.last_used_at) >= idle
+                    && now >= entry.suspend_after
                     && entry.machine.can_suspend()
                 {
                     match entry.machine.set_suspended(true) {
@@ -761,11 +771,8 @@ impl Inner {
                             tracing::debug!(%id, "suspended after being idle");
                         }
                         Err(e) => {
-                            // Not again every second (each try may wait
-                            // for the VMM's answer, with this lock held):
-                            // after another idle period.
-                            entry.info.last_used_at = now;
-                            tracing::warn!(%id, "cannot suspend: {e}; trying again after {idle} s more");
+                            entry.suspend_after = now.saturating_add(idle);
+                            tracing::warn!(%id, "cannot suspend: {e}; trying again in {idle} s");
                         }
                     }
                 }

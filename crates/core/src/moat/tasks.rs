@@ -276,7 +276,7 @@ impl Moat {
         // a full disk (ENOSPC), which the error explains.
         let needed = diff.len() as u64 + (LOG_ENTRY_ROOM * log.len() as u64);
         let tasks = std::fs::File::open(&tasks_dir).map_err(io("creating the task record"))?;
-        if hostfs::room(&tasks).is_some_and(|room| room.saturating_sub(hostfs::promised()) < needed) {
+        if hostfs::room_left(&tasks).is_some_and(|left| left < needed) {
             let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
             return Err(io("writing the patch (moat keeps 5 % of the disk, at most 1 GiB, free)")(full).into());
         }

@@ -65,15 +65,16 @@ const ETH_ARP: [u8; 2] = [0x08, 0x06];
 const ETH_IPV4: [u8; 2] = [0x08, 0x00];
 
 /// Whether a frame from the guest may go to passt: ARP, and IPv4 to any
-/// destination but "this host" (0/8), loopback (127/8) and link-local
-/// (169.254/16: the cloud's metadata service, 169.254.169.254, hands
-/// whoever asks the host machine's credentials).
+/// destination but "this host" (0/8), loopback (127/8) and the cloud
+/// providers' metadata services, which hand whoever asks the host
+/// machine's credentials: link-local (169.254/16, where 169.254.169.254
+/// is) and Alibaba's 100.100.100.200 (as moat-agent's jails refuse them).
 pub fn allowed_to_passt(frame: &[u8]) -> bool {
     match frame.get(12..14) {
         Some(t) if t == ETH_ARP => true,
         // The destination address is at offset 16 of the IPv4 header, whatever its options.
-        Some(t) if t == ETH_IPV4 => match frame.get(30..32) {
-            Some([0 | 127, _] | [169, 254]) | None => false,
+        Some(t) if t == ETH_IPV4 => match frame.get(30..34) {
+            Some([0 | 127, ..] | [169, 254, ..] | [100, 100, 100, 200]) | None => false,
             Some(_) => true,
         },
         _ => false,

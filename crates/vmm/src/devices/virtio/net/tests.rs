@@ -180,17 +180,19 @@ fn only_arp_and_ipv4_to_outside_addresses_but_link_local_reach_passt() {
     metadata[31] = 254;
     let mut near = to(169);
     near[31] = 253;
-    for f in [ipv6, vlan, to(127), to(0), metadata, frame(60, 0)[..13].to_vec()] {
+    let mut alibaba = to(100);
+    alibaba[31..34].copy_from_slice(&[100, 100, 200]);
+    for f in [ipv6, vlan, to(127), to(0), metadata, alibaba, frame(60, 0)[..13].to_vec()] {
         r.offer_tx(&f);
     }
     r.offer_tx(&arp);
     r.offer_tx(&to(192));
     r.offer_tx(&near);
     r.notify(TX);
-    assert_eq!(r.tx.take_used(&r.mem).len(), 9, "every buffer is returned");
+    assert_eq!(r.tx.take_used(&r.mem).len(), 10, "every buffer is returned");
     assert_eq!(r.passt_read(3), vec![arp, to(192), near]);
     assert!(r.passt_has_nothing());
-    assert_eq!(r.dev.dropped().1, 6);
+    assert_eq!(r.dev.dropped().1, 7);
 }
 
 #[test]

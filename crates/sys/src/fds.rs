@@ -1,0 +1,62 @@
+//! Descriptors a moat process inherited from whatever started it.
+
+/// Marks every descriptor this process inherited beyond stdio
+/// close-on-exec, so that none reaches a program it starts (from moat and
+/// moat-mcp: the jail's monitor, and through it the sandbox; moat-vmm;
+/// pasta, passt, git; from the monitor: pasta): what the parent left open
+/// without the flag (a supervisor's socket, a shell's redirection, an
+/// editor's pipe, a test harness's jobserver) is the parent's business,
+/// never a sandbox's. Descriptors a process hands a program on purpose are
+/// put in place after this (`dup2` in the child). Called first thing by
+/// each binary, while it has no thread.
+pub fn keep_inherited_descriptors_to_this_process() {
+    // SAFETY: close_range(2) with CLOSE_RANGE_CLOEXEC changes only the
+    // flags of this process's descriptors, closing none.
+    let done = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
+    if done != 0 {
+        // Linux before 5.11: no flag. Each open descriptor then, one by one.
+        if let Ok(entries) = std::fs::read_dir("/proc/self/fd") {
+            let fds: Vec<i32> =
+                entries.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).filter(|fd| *fd > 2).collect();
+            for fd in fds {
+                // SAFETY: fcntl(F_SETFD) on a descriptor number; one that is
+                // not open (the listing's own, gone by now) fails harmlessly.
+                unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    #[test]
+    fn an_inherited_descriptor_reaches_no_program_this_process_starts() {
+        // SAFETY: pipe2 writes two descriptors into the array; each is
+        // moved to a number no program's own descriptors would take (a
+        // child's `ls` opens its directory at 3), and owned below.
+        let ends = unsafe {
+            let mut fds = [0; 2];
+            assert_eq!(libc::pipe2(fds.as_mut_ptr(), 0), 0, "pipe2");
+            for (fd, high) in fds.iter_mut().zip([300, 301]) {
+                assert_eq!(libc::dup2(*fd, high), high, "dup2");
+                libc::close(*fd);
+                *fd = high;
+            }
+            fds.map(|fd| OwnedFd::from_raw_fd(fd))
+        };
+        let flags = |fd: &OwnedFd| {
+            // SAFETY: F_GETFD on a descriptor this test owns.
+            unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) }
+        };
+        assert_eq!(flags(&ends[0]) & libc::FD_CLOEXEC, 0, "inherited as it would be: without the flag");
+        keep_inherited_descriptors_to_this_process();
+        assert!(ends.iter().all(|fd| flags(fd) & libc::FD_CLOEXEC != 0), "still inheritable");
+        let shown = std::process::Command::new("ls").arg("/proc/self/fd").output().expect("ls");
+        let listed = String::from_utf8_lossy(&shown.stdout).split_whitespace().map(str::to_owned).collect::<Vec<_>>();
+        let read_end = ends[0].as_raw_fd().to_string();
+        assert!(!listed.contains(&read_end), "a child holds descriptor {read_end}: {listed:?}");
+    }
+}
