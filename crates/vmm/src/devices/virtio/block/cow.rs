@@ -50,9 +50,8 @@ pub struct CowDisk {
     size: u64,
     /// One bit per block, set when the overlay holds it.
     map: Vec<u64>,
-    /// Blocks whose space the overlay file holds, counted against
-    /// `limit_blocks`: the mapped ones, and discarded ones whose space its
-    /// file system could not give back.
+    /// Mapped blocks, counted against `limit_blocks` (a discarded block
+    /// whose space the file system cannot give back stays mapped).
     mapped: u64,
     limit_blocks: u64,
     data_offset: u64,
@@ -252,38 +251,10 @@ impl DiskBackend for CowDisk {
         self.overlay.sync_data()
     }
 
-    /// Whole blocks in the range leave the overlay (their bit cleared and
-    /// written first, then their space given back), so the guest's TRIM
+    /// Whole blocks in the range leave the overlay, so the guest's TRIM
     /// frees room under the limit; they read as the base again.
     fn discard(&mut self, offset: u64, len: u64) -> io::Result<()> {
-        let first = offset.div_ceil(BLOCK_SIZE);
-        let end = (offset + len) / BLOCK_SIZE;
-        if first >= end {
-            return Ok(());
-        }
-        let mut freed = Vec::new();
-        for block in first..end {
-            if self.is_mapped(block) {
-                let word = usize::try_from(block / 64).map_err(|_| io::ErrorKind::InvalidInput)?;
-                self.map[word] &= !(1 << (block % 64));
-                self.mapped -= 1;
-                freed.push(block);
-            }
-        }
-        let (Some(&lo), Some(&hi)) = (freed.first(), freed.last()) else { return Ok(()) };
-        let (w0, w1) = (lo / 64, hi / 64);
-        let words = &self.map[usize::try_from(w0).unwrap_or(0)..=usize::try_from(w1).unwrap_or(0)];
-        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        self.overlay.write_all_at(&bytes, HEADER_SIZE + w0 * 8)?;
-        for block in freed {
-            if !punch_hole(&self.overlay, self.block_offset(block), BLOCK_SIZE) {
-                // The file keeps the block's space (no hole punching on
-                // its file system): it still counts against the limit, or
-                // discards and writes elsewhere would grow the file past it.
-                self.mapped += 1;
-            }
-        }
-        Ok(())
+        self.free(offset, len).map(drop)
     }
 
     /// Zeros that cost nothing where they can: whole blocks whose base is
@@ -305,6 +276,38 @@ impl DiskBackend for CowDisk {
 }
 
 impl CowDisk {
+    /// Takes the whole blocks of the range out of the overlay: each one's
+    /// space given back first, then its bit cleared and the map written.
+    /// Returns the mapped blocks that stay (their file system cannot give
+    /// space back, `punch_hole`): they keep counting against the limit,
+    /// since the file keeps them, and read as before (what a discarded
+    /// block reads is not promised).
+    fn free(&mut self, offset: u64, len: u64) -> io::Result<Vec<u64>> {
+        let first = offset.div_ceil(BLOCK_SIZE);
+        let end = (offset + len) / BLOCK_SIZE;
+        let (mut freed, mut kept) = (Vec::new(), Vec::new());
+        for block in first..end {
+            if !self.is_mapped(block) {
+                continue;
+            }
+            if !punch_hole(&self.overlay, self.block_offset(block), BLOCK_SIZE) {
+                kept.push(block);
+                continue;
+            }
+            let word = usize::try_from(block / 64).map_err(|_| io::ErrorKind::InvalidInput)?;
+            self.map[word] &= !(1 << (block % 64));
+            self.mapped -= 1;
+            freed.push(block);
+        }
+        if let (Some(&lo), Some(&hi)) = (freed.first(), freed.last()) {
+            let (w0, w1) = (lo / 64, hi / 64);
+            let words = &self.map[usize::try_from(w0).unwrap_or(0)..=usize::try_from(w1).unwrap_or(0)];
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            self.overlay.write_all_at(&bytes, HEADER_SIZE + w0 * 8)?;
+        }
+        Ok(kept)
+    }
+
     /// Zeroes the whole blocks `first..end`: a block whose base is zero
     /// leaves the overlay (or never enters it), the others are written as
     /// zeros. Consecutive blocks of one kind are handled as one range.
@@ -337,7 +340,11 @@ impl CowDisk {
 
     fn zero_run(&mut self, (start, blocks, base_is_zero): (u64, u64, bool)) -> io::Result<()> {
         if base_is_zero {
-            self.discard(start * BLOCK_SIZE, blocks * BLOCK_SIZE)
+            // A block that could not leave the overlay is zeroed in it.
+            for block in self.free(start * BLOCK_SIZE, blocks * BLOCK_SIZE)? {
+                write_zeros_through(|buf, at| self.write_at(buf, at), block * BLOCK_SIZE, BLOCK_SIZE)?;
+            }
+            Ok(())
         } else {
             write_zeros_through(|buf, at| self.write_at(buf, at), start * BLOCK_SIZE, blocks * BLOCK_SIZE)
         }
