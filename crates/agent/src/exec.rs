@@ -178,6 +178,10 @@ fn spawn_error(program: &str, e: &std::io::Error) -> WireError {
     }
 }
 
+/// The words of [`limit_full`]'s error, by which a start that failed there
+/// is told from others.
+const LIMIT_FULL: &str = "the sandbox's process limit is full";
+
 /// What a command that could not start because the sandbox's process
 /// limit is full says: the limit, what holds it, and what to do.
 fn limit_full(program: &str, e: &std::io::Error) -> WireError {
@@ -186,9 +190,8 @@ fn limit_full(program: &str, e: &std::io::Error) -> WireError {
     WireError::new(
         moat_proto::ErrorKind::Io,
         format!(
-            "starting {program}: the sandbox's process limit is full{figures}: processes and threads that earlier \
-             commands left running hold it ({e}). Wait for them to end and try again, or destroy this sandbox and \
-             create another"
+            "starting {program}: {LIMIT_FULL}{figures}: processes and threads that earlier commands left running \
+             hold it ({e}). Wait for them to end and try again, or destroy this sandbox and create another"
         ),
     )
 }
@@ -284,7 +287,7 @@ where
     // Runaway processes of earlier commands go before this one starts;
     // then its own cgroup. One trip to a blocking thread for both.
     let cgroups = crate::cgroup::user_cgroups();
-    let (reclaimed, mut cgroup) = match cgroups {
+    let (mut reclaimed, mut cgroup) = match cgroups {
         Some(cgroups) => match tokio::task::spawn_blocking({
             let reaper = reaper.clone();
             move || (cgroups.reclaim(), cgroups.create_exec(&reaper))
@@ -306,7 +309,7 @@ where
         tokio::time::sleep(hold).await;
     }
     let join = cgroup.as_ref().map(crate::cgroup::ExecCgroup::procs_fds).unwrap_or_default();
-    let spawned = match prepare(&req, join) {
+    let mut spawned = match prepare(&req, join.clone()) {
         Err(error) => Err(error),
         // Through the cgroup's launcher (cgroup v1), where there is one:
         // the command is born in its cgroup.
@@ -316,6 +319,20 @@ where
         }
         Ok(prepared) => spawn(&reaper, &prepared).map(|(pid, exit, streams)| (prepared, pid, exit, streams)),
     };
+    // A runaway of an earlier command may fill the limit between the look
+    // for runaways above and the start (a fork bomb left in the background
+    // grows by hundreds a second): looked for again, and the start tried
+    // once more if one was killed; else the refusal stands.
+    if let (Err(error), Some(cgroups)) = (&spawned, cgroups)
+        && error.message.contains(LIMIT_FULL)
+        && let Ok(Some(note)) = tokio::task::spawn_blocking(move || cgroups.reclaim()).await
+    {
+        reclaimed = Some(reclaimed.map_or_else(|| note.clone(), |first| first + &note));
+        spawned = match prepare(&req, join) {
+            Err(error) => Err(error),
+            Ok(prepared) => spawn(&reaper, &prepared).map(|(pid, exit, streams)| (prepared, pid, exit, streams)),
+        };
+    }
     if let Some(cgroup) = cgroup.as_mut() {
         cgroup.joined();
     }
