@@ -1055,11 +1055,7 @@ fn sandbox_init(
     if unsafe { libc::syscall(libc::SYS_close_range, LISTEN_FD + 1, u32::MAX, 0) } != 0 {
         // Linux before 5.9: each open one, by the list /proc (mounted
         // above) gives.
-        let open: Vec<i32> = step("listing inherited descriptors", std::fs::read_dir("/proc/self/fd"))?
-            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-            .filter(|fd| *fd > LISTEN_FD)
-            .collect();
-        for fd in open {
+        for fd in step("listing inherited descriptors", moat_sys::fds::open_above(LISTEN_FD))? {
             // SAFETY: close(2) of a number this process had open; the
             // listing's own descriptor, gone by now, fails harmlessly.
             unsafe { libc::close(fd) };

@@ -15,16 +15,22 @@ pub fn keep_inherited_descriptors_to_this_process() {
     let done = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) };
     if done != 0 {
         // Linux before 5.11: no flag. Each open descriptor then, one by one.
-        if let Ok(entries) = std::fs::read_dir("/proc/self/fd") {
-            let fds: Vec<i32> =
-                entries.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).filter(|fd| *fd > 2).collect();
-            for fd in fds {
-                // SAFETY: fcntl(F_SETFD) on a descriptor number; one that is
-                // not open (the listing's own, gone by now) fails harmlessly.
-                unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-            }
+        for fd in open_above(2).unwrap_or_default() {
+            // SAFETY: fcntl(F_SETFD) on a descriptor number; one that is
+            // not open (the listing's own, gone by now) fails harmlessly.
+            unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
         }
     }
+}
+
+/// The descriptors this process has open above `lowest`, as `/proc/self/fd`
+/// lists them (the listing's own among them, closed by the time this
+/// returns): for kernels whose `close_range(2)` lacks what a caller needs.
+pub fn open_above(lowest: i32) -> std::io::Result<Vec<i32>> {
+    Ok(std::fs::read_dir("/proc/self/fd")?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|fd| *fd > lowest)
+        .collect())
 }
 
 #[cfg(test)]

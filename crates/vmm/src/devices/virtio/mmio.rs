@@ -19,6 +19,8 @@ use crate::devices::IrqLine;
 use crate::devices::bus::BusDevice;
 
 const MAGIC_VALUE: u32 = 0x7472_6976; // "virt"
+/// The queues whose passes [`MmioTransport::come_back_for_the_rest`] tracks.
+const TRACKED_QUEUES: usize = 8;
 const VERSION: u32 = 2;
 /// "MOAT", as the vendor id.
 const VENDOR_ID: u32 = 0x5441_4f4d;
@@ -155,8 +157,15 @@ impl MmioTransport {
     }
 
     /// Where each queue's device will take its next chain.
-    fn next_avail(&self) -> Vec<u16> {
-        self.queues.iter().map(QueueT::next_avail).collect()
+    /// (An array, not a `Vec`: this runs at every notification. moat's
+    /// devices have at most three queues; any past [`TRACKED_QUEUES`] would
+    /// only not be resumed early.)
+    fn next_avail(&self) -> [u16; TRACKED_QUEUES] {
+        let mut at = [0; TRACKED_QUEUES];
+        for (at, queue) in at.iter_mut().zip(&self.queues) {
+            *at = queue.next_avail();
+        }
+        at
     }
 
     /// Signals again the eventfd of each queue whose device served a whole
@@ -165,12 +174,11 @@ impl MmioTransport {
     /// other events first, then the rest of this queue.
     fn come_back_for_the_rest(&self, before: &[u16]) {
         for ((queue, event), before) in self.queues.iter().zip(&self.queue_evts).zip(before) {
-            let served = queue.next_avail().wrapping_sub(*before);
-            let more = queue
-                .avail_idx(&*self.mem, std::sync::atomic::Ordering::Acquire)
-                .is_ok_and(|avail| avail.0 != queue.next_avail());
-            if served >= queue.size()
-                && more
+            // The ring is read only for a queue that used its whole share.
+            if queue.next_avail().wrapping_sub(*before) >= queue.size()
+                && queue
+                    .avail_idx(&*self.mem, std::sync::atomic::Ordering::Acquire)
+                    .is_ok_and(|avail| avail.0 != queue.next_avail())
                 && let Err(e) = event.write(1)
             {
                 crate::guest_triggered!(
