@@ -81,6 +81,11 @@ struct JailArgs {
     id_base: u32,
     #[arg(long, default_value_t = 65536)]
     id_count: u32,
+    /// Host uid/gid the image's files are owned from, where it is not
+    /// --id-base (as root): the root is shown shifted through an idmapped
+    /// mount.
+    #[arg(long, conflicts_with = "rootless")]
+    image_id_base: Option<u32>,
     /// Bound of what the sandbox writes to its root, in MiB.
     #[arg(long)]
     disk_mib: u64,
@@ -188,6 +193,7 @@ fn run_jail(args: &JailArgs) -> ExitCode {
         hostname: args.hostname.clone(),
         id_base: args.id_base,
         id_count: args.id_count,
+        image_id_base: args.image_id_base,
         disk_mib: args.disk_mib,
         cgroups: args.cgroup.clone(),
         cgroups_on_stdin: args.cgroups_on_stdin,

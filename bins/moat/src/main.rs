@@ -537,7 +537,21 @@ fn doctor(image_name: &str) -> ExitCode {
     );
     let user = moat_core::hostuser::HostUser::current();
     let who = match (&user.ids, user.jail_problem()) {
-        _ if user.is_root() => "root (jails map host ids from 2000000000)".to_owned(),
+        _ if user.is_root() => {
+            let rootfs = moat_core::image::data_dir().join("images").join(image_name).join("rootfs");
+            match moat_core::backend::ids::shared_because(&rootfs) {
+                None => format!(
+                    "root (each jail maps a host id range of its own, 65536 ids from {} + n × 65536, leased in {})",
+                    moat_core::image::JAIL_ID_BASE,
+                    moat_core::backend::ids::LEASES
+                ),
+                Some(why) => format!(
+                    "root (every jail maps host ids from {}, so sandboxes share the kernel's per-user budgets, \
+                     inotify instances and the like: {why})",
+                    moat_core::image::JAIL_ID_BASE
+                ),
+            }
+        }
         (_, Some(problem)) => format!("{} (rootless): jails cannot start: {problem}", user.display_name()),
         (Some((uids, gids)), None) => format!(
             "{} (rootless): jails map subordinate uids from {} and gids from {}",

@@ -48,6 +48,11 @@ pub struct JailSpec {
     /// Host uid/gid of sandbox id 0.
     pub id_base: u32,
     pub id_count: u32,
+    /// Host uid/gid the image's files are owned from, where it is not
+    /// `id_base` (root's jails each map a range of their own; the image's
+    /// is one): the lower layer is then an idmapped mount of `rootfs`
+    /// (`moat_sys::idmap`) showing them from `id_base`. Never rootless.
+    pub image_id_base: Option<u32>,
     /// The size bound of everything the sandbox writes to its root.
     pub disk_mib: u64,
     /// `cgroup.procs` files to join before the sandbox starts.
@@ -838,8 +843,24 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
             nix::sys::stat::Mode::empty(),
         )
     };
+    // Owned from another range than the jail's: shown in the jail's
+    // through an idmapped bind mount, itself in the tmpfs (the sandbox's
+    // root, pivoted to, leaves it behind with the rest of the host's).
+    let lower = match spec.image_id_base.filter(|image| *image != spec.id_base) {
+        Some(from) => {
+            let shifted = disk.join("lower");
+            step("creating the shifted image's mount point", std::fs::create_dir(&shifted))?;
+            let shift = moat_sys::idmap::Shift { from, to: spec.id_base, count: spec.id_count };
+            step(
+                "mounting the image shifted to the jail's ids",
+                moat_sys::idmap::mount_shifted(&spec.rootfs, &shifted, shift),
+            )?;
+            shifted
+        }
+        None => spec.rootfs.clone(),
+    };
     let layers = [
-        step("opening the image's rootfs", open_path(&spec.rootfs))?,
+        step("opening the image's rootfs", open_path(&lower))?,
         step("opening the overlay's upper directory", open_path(&upper))?,
         step("opening the overlay's work directory", open_path(&work))?,
     ];

@@ -699,10 +699,12 @@ async fn a_descriptor_moat_inherited_never_reaches_a_command() {
 /// each level up; a sandbox whose namespace host root owned could take
 /// all 128 inotify instances root has by default, and systemd's, udev's
 /// and every root process's next one would fail. The sandbox's namespace
-/// is owned by the uid its root maps to, so root's budget is untouched.
+/// is owned by the uid its root maps to, so root's budget is untouched;
+/// and as each of root's jails maps its own range, another sandbox's is
+/// too.
 #[tokio::test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
-async fn a_sandbox_spends_none_of_host_roots_kernel_budgets() {
+async fn a_sandbox_spends_no_one_elses_kernel_budgets() {
     if backend() != moat_core::BackendKind::Jail || !nix::unistd::geteuid().is_root() {
         return;
     }
@@ -733,6 +735,40 @@ async fn a_sandbox_spends_none_of_host_roots_kernel_budgets() {
     // Root here is one of host root's processes: it still gets one.
     let root = nix::sys::inotify::Inotify::init(nix::sys::inotify::InitFlags::IN_CLOEXEC);
     assert!(root.is_ok(), "host root has no inotify instance left while a sandbox holds {held}: {root:?}");
+    // So does another sandbox, whose ids are a host range of their own
+    // where the image's file system can be idmapped (root's jails, see
+    // moat_core::backend::ids), and it sees the image's files as its own.
+    let image = moat.data_dir().join("images/default/rootfs");
+    if moat_core::backend::ids::shared_because(&image).is_none() {
+        let other = moat.create(small()).await.expect("a second sandbox");
+        let (out, code) = sh(
+            &moat,
+            &other.id,
+            "python3 -c 'import ctypes; print(ctypes.CDLL(None).inotify_init1(0) >= 0)'; \\
+             stat -c '%u:%g' /etc/passwd /usr/bin; cat /proc/self/uid_map",
+        )
+        .await;
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(code, Some(0), "{out}");
+        assert_eq!(
+            lines.first(),
+            Some(&"True"),
+            "a second sandbox got no inotify instance while the first holds {held}: {out}"
+        );
+        assert_eq!(lines.get(1..3), Some(&["0:0", "0:0"][..]), "the image's files are not sandbox root's: {out}");
+        // Root changes an image file: the copy is root's too.
+        let mut copy_up = ExecRequest::shell("echo copied >> /etc/issue && stat -c '%u:%g' /etc/issue");
+        copy_up.user = Some("root".into());
+        let copied = moat.run(&other.id, copy_up).await.expect("runs");
+        assert_eq!(String::from_utf8_lossy(&copied.stdout).trim(), "0:0", "{copied:?}");
+        let (first_map, _) = sh(&moat, &sandbox.id, "cat /proc/self/uid_map").await;
+        let host_id = |map: &str| map.split_whitespace().nth(1).map(str::to_owned);
+        assert_ne!(
+            host_id(&first_map),
+            host_id(lines.get(3).copied().unwrap_or_default()),
+            "two sandboxes map the same host ids"
+        );
+    }
     // And the sandbox's owner is the uid its root maps to, not host root.
     let monitor = moat.host_pid(&sandbox.id).expect("monitor");
     let children = std::fs::read_to_string(format!("/proc/{monitor}/task/{monitor}/children")).expect("children");

@@ -7,7 +7,10 @@
 //!   directory descriptors, at any depth.
 //! - [`fds`]: descriptors inherited from whatever started a moat process,
 //!   kept from the programs it starts.
+//! - [`idmap`]: an image's tree mounted with its owners moved into a
+//!   jail's id range, and whether this host can.
 
 pub mod cgroupfs;
 pub mod fds;
+pub mod idmap;
 pub mod pidfd;

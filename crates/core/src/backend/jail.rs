@@ -53,6 +53,9 @@ pub struct Jail {
     state: Option<StateDir>,
     cgroup: Option<Cgroup>,
     socket: PathBuf,
+    /// Root's lease of the jail's host ids (see `ids`), released after
+    /// [`Jail::stop`], once nothing of the jail runs as them.
+    _ids: Option<super::ids::Lease>,
 }
 
 impl JailBackend {
@@ -230,7 +233,7 @@ impl Backend for JailBackend {
             return Err(refused(problem));
         }
         let root = crate::hostuser::Range { start: JAIL_ID_BASE, count: JAIL_ID_COUNT };
-        let (uids, gids) = self.user.ids.unwrap_or((root, root));
+        let (mut uids, gids) = self.user.ids.unwrap_or((root, root));
         if image.manifest.jail_id_base != uids.start {
             let name = self.user.display_name();
             return Err(refused(format!(
@@ -241,6 +244,16 @@ impl Backend for JailBackend {
                 image.name, image.manifest.jail_id_base, uids.start, image.name
             )));
         }
+        // Root's jails each map a range of their own (see `ids`); the
+        // image's files stay owned from range 0 and the monitor shows them
+        // in the jail's through an idmapped mount.
+        let lease = if self.user.is_root() {
+            let lease = super::ids::lease(&image.path("rootfs")).map_err(refused)?;
+            uids = lease.range;
+            Some(lease)
+        } else {
+            None
+        };
         let state = StateDir::create(data_dir, id).map_err(io("creating its state directory"))?;
         // Disk writes live in a tmpfs charged to the sandbox's memory: the
         // memory limit covers both.
@@ -258,6 +271,9 @@ impl Backend for JailBackend {
             .arg(&self.agent)
             .args(["--hostname", hostname, "--id-base", &uids.start.to_string()])
             .args(["--id-count", &JAIL_ID_COUNT.to_string(), "--disk-mib", &spec.disk_mib.to_string()]);
+        if uids.start != image.manifest.jail_id_base {
+            command.args(["--image-id-base", &image.manifest.jail_id_base.to_string()]);
+        }
         let sweeper = if self.user.is_root() {
             None
         } else {
@@ -297,7 +313,7 @@ impl Backend for JailBackend {
             }
         };
         state.record_monitor(monitor.id()).map_err(io("recording its monitor"))?;
-        let cgroup = match Cgroup::create(&self.cgroups, id, limits, self.user.is_root().then_some(JAIL_ID_BASE)) {
+        let cgroup = match Cgroup::create(&self.cgroups, id, limits, self.user.is_root().then_some(uids.start)) {
             Ok(Some(cgroup)) => Some(cgroup.with_sweeper(sweeper.clone())),
             Ok(None) if crate::limits::allow_unlimited() => None,
             Ok(None) => return Err(self.unlimited_refused(id, monitor, state, "this host has no cgroups")),
@@ -329,7 +345,7 @@ impl Backend for JailBackend {
         }
         let socket = state.path.join(moat_agent_socket());
         let ready = monitor.stdout.take();
-        let mut jail = Jail { id: id.into(), monitor, exit, state: Some(state), cgroup, socket };
+        let mut jail = Jail { id: id.into(), monitor, exit, state: Some(state), cgroup, socket, _ids: lease };
         let started = match ready {
             Some(ready) => jail.wait_ready(ready).await,
             None => Err(jail.start_failed("its monitor has no stdout")),

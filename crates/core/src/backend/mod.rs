@@ -12,6 +12,7 @@ use crate::error::{CreateError, IoError};
 use crate::image::Image;
 use crate::sandbox::SandboxSpec;
 
+pub mod ids;
 pub mod jail;
 pub mod machine;
 pub mod passt;
