@@ -119,6 +119,29 @@ async fn file_errors_say_what_went_wrong() {
     let range = ReadFileRequest { path: sparse, offset: 1 << 30, length: Some(4) };
     assert_eq!(client.read_file(range).await.expect("range of a huge file"), vec![0; 4]);
 
+    // A FIFO no one writes to, and a device: refused at once, never
+    // waited on (before, the read of the FIFO never returned).
+    let fifo = agent.path("fifo");
+    nix::unistd::mkfifo(fifo.as_str(), nix::sys::stat::Mode::from_bits_truncate(0o644)).expect("mkfifo");
+    for special in [fifo.as_str(), "/dev/zero"] {
+        let err = tokio::time::timeout(std::time::Duration::from_secs(20), client.read_file(read_req(special)))
+            .await
+            .unwrap_or_else(|_| panic!("reading {special} waited"))
+            .expect_err("not a regular file");
+        assert_eq!(err.kind(), Some(ErrorKind::InvalidRequest), "{err}");
+        assert!(err.to_string().contains("not a regular file") && err.to_string().contains("run_command"), "{err}");
+    }
+    // Archived as what it is, its content never read.
+    let mut one = Vec::new();
+    tokio::time::timeout(std::time::Duration::from_secs(20), client.tar_out(fifo.as_str(), &mut one))
+        .await
+        .expect("archiving a FIFO waited")
+        .expect("a FIFO archived");
+    let mut archive = tar::Archive::new(one.as_slice());
+    let kinds: Vec<tar::EntryType> =
+        archive.entries().expect("entries").map(|e| e.expect("entry").header().entry_type()).collect();
+    assert_eq!(kinds, vec![tar::EntryType::Fifo]);
+
     for bad in ["relative/path", "", "/with\0nul"] {
         assert_eq!(client.stat(bad).await.expect_err(bad).kind(), Some(ErrorKind::InvalidPath), "{bad:?}");
     }

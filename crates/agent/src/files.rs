@@ -31,10 +31,31 @@ where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let path = check_path(&req.path)?;
-    let mut file = tokio::fs::File::open(path).await.map_err(|e| io_error(&req.path, &e))?;
+    // Without waiting: a FIFO with no writer, or a file another process
+    // holds a lease on, would keep open(2) (and the call, and the client's
+    // slot) waiting for as long as the sandbox likes. O_NONBLOCK changes
+    // nothing for a regular file's reads.
+    let mut file = tokio::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .await
+        .map_err(|e| io_error(&req.path, &e))?;
     let meta = file.metadata().await.map_err(|e| io_error(&req.path, &e))?;
     if meta.is_dir() {
         return Err(io_error(&req.path, &io::Error::from_raw_os_error(libc::EISDIR)));
+    }
+    if !meta.is_file() {
+        return Err(WireError::new(
+            ErrorKind::InvalidRequest,
+            format!(
+                "{} is a {}, not a regular file: only regular files are read; run a command to read from it \
+                 (`run_command` with `timeout 5 cat {}`)",
+                req.path,
+                kind_name(&meta),
+                req.path
+            ),
+        ));
     }
     let size = meta.len();
     let available = size.saturating_sub(req.offset);
@@ -66,6 +87,23 @@ where
         conn.send_data(StreamId::Output, buf.split().freeze()).await.map_err(gone)?;
     }
     conn.send(&AgentMsg::End).await.map_err(gone)
+}
+
+/// What a file that is not a regular one is, in words.
+fn kind_name(meta: &Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let kind = meta.file_type();
+    if kind.is_fifo() {
+        "FIFO"
+    } else if kind.is_socket() {
+        "socket"
+    } else if kind.is_char_device() {
+        "character device"
+    } else if kind.is_block_device() {
+        "block device"
+    } else {
+        "special file"
+    }
 }
 
 /// The error for a client that went away; never seen by that client.

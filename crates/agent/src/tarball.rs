@@ -5,6 +5,7 @@
 //! client slows the archiver, memory stays at a few chunks.
 
 use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use bytes::Bytes;
@@ -38,7 +39,36 @@ where
             builder.append_dir_all(".", &root)?;
         } else {
             let name = root.file_name().map_or_else(|| "file".into(), |n| n.to_os_string());
-            builder.append_path_with_name(&root, name)?;
+            // Opened without waiting and without following a link, then
+            // archived as what the descriptor is: a FIFO put in the file's
+            // place after the stat above must not keep open(2) waiting.
+            let opened =
+                std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW).open(&root);
+            let special = match opened {
+                Ok(mut file) => {
+                    let meta = file.metadata()?;
+                    if meta.is_file() {
+                        builder.append_file(&name, &mut file)?;
+                        None
+                    } else {
+                        Some(meta)
+                    }
+                }
+                // A link (O_NOFOLLOW): archived as one, never followed.
+                Err(_) => {
+                    builder.append_path_with_name(&root, &name)?;
+                    None
+                }
+            };
+            // A FIFO, a device, a socket: its header alone, under its
+            // name (the tar crate's own path for these keeps the absolute
+            // path, which archives refuse).
+            if let Some(meta) = special {
+                let mut header = tar::Header::new_gnu();
+                header.set_metadata_in_mode(&meta, tar::HeaderMode::Complete);
+                header.set_size(0);
+                builder.append_data(&mut header, &name, io::empty())?;
+            }
         }
         builder.into_inner()?.flush()
     });
