@@ -80,11 +80,39 @@ pub const ACTED_ON: &[(&str, &str)] = &[
     (".zed", "Zed runs tasks from it"),
     (".devcontainer", "editors build and start containers from it"),
     (".envrc", "direnv runs it"),
+    // git finds a repository by its contents too: a directory holding a
+    // HEAD, `objects` and `refs` is one (a bare one), whatever its name,
+    // and git runs the commands its `config` names there. No HEAD, no
+    // repository.
+    ("HEAD", "git takes a directory holding it, objects and refs for a repository and runs commands its config names"),
+    // Programs a person runs for another reason run these first.
+    ("__pycache__", "Python runs the compiled files in it in place of their sources"),
+    ("sitecustomize.py", "Python imports it at every start"),
+    ("usercustomize.py", "Python imports it at every start"),
+    (".cargo", "cargo runs the runners and compiler wrappers its config names"),
+    ("rust-toolchain", "rustup runs the toolchain at the path it names"),
+    ("rust-toolchain.toml", "rustup runs the toolchain at the path it names"),
+    (".npmrc", "npm runs the shell and Node options it sets"),
+    (".yarnrc", "yarn runs the program its yarn-path names in its own place"),
+    (".yarnrc.yml", "yarn runs the program its yarnPath names in its own place"),
+    (".pnpmfile.cjs", "pnpm runs it at every install"),
 ];
 
-/// What a program on the host does with `name` ([`ACTED_ON`]), if anything.
+/// Name endings programs on the host act on as on [`ACTED_ON`]'s names.
+pub const ACTED_ON_ENDINGS: &[(&str, &str)] =
+    &[(".pth", "Python runs the import lines of every .pth file in site-packages at each start")];
+
+/// What a program on the host does with `name` ([`ACTED_ON`],
+/// [`ACTED_ON_ENDINGS`]), if anything.
 pub fn acted_on(name: &[u8]) -> Option<&'static str> {
-    ACTED_ON.iter().find(|(known, _)| known.as_bytes().eq_ignore_ascii_case(name)).map(|(_, what)| *what)
+    let ends_with = |ending: &str| {
+        name.len() >= ending.len() && name[name.len() - ending.len()..].eq_ignore_ascii_case(ending.as_bytes())
+    };
+    ACTED_ON
+        .iter()
+        .find(|(known, _)| known.as_bytes().eq_ignore_ascii_case(name))
+        .or_else(|| ACTED_ON_ENDINGS.iter().find(|(ending, _)| ends_with(ending)))
+        .map(|(_, what)| *what)
 }
 
 /// What moat keeps free of a host file system it writes a copy or a task

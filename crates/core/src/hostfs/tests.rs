@@ -647,17 +647,45 @@ fn nothing_a_host_program_runs_by_itself_is_written() {
         (b"g/.git", Symlink, b"../sub", b""),
         (b".gitignore", Regular, b"", b"target\n"),
         (b"src/main.rs", Regular, b"", b"fn main() {}\n"),
+        // A bare repository under any name: git runs its config's commands
+        // in it; without its HEAD it is none.
+        (b"bare/objects", Directory, b"", b""),
+        (b"bare/refs", Directory, b"", b""),
+        (b"bare/config", Regular, b"", b"[core]\n\tfsmonitor = touch /tmp/pwned\n\tbare = false\n"),
+        (b"bare/HEAD", Regular, b"", b"ref: refs/heads/main\n"),
+        (b"venv/lib/python3.11/site-packages/zz.PTH", Regular, b"", b"import os; os.system('touch /tmp/pwned')\n"),
+        (b"src/__pycache__/main.cpython-311.pyc", Regular, b"", b"\x00"),
+        (b".cargo/config.toml", Regular, b"", b"[build]\nrustc-wrapper = \"/tmp/w\"\n"),
+        (b"web/.npmrc", Regular, b"", b"node-options=--require /tmp/x.js\n"),
+        // Names that merely look alike are copied.
+        (b"README.HEAD.md", Regular, b"", b"x"),
+        (b"path.pth.txt", Regular, b"", b"x"),
     ]);
     let summary = unpack_into(&f, "out", &archive).expect("unpacks");
-    assert_eq!(summary.files, 2, "{summary:?}");
-    assert_eq!(summary.skipped.len(), 7, "{summary:?}");
+    assert_eq!(summary.files, 5, "{summary:?}");
+    assert_eq!(summary.skipped.len(), 12, "{summary:?}");
     assert!(summary.skipped.iter().any(|s| s.contains(".git/config: moat never writes .git from a sandbox")));
-    for gone in [".git", "sub/.Git", ".claude", "a/.vscode", ".envrc", "g/.git"] {
+    for gone in [
+        ".git",
+        "sub/.Git",
+        ".claude",
+        "a/.vscode",
+        ".envrc",
+        "g/.git",
+        "bare/HEAD",
+        "venv/lib/python3.11/site-packages/zz.PTH",
+        "src/__pycache__",
+        ".cargo",
+        "web/.npmrc",
+    ] {
         assert!(std::fs::symlink_metadata(f.root.join("out").join(gone)).is_err(), "{gone} was written");
     }
     assert!(f.root.join("out/.gitignore").is_file() && f.root.join("out/src/main.rs").is_file());
     assert_eq!(acted_on(b".GiT"), acted_on(b".git"));
     assert_eq!(acted_on(b".github"), None);
+    assert!(acted_on(b"head").is_some() && acted_on(b"x.pth").is_some() && acted_on(b"pth").is_none());
+    refused(f.roots.destination(&f.root.join("proj/site-packages/evil.pth")), "Python runs the import lines");
+    refused(f.roots.destination(&f.root.join("proj/repo.git/HEAD")), "git takes a directory holding it");
 }
 
 #[test]
