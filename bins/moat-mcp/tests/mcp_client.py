@@ -567,6 +567,50 @@ def resumed_after_a_drop(server):
         assert time.monotonic() < deadline, f"the result was never replayed; last: {events!r}"
 
 
+def stateless_call(server, name, arguments):
+    """A tools/call of protocol 2026-07-28 (no session); its result."""
+    import http.client
+    host, port = server.url.split("/")[2].split(":")
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "0"},
+            "io.modelcontextprotocol/clientCapabilities": {}}
+    body = {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+            "params": {"name": name, "arguments": arguments, "_meta": meta}}
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json",
+               "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2026-07-28",
+               "Mcp-Method": "tools/call", "Mcp-Name": name}
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/mcp", json.dumps(body), headers)
+    response = conn.getresponse()
+    raw = response.read().decode()
+    conn.close()
+    assert response.status == 200, (response.status, raw)
+    for line in raw.splitlines():
+        if line.startswith("data:") and line[5:].strip():
+            message = json.loads(line[5:])
+            if message.get("id") == 3:
+                return message["result"]
+    return json.loads(raw)["result"]
+
+
+def stateless_requests_keep_to_one_share(server):
+    """Requests without a session share one scope, and together it owns
+    at most one session's share of places (8 of the default 16): clients
+    that send no session cannot take every place from those that do."""
+    made, refusal = [], None
+    for _ in range(9):
+        result = stateless_call(server, "create_sandbox", {"memory_mib": 128, "disk_mib": 64})
+        if result.get("isError"):
+            refusal = result["content"][0]["text"]
+            break
+        made.append(result["structuredContent"]["sandbox_id"])
+    assert refusal and "MOAT_MAX_SANDBOXES_PER_SESSION=8" in refusal, (made, refusal)
+    owned = stateless_call(server, "list_sandboxes", {})["structuredContent"]["sandboxes"]
+    assert len([s for s in owned if s["state"] != "failed"]) == 8, owned
+    for sandbox_id in made:
+        stateless_call(server, "destroy_sandbox", {"sandbox_id": sandbox_id})
+
+
 def resumed_stateless(server):
     """The same for a request of protocol 2026-07-28, which has no session:
     without the event log the call would be cancelled with its stream."""
@@ -726,6 +770,7 @@ async def http_only(binary, env, server):
     raw_http_answered(server)
     resumed_after_a_drop(server)
     resumed_stateless(server)
+    stateless_requests_keep_to_one_share(server)
 
     # Two sessions: neither sees nor touches the other's sandboxes, and a
     # session's sandboxes end with it.

@@ -135,7 +135,7 @@ pub enum CopyError {
 /// `task_diff`, `task_finish`, `remove_task`.
 #[derive(Debug, thiserror::Error)]
 pub enum TaskError {
-    #[error("No task {id:?}; tasks: {}", if known.is_empty() { "none".to_owned() } else { known.join(", ") })]
+    #[error("No task {id:?} (a task ends with its sandbox: finished, destroyed, expired or failed); tasks in progress: {}", if known.is_empty() { "none".to_owned() } else { known.join(", ") })]
     UnknownTask { id: String, known: Vec<String> },
     #[error("Cannot import the project: {0}")]
     ImportRefused(String),

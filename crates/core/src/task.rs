@@ -151,15 +151,36 @@ pub fn is_git_url(source: &str) -> bool {
         || crate::net::gitssh::SshRemote::parse(source).is_some()
 }
 
-/// Cuts `bytes` to [`LOG_OUTPUT_BYTES`] as text; the flag says whether it cut.
+/// Cuts `bytes` to at most [`LOG_OUTPUT_BYTES`] of text (invalid UTF-8
+/// becomes U+FFFD, three bytes for each byte it replaces, so the text is
+/// cut again, at a character's boundary); the flag says whether it cut.
 pub fn clip(bytes: &[u8]) -> (String, bool) {
-    let cut = bytes.len() > LOG_OUTPUT_BYTES;
-    (String::from_utf8_lossy(&bytes[..bytes.len().min(LOG_OUTPUT_BYTES)]).into_owned(), cut)
+    let mut text = String::from_utf8_lossy(&bytes[..bytes.len().min(LOG_OUTPUT_BYTES)]).into_owned();
+    let mut cut = bytes.len() > LOG_OUTPUT_BYTES;
+    if text.len() > LOG_OUTPUT_BYTES {
+        let mut end = LOG_OUTPUT_BYTES;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        cut = true;
+    }
+    (text, cut)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_output_is_clipped_as_text_whatever_its_bytes() {
+        let (text, cut) = clip(&[0xff; LOG_OUTPUT_BYTES]);
+        assert!(cut && text.len() <= LOG_OUTPUT_BYTES && text.chars().all(|c| c == '\u{fffd}'), "{}", text.len());
+        let (text, cut) = clip(b"short");
+        assert_eq!((text.as_str(), cut), ("short", false));
+        let (text, cut) = clip(&vec![b'a'; LOG_OUTPUT_BYTES + 1]);
+        assert!(cut && text.len() == LOG_OUTPUT_BYTES);
+    }
 
     #[test]
     fn numstat_summaries() {

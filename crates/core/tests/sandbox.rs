@@ -1186,6 +1186,13 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
     let (out, _) = sh(&moat, &task.sandbox_id, "readlink /workspace/escape; head -c 5 /workspace/escape").await;
     assert_eq!(out, "/etc/passwd\nroot:");
     moat.task_finish(&task.id, false).await.expect("finishes");
+    // A task ends with its sandbox, however that ends: nothing of it (its
+    // log of up to 1024 outputs) stays in the server.
+    let task = moat.task_start(p, small()).await.expect("another task");
+    let _ = sh(&moat, &task.sandbox_id, "head -c 4096 /dev/urandom").await;
+    moat.destroy(&task.sandbox_id).await.expect("destroyed");
+    let err = moat.task_diff(&task.id).await.expect_err("its sandbox is gone");
+    assert!(matches!(err, TaskError::UnknownTask { .. }), "{err}");
     let err = moat.task_start(std::path::Path::new("/etc"), small()).await.expect_err("outside the roots");
     assert!(err.to_string().contains("outside the shared directories"), "{err}");
     let via = p.parent().expect("parent").join(format!("via-{}", task.id));

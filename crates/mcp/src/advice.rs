@@ -38,6 +38,19 @@ mod tests {
     }
 
     #[test]
+    fn an_unknown_id_names_no_other_sessions_sandboxes_or_tasks() {
+        let known = vec!["sbx-theirs".to_owned(), "task-theirs".to_owned()];
+        for error in [
+            CoreError::from(SandboxError::UnknownSandbox { id: "sbx-mine".into(), known: known.clone() }),
+            TaskError::Sandbox(SandboxError::UnknownSandbox { id: "sbx-mine".into(), known: known.clone() }).into(),
+            TaskError::UnknownTask { id: "task-mine".into(), known }.into(),
+        ] {
+            let text = crate::tools::ToolError::from(error).0;
+            assert!(text.contains("-mine") && !text.contains("theirs"), "{text}");
+        }
+    }
+
+    #[test]
     fn an_unresponsive_sandbox_is_destroyed_with_destroy_sandbox() {
         let text = shown(SandboxError::Unresponsive { id: "sbx-1".into(), waited_s: 35 });
         assert_eq!(

@@ -59,8 +59,8 @@ pub struct HttpConfig {
     /// conformance suite's fixtures ([`crate::fixtures`]).
     pub fixtures: bool,
     /// The most live sandboxes one session may own
-    /// (`MOAT_MAX_SANDBOXES_PER_SESSION`). The requests without a session,
-    /// which share one scope, are bounded by `MOAT_MAX_SANDBOXES` alone.
+    /// (`MOAT_MAX_SANDBOXES_PER_SESSION`); the requests without a session,
+    /// which share one scope, may own as many together.
     pub sandboxes_per_session: usize,
 }
 
@@ -228,9 +228,10 @@ impl HttpServer {
         }
         let tools = Arc::new(tools);
         let share = self.config.sandboxes_per_session;
-        // Requests without a session (protocol 2026-07-28) share one scope:
-        // it may use every place the server has, as a stdio client does.
-        let sessionless = Arc::new(Scope::new(moat.clone(), false, usize::MAX));
+        // Requests without a session (protocol 2026-07-28) share one scope,
+        // held together to one session's share: clients that send no
+        // session cannot take every place from those that do.
+        let sessionless = Arc::new(Scope::new(moat.clone(), false, share));
         // A session idle this long is closed and its sandboxes destroyed;
         // they would have expired by then anyway (none lives longer than
         // the operator grants).

@@ -21,11 +21,44 @@ struct Owned {
 }
 
 impl Owned {
-    fn take(&mut self, sandbox_id: &str, make_current: bool) {
+    fn take(&mut self, serial: u64, sandbox_id: &str, make_current: bool) {
+        claim(sandbox_id, serial);
         self.sandboxes.insert(sandbox_id.to_owned());
         if make_current {
             self.current = Some(sandbox_id.to_owned());
         }
+    }
+}
+
+/// Which scope owns each sandbox and task id, by the scope's serial: the
+/// latest to adopt an id. Ids are short and random, so one may come back:
+/// a scope still holding the id of a sandbox long gone (expired, failed,
+/// forgotten) must not own another session's new sandbox of the same id.
+/// A scope's own list says what it made; this says whether that is still
+/// it.
+static OWNERS: std::sync::LazyLock<Mutex<std::collections::HashMap<String, u64>>> =
+    std::sync::LazyLock::new(Mutex::default);
+
+/// Each scope's serial, for [`OWNERS`].
+static SERIALS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn owners() -> MutexGuard<'static, std::collections::HashMap<String, u64>> {
+    OWNERS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn claim(id: &str, serial: u64) {
+    owners().insert(id.to_owned(), serial);
+}
+
+fn is_owner(id: &str, serial: u64) -> bool {
+    owners().get(id) == Some(&serial)
+}
+
+/// Lets go of `id` if `serial` still owns it.
+fn release(id: &str, serial: u64) {
+    let mut owners = owners();
+    if owners.get(id) == Some(&serial) {
+        owners.remove(id);
     }
 }
 
@@ -72,6 +105,8 @@ pub struct Scope {
     /// (`MOAT_MAX_SANDBOXES_PER_SESSION` over HTTP; a stdio connection,
     /// the server's only client, may own them all).
     max_sandboxes: usize,
+    /// This scope in [`OWNERS`].
+    serial: u64,
 }
 
 /// A place for one more sandbox of a scope, held from before a create
@@ -92,7 +127,7 @@ impl SandboxPlace<'_> {
         // neither held nor taken.
         let mut owned = self.scope.lock();
         owned.making = owned.making.saturating_sub(1);
-        owned.take(sandbox_id, make_current);
+        owned.take(self.scope.serial, sandbox_id, make_current);
         self.held = false;
     }
 }
@@ -141,7 +176,8 @@ impl Scope {
     /// `max_sandboxes`: the most live sandboxes it may own at once.
     pub fn new(moat: Moat, all_records: bool, max_sandboxes: usize) -> Self {
         let calls = CallGate::new(MAX_CALLS_IN_FLIGHT, "this session", "one session");
-        Self { moat, owned: Mutex::default(), all_records, calls, counted: false, max_sandboxes }
+        let serial = SERIALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self { moat, owned: Mutex::default(), all_records, calls, counted: false, max_sandboxes, serial }
     }
 
     /// The scope of one HTTP session (or of a request served without one,
@@ -188,7 +224,7 @@ impl Scope {
     }
 
     pub fn adopt(&self, sandbox_id: &str, make_current: bool) {
-        self.lock().take(sandbox_id, make_current);
+        self.lock().take(self.serial, sandbox_id, make_current);
     }
 
     pub fn forget(&self, sandbox_id: &str) {
@@ -197,30 +233,37 @@ impl Scope {
         if owned.current.as_deref() == Some(sandbox_id) {
             owned.current = None;
         }
+        release(sandbox_id, self.serial);
     }
 
+    /// Whether `sandbox_id` is this scope's: made here, and no scope made
+    /// another sandbox of that id since ([`OWNERS`]).
     pub fn owns(&self, sandbox_id: &str) -> bool {
-        self.lock().sandboxes.contains(sandbox_id)
+        self.lock().sandboxes.contains(sandbox_id) && is_owner(sandbox_id, self.serial)
     }
 
     pub fn current(&self) -> Option<String> {
-        self.lock().current.clone()
+        self.lock().current.clone().filter(|id| is_owner(id, self.serial))
     }
 
     pub fn sandboxes(&self) -> Vec<String> {
-        self.lock().sandboxes.iter().cloned().collect()
+        self.lock().sandboxes.iter().filter(|id| is_owner(id, self.serial)).cloned().collect()
     }
 
     pub fn adopt_task(&self, task_id: &str) {
+        claim(task_id, self.serial);
         self.lock().tasks.insert(task_id.to_owned());
     }
 
     pub fn forget_task(&self, task_id: &str) {
         self.lock().tasks.remove(task_id);
+        release(task_id, self.serial);
     }
 
+    /// Whether task `task_id` was started here (and is still that task),
+    /// or, on stdio, any task at all.
     pub fn sees_task(&self, task_id: &str) -> bool {
-        self.all_records || self.lock().tasks.contains(task_id)
+        self.all_records || (self.lock().tasks.contains(task_id) && is_owner(task_id, self.serial))
     }
 }
 
@@ -229,7 +272,16 @@ impl Drop for Scope {
         if self.counted {
             LIVE_SCOPES.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         }
-        let ids: Vec<String> = std::mem::take(&mut self.lock().sandboxes).into_iter().collect();
+        let (ids, tasks) = {
+            let mut owned = self.lock();
+            (std::mem::take(&mut owned.sandboxes), std::mem::take(&mut owned.tasks))
+        };
+        // Only what is still this scope's: an id another session's new
+        // sandbox took since is that session's to end.
+        let ids: Vec<String> = ids.into_iter().filter(|id| is_owner(id, self.serial)).collect();
+        for id in ids.iter().chain(&tasks) {
+            release(id, self.serial);
+        }
         if ids.is_empty() {
             return;
         }
@@ -252,6 +304,26 @@ impl Drop for Scope {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_id_that_comes_back_is_owned_by_its_new_scope_alone() {
+        // Serials stand for two scopes (a Scope needs a Moat).
+        let serial = || SERIALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (old, new) = (serial(), serial());
+        let mut stale = Owned::default();
+        stale.take(old, "sbx-00c0ffee", true);
+        assert!(is_owner("sbx-00c0ffee", old));
+        // Another session's create draws the same id.
+        let mut fresh = Owned::default();
+        fresh.take(new, "sbx-00c0ffee", true);
+        assert!(!is_owner("sbx-00c0ffee", old), "the old scope still owns a new sandbox of its id");
+        assert!(is_owner("sbx-00c0ffee", new));
+        // The old scope letting go leaves the new one's claim.
+        release("sbx-00c0ffee", old);
+        assert!(is_owner("sbx-00c0ffee", new));
+        release("sbx-00c0ffee", new);
+        assert!(!is_owner("sbx-00c0ffee", new));
+    }
 
     #[test]
     fn a_session_runs_at_most_its_share_of_calls_at_once() {

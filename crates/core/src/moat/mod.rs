@@ -45,6 +45,10 @@ const RUNTIME_PROBE_MS: u64 = 30_000;
 /// Failed sandboxes kept for `list` at most; the oldest go first.
 const FAILED_KEPT: usize = 64;
 
+/// How many expired sandboxes' ids are kept, to say "expired" rather than
+/// "unknown" when one is named again.
+const EXPIRED_KEPT: usize = 1024;
+
 struct Entry {
     info: Sandbox,
     /// Network parts, dropped before the sandbox: the egress proxy
@@ -380,6 +384,7 @@ impl Moat {
                 None => return Err(self.inner.unknown(id, &sandboxes)),
             }
         };
+        self.inner.end_tasks_of(id);
         tokio::task::spawn_blocking(move || drop(entry)).await.ok();
         Ok(())
     }
@@ -498,6 +503,9 @@ impl Moat {
     pub async fn destroy_all(&self) {
         self.inner.failed().clear();
         let entries: Vec<Entry> = std::mem::take(&mut *self.inner.lock()).into_values().collect();
+        for entry in &entries {
+            self.inner.end_tasks_of(&entry.info.id);
+        }
         let pooled = std::mem::take(&mut *self.inner.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         tokio::task::spawn_blocking(move || drop((entries, pooled))).await.ok();
     }
@@ -687,6 +695,17 @@ impl Inner {
         self.sandboxes.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Forgets the tasks in progress in sandbox `id`, which has ended: a
+    /// task is finished only from its live sandbox, and one kept past it
+    /// would hold its log (up to [`crate::task::LOG_ENTRIES`] outputs)
+    /// for the life of the server.
+    fn end_tasks_of(&self, id: &str) {
+        self.tasks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .retain(|_, (task, _)| task.sandbox_id != id);
+    }
+
     fn failed(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Sandbox>> {
         self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -714,6 +733,7 @@ impl Inner {
             entry
         };
         tracing::warn!(%id, reason = entry.info.failure.as_deref().unwrap_or_default(), "sandbox failed");
+        self.end_tasks_of(id);
         self.failures.notify_waiters();
         // Releasing waits for what is left to die: off the async threads.
         tokio::task::spawn_blocking(move || drop(entry));
@@ -743,7 +763,13 @@ impl Inner {
                 if let Some(entry) = sandboxes.remove(&id) {
                     tracing::info!(%id, "sandbox expired");
                     dead.push(entry);
-                    self.expired.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(id);
+                    self.end_tasks_of(&id);
+                    let mut expired = self.expired.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    // The newest are named as expired; older ids are unknown.
+                    if expired.len() >= EXPIRED_KEPT {
+                        expired.remove(0);
+                    }
+                    expired.push(id);
                 }
             }
             for (id, entry) in sandboxes.iter_mut() {

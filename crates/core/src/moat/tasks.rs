@@ -191,7 +191,7 @@ impl Moat {
                 }
             }
         }
-        let task = Task {
+        let mut task = Task {
             id: new_id().replacen("sbx-", "task-", 1),
             sandbox_id: id,
             source,
@@ -200,11 +200,13 @@ impl Moat {
             files,
             started_at: now(),
         };
-        self.inner
-            .tasks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(task.id.clone(), (task.clone(), Vec::new()));
+        let mut tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Ids are short and random: one in progress is never replaced (its
+        // log would go to, and its diff be read by, another's caller).
+        while tasks.contains_key(&task.id) {
+            task.id = new_id().replacen("sbx-", "task-", 1);
+        }
+        tasks.insert(task.id.clone(), (task.clone(), Vec::new()));
         task
     }
 

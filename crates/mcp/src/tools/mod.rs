@@ -43,6 +43,24 @@ pub(crate) struct ToolError(pub(crate) String);
 
 impl From<CoreError> for ToolError {
     fn from(e: CoreError) -> Self {
+        // Core's words for an unknown id list every live sandbox or task
+        // in progress, other sessions' too: a session is told of its own.
+        match &e {
+            CoreError::Sandbox(SandboxError::UnknownSandbox { id, .. })
+            | CoreError::Task(moat_core::TaskError::Sandbox(SandboxError::UnknownSandbox { id, .. })) => {
+                return Self(format!(
+                    "No sandbox {id:?}: it has ended; create another with create_sandbox (list_sandboxes shows \
+                     this session's)"
+                ));
+            }
+            CoreError::Task(moat_core::TaskError::UnknownTask { id, .. }) => {
+                return Self(format!(
+                    "No task {id:?} in progress: a task ends with its sandbox (finished, destroyed, expired or \
+                     failed); list_sandboxes shows this session's tasks and records"
+                ));
+            }
+            _ => {}
+        }
         let mut message = e.to_string();
         let mut source = std::error::Error::source(&e);
         while let Some(cause) = source {
