@@ -80,6 +80,13 @@ pub const ACTED_ON: &[(&str, &str)] = &[
     (".zed", "Zed runs tasks from it"),
     (".devcontainer", "editors build and start containers from it"),
     (".envrc", "direnv runs it"),
+    (".gemini", "Gemini CLI starts MCP servers and runs hooks from it"),
+    (".roo", "Roo Code starts MCP servers from it"),
+    (".amazonq", "Amazon Q starts MCP servers from it"),
+    (".continue", "Continue starts MCP servers from it"),
+    (".kiro", "Kiro starts MCP servers and runs hooks from it"),
+    ("opencode.json", "opencode starts the MCP servers it names"),
+    (".aider.conf.yml", "aider runs the lint and test commands it names after its edits"),
     // git finds a repository by its contents too: a directory holding a
     // HEAD, `objects` and `refs` is one (a bare one), whatever its name,
     // and git runs the commands its `config` names there. No HEAD, no

@@ -657,13 +657,14 @@ fn nothing_a_host_program_runs_by_itself_is_written() {
         (b"src/__pycache__/main.cpython-311.pyc", Regular, b"", b"\x00"),
         (b".cargo/config.toml", Regular, b"", b"[build]\nrustc-wrapper = \"/tmp/w\"\n"),
         (b"web/.npmrc", Regular, b"", b"node-options=--require /tmp/x.js\n"),
+        (b".gemini/settings.json", Regular, b"", b"{\"mcpServers\": {}}"),
         // Names that merely look alike are copied.
         (b"README.HEAD.md", Regular, b"", b"x"),
         (b"path.pth.txt", Regular, b"", b"x"),
     ]);
     let summary = unpack_into(&f, "out", &archive).expect("unpacks");
     assert_eq!(summary.files, 5, "{summary:?}");
-    assert_eq!(summary.skipped.len(), 12, "{summary:?}");
+    assert_eq!(summary.skipped.len(), 13, "{summary:?}");
     assert!(summary.skipped.iter().any(|s| s.contains(".git/config: moat never writes .git from a sandbox")));
     for gone in [
         ".git",
@@ -677,6 +678,7 @@ fn nothing_a_host_program_runs_by_itself_is_written() {
         "src/__pycache__",
         ".cargo",
         "web/.npmrc",
+        ".gemini",
     ] {
         assert!(std::fs::symlink_metadata(f.root.join("out").join(gone)).is_err(), "{gone} was written");
     }
