@@ -83,6 +83,12 @@ impl DiffSummary {
             };
             summary.files_changed = summary.files_changed.saturating_add(1);
             let named = summary.files.len() < MAX_LISTED;
+            // A sandbox names its files as it likes: a long name is cut.
+            let mut end = path.len().min(MAX_PATH_SHOWN);
+            while !path.is_char_boundary(end) {
+                end -= 1;
+            }
+            let path = if end < path.len() { format!("{}…", &path[..end]) } else { path.to_owned() };
             match (count(added), count(removed)) {
                 (Some(a), Some(r)) => {
                     summary.insertions = summary.insertions.saturating_add(a);
@@ -120,17 +126,48 @@ pub fn tasks_dir(data_dir: &Path) -> PathBuf {
     data_dir.join("tasks")
 }
 
+/// The largest `record.json` read: a summary names at most
+/// [`MAX_LISTED`] paths of at most [`MAX_PATH_SHOWN`] bytes each, far below.
+pub const RECORD_MAX: u64 = 2 << 20;
+
+/// The most of one path a summary keeps, in bytes.
+pub const MAX_PATH_SHOWN: usize = 512;
+
 /// Every retained record, oldest first.
 pub fn records(data_dir: &Path) -> Vec<TaskRecord> {
     let mut records: Vec<TaskRecord> = std::fs::read_dir(tasks_dir(data_dir))
         .into_iter()
         .flatten()
         .filter_map(Result::ok)
-        .filter_map(|e| std::fs::read_to_string(e.path().join("record.json")).ok())
-        .filter_map(|text| serde_json::from_str(&text).ok())
+        .filter_map(|e| read_record(&e.path()))
         .collect();
     records.sort_by_key(|r| r.task.started_at);
     records
+}
+
+/// The record of task `id`, if it is retained.
+pub fn record(data_dir: &Path, id: &str) -> Option<TaskRecord> {
+    let valid = id.starts_with("task-") && id.len() <= 32 && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+    valid.then(|| read_record(&tasks_dir(data_dir).join(id))).flatten()
+}
+
+/// A record directory's `record.json`: a regular file of at most
+/// [`RECORD_MAX`] bytes, read without following a link.
+fn read_record(dir: &Path) -> Option<TaskRecord> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(dir.join("record.json"))
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() || meta.len() > RECORD_MAX {
+        return None;
+    }
+    let mut text = String::new();
+    file.take(RECORD_MAX).read_to_string(&mut text).ok()?;
+    serde_json::from_str(&text).ok()
 }
 
 /// Removes a record and its patch and log.
@@ -190,6 +227,22 @@ mod tests {
         // A name with a newline or a tab is one name.
         let s = DiffSummary::from_numstat("1\t0\ta\nb\tc.txt\u{0}");
         assert_eq!((s.files_changed, s.files[0].as_str()), (1, "a\nb\tc.txt (+1 -0)"));
+    }
+
+    #[test]
+    fn a_record_too_large_or_not_a_file_is_not_read() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let dir = tasks_dir(data.path()).join("task-big");
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::File::create(dir.join("record.json")).and_then(|f| f.set_len(RECORD_MAX + 1)).expect("big");
+        assert!(record(data.path(), "task-big").is_none());
+        let fifo = tasks_dir(data.path()).join("task-fifo");
+        std::fs::create_dir_all(&fifo).expect("mkdir");
+        nix::unistd::mkfifo(&fifo.join("record.json"), nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("fifo");
+        assert!(records(data.path()).is_empty(), "a FIFO was waited on or a huge record read");
+        assert!(record(data.path(), "../x").is_none());
+        let s = DiffSummary::from_numstat(&format!("1\t0\t{}\0", "é".repeat(MAX_PATH_SHOWN)));
+        assert!(s.files[0].len() < MAX_PATH_SHOWN + 32 && s.files[0].ends_with("… (+1 -0)"), "{}", s.files[0]);
     }
 
     #[test]

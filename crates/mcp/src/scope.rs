@@ -260,6 +260,12 @@ impl Scope {
         release(task_id, self.serial);
     }
 
+    /// The tasks this scope started, or `None` where it sees every
+    /// record (stdio).
+    pub fn task_ids(&self) -> Option<Vec<String>> {
+        (!self.all_records).then(|| self.lock().tasks.iter().cloned().collect())
+    }
+
     /// Whether task `task_id` was started here (and is still that task),
     /// or, on stdio, any task at all.
     pub fn sees_task(&self, task_id: &str) -> bool {

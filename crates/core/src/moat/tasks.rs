@@ -303,6 +303,11 @@ impl Moat {
         task::records(&self.inner.config.data_dir)
     }
 
+    /// The retained record of task `task_id`, if there is one.
+    pub fn task_record(&self, task_id: &str) -> Option<TaskRecord> {
+        task::record(&self.inner.config.data_dir, task_id)
+    }
+
     pub fn remove_task(&self, task_id: &str) -> Result<(), TaskError> {
         task::remove_record(&self.inner.config.data_dir, task_id)
     }

@@ -192,9 +192,16 @@ fn list_sandboxes(server: &Session<'_>) -> Value {
             value
         })
         .collect();
-    let tasks: Vec<Value> = server
-        .moat
-        .task_records()
+    // A session reads its own records only, not every record on the host.
+    let records = match server.scope.task_ids() {
+        None => server.moat.task_records(),
+        Some(ids) => {
+            let mut mine: Vec<_> = ids.iter().filter_map(|id| server.moat.task_record(id)).collect();
+            mine.sort_by_key(|r| r.task.started_at);
+            mine
+        }
+    };
+    let tasks: Vec<Value> = records
         .iter()
         .filter(|r| server.scope.sees_task(&r.task.id))
         .map(|r| {
