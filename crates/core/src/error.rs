@@ -85,9 +85,10 @@ pub enum SandboxError {
     )]
     Failed { id: String, reason: String },
     #[error(
-        "Sandbox {id} did not answer for {waited_s} s, {} s past its command's timeout: its agent or kernel is \
-         stuck. Destroy it and create another",
-        crate::timing::ANSWER_GRACE.as_secs()
+        "Sandbox {id} did not answer for {waited_s} s (a command gets {} s past its own timeout, any other call \
+         {} s): its agent or kernel is stuck. Destroy it and create another",
+        crate::timing::ANSWER_GRACE.as_secs(),
+        crate::moat::AGENT_CALL_GUARD.as_secs()
     )]
     Unresponsive { id: String, waited_s: u64 },
     /// Python's session for `run_code` could not start or be reached.

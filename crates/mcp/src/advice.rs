@@ -55,8 +55,8 @@ mod tests {
         let text = shown(SandboxError::Unresponsive { id: "sbx-1".into(), waited_s: 35 });
         assert_eq!(
             text,
-            "Sandbox sbx-1 did not answer for 35 s, 30 s past its command's timeout: its agent or kernel is stuck. \
-             Destroy it (destroy_sandbox) and create another"
+            "Sandbox sbx-1 did not answer for 35 s (a command gets 30 s past its own timeout, any other call 300 s): \
+             its agent or kernel is stuck. Destroy it (destroy_sandbox) and create another"
         );
     }
 

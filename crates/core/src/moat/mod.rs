@@ -45,6 +45,24 @@ const RUNTIME_PROBE_MS: u64 = 30_000;
 /// Failed sandboxes kept for `list` at most; the oldest go first.
 const FAILED_KEPT: usize = 64;
 
+/// `call`'s outcome, or [`SandboxError::Unresponsive`] once `guard` has
+/// passed without one.
+async fn within_guard<T>(
+    id: &str,
+    guard: Duration,
+    call: impl Future<Output = Result<T, moat_proto::ProtoError>>,
+) -> Result<Result<T, moat_proto::ProtoError>, SandboxError> {
+    tokio::time::timeout(guard, call)
+        .await
+        .map_err(|_| SandboxError::Unresponsive { id: id.into(), waited_s: guard.as_secs() })
+}
+
+/// The longest one file call to an agent ([`Moat::with_agent`]: a read or
+/// write of at most a message's 16 MiB, a listing, a move, a removal) may
+/// take: far past what any takes, even a recursive removal in a microVM of
+/// the nested test host.
+pub const AGENT_CALL_GUARD: Duration = Duration::from_secs(300);
+
 /// How many expired sandboxes' ids are kept, to say "expired" rather than
 /// "unknown" when one is named again.
 const EXPIRED_KEPT: usize = 1024;
@@ -398,7 +416,11 @@ impl Moat {
     }
 
     /// Runs `op` with a client of sandbox `id`'s agent (see [`Moat::client`]);
-    /// its errors as [`Moat::agent_error`] says.
+    /// its errors as [`Moat::agent_error`] says. An agent that has not
+    /// answered within [`AGENT_CALL_GUARD`] is [`SandboxError::Unresponsive`]:
+    /// a microVM's guest may replace its agent with one that never
+    /// answers, and the caller's call (and its place among a session's
+    /// calls) must not wait for ever.
     pub async fn with_agent<T, F>(
         &self,
         id: &str,
@@ -408,7 +430,7 @@ impl Moat {
         F: Future<Output = Result<T, moat_proto::ProtoError>>,
     {
         let client = self.client(id)?;
-        match op(client).await {
+        match within_guard(id, AGENT_CALL_GUARD, op(client)).await? {
             Ok(value) => Ok(value),
             Err(source) => Err(self.agent_error(id, source).await),
         }
@@ -851,5 +873,32 @@ impl Drop for Reservation<'_> {
         let mut reserved = self.inner.reserved();
         reserved.0 = reserved.0.saturating_sub(1);
         reserved.1 = reserved.1.saturating_sub(self.mib);
+    }
+}
+
+#[cfg(test)]
+mod guard_tests {
+    use super::*;
+
+    /// An agent that takes the connection and never answers (a microVM's
+    /// guest can put one in its agent's place): the call ends at the guard.
+    #[tokio::test(start_paused = true)]
+    async fn an_agent_that_never_answers_is_unresponsive_at_the_guard() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("agent.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+        let silent = tokio::spawn(async move {
+            let (conn, _) = listener.accept().await.expect("accept");
+            std::future::pending::<()>().await;
+            drop(conn);
+        });
+        let client = AgentClient::unix(&socket);
+        let guard = Duration::from_secs(300);
+        let started = tokio::time::Instant::now();
+        let err = within_guard("sbx-1", guard, client.stat("/etc")).await.expect_err("never answered");
+        assert!(matches!(err, SandboxError::Unresponsive { waited_s: 300, .. }), "{err}");
+        assert!(err.to_string().contains("did not answer for 300 s"), "{err}");
+        assert_eq!(started.elapsed(), guard);
+        silent.abort();
     }
 }
