@@ -47,7 +47,7 @@ use nix::fcntl::{OFlag, openat};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstat, fstatat};
 
 pub use pack::{PackSummary, file_size, measure, pack};
-pub use unpack::{CopySummary, Limit, Sink, unpack};
+pub use unpack::{CopySummary, Limit, Sink, unpack, unpack_within};
 
 use crate::error::{ConfigError, HostPathError};
 
@@ -726,7 +726,37 @@ pub fn room_left(fd: &impl AsFd) -> Option<u64> {
 #[derive(Debug)]
 pub struct Promise(u64);
 
+/// The most of a file system's room one copy holds at a time (see
+/// [`Destination::limit`]): copies at once share the room, and one that
+/// stalls (a sandbox can make its archive trickle) holds this, not its
+/// whole limit.
+pub const COPY_WINDOW: u64 = 64 << 20;
+
 impl Promise {
+    /// What the share holds now.
+    pub fn held(&self) -> u64 {
+        promises().shares.get(&self.0).map_or(0, |s| s.bytes)
+    }
+
+    /// Holds a new window of at most `ahead` bytes, in place of the one
+    /// held (which its copy has written): what the file system of `fd` has
+    /// left beside every other share, up to `ahead`, or `ahead` where the
+    /// room cannot be asked. Returns what is held now.
+    pub fn renew(&self, fd: &impl AsFd, ahead: u64) -> u64 {
+        let room = room(fd);
+        let mut promises = promises();
+        let Some(device) = promises.shares.get(&self.0).map(|s| s.device) else { return 0 };
+        if let Some(share) = promises.shares.get_mut(&self.0) {
+            share.bytes = 0;
+        }
+        let others = promises.on(device);
+        let granted = room.map_or(ahead, |r| r.saturating_sub(others).min(ahead));
+        if let Some(share) = promises.shares.get_mut(&self.0) {
+            share.bytes = granted;
+        }
+        granted
+    }
+
     /// The share is filled by `file` (a microVM's sparse overlay): from now
     /// on only what it may still write is held, since what it has written
     /// is already gone from the file system's free space.
@@ -761,8 +791,10 @@ pub fn promise_room(fd: &impl AsFd, bytes: u64) -> Result<Promise, u64> {
 impl Destination {
     /// What one copy here may write: the copy limit, or less where the
     /// file system's free space beyond its [`disk_reserve`], less what is
-    /// promised there ([`room_left`]), is less. The share is held until
-    /// the [`Promise`] is dropped.
+    /// promised there ([`room_left`]), is less. The share, held until the
+    /// [`Promise`] is dropped, is the first [`COPY_WINDOW`] of it:
+    /// [`unpack_within`] holds the next as the copy goes, so that copies
+    /// stalled at once hold a window each, not every limit.
     pub fn limit(&self, copy_limit: u64) -> (Limit, Promise) {
         let (room, device) = (room(&self.parent), device(&self.parent));
         let mut promises = promises();
@@ -770,7 +802,7 @@ impl Destination {
             Some(left) if left < copy_limit => Limit { bytes: left, by_disk: true },
             _ => Limit::from(copy_limit),
         };
-        let promise = promises.add(device, limit.bytes);
+        let promise = promises.add(device, limit.bytes.min(COPY_WINDOW));
         (limit, promise)
     }
 

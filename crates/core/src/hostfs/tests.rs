@@ -730,15 +730,23 @@ fn a_copy_never_takes_the_space_the_disk_keeps_free() {
     assert_eq!(dest.limit(1).0.bytes, 1);
     let (all, share) = dest.limit(u64::MAX);
     assert!(all.by_disk && all.bytes <= room, "{all:?} of {room}");
-    // Copies at once share the room: while the first holds it all, the
-    // next gets none, and it comes back when the first ends.
+    // Copies at once share the room a window at a time: the first holds
+    // its first window, the next sees the rest.
+    assert_eq!(share.held(), all.bytes.min(COPY_WINDOW));
     let (next, next_share) = dest.limit(u64::MAX);
-    assert!(next.by_disk && next.bytes < all.bytes / 2 + 4096, "{next:?} beside {all:?}");
+    assert!(next.by_disk && next.bytes + COPY_WINDOW <= all.bytes + slack, "{next:?} beside {all:?}");
+    // As a copy goes it holds its next window from what the others leave:
+    // none while a share holds all the rest, a whole one once it is gone.
+    assert_eq!(share.renew(&dir, 0), 0, "its window written, it holds nothing");
+    let rest = promise_room(&dir, room_left(&dir).expect("asked")).expect("all the rest");
+    assert!(share.renew(&dir, COPY_WINDOW) < MIB, "a window out of room others hold");
+    drop(rest);
+    assert_eq!(share.renew(&dir, COPY_WINDOW), COPY_WINDOW);
     drop((share, next_share));
-    assert!(dest.limit(u64::MAX).0.bytes >= all.bytes / 2, "given back");
+    assert!(dest.limit(u64::MAX).0.bytes + slack >= all.bytes, "given back");
     // A microVM's disk overlay is promised its room the same way: none is
-    // left while a copy holds it all, and what it holds is kept from copies.
-    let (_, everything) = dest.limit(u64::MAX);
+    // left while others hold it all, and what it holds is kept from copies.
+    let everything = promise_room(&dir, room_left(&dir).expect("asked")).expect("all of it");
     assert_eq!(promise_room(&dir, MIB).expect_err("no room left"), 0);
     drop(everything);
     let disk = promise_room(&dir, 64 * MIB).expect("room for a small disk");
@@ -768,5 +776,25 @@ fn a_copy_never_takes_the_space_the_disk_keeps_free() {
     let err = unpack(&archive[..], Sink::Dir(out), Limit { bytes: 4096, by_disk: true }).expect_err("past the room");
     assert!(err.to_string().contains("less free space than moat keeps free (5 % of it, at most 1 GiB)"), "{err}");
     drop(staged);
+    // A copy whose next window finds no room left stops there, before it
+    // writes the entry that would pass it (a header that claims more than
+    // a window, which is never read).
+    let dest = f.roots.destination(&f.root.join("new")).expect("new");
+    let (limit, share) = dest.limit(u64::MAX);
+    share.renew(&dir, 0);
+    let rest = promise_room(&dir, room_left(&dir).expect("asked")).expect("all the rest");
+    let mut big = Vec::new();
+    {
+        let mut builder = tar::Builder::new(&mut big);
+        let mut header = tar::Header::new_gnu();
+        header.set_size(COPY_WINDOW + MIB);
+        header.set_mode(0o644);
+        header.set_entry_type(tar::EntryType::Regular);
+        builder.append_data(&mut header, "big", std::io::empty()).ok();
+    }
+    let (staged, out) = dest.stage_dir().expect("staged");
+    let err = unpack_within(&big[..], Sink::Dir(out), limit, Some(&share)).expect_err("no window left");
+    assert!(err.to_string().contains("less free space than moat keeps free"), "{err}");
+    drop((staged, rest, share));
     assert!(!f.root.join("new").exists(), "nothing of it kept");
 }

@@ -141,7 +141,23 @@ fn too_large(limit: Limit, shown: &str, size: u64) -> HostPathError {
 /// data and entries pass `limit` bytes (each entry, and each directory its
 /// name makes, counts [`ENTRY_COST`] beyond its data and name).
 pub fn unpack(input: impl Read, sink: Sink, limit: impl Into<Limit>) -> Result<CopySummary, HostPathError> {
+    unpack_within(input, sink, limit, None)
+}
+
+/// [`unpack`], holding the host file system's room through `window` (see
+/// [`Destination::limit`](super::Destination::limit)) a window at a time:
+/// before an entry would pass what the window holds, the window is renewed
+/// from the room left beside every other share; when none is left, the
+/// copy stops as one the disk bounds.
+pub fn unpack_within(
+    input: impl Read,
+    sink: Sink,
+    limit: impl Into<Limit>,
+    window: Option<&super::Promise>,
+) -> Result<CopySummary, HostPathError> {
     let limit = limit.into();
+    // Where the current window ends, in `cost`.
+    let mut held = window.map_or(u64::MAX, super::Promise::held);
     let allowance = std::rc::Rc::new(std::cell::Cell::new(METADATA_ALLOWANCE));
     let mut archive = tar::Archive::new(Budget { inner: input, allowance: allowance.clone() });
     let broken = |e: std::io::Error| HostPathError(format!("the sandbox sent a broken archive: {e}"));
@@ -162,9 +178,27 @@ pub fn unpack(input: impl Read, sink: Sink, limit: impl Into<Limit>) -> Result<C
         let link = entry.link_name_bytes().map(std::borrow::Cow::into_owned);
         let shown = shown(&name);
         let named = (name.len() + link.as_ref().map_or(0, Vec::len)) as u64;
+        let before = cost;
         cost = cost.saturating_add(ENTRY_COST).saturating_add(size).saturating_add(named);
         if cost > limit.bytes {
             return Err(too_large(limit, &shown, size));
+        }
+        if let Some(window) = window
+            && cost > held
+        {
+            // What was held is written (or counted): hold the next window,
+            // at least this entry's worth.
+            let fd = match (&dir, &file) {
+                (Some(dir), _) => dir.as_fd(),
+                (None, Some(file)) => file.as_fd(),
+                (None, None) => return Err(HostPathError("the copy has nowhere to go".into())),
+            };
+            let needed = cost - before;
+            let granted = window.renew(&fd, needed.max(super::COPY_WINDOW));
+            if granted < needed {
+                return Err(too_large(Limit { bytes: before, by_disk: true }, &shown, size));
+            }
+            held = before.saturating_add(granted);
         }
         let kind = entry.header().entry_type();
         // Permission bits, never set-id or sticky, never writable by others;

@@ -207,7 +207,7 @@ impl Moat {
 
     async fn copy_out(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<CopySummary, CopyError> {
         let dest = self.inner.host.destination(host)?;
-        let (limit, _share) = dest.limit(self.inner.host.copy_limit());
+        let (limit, share) = dest.limit(self.inner.host.copy_limit());
         let client = self.client(id)?;
         let agent = |source| SandboxError::Agent { id: id.into(), source };
         let info = client.stat(sandbox_path).await.map_err(agent)?;
@@ -228,7 +228,8 @@ impl Moat {
         let moved = Arc::new(AtomicU64::new(0));
         let received = Counted { inner: std::fs::File::from(read), moved: moved.clone() };
         let unpacker = tokio::task::spawn_blocking(move || {
-            hostfs::unpack(std::io::BufReader::with_capacity(64 << 10, received), sink, limit)
+            let input = std::io::BufReader::with_capacity(64 << 10, received);
+            hostfs::unpack_within(input, sink, limit, Some(&share))
         });
         let downloaded = unless_stalled(&moved, COPY_STALL, client.tar_out(sandbox_path, &mut sender)).await;
         // The unpacker reads to the end of the archive; closing our end ends
