@@ -54,15 +54,18 @@ where
                         Some(meta)
                     }
                 }
-                // A link (O_NOFOLLOW): archived as one, never followed.
+                // A link (O_NOFOLLOW, ELOOP): archived as one, never
+                // followed; a socket (ENXIO): refused by the tar crate.
                 Err(_) => {
                     builder.append_path_with_name(&root, &name)?;
                     None
                 }
             };
-            // A FIFO, a device, a socket: its header alone, under its
-            // name (the tar crate's own path for these keeps the absolute
-            // path, which archives refuse).
+            // A FIFO or a device: its header alone, under its name (the
+            // tar crate's own path for these keeps the absolute path,
+            // which archives refuse). A socket cannot be opened (ENXIO)
+            // and is refused by the tar crate above, as tar has no type
+            // for it.
             if let Some(meta) = special {
                 let mut header = tar::Header::new_gnu();
                 header.set_metadata_in_mode(&meta, tar::HeaderMode::Complete);

@@ -309,9 +309,10 @@ impl Cgroup {
     /// is still in them (a process the pid namespace's end has not taken
     /// yet, or one frozen by a command's kill that never finished) is
     /// thawed, killed and waited for.
-    pub fn remove(&self) {
+    /// Whether every tree went (and every process in them with it).
+    pub fn remove(&self) -> bool {
         let dirs: Vec<&Path> = self.dirs.iter().map(|(_, d)| d.as_path()).collect();
-        remove_trees(&dirs, self.sweeper.as_deref());
+        remove_trees(&dirs, self.sweeper.as_deref())
     }
 
     /// Removes the cgroups of sandbox `id` left by a dead owner.
@@ -323,8 +324,9 @@ impl Cgroup {
 }
 
 /// Thaws, empties and removes the sandbox cgroups `dirs` (one per
-/// hierarchy); what the user may not remove is left to `sweeper`.
-fn remove_trees(dirs: &[&Path], sweeper: Option<&Sweeper>) {
+/// hierarchy); what the user may not remove is left to `sweeper`. Whether
+/// all went.
+fn remove_trees(dirs: &[&Path], sweeper: Option<&Sweeper>) -> bool {
     // Every tree is thawed before any is emptied: a process frozen in
     // the freezer's hierarchy holds its cgroups in the others. One
     // refused is for the sweeper (or, first, the jail's keeper).
@@ -343,13 +345,15 @@ fn remove_trees(dirs: &[&Path], sweeper: Option<&Sweeper>) {
     {
         let trees: Vec<&Path> = left.iter().map(|(dir, _)| *dir).collect();
         match sweeper.run(&trees) {
-            Ok(()) => return,
+            Ok(()) => return true,
             Err(why) => tracing::warn!("moat-agent cgroup-sweep could not remove a sandbox's cgroups: {why}"),
         }
     }
+    let all = left.is_empty();
     for (dir, e) in left {
         tracing::warn!(dir = %dir.display(), "could not remove a sandbox cgroup: {e}");
     }
+    all
 }
 
 /// How long the sweeper may take: its own guard on emptying the trees,

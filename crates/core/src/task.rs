@@ -127,8 +127,10 @@ pub fn tasks_dir(data_dir: &Path) -> PathBuf {
 }
 
 /// The largest `record.json` read: a summary names at most
-/// [`MAX_LISTED`] paths of at most [`MAX_PATH_SHOWN`] bytes each, far below.
-pub const RECORD_MAX: u64 = 2 << 20;
+/// [`MAX_LISTED`] paths of at most [`MAX_PATH_SHOWN`] bytes each, which
+/// JSON escapes to at most six bytes each (a control byte as `\u00XX`):
+/// about 3 MiB.
+pub const RECORD_MAX: u64 = 8 << 20;
 
 /// The most of one path a summary keeps, in bytes.
 pub const MAX_PATH_SHOWN: usize = 512;

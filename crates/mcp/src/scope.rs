@@ -197,6 +197,25 @@ impl Scope {
         // The scope's lock, then the Moat's (in `get`): the Moat never
         // calls back into a scope, so the two are always taken in this order.
         let mut owned = self.lock();
+        // Ids of sandboxes that ended, or that another scope's sandbox took
+        // since, go: they are no one's here (a failed one stays listed
+        // until destroyed), and a scope that never ends (stdio, requests
+        // without a session) would keep them for the server's life.
+        let serial = self.serial;
+        owned.sandboxes.retain(|id| {
+            let keep = is_owner(id, serial)
+                && !matches!(
+                    self.moat.get(id),
+                    Err(moat_core::SandboxError::UnknownSandbox { .. } | moat_core::SandboxError::Expired(_))
+                );
+            if !keep {
+                release(id, serial);
+            }
+            keep
+        });
+        if owned.current.as_ref().is_some_and(|id| !owned.sandboxes.contains(id)) {
+            owned.current = None;
+        }
         let live = owned.sandboxes.iter().filter(|id| self.moat.get(id).is_ok()).count();
         if live + owned.making >= self.max_sandboxes {
             return Err(format!(

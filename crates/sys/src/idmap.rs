@@ -80,10 +80,40 @@ fn kernel_version(release: &str) -> (u32, u32) {
 }
 
 /// Mounts `tree` at `target` (an existing directory), read-only, with its
-/// owners shifted. Needs host root. The user namespace the mapping needs
-/// comes from a clone of the calling thread that runs only close(2) and
-/// read(2), so any caller may use it.
+/// owners shifted. Needs host root.
 pub fn mount_shifted(tree: &Path, target: &Path, shift: Shift) -> io::Result<()> {
+    let detached = shifted_tree(tree, shift)?;
+    let empty = c"";
+    let target = path_c(target)?;
+    // SAFETY: move_mount(2) of the detached mount we own onto a
+    // NUL-terminated path; it reads both and writes nothing of ours.
+    let moved = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            detached.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_FDCWD,
+            target.as_ptr(),
+            libc::MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    };
+    if moved != 0 {
+        return Err(with_context(io::Error::last_os_error(), "move_mount"));
+    }
+    Ok(())
+}
+
+/// Whether an idmapped mount of `tree` shifted by `shift` can be made
+/// here: made, detached, and dropped, touching no mount namespace.
+pub fn try_shift(tree: &Path, shift: Shift) -> io::Result<()> {
+    shifted_tree(tree, shift).map(drop)
+}
+
+/// A detached, read-only copy of the mount at `tree` with its owners
+/// shifted. The user namespace the mapping needs comes from a clone of the
+/// calling thread that runs only close(2) and read(2) (async-signal-safe),
+/// so a multi-threaded caller may use it too.
+fn shifted_tree(tree: &Path, shift: Shift) -> io::Result<OwnedFd> {
     let userns = mapping_namespace(shift)?;
     let detached = open_tree_clone(tree)?;
     let attr = libc::mount_attr {
@@ -108,23 +138,7 @@ pub fn mount_shifted(tree: &Path, target: &Path, shift: Shift) -> io::Result<()>
     if set != 0 {
         return Err(with_context(io::Error::last_os_error(), "mount_setattr(MOUNT_ATTR_IDMAP)"));
     }
-    let target = path_c(target)?;
-    // SAFETY: move_mount(2) of the detached mount we own onto a
-    // NUL-terminated path; it reads both and writes nothing of ours.
-    let moved = unsafe {
-        libc::syscall(
-            libc::SYS_move_mount,
-            detached.as_raw_fd(),
-            empty.as_ptr(),
-            libc::AT_FDCWD,
-            target.as_ptr(),
-            libc::MOVE_MOUNT_F_EMPTY_PATH,
-        )
-    };
-    if moved != 0 {
-        return Err(with_context(io::Error::last_os_error(), "move_mount"));
-    }
-    Ok(())
+    Ok(detached)
 }
 
 fn with_context(e: io::Error, what: &str) -> io::Error {
@@ -175,9 +189,10 @@ fn mapping_namespace(shift: Shift) -> io::Result<OwnedFd> {
         }
         0
     });
-    // SAFETY: the caller is single-threaded (this module's contract), so
-    // the clone holds no lock another thread owned; it runs only the
-    // closure above, which ends by returning.
+    // SAFETY: the clone is a copy of this process in which only the
+    // calling thread runs, and it runs only the closure above: close(2)
+    // and read(2), async-signal-safe, so no lock another thread held at
+    // the clone is ever needed; it ends by returning.
     let pid =
         unsafe { nix::sched::clone(child, &mut stack, nix::sched::CloneFlags::CLONE_NEWUSER, Some(libc::SIGCHLD)) }?;
     let opened = (|| {

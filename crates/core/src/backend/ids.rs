@@ -45,46 +45,98 @@ pub fn range(n: u32) -> Range {
     Range { start: JAIL_ID_BASE + n * JAIL_ID_COUNT, count: JAIL_ID_COUNT }
 }
 
+impl Lease {
+    /// Keeps the range from every later jail for as long as this process
+    /// lives: what ran as it may not all have ended (its cgroups could not
+    /// be emptied, or there were none), and the next jail of the range
+    /// would share a uid with it.
+    pub fn retire(self) {
+        tracing::warn!(
+            first = self.range.start,
+            "a jail's id range is kept from other jails: not every process of the jail is known to have ended"
+        );
+        if let Some(held) = self._held {
+            RETIRED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(held);
+        }
+    }
+}
+
+/// The locks of retired ranges ([`Lease::retire`]).
+static RETIRED: std::sync::Mutex<Vec<File>> = std::sync::Mutex::new(Vec::new());
+
 /// Why root's jails cannot each have a range of their own on this host,
-/// for an image's tree at `rootfs`; `None` when they can.
+/// for an image's tree at `rootfs`; `None` when they can. Decided by the
+/// kernel's release and the file system's type, then, once per image tree
+/// and process, by making (and dropping) an idmapped mount of it: an LSM,
+/// a container or an already idmapped mount may refuse what the two
+/// promise.
 pub fn shared_because(rootfs: &Path) -> Option<String> {
-    moat_sys::idmap::unsupported(rootfs)
+    if let Some(why) = moat_sys::idmap::unsupported(rootfs) {
+        return Some(why);
+    }
+    static TRIED: std::sync::Mutex<Vec<(std::path::PathBuf, Option<String>)>> = std::sync::Mutex::new(Vec::new());
+    let mut tried = TRIED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((_, why)) = tried.iter().find(|(path, _)| path == rootfs) {
+        return why.clone();
+    }
+    let shift = moat_sys::idmap::Shift { from: JAIL_ID_BASE, to: range(1).start, count: JAIL_ID_COUNT };
+    let why = moat_sys::idmap::try_shift(rootfs, shift)
+        .err()
+        .map(|e| format!("an idmapped mount of {} is refused here ({e})", rootfs.display()));
+    tried.push((rootfs.to_path_buf(), why.clone()));
+    why
 }
 
 /// The lowest range no jail on this host holds, for a jail of the image at
-/// `rootfs`: range 0 for all where the image cannot be idmapped (and
-/// nothing to lock). An error says what stopped the lease.
+/// `rootfs`: range 0 for all where the image cannot be idmapped, shared
+/// (a shared lock on range 0 keeps leases from it while such jails run).
+/// An error says what stopped the lease.
 pub fn lease(rootfs: &Path) -> Result<Lease, String> {
     if let Some(why) = shared_because(rootfs) {
         tracing::debug!("jails share one id range: {why}");
-        return Ok(Lease { range: range(0), _held: None });
+        // Best effort: without the directory, nothing else leases either.
+        let held = open_leases().ok().and_then(|dir| lock(&dir, 0, libc::LOCK_SH).ok().flatten());
+        if held.is_none() {
+            tracing::warn!("jails share range 0 with a jail that leased it: the image here cannot be idmapped ({why})");
+        }
+        return Ok(Lease { range: range(0), _held: held });
     }
     let dir = open_leases()?;
     for n in 0..RANGES {
-        let file = nix::fcntl::openat(
-            &dir,
-            n.to_string().as_str(),
-            nix::fcntl::OFlag::O_RDWR
-                | nix::fcntl::OFlag::O_CREAT
-                | nix::fcntl::OFlag::O_NOFOLLOW
-                | nix::fcntl::OFlag::O_CLOEXEC,
-            nix::sys::stat::Mode::from_bits_truncate(0o600),
-        )
-        .map_err(|e| format!("cannot open the id lease {LEASES}/{n}: {e}; check that {LEASES} holds files only"))?;
-        let file = File::from(file);
-        // SAFETY: flock(2) on a descriptor we own.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        if let Some(file) = lock(&dir, n, libc::LOCK_EX)? {
             return Ok(Lease { range: range(n), _held: Some(file) });
-        }
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            return Err(format!("cannot lock the id lease {LEASES}/{n}: {e}"));
         }
     }
     Err(format!(
         "all {RANGES} host id ranges for root's jails are held by running sandboxes; remove some (`moat ls`, `moat \
          rm`) and try again"
     ))
+}
+
+/// Range `n`'s lock, taken (`how`: shared or exclusive) without waiting;
+/// `None` when another holds it so.
+fn lock(dir: &std::os::fd::OwnedFd, n: u32, how: i32) -> Result<Option<File>, String> {
+    let file = nix::fcntl::openat(
+        dir,
+        n.to_string().as_str(),
+        nix::fcntl::OFlag::O_RDWR
+            | nix::fcntl::OFlag::O_CREAT
+            | nix::fcntl::OFlag::O_NOFOLLOW
+            | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::from_bits_truncate(0o600),
+    )
+    .map_err(|e| format!("cannot open the id lease {LEASES}/{n}: {e}; check that {LEASES} holds files only"))?;
+    let file = File::from(file);
+    // SAFETY: flock(2) on a descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), how | libc::LOCK_NB) } == 0 {
+        return Ok(Some(file));
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(None)
+    } else {
+        Err(format!("cannot lock the id lease {LEASES}/{n}: {e}"))
+    }
 }
 
 /// [`LEASES`], made root's and private if it is not there.

@@ -38,7 +38,7 @@ const PIDS_MAX: u32 = 1024;
 pub struct JailBackend {
     agent: PathBuf,
     cgroups: CgroupSupport,
-    /// Who starts the jails: root maps [`JAIL_ID_BASE`], anyone else its
+    /// Who starts the jails: root maps a leased range from [`JAIL_ID_BASE`] up (`ids`), anyone else its
     /// subordinate ranges (rootless).
     user: HostUser,
 }
@@ -55,7 +55,7 @@ pub struct Jail {
     socket: PathBuf,
     /// Root's lease of the jail's host ids (see `ids`), released after
     /// [`Jail::stop`], once nothing of the jail runs as them.
-    _ids: Option<super::ids::Lease>,
+    ids: Option<super::ids::Lease>,
 }
 
 impl JailBackend {
@@ -161,7 +161,7 @@ pub const TUN: &str = "/dev/net/tun";
 
 /// What keeps pasta (network `open` on jails) from opening [`TUN`], with
 /// the command that fixes it; `None` when nothing does. pasta runs as the
-/// uid of the sandbox's root ([`JAIL_ID_BASE`]), which owns nothing on the
+/// uid of the sandbox's root (the first of its range, from [`JAIL_ID_BASE`] up), which owns nothing on the
 /// host: the device must be readable and writable by every user, as
 /// distributions create it (mode 0666).
 pub fn tun_problem() -> Option<String> {
@@ -189,7 +189,7 @@ fn describe_tun(found: std::io::Result<(bool, u32)>) -> Option<String> {
         Err(e) => Some(format!("{TUN} cannot be examined ({e}); as root, run `ls -l {TUN}` to see why")),
         Ok((false, _)) => Some(format!("{TUN} is not a character device: as root, remove it and run {create}")),
         Ok((true, mode)) if mode & 0o006 != 0o006 => Some(format!(
-            "{TUN} is mode {:04o}: pasta runs as the sandbox's uid {JAIL_ID_BASE} and cannot open it; \
+            "{TUN} is mode {:04o}: pasta runs as the sandbox root's uid (from {JAIL_ID_BASE} up) and cannot open it; \
              as root, run `chmod 0666 {TUN}` (its usual mode)",
             mode & 0o7777
         )),
@@ -345,7 +345,7 @@ impl Backend for JailBackend {
         }
         let socket = state.path.join(moat_agent_socket());
         let ready = monitor.stdout.take();
-        let mut jail = Jail { id: id.into(), monitor, exit, state: Some(state), cgroup, socket, _ids: lease };
+        let mut jail = Jail { id: id.into(), monitor, exit, state: Some(state), cgroup, socket, ids: lease };
         let started = match ready {
             Some(ready) => jail.wait_ready(ready).await,
             None => Err(jail.start_failed("its monitor has no stdout")),
@@ -509,14 +509,18 @@ impl Jail {
         // mostly on the disk (each freed block of a file system mounted
         // with `discard` is a request to the device), theirs on the kernel.
         let (cgroup, state) = (self.cgroup.take(), self.state.take());
-        std::thread::scope(|scope| {
+        let emptied = std::thread::scope(|scope| {
             if let Some(state) = state {
                 scope.spawn(|| state.remove());
             }
-            if let Some(cgroup) = cgroup {
-                cgroup.remove();
-            }
+            cgroup.is_some_and(|cgroup| cgroup.remove())
         });
+        // A range is handed to the next jail only once nothing runs as it:
+        // the cgroups held every process of the jail (pasta's too), and
+        // without them, or with some left, something may still.
+        if !emptied && let Some(lease) = self.ids.take() {
+            lease.retire();
+        }
     }
 }
 

@@ -87,11 +87,12 @@ pub const ACTED_ON: &[(&str, &str)] = &[
     (".kiro", "Kiro starts MCP servers and runs hooks from it"),
     ("opencode.json", "opencode starts the MCP servers it names"),
     (".aider.conf.yml", "aider runs the lint and test commands it names after its edits"),
-    // git finds a repository by its contents too: a directory holding a
-    // HEAD, `objects` and `refs` is one (a bare one), whatever its name,
-    // and git runs the commands its `config` names there. No HEAD, no
-    // repository.
-    ("HEAD", "git takes a directory holding it, objects and refs for a repository and runs commands its config names"),
+    // Git hook managers: the hook they installed runs what these name at
+    // the next commit.
+    (".pre-commit-config.yaml", "pre-commit runs the hooks it names at each commit"),
+    (".husky", "husky runs the hooks in it at each commit"),
+    ("lefthook.yml", "lefthook runs the commands it names at each commit"),
+    (".lefthook.yml", "lefthook runs the commands it names at each commit"),
     // Programs a person runs for another reason run these first.
     ("__pycache__", "Python runs the compiled files in it in place of their sources"),
     ("sitecustomize.py", "Python imports it at every start"),
@@ -105,21 +106,42 @@ pub const ACTED_ON: &[(&str, &str)] = &[
     (".pnpmfile.cjs", "pnpm runs it at every install"),
 ];
 
-/// Name endings programs on the host act on as on [`ACTED_ON`]'s names.
-pub const ACTED_ON_ENDINGS: &[(&str, &str)] =
-    &[(".pth", "Python runs the import lines of every .pth file in site-packages at each start")];
-
-/// What a program on the host does with `name` ([`ACTED_ON`],
-/// [`ACTED_ON_ENDINGS`]), if anything.
+/// What a program on the host does with `name` ([`ACTED_ON`]), if
+/// anything, wherever it is.
 pub fn acted_on(name: &[u8]) -> Option<&'static str> {
-    let ends_with = |ending: &str| {
-        name.len() >= ending.len() && name[name.len() - ending.len()..].eq_ignore_ascii_case(ending.as_bytes())
+    ACTED_ON.iter().find(|(known, _)| known.as_bytes().eq_ignore_ascii_case(name)).map(|(_, what)| *what)
+}
+
+/// What a program on the host does with the file at `parts` (a path's
+/// components, the last its name), if anything: [`acted_on`] for any
+/// component, and what acts by place as well as name:
+/// - a file named `HEAD` (git's spelling): git takes any directory holding
+///   a HEAD, `objects` and `refs` for a (bare) repository, whatever its
+///   name, and runs the commands its `config` names there; no HEAD, no
+///   repository;
+/// - a `.pth` file beneath a `site-packages` or `dist-packages` directory:
+///   Python runs its `import` lines at every start (elsewhere `.pth` is a
+///   model checkpoint, and nothing runs it).
+pub fn acted_on_path<P: AsRef<[u8]>>(parts: &[P]) -> Option<(usize, &'static str)> {
+    if let Some(found) = parts.iter().enumerate().find_map(|(i, p)| Some((i, acted_on(p.as_ref())?))) {
+        return Some(found);
+    }
+    let (last, dirs) = parts.split_last()?;
+    let last = last.as_ref();
+    let index = parts.len() - 1;
+    if last == b"HEAD" {
+        return Some((
+            index,
+            "git takes a directory holding it, objects and refs for a repository and runs commands its config names",
+        ));
+    }
+    let pth = last.len() > 4 && last[last.len() - 4..].eq_ignore_ascii_case(b".pth");
+    let site = |d: &P| {
+        let d = d.as_ref();
+        d.eq_ignore_ascii_case(b"site-packages") || d.eq_ignore_ascii_case(b"dist-packages")
     };
-    ACTED_ON
-        .iter()
-        .find(|(known, _)| known.as_bytes().eq_ignore_ascii_case(name))
-        .or_else(|| ACTED_ON_ENDINGS.iter().find(|(ending, _)| ends_with(ending)))
-        .map(|(_, what)| *what)
+    (pth && dirs.iter().any(site))
+        .then_some((index, "Python runs the import lines of a .pth file in site-packages at each start"))
 }
 
 /// What moat keeps free of a host file system it writes a copy or a task
@@ -636,13 +658,14 @@ impl HostRoots {
     /// Checks that `path` is a new name beneath a root, and opens its parent.
     pub fn destination(&self, path: &Path) -> Result<Destination, HostPathError> {
         let (root, parts) = self.locate(path)?;
-        if let Some((name, what)) = parts.iter().find_map(|p| Some((p, acted_on(p.as_encoded_bytes())?))) {
+        let bytes: Vec<&[u8]> = parts.iter().map(|p| p.as_encoded_bytes()).collect();
+        if let Some((at, what)) = acted_on_path(&bytes) {
             return Err(self.refuse(
                 path,
                 format!(
                     "moat never writes a copy into or as {}: {what}, so a file there from a sandbox could run \
                      commands on the host; copy to another path and look at what you move there yourself",
-                    name.to_string_lossy()
+                    parts[at].to_string_lossy()
                 ),
             ));
         }

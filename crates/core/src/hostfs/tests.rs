@@ -658,13 +658,17 @@ fn nothing_a_host_program_runs_by_itself_is_written() {
         (b".cargo/config.toml", Regular, b"", b"[build]\nrustc-wrapper = \"/tmp/w\"\n"),
         (b"web/.npmrc", Regular, b"", b"node-options=--require /tmp/x.js\n"),
         (b".gemini/settings.json", Regular, b"", b"{\"mcpServers\": {}}"),
+        (b".pre-commit-config.yaml", Regular, b"", b"repos: []\n"),
+        // A model checkpoint and a program named like git's file are data.
+        (b"models/net.pth", Regular, b"", b"weights"),
+        (b"bin/head", Regular, b"", b"\x7fELF"),
         // Names that merely look alike are copied.
         (b"README.HEAD.md", Regular, b"", b"x"),
         (b"path.pth.txt", Regular, b"", b"x"),
     ]);
     let summary = unpack_into(&f, "out", &archive).expect("unpacks");
-    assert_eq!(summary.files, 5, "{summary:?}");
-    assert_eq!(summary.skipped.len(), 13, "{summary:?}");
+    assert_eq!(summary.files, 7, "{summary:?}");
+    assert_eq!(summary.skipped.len(), 14, "{summary:?}");
     assert!(summary.skipped.iter().any(|s| s.contains(".git/config: moat never writes .git from a sandbox")));
     for gone in [
         ".git",
@@ -679,13 +683,18 @@ fn nothing_a_host_program_runs_by_itself_is_written() {
         ".cargo",
         "web/.npmrc",
         ".gemini",
+        ".pre-commit-config.yaml",
     ] {
         assert!(std::fs::symlink_metadata(f.root.join("out").join(gone)).is_err(), "{gone} was written");
     }
     assert!(f.root.join("out/.gitignore").is_file() && f.root.join("out/src/main.rs").is_file());
     assert_eq!(acted_on(b".GiT"), acted_on(b".git"));
     assert_eq!(acted_on(b".github"), None);
-    assert!(acted_on(b"head").is_some() && acted_on(b"x.pth").is_some() && acted_on(b"pth").is_none());
+    assert!(f.root.join("out/models/net.pth").is_file() && f.root.join("out/bin/head").is_file());
+    assert!(acted_on_path(&[b"repo.git".as_slice(), b"HEAD"]).is_some());
+    assert!(acted_on_path(&[b"HEAD".as_slice(), b"notes"]).is_none(), "a directory named HEAD holds no HEAD");
+    assert!(acted_on_path(&[b"lib".as_slice(), b"Site-Packages", b"x.PTH"]).is_some());
+    assert!(acted_on_path(&[b"checkpoints".as_slice(), b"x.pth"]).is_none());
     refused(f.roots.destination(&f.root.join("proj/site-packages/evil.pth")), "Python runs the import lines");
     refused(f.roots.destination(&f.root.join("proj/repo.git/HEAD")), "git takes a directory holding it");
 }

@@ -229,8 +229,8 @@ pub fn unpack_within(
             skip(&mut summary, &mut dropped, format!("{shown}: a name with `..` or an absolute path"));
             continue;
         };
-        if let Some((part, what)) = parts.iter().find_map(|p| Some((p, super::acted_on(p)?))) {
-            let name = String::from_utf8_lossy(part);
+        if let Some((at, what)) = super::acted_on_path(&parts) {
+            let name = String::from_utf8_lossy(&parts[at]);
             skip(&mut summary, &mut dropped, format!("{shown}: moat never writes {name} from a sandbox ({what})"));
             continue;
         }

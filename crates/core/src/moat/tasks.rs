@@ -202,8 +202,10 @@ impl Moat {
         };
         let mut tasks = self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         // Ids are short and random: one in progress is never replaced (its
-        // log would go to, and its diff be read by, another's caller).
-        while tasks.contains_key(&task.id) {
+        // log would go to, and its diff be read by, another's caller), nor
+        // a retained record's taken (its finish would find the name taken).
+        let records = task::tasks_dir(&self.inner.config.data_dir);
+        while tasks.contains_key(&task.id) || records.join(&task.id).exists() {
             task.id = new_id().replacen("sbx-", "task-", 1);
         }
         tasks.insert(task.id.clone(), (task.clone(), Vec::new()));
