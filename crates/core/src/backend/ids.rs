@@ -46,11 +46,19 @@ pub fn range(n: u32) -> Range {
 }
 
 impl Lease {
-    /// Keeps the range from every later jail for as long as this process
-    /// lives: what ran as it may not all have ended (its cgroups could not
-    /// be emptied, or there were none), and the next jail of the range
-    /// would share a uid with it.
-    pub fn retire(self) {
+    /// Lets the range go, unless a process on the host still runs as one
+    /// of its ids (its jail's cgroups could not be emptied, or there were
+    /// none, so nothing else says so): then the range is kept from every
+    /// later jail for as long as this process lives, since the next jail
+    /// of the range would share a uid with that process. Reads each
+    /// process's `status`, which shows its ids whatever it made itself.
+    pub fn release_if_unused(self) {
+        if ids_in_use(self.range) {
+            self.retire();
+        }
+    }
+
+    fn retire(self) {
         tracing::warn!(
             first = self.range.start,
             "a jail's id range is kept from other jails: not every process of the jail is known to have ended"
@@ -59,6 +67,21 @@ impl Lease {
             RETIRED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(held);
         }
     }
+}
+
+/// Whether a process on the host runs with a real, effective, saved or
+/// file-system uid in `range`.
+fn ids_in_use(range: Range) -> bool {
+    let ours = |id: &str| id.parse::<u32>().is_ok_and(|id| id >= range.start && id - range.start < range.count);
+    let Ok(procs) = std::fs::read_dir("/proc") else { return true };
+    procs.filter_map(Result::ok).any(|entry| {
+        let name = entry.file_name();
+        if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+            return false;
+        }
+        let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+        status.lines().find_map(|line| line.strip_prefix("Uid:")).is_some_and(|ids| ids.split_whitespace().any(ours))
+    })
 }
 
 /// The locks of retired ranges ([`Lease::retire`]).
@@ -173,6 +196,13 @@ fn open_leases() -> Result<std::os::fd::OwnedFd, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_range_a_process_runs_in_is_in_use() {
+        let own = nix::unistd::geteuid().as_raw();
+        assert!(ids_in_use(Range { start: own, count: 1 }), "this process runs as {own}");
+        assert!(!ids_in_use(range(RANGES - 1)), "no process runs in the last range");
+    }
 
     #[test]
     fn ranges_follow_one_another_below_two_to_the_thirty_first() {

@@ -516,10 +516,10 @@ impl Jail {
             cgroup.is_some_and(|cgroup| cgroup.remove())
         });
         // A range is handed to the next jail only once nothing runs as it:
-        // the cgroups held every process of the jail (pasta's too), and
-        // without them, or with some left, something may still.
+        // the cgroups held every process of the jail (pasta's too); without
+        // them, or with some left, the host's processes are looked at.
         if !emptied && let Some(lease) = self.ids.take() {
-            lease.retire();
+            lease.release_if_unused();
         }
     }
 }
