@@ -30,6 +30,9 @@ const INTERRUPT_GRACE: Duration = Duration::from_secs(5);
 /// everything read from it is bounded here, not there.
 const MAX_EVENT: usize = 64 << 20;
 
+/// The room a session's read buffer keeps between lines.
+const PENDING_KEPT: usize = 64 << 10;
+
 /// The most bytes of rich results (displays and the cell's value, images
 /// as base64) one cell keeps; later results are left out and said so.
 pub const RESULTS_BUDGET: usize = 16 << 20;
@@ -165,9 +168,9 @@ struct Line {
     #[serde(default)]
     dropped: u64,
     execution_count: Option<u64>,
-    result: Option<RawBundle>,
+    result: Option<ReadBundle>,
     #[serde(default)]
-    displays: Vec<RawBundle>,
+    displays: ReadDisplays,
     /// Displays the runner left out to keep within the bounds it was given.
     #[serde(default)]
     left_out: u64,
@@ -189,16 +192,26 @@ impl Event {
                 text: line.text.unwrap_or_default(),
                 dropped: line.dropped,
             }),
-            "done" => Ok(Self::Done {
-                execution_count: line
-                    .execution_count
-                    .ok_or_else(|| bad("a done event without execution_count".into()))?,
-                result: line.result,
-                displays: line.displays,
-                left_out: line.left_out,
-                cut: line.cut,
-                error: line.error,
-            }),
+            "done" => {
+                // What reading left out counts with what the runner did.
+                let mut left_out = line.left_out.saturating_add(line.displays.left_out);
+                let mut keep = |bundle: ReadBundle| {
+                    left_out = left_out.saturating_add(bundle.left_out);
+                    bundle.types
+                };
+                let displays = line.displays.kept.into_iter().map(&mut keep).collect();
+                let result = line.result.map(&mut keep);
+                Ok(Self::Done {
+                    execution_count: line
+                        .execution_count
+                        .ok_or_else(|| bad("a done event without execution_count".into()))?,
+                    result,
+                    displays,
+                    left_out,
+                    cut: line.cut,
+                    error: line.error,
+                })
+            }
             other => Err(bad(format!("an event of unknown type {other:?}"))),
         }
     }
@@ -207,6 +220,78 @@ impl Event {
 /// A MIME bundle as the runner sent it: each value kept as its JSON text,
 /// so that reading it costs no more memory than the line it came in.
 type RawBundle = std::collections::BTreeMap<String, Box<serde_json::value::RawValue>>;
+
+/// A bundle as read from a protocol line: at most [`MAX_MIME_TYPES`] types
+/// with names of at most [`MAX_MIME_NAME`] bytes, and how many more there
+/// were. The rest are skipped as they are read, never built: each entry of
+/// a map costs hundreds of bytes of the host's memory for a few of the
+/// line's (`{"a":1}`), so a line of tiny bundles or types, which the
+/// cell's own code may write, would cost many times its length.
+#[derive(Default)]
+struct ReadBundle {
+    types: RawBundle,
+    left_out: u64,
+}
+
+impl<'de> Deserialize<'de> for ReadBundle {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Types;
+        impl<'de> serde::de::Visitor<'de> for Types {
+            type Value = ReadBundle;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a MIME bundle (an object)")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<ReadBundle, A::Error> {
+                let mut bundle = ReadBundle::default();
+                while let Some(name) = map.next_key::<String>()? {
+                    if bundle.types.len() < MAX_MIME_TYPES && name.len() <= MAX_MIME_NAME {
+                        let value = map.next_value::<Box<serde_json::value::RawValue>>()?;
+                        bundle.types.insert(name, value);
+                    } else {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                        bundle.left_out = bundle.left_out.saturating_add(1);
+                    }
+                }
+                Ok(bundle)
+            }
+        }
+        deserializer.deserialize_map(Types)
+    }
+}
+
+/// Displays as read from a protocol line: the first [`MAX_RESULTS`], and
+/// how many more there were (skipped as read, as in [`ReadBundle`]).
+#[derive(Default)]
+struct ReadDisplays {
+    kept: Vec<ReadBundle>,
+    left_out: u64,
+}
+
+impl<'de> Deserialize<'de> for ReadDisplays {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Bundles;
+        impl<'de> serde::de::Visitor<'de> for Bundles {
+            type Value = ReadDisplays;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a list of MIME bundles")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<ReadDisplays, A::Error> {
+                let mut displays = ReadDisplays::default();
+                while displays.kept.len() < MAX_RESULTS {
+                    match seq.next_element::<ReadBundle>()? {
+                        Some(bundle) => displays.kept.push(bundle),
+                        None => return Ok(displays),
+                    }
+                }
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {
+                    displays.left_out = displays.left_out.saturating_add(1);
+                }
+                Ok(displays)
+            }
+        }
+        deserializer.deserialize_seq(Bundles)
+    }
+}
 
 /// Keeps what fits of a cell's rich results: at most [`MAX_RESULTS`]
 /// bundles, [`MAX_MIME_TYPES`] types each, [`RESULTS_BUDGET`] bytes in all,
@@ -484,6 +569,11 @@ impl PythonSession {
                 let end = self.scanned + at;
                 self.scanned = 0;
                 let line: Vec<u8> = self.pending.drain(..=end).collect();
+                // A long line grew the buffer: give the room back rather
+                // than keep it for the session's life.
+                if self.pending.capacity() > PENDING_KEPT && self.pending.len() <= PENDING_KEPT {
+                    self.pending.shrink_to(PENDING_KEPT);
+                }
                 return Event::decode(&line);
             }
             self.scanned = self.pending.len();
@@ -604,6 +694,82 @@ mod tests {
         assert!(matches!(Event::decode(br#"{"type":"ready"}"#), Ok(Event::Ready)));
         let unknown = Event::decode(format!(r#"{{"type":"{}"}}"#, "x".repeat(4096)).as_bytes()).expect_err("unknown");
         assert!(unknown.to_string().len() < 700, "a bad line is not echoed whole: {unknown}");
+    }
+
+    /// Counts what this thread holds of the heap, and the most it held,
+    /// so that a test can see how much memory a call took.
+    struct Counting;
+
+    thread_local! {
+        static HELD: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
+        static MOST: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
+    }
+
+    fn note(change: isize) {
+        let _ = HELD.try_with(|held| {
+            let now = held.get() + change;
+            held.set(now);
+            let _ = MOST.try_with(|most| most.set(most.get().max(now)));
+        });
+    }
+
+    // SAFETY: every call goes to the system allocator with the same
+    // arguments; the counting touches only `const` thread-locals, which
+    // never allocate.
+    unsafe impl std::alloc::GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+            note(layout.size().cast_signed());
+            // SAFETY: the caller's contract, passed on.
+            unsafe { std::alloc::System.alloc(layout) }
+        }
+        unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+            note(layout.size().cast_signed());
+            // SAFETY: the caller's contract, passed on.
+            unsafe { std::alloc::System.alloc_zeroed(layout) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+            note(-layout.size().cast_signed());
+            // SAFETY: the caller's contract, passed on.
+            unsafe { std::alloc::System.dealloc(ptr, layout) }
+        }
+        unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, size: usize) -> *mut u8 {
+            note(size.cast_signed() - layout.size().cast_signed());
+            // SAFETY: the caller's contract, passed on.
+            unsafe { std::alloc::System.realloc(ptr, layout, size) }
+        }
+    }
+
+    // This crate's unit tests only.
+    #[global_allocator]
+    static COUNTING: Counting = Counting;
+
+    /// The most of the heap `work` took beyond what this thread held.
+    fn most_taken<T>(work: impl FnOnce() -> T) -> (T, isize) {
+        let before = HELD.with(std::cell::Cell::get);
+        MOST.with(|most| most.set(before));
+        let out = work();
+        (out, MOST.with(std::cell::Cell::get) - before)
+    }
+
+    /// A line of a million tiny displays, or of one display with a
+    /// million tiny types, which a cell's own code can write to the
+    /// protocol pipe: read as the first few, the rest counted, never built.
+    /// Built, each took the host some 500 bytes for 8 of the line's: a
+    /// 64 MiB line, about 4 GiB.
+    #[test]
+    fn a_line_of_tiny_bundles_or_types_is_read_without_building_them() {
+        let line =
+            format!(r#"{{"type":"done","execution_count":1,"displays":[{}{{}}]}}"#, r#"{"a":1},"#.repeat(1 << 20));
+        let (decoded, taken) = most_taken(|| Event::decode(line.as_bytes()));
+        let Ok(Event::Done { displays, left_out, .. }) = decoded else { panic!("decodes") };
+        assert_eq!((displays.len(), left_out), (MAX_RESULTS, (1 << 20) + 1 - MAX_RESULTS as u64));
+        assert!(taken < 1 << 20, "decoding a {} MiB line took {taken} bytes", line.len() >> 20);
+        let types = (0..1 << 20).map(|i| format!(r#""{i}":1"#)).collect::<Vec<_>>().join(",");
+        let line = format!(r#"{{"type":"done","execution_count":1,"result":{{{types}}}}}"#);
+        let (decoded, taken) = most_taken(|| Event::decode(line.as_bytes()));
+        let Ok(Event::Done { result: Some(result), left_out, .. }) = decoded else { panic!("decodes") };
+        assert_eq!((result.len(), left_out), (MAX_MIME_TYPES, (1 << 20) - MAX_MIME_TYPES as u64));
+        assert!(taken < 1 << 20, "decoding a {} MiB line took {taken} bytes", line.len() >> 20);
     }
 
     fn bundle(pairs: &[(&str, &str)]) -> RawBundle {
