@@ -151,10 +151,21 @@ pub fn forbidden_address(ip: IpAddr) -> Option<&'static str> {
                 Some("a link-local address")
             } else if first & 0xff00 == 0xff00 {
                 Some("a multicast address")
-            } else if v6.segments()[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
-                // NAT64: judge the IPv4 address inside.
+            } else if v6.segments()[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || v6.segments()[..6] == [0; 6] {
+                // NAT64, and the deprecated IPv4-compatible form: judge
+                // the IPv4 address inside.
                 let [.., a, b] = v6.segments();
                 forbidden_v4(Ipv4Addr::from((u32::from(a) << 16) | u32::from(b)))
+            } else if first == 0x2002 {
+                // 6to4: the IPv4 address of the relay that unwraps it.
+                let [_, a, b, ..] = v6.segments();
+                forbidden_v4(Ipv4Addr::from((u32::from(a) << 16) | u32::from(b)))
+            } else if v6.segments()[..3] == [0x64, 0xff9b, 1] {
+                Some("a local-use NAT64 address (RFC 8215), which the network maps to private IPv4")
+            } else if first & 0xffc0 == 0xfec0 {
+                Some("a site-local (private) address")
+            } else if v6.segments()[..2] == [0x2001, 0] {
+                Some("a Teredo (tunnelled) address")
             } else {
                 None
             }
@@ -176,7 +187,9 @@ fn forbidden_v4(v4: Ipv4Addr) -> Option<&'static str> {
         Some("a carrier-grade NAT (shared) address")
     } else if v4.is_multicast() || v4.is_broadcast() {
         Some("a multicast or broadcast address")
-    } else if a == 0 || a >= 240 {
+    } else if a == 0 || a >= 240 || (a, b, v4.octets()[2]) == (192, 0, 0) || (a == 198 && (18..20).contains(&b)) {
+        // With 192.0.0.0/24 (protocol assignments) and 198.18.0.0/15
+        // (benchmarking, which some VPNs and proxies map internal names to).
         Some("a reserved address")
     } else {
         None
@@ -584,12 +597,31 @@ mod tests {
             "::ffff:10.0.0.1",
             "::ffff:127.0.0.1",
             "64:ff9b::a9fe:a9fe",
+            "2002:a9fe:a9fe::1",
+            "2002:7f00:1::",
+            "::10.0.0.1",
+            "64:ff9b:1::a00:1",
+            "fec0::1",
+            "2001:0:4136:e378::1",
+            "192.0.0.170",
+            "198.18.0.1",
+            "198.19.255.254",
         ] {
             let ip: IpAddr = ip.parse().expect("an address");
             assert!(forbidden_address(ip).is_some(), "{ip} must be forbidden");
         }
         // Documentation ranges are not refused: some networks really route them.
-        for ip in ["151.101.0.223", "8.8.8.8", "2a04:4e42::223", "100.128.0.1", "172.32.0.1", "203.0.113.80"] {
+        for ip in [
+            "151.101.0.223",
+            "8.8.8.8",
+            "2a04:4e42::223",
+            "100.128.0.1",
+            "172.32.0.1",
+            "203.0.113.80",
+            "2002:808:808::1",
+            "2001:db8::1",
+            "198.20.0.1",
+        ] {
             let ip: IpAddr = ip.parse().expect("an address");
             assert_eq!(forbidden_address(ip), None, "{ip} is public");
         }

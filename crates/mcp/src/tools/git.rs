@@ -500,6 +500,14 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
         }
         Ok::<_, moat_core::SandboxError>(out)
     };
+    // The agent ends the clone at its timeout; a guest that answers
+    // nothing (a microVM's root can replace its agent) is given up here.
+    let bound = std::time::Duration::from_millis(2 * CLONE_TIMEOUT_MS) + moat_core::timing::ANSWER_GRACE;
+    let clone = async {
+        tokio::time::timeout(bound, clone).await.unwrap_or_else(|_| {
+            Err(moat_core::SandboxError::Unresponsive { id: id.clone(), waited_s: bound.as_secs() })
+        })
+    };
     let mut out = match clone.await {
         Ok(out) => out,
         // A lost connection may be the sandbox's end: say so.
@@ -573,7 +581,12 @@ async fn clone_over_ssh(server: &Session<'_>, request: &CloneRequest, ssh: &SshC
         Ok(handle) => handle,
         Err(source) => return Err(server.moat.agent_error(id, source).await.into()),
     };
-    let relayed = transport.relay(handle).await;
+    // As above; dropping the relay kills ssh (kill_on_drop).
+    let bound = std::time::Duration::from_millis(CLONE_TIMEOUT_MS) + moat_core::timing::ANSWER_GRACE;
+    let Ok(relayed) = tokio::time::timeout(bound, transport.relay(handle)).await else {
+        let unresponsive = moat_core::SandboxError::Unresponsive { id: id.into(), waited_s: bound.as_secs() };
+        return Err(unresponsive.into());
+    };
     let stderr = String::from_utf8_lossy(&relayed.stderr).into_owned();
     let result = stderr.lines().rev().find_map(|l| l.strip_prefix("moat-git-result ")).map(str::to_owned);
     let git_said: String = stderr.lines().filter(|l| !l.starts_with("moat-git-result ")).collect::<Vec<_>>().join("\n");
