@@ -137,10 +137,13 @@ impl SandboxSpec {
             );
         }
         if self.allow_hosts.len() > Self::MAX_ALLOW_HOSTS
-            || !self.allow_hosts.iter().all(|h| crate::net::egress::valid_host_name(h))
+            || !self.allow_hosts.iter().all(|h| crate::net::egress::valid_host_entry(h))
         {
-            let allowed =
-                format!("at most {} host names such as pypi.org (letters, digits, '-' and '.')", Self::MAX_ALLOW_HOSTS);
+            let allowed = format!(
+                "at most {} host names such as pypi.org (letters, digits, '-' and '.'; reached on ports 443 and 80), \
+                 or host:port entries such as npm.example.com:4873",
+                Self::MAX_ALLOW_HOSTS
+            );
             return bad("allow_hosts", &allowed);
         }
         for (key, value) in &self.env {

@@ -57,19 +57,21 @@ pub struct ServerConfig {
 pub const DEFAULT_GIT_HOSTS: &[&str] = moat_core::net::egress::DEFAULT_GIT_HOSTS;
 
 /// A comma-separated list of host names; the error is the first bad one.
-fn host_list(value: &str) -> Result<Vec<String>, String> {
+/// A comma-separated list of host names, or (`ports`) also `host:port`
+/// entries; the first that is neither otherwise.
+fn host_list(value: &str, ports: bool) -> Result<Vec<String>, String> {
     let mut hosts = Vec::new();
     for host in value.split(',').map(str::trim).filter(|h| !h.is_empty()) {
-        let label_ok = |l: &str| {
-            !l.is_empty()
-                && l.len() <= 63
-                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
-                && !l.starts_with('-')
+        let host = host.to_ascii_lowercase();
+        let ok = if ports {
+            moat_core::net::egress::valid_host_entry(&host)
+        } else {
+            moat_core::net::egress::valid_host_name(&host)
         };
-        if host.len() > 253 || !host.split('.').all(label_ok) {
-            return Err(host.to_owned());
+        if !ok {
+            return Err(host);
         }
-        hosts.push(host.to_ascii_lowercase());
+        hosts.push(host);
     }
     Ok(hosts)
 }
@@ -158,20 +160,24 @@ impl ServerConfig {
         {
             return Err(bad("MOAT_HTTP_TOKEN", "(hidden)", "at least 16 printable ASCII characters without spaces"));
         }
-        let hosts = |var: &'static str, default: &[&str]| -> Result<Vec<String>, ConfigError> {
+        let hosts = |var: &'static str, default: &[&str], ports: bool| -> Result<Vec<String>, ConfigError> {
             match get(var) {
                 None => Ok(default.iter().map(|h| (*h).to_owned()).collect()),
-                Some(v) => host_list(&v).map_err(|host| {
-                    bad(
-                        var,
-                        &v,
-                        &format!("comma-separated host names such as pypi.org,example.com ({host:?} is not one)"),
-                    )
+                Some(v) => host_list(&v, ports).map_err(|host| {
+                    let allowed = if ports {
+                        format!(
+                            "comma-separated host names such as pypi.org,example.com (reached on ports 443 and 80), \
+                             or host:port entries such as npm.example.com:4873 ({host:?} is neither)"
+                        )
+                    } else {
+                        format!("comma-separated host names such as pypi.org,example.com ({host:?} is not one)")
+                    };
+                    bad(var, &v, &allowed)
                 }),
             }
         };
-        let allow_hosts = hosts("MOAT_ALLOW_HOSTS", &[])?;
-        let git_hosts = hosts("MOAT_GIT_HOSTS", DEFAULT_GIT_HOSTS)?;
+        let allow_hosts = hosts("MOAT_ALLOW_HOSTS", &[], true)?;
+        let git_hosts = hosts("MOAT_GIT_HOSTS", DEFAULT_GIT_HOSTS, false)?;
         let ssh_keys = match get("MOAT_ALLOW_SSH_KEY").as_deref().map(str::trim) {
             None | Some("0" | "false" | "no") => false,
             Some("1" | "true" | "yes") => true,
@@ -312,7 +318,7 @@ mod tests {
             (("MOAT_LOG_LEVEL", "loud"), "error, warn"),
             (("MOAT_IMAGE", "../x"), "image name"),
             (("MOAT_HTTP_TOKEN", "short"), "at least 16"),
-            (("MOAT_ALLOW_HOSTS", "pypi.org,bad host"), "\"bad host\" is not one"),
+            (("MOAT_ALLOW_HOSTS", "pypi.org,bad host"), "\"bad host\" is neither"),
             (("MOAT_GIT_HOSTS", "https://github.com"), "host names"),
             (("MOAT_TEST_EGRESS_NETS", "10.0.0.0/40"), "address ranges"),
             (("MOAT_TEST_RESOLVE", "a.test"), "name=address"),
@@ -376,6 +382,9 @@ mod tests {
     fn host_lists_are_read_and_defaulted() {
         let config = with(&[("MOAT_ALLOW_HOSTS", " Example.com, files.pythonhosted.org ,")]).expect("valid");
         assert_eq!(config.allow_hosts, ["example.com", "files.pythonhosted.org"]);
+        let config = with(&[("MOAT_ALLOW_HOSTS", "npm.Corp:4873,pypi.org")]).expect("a host:port entry");
+        assert_eq!(config.allow_hosts, ["npm.corp:4873", "pypi.org"]);
+        assert!(with(&[("MOAT_GIT_HOSTS", "git.corp:8443")]).is_err(), "Git hosts are names");
         assert_eq!(config.git_hosts, DEFAULT_GIT_HOSTS);
         assert_eq!(config.http_token, None);
     }

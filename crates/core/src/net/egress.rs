@@ -87,6 +87,19 @@ pub fn valid_host_name(host: &str) -> bool {
     !host.is_empty() && host.len() <= 253 && host.split('.').all(label_ok)
 }
 
+/// The ports a host of an allow list is reached on when its entry names
+/// none: HTTPS and HTTP, what registries and Git hosts serve.
+pub const WEB_PORTS: [u16; 2] = [443, 80];
+
+/// Whether `entry` is an allow-list entry moat accepts: a host name
+/// (reached on [`WEB_PORTS`]) or `host:port` (that port only).
+pub fn valid_host_entry(entry: &str) -> bool {
+    match entry.rsplit_once(':') {
+        Some((host, port)) => valid_host_name(host) && port.parse::<u16>().is_ok_and(|p| p > 0),
+        None => valid_host_name(entry),
+    }
+}
+
 /// An address range, `ADDR/PREFIX`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IpNet {
@@ -237,7 +250,7 @@ impl EgressConfig {
                 .map(|h| h.trim().to_ascii_lowercase())
                 .filter(|h| !h.is_empty())
                 .filter(|h| {
-                    let ok = valid_host_name(h);
+                    let ok = if var == "MOAT_ALLOW_HOSTS" { valid_host_entry(h) } else { valid_host_name(h) };
                     if !ok {
                         tracing::warn!("{var}: {h:?} is not a host name; skipped");
                     }
@@ -337,7 +350,19 @@ impl SandboxEgress {
         *self.repository.lock().unwrap_or_else(PoisonError::into_inner) = Some(host);
     }
 
-    /// Every host name this sandbox may reach.
+    /// Whether this sandbox may reach `host` on `port`: a host listed by
+    /// name on [`WEB_PORTS`], one listed as `host:port` on that port.
+    /// (A name the tests resolve, `MOAT_TEST_RESOLVE`, on any port: test
+    /// servers listen where they can.)
+    pub fn allows(&self, host: &str, port: u16) -> bool {
+        let hosts = self.allowed_hosts();
+        hosts.contains(&format!("{host}:{port}"))
+            || (hosts.contains(host)
+                && (WEB_PORTS.contains(&port) || self.config.test_resolve.iter().any(|(name, _)| name == host)))
+    }
+
+    /// Every host entry this sandbox may reach: host names (on
+    /// [`WEB_PORTS`]) and `host:port` entries.
     pub fn allowed_hosts(&self) -> BTreeSet<String> {
         let runtime = *self.runtime.lock().unwrap_or_else(PoisonError::into_inner);
         let repository = self.repository.lock().unwrap_or_else(PoisonError::into_inner).clone();
@@ -389,8 +414,16 @@ impl SandboxEgress {
     async fn resolve(&self, host: &str, port: u16) -> Result<Vec<SocketAddr>, (String, Option<String>)> {
         let how_to_allow = "the operator who starts moat can allow it with MOAT_ALLOW_HOSTS \
                             (or grant network 'open' with MOAT_ALLOW_NETWORK=open)";
-        if !self.allowed_hosts().contains(host) {
-            return Err((format!("moat refused {host}:{port}: {host} is not an allowed host; {how_to_allow}"), None));
+        if !self.allows(host, port) {
+            let why = if self.allowed_hosts().contains(host) {
+                format!(
+                    "moat refused {host}:{port}: {host} is allowed on ports 443 and 80 only; the operator who \
+                     starts moat can allow this port with MOAT_ALLOW_HOSTS={host}:{port}"
+                )
+            } else {
+                format!("moat refused {host}:{port}: {host} is not an allowed host; {how_to_allow}")
+            };
+            return Err((why, None));
         }
         let addrs: Vec<SocketAddr> = match self.config.test_resolve.iter().find(|(name, _)| name == host) {
             Some((_, ip)) => vec![SocketAddr::new(*ip, port)],
@@ -669,6 +702,21 @@ mod tests {
         egress.set_runtime(Runtime::Rust);
         assert!(!egress.allowed_hosts().contains("pypi.org") && egress.allowed_hosts().contains("crates.io"));
         assert!(egress.allowed_hosts().contains("own.test"));
+
+        // Ports: an allowed name on 443 and 80, a host:port entry on its
+        // port; nothing else (a Git host's SSH, an internal server's
+        // other services).
+        let web = policy(
+            EgressConfig { allow_hosts: vec!["git.corp".into(), "npm.corp:4873".into()], ..EgressConfig::default() },
+            &[],
+        );
+        assert!(web.allows("git.corp", 443) && web.allows("git.corp", 80) && web.allows("pypi.org", 443));
+        assert!(!web.allows("git.corp", 22) && !web.allows("git.corp", 8080) && !web.allows("pypi.org", 25));
+        assert!(web.allows("npm.corp", 4873) && !web.allows("npm.corp", 443));
+        let (why, _) = web.resolve("git.corp", 8080).await.expect_err("another port");
+        assert!(why.contains("ports 443 and 80 only") && why.contains("MOAT_ALLOW_HOSTS=git.corp:8080"), "{why}");
+        assert!(valid_host_entry("npm.corp:4873") && !valid_host_entry("npm.corp:0") && !valid_host_entry("a b:1"));
+        assert!(!valid_host_entry("npm.corp:99999") && !valid_host_entry(":443"));
 
         let (why, _) = egress.resolve("evil.test", 443).await.expect_err("not allowed");
         assert!(why.contains("evil.test is not an allowed host") && why.contains("MOAT_ALLOW_HOSTS"), "{why}");
