@@ -113,20 +113,23 @@ pub fn shared_because(rootfs: &Path) -> Option<String> {
 /// The lowest range no jail on this host holds, for a jail of the image at
 /// `rootfs`: range 0 for all where the image cannot be idmapped, shared
 /// (a shared lock on range 0 keeps leases from it while such jails run).
-/// An error says what stopped the lease.
+/// Range 0 is the image's own and needs no idmapped mount: the trial
+/// mount of [`shared_because`] is made only when another range is taken
+/// (so a lone jail, as `moat run`'s, never pays for it). An error says
+/// what stopped the lease.
 pub fn lease(rootfs: &Path) -> Result<Lease, String> {
-    if let Some(why) = shared_because(rootfs) {
-        tracing::debug!("jails share one id range: {why}");
-        // Best effort: without the directory, nothing else leases either.
-        let held = open_leases().ok().and_then(|dir| lock(&dir, 0, libc::LOCK_SH).ok().flatten());
-        if held.is_none() {
-            tracing::warn!("jails share range 0 with a jail that leased it: the image here cannot be idmapped ({why})");
-        }
-        return Ok(Lease { range: range(0), _held: held });
+    if let Some(why) = moat_sys::idmap::unsupported(rootfs) {
+        return Ok(shared(&why));
     }
     let dir = open_leases()?;
     for n in 0..RANGES {
         if let Some(file) = lock(&dir, n, libc::LOCK_EX)? {
+            if n > 0
+                && let Some(why) = shared_because(rootfs)
+            {
+                drop(file);
+                return Ok(shared(&why));
+            }
             return Ok(Lease { range: range(n), _held: Some(file) });
         }
     }
@@ -134,6 +137,17 @@ pub fn lease(rootfs: &Path) -> Result<Lease, String> {
         "all {RANGES} host id ranges for root's jails are held by running sandboxes; remove some (`moat ls`, `moat \
          rm`) and try again"
     ))
+}
+
+/// Range 0, shared by every jail of an image that cannot be idmapped.
+fn shared(why: &str) -> Lease {
+    tracing::debug!("jails share one id range: {why}");
+    // Best effort: without the directory, nothing else leases either.
+    let held = open_leases().ok().and_then(|dir| lock(&dir, 0, libc::LOCK_SH).ok().flatten());
+    if held.is_none() {
+        tracing::warn!("jails share range 0 with a jail that leased it: the image here cannot be idmapped ({why})");
+    }
+    Lease { range: range(0), _held: held }
 }
 
 /// Range `n`'s lock, taken (`how`: shared or exclusive) without waiting;
