@@ -192,7 +192,9 @@ impl Scope {
     /// Holds a place for one more sandbox, or says why there is none: the
     /// scope's live sandboxes and the creates under way already fill its
     /// share. Failed and expired sandboxes take no place (they hold no
-    /// resources), though the scope still lists them until destroyed.
+    /// resources); a failed one stays listed until destroyed, an expired
+    /// one, or one whose id another scope's sandbox took since, is dropped
+    /// from the scope here.
     pub fn reserve_sandbox(&self) -> Result<SandboxPlace<'_>, String> {
         // The scope's lock, then the Moat's (in `get`): the Moat never
         // calls back into a scope, so the two are always taken in this order.

@@ -36,7 +36,8 @@ impl Shift {
 /// mount on this host, if it cannot: overlayfs takes idmapped lower layers
 /// from Linux 5.19, and only some file systems idmap (ext4, xfs and btrfs
 /// by then; tmpfs from 6.3). Decided from the kernel's release and the file
-/// system's type, never by trying, so the host and the monitor agree.
+/// system's type, without trying (the host tries once besides, before it
+/// relies on it: `moat_core::backend::ids::shared_because`).
 pub fn unsupported(path: &Path) -> Option<String> {
     static RELEASE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     let release = RELEASE
@@ -179,9 +180,10 @@ fn mapping_namespace(shift: Shift) -> io::Result<OwnedFd> {
     let (rx, tx) = (release_rx.as_raw_fd(), release_tx.as_raw_fd());
     let mut stack = vec![0u8; 16 * 1024];
     let child = Box::new(move || {
-        // SAFETY: in the clone, a copy of this single-threaded process: it
-        // closes its copy of the pipe's write end and waits for the
-        // parent's to close, using only close(2), read(2) and its own buffer.
+        // SAFETY: in the clone (a copy of the process in which only this
+        // thread runs): it closes its copy of the pipe's write end and
+        // waits for the parent's to close, using only close(2), read(2)
+        // and its own buffer, all async-signal-safe.
         unsafe {
             libc::close(tx);
             let mut byte = 0u8;

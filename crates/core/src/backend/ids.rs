@@ -36,8 +36,11 @@ pub const RANGES: u32 = 2048;
 #[derive(Debug)]
 pub struct Lease {
     pub range: Range,
-    /// The lock: `None` where every jail maps range 0.
+    /// The lock: exclusive on the range, or shared on range 0 where jails
+    /// share it; `None` where not even that could be had.
     _held: Option<File>,
+    /// Range 0, shared by the jails of an image that cannot be idmapped.
+    shared: bool,
 }
 
 /// Range `n`.
@@ -53,9 +56,21 @@ impl Lease {
     /// of the range would share a uid with that process. Reads each
     /// process's `status`, which shows its ids whatever it made itself.
     pub fn release_if_unused(self) {
-        if ids_in_use(self.range) {
-            self.retire();
+        // A shared range is others' too: nothing to keep it from.
+        if self.shared {
+            return;
         }
+        // pasta, outside the jail's pid namespace, ends on the monitor's
+        // end (its parent-death signal), a moment after: looked at again
+        // for up to a second before the range is kept. A sleep in a loop:
+        // there is no event for "no process has these ids".
+        for _ in 0..10 {
+            if !ids_in_use(self.range) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        self.retire();
     }
 
     fn retire(self) {
@@ -70,7 +85,7 @@ impl Lease {
 }
 
 /// Whether a process on the host runs with a real, effective, saved or
-/// file-system uid in `range`.
+/// file-system uid in `range` (a zombie runs nothing, and is not counted).
 fn ids_in_use(range: Range) -> bool {
     let ours = |id: &str| id.parse::<u32>().is_ok_and(|id| id >= range.start && id - range.start < range.count);
     let Ok(procs) = std::fs::read_dir("/proc") else { return true };
@@ -80,7 +95,9 @@ fn ids_in_use(range: Range) -> bool {
             return false;
         }
         let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
-        status.lines().find_map(|line| line.strip_prefix("Uid:")).is_some_and(|ids| ids.split_whitespace().any(ours))
+        let field = |name: &str| status.lines().find_map(|line| line.strip_prefix(name)).map(str::trim_start);
+        !field("State:").is_some_and(|state| state.starts_with('Z'))
+            && field("Uid:").is_some_and(|ids| ids.split_whitespace().any(ours))
     })
 }
 
@@ -130,7 +147,7 @@ pub fn lease(rootfs: &Path) -> Result<Lease, String> {
                 drop(file);
                 return Ok(shared(&why));
             }
-            return Ok(Lease { range: range(n), _held: Some(file) });
+            return Ok(Lease { range: range(n), _held: Some(file), shared: false });
         }
     }
     Err(format!(
@@ -143,11 +160,20 @@ pub fn lease(rootfs: &Path) -> Result<Lease, String> {
 fn shared(why: &str) -> Lease {
     tracing::debug!("jails share one id range: {why}");
     // Best effort: without the directory, nothing else leases either.
-    let held = open_leases().ok().and_then(|dir| lock(&dir, 0, libc::LOCK_SH).ok().flatten());
-    if held.is_none() {
-        tracing::warn!("jails share range 0 with a jail that leased it: the image here cannot be idmapped ({why})");
-    }
-    Lease { range: range(0), _held: held }
+    let held = match open_leases().and_then(|dir| lock(&dir, 0, libc::LOCK_SH)) {
+        Ok(Some(held)) => Some(held),
+        Ok(None) => {
+            tracing::warn!(
+                "this jail shares range 0 with a jail that leased it alone: the image here cannot be idmapped ({why})"
+            );
+            None
+        }
+        Err(e) => {
+            tracing::warn!("jails share range 0, unmarked: {e}");
+            None
+        }
+    };
+    Lease { range: range(0), _held: held, shared: true }
 }
 
 /// Range `n`'s lock, taken (`how`: shared or exclusive) without waiting;

@@ -135,13 +135,14 @@ pub fn acted_on_path<P: AsRef<[u8]>>(parts: &[P]) -> Option<(usize, &'static str
             "git takes a directory holding it, objects and refs for a repository and runs commands its config names",
         ));
     }
-    let pth = last.len() > 4 && last[last.len() - 4..].eq_ignore_ascii_case(b".pth");
-    let site = |d: &P| {
-        let d = d.as_ref();
-        d.eq_ignore_ascii_case(b"site-packages") || d.eq_ignore_ascii_case(b"dist-packages")
-    };
-    (pth && dirs.iter().any(site))
+    let pth = last.len() >= 4 && last[last.len() - 4..].eq_ignore_ascii_case(b".pth");
+    (pth && dirs.iter().any(|d| is_site_packages(d.as_ref())))
         .then_some((index, "Python runs the import lines of a .pth file in site-packages at each start"))
+}
+
+/// Whether `name` is a directory Python takes `.pth` files from.
+fn is_site_packages(name: &[u8]) -> bool {
+    name.eq_ignore_ascii_case(b"site-packages") || name.eq_ignore_ascii_case(b"dist-packages")
 }
 
 /// What moat keeps free of a host file system it writes a copy or a task
@@ -659,6 +660,19 @@ impl HostRoots {
     pub fn destination(&self, path: &Path) -> Result<Destination, HostPathError> {
         let (root, parts) = self.locate(path)?;
         let bytes: Vec<&[u8]> = parts.iter().map(|p| p.as_encoded_bytes()).collect();
+        // A copy into a site-packages directory brings its own names,
+        // which the tree's check sees without the place: refused here.
+        if let Some(at) = bytes.iter().position(|p| is_site_packages(p)) {
+            return Err(self.refuse(
+                path,
+                format!(
+                    "moat never writes a copy into {}: Python runs the .pth files there at each start, so a file \
+                     from a sandbox could run commands on the host; copy to another path and look at what you move \
+                     there yourself",
+                    parts[at].to_string_lossy()
+                ),
+            ));
+        }
         if let Some((at, what)) = acted_on_path(&bytes) {
             return Err(self.refuse(
                 path,

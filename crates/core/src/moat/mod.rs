@@ -47,7 +47,7 @@ const FAILED_KEPT: usize = 64;
 
 /// `call`'s outcome, or [`SandboxError::Unresponsive`] once `guard` has
 /// passed without one.
-async fn within_guard<T>(
+pub(super) async fn within_guard<T>(
     id: &str,
     guard: Duration,
     call: impl Future<Output = Result<T, moat_proto::ProtoError>>,
@@ -556,7 +556,8 @@ impl Moat {
         Ok(entry.egress.as_ref().map(|(policy, _)| policy.log()).unwrap_or_default())
     }
 
-    /// The host names a `filtered` sandbox may reach (empty for others).
+    /// The host entries a `filtered` sandbox may reach (empty for others):
+    /// names, on ports 443 and 80, and `host:port` entries.
     pub fn allowed_hosts(&self, id: &str) -> Result<Vec<String>, SandboxError> {
         let sandboxes = self.inner.lock();
         let entry = sandboxes.get(id).ok_or_else(|| self.inner.unknown(id, &sandboxes))?;

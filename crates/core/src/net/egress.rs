@@ -95,7 +95,14 @@ pub const WEB_PORTS: [u16; 2] = [443, 80];
 /// (reached on [`WEB_PORTS`]) or `host:port` (that port only).
 pub fn valid_host_entry(entry: &str) -> bool {
     match entry.rsplit_once(':') {
-        Some((host, port)) => valid_host_name(host) && port.parse::<u16>().is_ok_and(|p| p > 0),
+        // Digits as the port is written back (`host:443`, never `+443`
+        // or `0443`), so that the entry matches what it names.
+        Some((host, port)) => {
+            valid_host_name(host)
+                && port.bytes().all(|b| b.is_ascii_digit())
+                && !port.starts_with('0')
+                && port.parse::<u16>().is_ok()
+        }
         None => valid_host_name(entry),
     }
 }
@@ -252,7 +259,9 @@ impl EgressConfig {
                 .filter(|h| {
                     let ok = if var == "MOAT_ALLOW_HOSTS" { valid_host_entry(h) } else { valid_host_name(h) };
                     if !ok {
-                        tracing::warn!("{var}: {h:?} is not a host name; skipped");
+                        tracing::warn!(
+                            "{var}: {h:?} is not a host name (nor, for MOAT_ALLOW_HOSTS, host:port); skipped"
+                        );
                     }
                     ok
                 })
@@ -356,8 +365,10 @@ impl SandboxEgress {
     /// servers listen where they can.)
     pub fn allows(&self, host: &str, port: u16) -> bool {
         let hosts = self.allowed_hosts();
+        // A name is one without a port (a `host:port` entry names no host).
         hosts.contains(&format!("{host}:{port}"))
-            || (hosts.contains(host)
+            || (!host.contains(':')
+                && hosts.contains(host)
                 && (WEB_PORTS.contains(&port) || self.config.test_resolve.iter().any(|(name, _)| name == host)))
     }
 
@@ -717,6 +728,8 @@ mod tests {
         assert!(why.contains("ports 443 and 80 only") && why.contains("MOAT_ALLOW_HOSTS=git.corp:8080"), "{why}");
         assert!(valid_host_entry("npm.corp:4873") && !valid_host_entry("npm.corp:0") && !valid_host_entry("a b:1"));
         assert!(!valid_host_entry("npm.corp:99999") && !valid_host_entry(":443"));
+        assert!(!valid_host_entry("npm.corp:+4873") && !valid_host_entry("npm.corp:04873"));
+        assert!(!web.allows("npm.corp:4873", 443), "an entry with a port is no name");
 
         let (why, _) = egress.resolve("evil.test", 443).await.expect_err("not allowed");
         assert!(why.contains("evil.test is not an allowed host") && why.contains("MOAT_ALLOW_HOSTS"), "{why}");

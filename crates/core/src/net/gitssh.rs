@@ -267,7 +267,7 @@ pub struct Relayed {
 }
 
 /// How long `ssh` may take to end once the clone has.
-const SSH_GRACE: Duration = Duration::from_secs(5);
+pub const SSH_GRACE: Duration = Duration::from_secs(5);
 /// The most of `ssh`'s stderr kept.
 const SSH_STDERR_MAX: u64 = 16 << 10;
 /// The most of the clone's stderr kept.

@@ -502,7 +502,9 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
     };
     // The agent ends the clone at its timeout; a guest that answers
     // nothing (a microVM's root can replace its agent) is given up here.
-    let bound = std::time::Duration::from_millis(2 * CLONE_TIMEOUT_MS) + moat_core::timing::ANSWER_GRACE;
+    // Two commands (the clone, then its move into place), each given its
+    // timeout and the grace.
+    let bound = 2 * (std::time::Duration::from_millis(CLONE_TIMEOUT_MS) + moat_core::timing::ANSWER_GRACE);
     let clone = async {
         tokio::time::timeout(bound, clone).await.unwrap_or_else(|_| {
             Err(moat_core::SandboxError::Unresponsive { id: id.clone(), waited_s: bound.as_secs() })
@@ -577,15 +579,20 @@ async fn clone_over_ssh(server: &Session<'_>, request: &CloneRequest, ssh: &SshC
     exec.timeout_ms = Some(CLONE_TIMEOUT_MS);
     let started_at = moat_core::timing::now();
     let client = server.moat.client(id)?;
-    let handle = match client.exec(exec).await {
-        Ok(handle) => handle,
-        Err(source) => return Err(server.moat.agent_error(id, source).await.into()),
+    // As above, the whole of it: the start, the clone (ssh's moment to end
+    // its session after), the move into place. Dropping the relay kills
+    // ssh (kill_on_drop).
+    let bound = 2 * (std::time::Duration::from_millis(CLONE_TIMEOUT_MS) + moat_core::timing::ANSWER_GRACE)
+        + moat_core::net::gitssh::SSH_GRACE;
+    let unresponsive = || moat_core::SandboxError::Unresponsive { id: id.into(), waited_s: bound.as_secs() };
+    let deadline = tokio::time::Instant::now() + bound;
+    let handle = match tokio::time::timeout_at(deadline, client.exec(exec)).await {
+        Err(_) => return Err(unresponsive().into()),
+        Ok(Ok(handle)) => handle,
+        Ok(Err(source)) => return Err(server.moat.agent_error(id, source).await.into()),
     };
-    // As above; dropping the relay kills ssh (kill_on_drop).
-    let bound = std::time::Duration::from_millis(CLONE_TIMEOUT_MS) + moat_core::timing::ANSWER_GRACE;
-    let Ok(relayed) = tokio::time::timeout(bound, transport.relay(handle)).await else {
-        let unresponsive = moat_core::SandboxError::Unresponsive { id: id.into(), waited_s: bound.as_secs() };
-        return Err(unresponsive.into());
+    let Ok(relayed) = tokio::time::timeout_at(deadline, transport.relay(handle)).await else {
+        return Err(unresponsive().into());
     };
     let stderr = String::from_utf8_lossy(&relayed.stderr).into_owned();
     let result = stderr.lines().rev().find_map(|l| l.strip_prefix("moat-git-result ")).map(str::to_owned);
@@ -599,9 +606,10 @@ async fn clone_over_ssh(server: &Session<'_>, request: &CloneRequest, ssh: &SshC
     };
     let (stage, cloned) = result.as_deref().and_then(|r| r.split_once(' ')).unwrap_or_default();
     if out.status.success() && !stage.is_empty() {
-        let placed = place(&client, stage, path, &mut out).await;
-        if let Err(source) = placed {
-            return Err(server.moat.agent_error(id, source).await.into());
+        match tokio::time::timeout_at(deadline, place(&client, stage, path, &mut out)).await {
+            Err(_) => return Err(unresponsive().into()),
+            Ok(Err(source)) => return Err(server.moat.agent_error(id, source).await.into()),
+            Ok(Ok(())) => {}
         }
     }
     server.moat.log_command(id, &format!("git_clone {url} into {path} (over SSH)"), started_at, &out);
