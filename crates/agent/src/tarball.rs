@@ -36,42 +36,10 @@ where
         let mut builder = tar::Builder::new(writer);
         builder.follow_symlinks(false);
         if meta.is_dir() {
-            builder.append_dir_all(".", &root)?;
+            append_tree(&mut builder, &root)?;
         } else {
             let name = root.file_name().map_or_else(|| "file".into(), |n| n.to_os_string());
-            // Opened without waiting and without following a link, then
-            // archived as what the descriptor is: a FIFO put in the file's
-            // place after the stat above must not keep open(2) waiting.
-            let opened =
-                std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW).open(&root);
-            let special = match opened {
-                Ok(mut file) => {
-                    let meta = file.metadata()?;
-                    if meta.is_file() {
-                        builder.append_file(&name, &mut file)?;
-                        None
-                    } else {
-                        Some(meta)
-                    }
-                }
-                // A link (O_NOFOLLOW, ELOOP): archived as one, never
-                // followed; a socket (ENXIO): refused by the tar crate.
-                Err(_) => {
-                    builder.append_path_with_name(&root, &name)?;
-                    None
-                }
-            };
-            // A FIFO or a device: its header alone, under its name (the
-            // tar crate's own path for these keeps the absolute path,
-            // which archives refuse). A socket cannot be opened (ENXIO)
-            // and is refused by the tar crate above, as tar has no type
-            // for it.
-            if let Some(meta) = special {
-                let mut header = tar::Header::new_gnu();
-                header.set_metadata_in_mode(&meta, tar::HeaderMode::Complete);
-                header.set_size(0);
-                builder.append_data(&mut header, &name, io::empty())?;
-            }
+            append_entry(&mut builder, &root, Path::new(&name))?;
         }
         builder.into_inner()?.flush()
     });
@@ -83,6 +51,69 @@ where
         Ok(Err(e)) => Err(io_error(&format!("archiving {display}"), &e)),
         Err(e) => Err(WireError::new(moat_proto::ErrorKind::Internal, format!("tar archiver failed: {e}"))),
     }
+}
+
+/// The deepest a tree is archived: the host cuts copies at 128 levels
+/// anyway, and a walk deeper only spends the sandbox's agent.
+const MAX_TREE_DEPTH: usize = 256;
+
+/// Appends the tree at `root` as `.` and `./…`, each entry as
+/// [`append_entry`] does, depth first, iteratively.
+fn append_tree<W: Write>(builder: &mut tar::Builder<W>, root: &Path) -> io::Result<()> {
+    let mut stack = vec![(root.to_path_buf(), std::path::PathBuf::from("."), 0usize)];
+    while let Some((src, name, depth)) = stack.pop() {
+        if append_entry(builder, &src, &name)? && depth < MAX_TREE_DEPTH {
+            for child in std::fs::read_dir(&src)? {
+                let child = child?;
+                stack.push((child.path(), name.join(child.file_name()), depth + 1));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Appends `src` under `name` as what it is when looked at, never
+/// following a link and never waiting on an open: a regular file with its
+/// content (opened `O_NONBLOCK | O_NOFOLLOW`, and archived as what the
+/// descriptor is, so that a FIFO or a link put in its place meanwhile
+/// neither keeps the walk waiting nor is followed); a directory, a link, a
+/// FIFO or a device as its header; a socket, for which tar has no type,
+/// left out. Whether it is a directory, to descend into.
+fn append_entry<W: Write>(builder: &mut tar::Builder<W>, src: &Path, name: &Path) -> io::Result<bool> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = std::fs::symlink_metadata(src)?;
+    let kind = meta.file_type();
+    if kind.is_symlink() {
+        builder.append_path_with_name(src, name)?;
+        return Ok(false);
+    }
+    if kind.is_socket() {
+        return Ok(false);
+    }
+    let meta = if kind.is_file() {
+        match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW).open(src) {
+            Ok(mut file) => {
+                let now = file.metadata()?;
+                if now.is_file() {
+                    builder.append_file(name, &mut file)?;
+                    return Ok(false);
+                }
+                now
+            }
+            // Gone, or a link or a socket now: left out.
+            Err(_) => return Ok(false),
+        }
+    } else {
+        meta
+    };
+    if meta.file_type().is_socket() {
+        return Ok(false);
+    }
+    let mut header = tar::Header::new_gnu();
+    header.set_metadata_in_mode(&meta, tar::HeaderMode::Complete);
+    header.set_size(0);
+    builder.append_data(&mut header, name, io::empty())?;
+    Ok(meta.is_dir())
 }
 
 /// Unpacks the archive the client streams into directory `path` (created if
