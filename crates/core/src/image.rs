@@ -627,21 +627,7 @@ pub fn user_copy_manifest(home: &Path, name: &str) -> Option<Manifest> {
     for part in Path::new(USER_DATA_DIR).join("images").join(name).components() {
         dir = openat(dir.as_fd(), part.as_os_str(), flags, Mode::empty()).ok()?;
     }
-    // Non-blocking: a FIFO put there answers at once instead of hanging.
-    let file = openat(
-        dir.as_fd(),
-        "manifest.json",
-        OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )
-    .ok()?;
-    let file = std::fs::File::from(file);
-    if !file.metadata().ok()?.is_file() {
-        return None;
-    }
-    let mut text = Vec::new();
-    file.take(1 << 20).read_to_end(&mut text).ok()?;
-    serde_json::from_slice(&text).ok()
+    serde_json::from_slice(&crate::hostfs::read_small_file(&dir, "manifest.json", 1 << 20)?).ok()
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -149,34 +149,27 @@ pub fn records(data_dir: &Path) -> Vec<TaskRecord> {
 
 /// The record of task `id`, if it is retained.
 pub fn record(data_dir: &Path, id: &str) -> Option<TaskRecord> {
-    let valid = id.starts_with("task-") && id.len() <= 32 && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
-    valid.then(|| read_record(&tasks_dir(data_dir).join(id))).flatten()
+    valid_task_id(id).then(|| read_record(&tasks_dir(data_dir).join(id))).flatten()
+}
+
+/// Whether `id` can name a task: `task-` and letters, digits and dashes,
+/// at most 32 bytes (so it names a directory beneath the tasks' and only
+/// that).
+fn valid_task_id(id: &str) -> bool {
+    id.starts_with("task-") && id.len() <= 32 && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
 }
 
 /// A record directory's `record.json`: a regular file of at most
-/// [`RECORD_MAX`] bytes, read without following a link.
+/// [`RECORD_MAX`] bytes ([`crate::hostfs::read_small_file`]).
 fn read_record(dir: &Path) -> Option<TaskRecord> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(dir.join("record.json"))
-        .ok()?;
-    let meta = file.metadata().ok()?;
-    if !meta.is_file() || meta.len() > RECORD_MAX {
-        return None;
-    }
-    let mut text = String::new();
-    file.take(RECORD_MAX).read_to_string(&mut text).ok()?;
-    serde_json::from_str(&text).ok()
+    let dir = std::fs::File::open(dir).ok()?;
+    serde_json::from_slice(&crate::hostfs::read_small_file(&dir, "record.json", RECORD_MAX)?).ok()
 }
 
 /// Removes a record and its patch and log.
 pub fn remove_record(data_dir: &Path, id: &str) -> Result<(), TaskError> {
-    let valid = id.starts_with("task-") && id.len() <= 32 && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
     let dir = tasks_dir(data_dir).join(id);
-    if !valid || !dir.join("record.json").exists() {
+    if !valid_task_id(id) || !dir.join("record.json").exists() {
         let known: Vec<String> = records(data_dir).into_iter().map(|r| r.task.id).collect();
         return Err(TaskError::UnknownTask { id: id.into(), known });
     }

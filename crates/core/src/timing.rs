@@ -11,6 +11,19 @@ use std::time::{Duration, SystemTime};
 /// waiting forever.
 pub const ANSWER_GRACE: Duration = Duration::from_secs(30);
 
+/// `work`'s outcome, or [`SandboxError::Unresponsive`](crate::SandboxError::Unresponsive)
+/// for sandbox `id` once `guard` has passed without one: every wait on an
+/// agent that could stay silent is bounded by this.
+pub async fn within<R>(
+    id: &str,
+    guard: Duration,
+    work: impl std::future::Future<Output = R>,
+) -> Result<R, crate::SandboxError> {
+    tokio::time::timeout(guard, work)
+        .await
+        .map_err(|_| crate::SandboxError::Unresponsive { id: id.into(), waited_s: guard.as_secs() })
+}
+
 /// Seconds since the Unix epoch, now.
 pub fn now() -> u64 {
     SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs())

@@ -204,21 +204,24 @@ impl Scope {
         // until destroyed), and a scope that never ends (stdio, requests
         // without a session) would keep them for the server's life.
         let serial = self.serial;
+        let mut live = 0;
         owned.sandboxes.retain(|id| {
+            let found = self.moat.get(id);
             let keep = is_owner(id, serial)
                 && !matches!(
-                    self.moat.get(id),
+                    found,
                     Err(moat_core::SandboxError::UnknownSandbox { .. } | moat_core::SandboxError::Expired(_))
                 );
             if !keep {
                 release(id, serial);
+            } else if found.is_ok() {
+                live += 1;
             }
             keep
         });
         if owned.current.as_ref().is_some_and(|id| !owned.sandboxes.contains(id)) {
             owned.current = None;
         }
-        let live = owned.sandboxes.iter().filter(|id| self.moat.get(id).is_ok()).count();
         if live + owned.making >= self.max_sandboxes {
             return Err(format!(
                 "This session already has {live} live sandboxes{}, the most one session may have at once \

@@ -145,6 +145,22 @@ fn is_site_packages(name: &[u8]) -> bool {
     name.eq_ignore_ascii_case(b"site-packages") || name.eq_ignore_ascii_case(b"dist-packages")
 }
 
+/// The file `name` in `dir`, read whole when it is a regular file of at
+/// most `max` bytes, reached without following a link and opened without
+/// waiting (a FIFO put there answers at once); `None` otherwise.
+pub fn read_small_file(dir: &impl AsFd, name: &str, max: u64) -> Option<Vec<u8>> {
+    use std::io::Read;
+    let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC | OFlag::O_NOCTTY;
+    let file = std::fs::File::from(openat(dir, name, flags, Mode::empty()).ok()?);
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() || meta.len() > max {
+        return None;
+    }
+    let mut bytes = Vec::new();
+    file.take(max).read_to_end(&mut bytes).ok()?;
+    Some(bytes)
+}
+
 /// What moat keeps free of a host file system it writes a copy or a task
 /// record into, in words.
 pub const RESERVE_RULE: &str = "5 % of it, at most 1 GiB";

@@ -144,7 +144,7 @@ impl Moat {
         // agent (a microVM's guest can put one in its agent's place) does
         // not hold the call for ever.
         let guard = super::AGENT_CALL_GUARD + std::time::Duration::from_secs(size >> 20);
-        let written = super::within_guard(id, guard, client.write_file(req, &mut file.take(size)))
+        let written = crate::timing::within(id, guard, client.write_file(req, &mut file.take(size)))
             .await?
             .map_err(|source| SandboxError::Agent { id: id.into(), source })?;
         Ok(CopySummary { files: 1, bytes: written, skipped: Vec::new() })
@@ -213,7 +213,8 @@ impl Moat {
         let (limit, share) = dest.limit(self.inner.host.copy_limit());
         let client = self.client(id)?;
         let agent = |source| SandboxError::Agent { id: id.into(), source };
-        let info = super::within_guard(id, super::AGENT_CALL_GUARD, client.stat(sandbox_path)).await?.map_err(agent)?;
+        let info =
+            crate::timing::within(id, super::AGENT_CALL_GUARD, client.stat(sandbox_path)).await?.map_err(agent)?;
         let (staged, sink) = match info.kind {
             moat_proto::FileKind::File => dest.stage_file().map(|(staged, file)| (staged, Sink::File(file)))?,
             moat_proto::FileKind::Dir => dest.stage_dir().map(|(staged, dir)| (staged, Sink::Dir(dir)))?,

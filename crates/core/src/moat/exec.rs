@@ -59,10 +59,7 @@ pub(crate) async fn answered_within<T>(
     work: impl Future<Output = Result<T, SandboxError>>,
 ) -> Result<T, SandboxError> {
     let Some(timeout) = timeout else { return work.await };
-    let waited = timeout.saturating_add(ANSWER_GRACE);
-    tokio::time::timeout(waited, work)
-        .await
-        .map_err(|_| SandboxError::Unresponsive { id: id.into(), waited_s: waited.as_secs() })?
+    crate::timing::within(id, timeout.saturating_add(ANSWER_GRACE), work).await?
 }
 
 impl Moat {

@@ -45,18 +45,6 @@ const RUNTIME_PROBE_MS: u64 = 30_000;
 /// Failed sandboxes kept for `list` at most; the oldest go first.
 const FAILED_KEPT: usize = 64;
 
-/// `call`'s outcome, or [`SandboxError::Unresponsive`] once `guard` has
-/// passed without one.
-pub(super) async fn within_guard<T>(
-    id: &str,
-    guard: Duration,
-    call: impl Future<Output = Result<T, moat_proto::ProtoError>>,
-) -> Result<Result<T, moat_proto::ProtoError>, SandboxError> {
-    tokio::time::timeout(guard, call)
-        .await
-        .map_err(|_| SandboxError::Unresponsive { id: id.into(), waited_s: guard.as_secs() })
-}
-
 /// The longest one file call to an agent ([`Moat::with_agent`]: a read or
 /// write of at most a message's 16 MiB, a listing, a move, a removal) may
 /// take: far past what any takes, even a recursive removal in a microVM of
@@ -430,7 +418,7 @@ impl Moat {
         F: Future<Output = Result<T, moat_proto::ProtoError>>,
     {
         let client = self.client(id)?;
-        match within_guard(id, AGENT_CALL_GUARD, op(client)).await? {
+        match crate::timing::within(id, AGENT_CALL_GUARD, op(client)).await? {
             Ok(value) => Ok(value),
             Err(source) => Err(self.agent_error(id, source).await),
         }
@@ -896,7 +884,7 @@ mod guard_tests {
         let client = AgentClient::unix(&socket);
         let guard = Duration::from_secs(300);
         let started = tokio::time::Instant::now();
-        let err = within_guard("sbx-1", guard, client.stat("/etc")).await.expect_err("never answered");
+        let err = crate::timing::within("sbx-1", guard, client.stat("/etc")).await.expect_err("never answered");
         assert!(matches!(err, SandboxError::Unresponsive { waited_s: 300, .. }), "{err}");
         assert!(err.to_string().contains("did not answer for 300 s"), "{err}");
         assert_eq!(started.elapsed(), guard);

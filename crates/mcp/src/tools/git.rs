@@ -505,11 +505,7 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
     // Two commands (the clone, then its move into place), each given its
     // timeout and the grace.
     let bound = 2 * (std::time::Duration::from_millis(CLONE_TIMEOUT_MS) + moat_core::timing::ANSWER_GRACE);
-    let clone = async {
-        tokio::time::timeout(bound, clone).await.unwrap_or_else(|_| {
-            Err(moat_core::SandboxError::Unresponsive { id: id.clone(), waited_s: bound.as_secs() })
-        })
-    };
+    let clone = async { moat_core::timing::within(&id, bound, clone).await.and_then(|out| out) };
     let mut out = match clone.await {
         Ok(out) => out,
         // A lost connection may be the sandbox's end: say so.
