@@ -174,11 +174,23 @@ fn main() -> ExitCode {
         eprintln!("moat-agent: cannot make itself non-dumpable: {e}");
         return ExitCode::FAILURE;
     }
+    ExitCode::from(serve(init_mode, listen))
+}
+
+/// A jail's agent, run by the sandbox's init in place of an exec of this
+/// program (`moat_agent::jail::JailSpec::serve`): what `--listen fd:N`
+/// would run, but for the log, which goes nowhere in a jail.
+fn serve_jail(fd: i32) -> u8 {
+    serve(false, ListenAddr::Fd(fd))
+}
+
+/// Serves on `listen` until told to stop; returns the exit status.
+fn serve(init_mode: bool, listen: ListenAddr) -> u8 {
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("moat-agent: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
+            return 1;
         }
     };
     runtime.block_on(run(init_mode, listen))
@@ -204,6 +216,7 @@ fn run_jail(args: &JailArgs) -> ExitCode {
             holder: args.userns_holder.clone(),
             hold: std::time::Duration::from_secs(args.userns_hold_secs),
         }),
+        serve: Some(serve_jail),
     };
     match moat_agent::jail::run(&spec) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
@@ -265,18 +278,18 @@ fn halt() -> ExitCode {
     ExitCode::FAILURE
 }
 
-async fn run(init_mode: bool, listen: ListenAddr) -> ExitCode {
+async fn run(init_mode: bool, listen: ListenAddr) -> u8 {
     let pid1 = std::process::id() == 1;
     let agent = match Agent::new(pid1) {
         Ok(agent) => agent,
         Err(e) => {
             eprintln!("moat-agent: cannot become a subreaper and watch SIGCHLD: {e}");
-            return ExitCode::FAILURE;
+            return 1;
         }
     };
     let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
         eprintln!("moat-agent: cannot install signal handlers");
-        return ExitCode::FAILURE;
+        return 1;
     };
     let code = match Listener::bind(&listen) {
         Ok(listener) => {
@@ -303,10 +316,10 @@ async fn run(init_mode: bool, listen: ListenAddr) -> ExitCode {
                         Err(e) => format!("the accept loop failed: {e}"),
                     };
                     eprintln!("moat-agent: {e}");
-                    ExitCode::FAILURE
+                    1
                 }
-                _ = term.recv() => ExitCode::SUCCESS,
-                _ = int.recv() => ExitCode::SUCCESS,
+                _ = term.recv() => 0,
+                _ = int.recv() => 0,
             }
         }
         Err(e) => {
@@ -318,7 +331,7 @@ async fn run(init_mode: bool, listen: ListenAddr) -> ExitCode {
                     _ = int.recv() => {}
                 }
             }
-            ExitCode::FAILURE
+            1
         }
     };
     tracing::info!("shutting down");

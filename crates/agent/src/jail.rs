@@ -13,7 +13,8 @@
 //!            the monitor writes uid_map/gid_map: 0..N → BASE..BASE+N
 //!            PID 1: /proc, /sys, /dev/pts, /dev/shm, /tmp, /run, hostname,
 //!            loopback, pivot_root, capabilities limited, no_new_privs,
-//!            seccomp, exec the agent
+//!            seccomp, then the agent: in place (the same program, see
+//!            `InPlace`), or exec'd from /.moat/agent
 //! ```
 //!
 //! The monitor dies with its parent (`PR_SET_PDEATHSIG`), PID 1 dies with
@@ -75,6 +76,11 @@ pub struct JailSpec {
     /// Started by an unprivileged user, whose subordinate ranges start at
     /// `id_base` (uids) and [`Rootless::gid_base`]: see [`enter_own_userns`].
     pub rootless: Option<Rootless>,
+    /// The agent's serving on a listening descriptor, returning its exit
+    /// status: where `agent` is the very program running this monitor, the
+    /// sandbox's init runs it in place of exec'ing `agent` (see
+    /// [`InPlace`]). `None`: the init always execs `agent`.
+    pub serve: Option<fn(i32) -> u8>,
 }
 
 /// What a rootless monitor needs beyond [`JailSpec::id_base`].
@@ -252,7 +258,8 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
     // close-on-exec) across the moment its parent-death signal is reset.
     let own_pid = i32::try_from(std::process::id()).unwrap_or(i32::MAX);
     let lifeline = step("pidfd_open of the monitor", crate::pidfd::Pidfd::of_pid(own_pid))?;
-    let mut stack = vec![0u8; 256 * 1024];
+    let in_place = InPlace::for_spec(spec);
+    let stack = step("mapping the init's stack", InitStack::new())?;
     let flags = CloneFlags::CLONE_NEWUSER
         | CloneFlags::CLONE_NEWNS
         | CloneFlags::CLONE_NEWPID
@@ -261,16 +268,13 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
         | CloneFlags::CLONE_NEWUTS
         | CloneFlags::CLONE_NEWCGROUP;
     let mut ready_rx = Some(ready_rx);
-    let child = Box::new(|| {
-        let code = match sandbox_init(spec, ready_rx.take(), &listener, &lifeline) {
-            Ok(never) => match never {},
-            Err(e) => {
-                eprintln!("moat-agent jail: {e}: {}", e.source);
-                1
-            }
-        };
-        code as isize
-    });
+    let mut child = || match sandbox_init(spec, ready_rx.take(), &listener, &lifeline, in_place) {
+        Ok(never) => match never {},
+        Err(e) => {
+            eprintln!("moat-agent jail: {e}: {}", e.source);
+            1
+        }
+    };
     // The sandbox's user namespace is owned by the host uid its root maps
     // to (the owner is the creator's effective uid), never by host root:
     // - the kernel charges what the sandbox's processes hold of per-user
@@ -296,10 +300,7 @@ pub fn run(spec: &JailSpec) -> Result<i32, JailError> {
             step("PR_SET_DUMPABLE", nix::sys::prctl::set_dumpable(true))?;
         }
     }
-    // SAFETY: the process is single-threaded (the caller's contract), so the
-    // child, a copy of it on `stack`, holds no lock another thread owned; it
-    // only runs `sandbox_init`, which ends in exec or exit.
-    let cloned = unsafe { nix::sched::clone(child, &mut stack, flags, Some(libc::SIGCHLD)) };
+    let cloned = clone_init(&mut child, &stack, flags, in_place.map(|p| p.tid_slot));
     if switch_euid {
         step("switching the effective uid back", nix::unistd::seteuid(Uid::from_raw(0)))?;
         // A change of credentials clears the parent-death signal: set it again.
@@ -975,6 +976,7 @@ fn sandbox_init(
     ready: Option<OwnedFd>,
     listener: &std::os::unix::net::UnixListener,
     monitor: &crate::pidfd::Pidfd,
+    in_place: Option<InPlace>,
 ) -> Result<std::convert::Infallible, JailError> {
     step("PR_SET_PDEATHSIG", nix::sys::prctl::set_pdeathsig(Signal::SIGKILL))?;
     let mut byte = [0u8; 1];
@@ -1082,15 +1084,223 @@ fn sandbox_init(
             unsafe { libc::close(fd) };
         }
     }
-    let program = c("/.moat/agent");
+    let program = c(AGENT_IN_SANDBOX);
     let listen = format!("fd:{LISTEN_FD}");
     let args = [program.clone(), c("--listen"), c(&listen), c("--log-level"), c("warn")];
-    let env: Vec<CString> =
-        vec![c("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"), c("LANG=C.UTF-8")];
+    if let Some(in_place) = in_place {
+        in_place.serve(&args)
+    }
+    let env: Vec<CString> = AGENT_ENV.iter().map(|(name, value)| c(&format!("{name}={value}"))).collect();
     match nix::unistd::execve(&program, &args, &env) {
         Ok(never) => match never {},
         Err(e) => Err(JailError { step: "exec /.moat/agent".into(), source: e.into() }),
     }
+}
+
+/// Where the sandbox finds the agent's binary (bound read-only).
+const AGENT_IN_SANDBOX: &str = "/.moat/agent";
+
+/// The agent's environment in the sandbox (a command's comes with its
+/// request).
+const AGENT_ENV: &[(&str, &str)] =
+    &[("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"), ("LANG", "C.UTF-8")];
+
+/// The sandbox's init serving as the agent without exec'ing it: the init is
+/// a copy of this monitor, which is the agent's program, so the exec would
+/// only start the same program again — map it, relocate it, let glibc probe
+/// the CPU's caches (some 80 `cpuid`, each a VM exit under nested
+/// virtualization), parse its flags — about 1.5 ms of each sandbox's start.
+///
+/// What the exec gave, the init makes itself before serving: a fresh
+/// thread identity in glibc (the clone writes the child's tid where glibc
+/// keeps it, [`glibc_tid_slot`], as glibc's own `fork` does), the agent's
+/// name, command line and environment as the sandbox sees them (the
+/// monitor's command line names host paths and ids, and `/proc/1/cmdline`
+/// is readable by every sandbox process), non-dumpable. The capabilities,
+/// the seccomp filter and the descriptors are the same either way: set
+/// before the exec, kept across it.
+#[derive(Debug, Clone, Copy)]
+struct InPlace {
+    serve: fn(i32) -> u8,
+    tid_slot: *mut libc::pid_t,
+}
+
+impl InPlace {
+    /// Serving in place, where `spec` allows it: the agent it names is this
+    /// very program (the same file), and glibc's tid slot is where it is
+    /// expected. Otherwise the init execs the agent.
+    fn for_spec(spec: &JailSpec) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let serve = spec.serve?;
+        let (agent, this) = (std::fs::metadata(&spec.agent).ok()?, std::fs::metadata("/proc/self/exe").ok()?);
+        if (agent.dev(), agent.ino()) != (this.dev(), this.ino()) {
+            return None;
+        }
+        Some(Self { serve, tid_slot: glibc_tid_slot()? })
+    }
+
+    /// Becomes the agent `args` would exec, and serves on [`LISTEN_FD`]
+    /// until it ends, then exits with its status. Returns only if it could
+    /// not take the agent's looks; the caller then execs.
+    fn serve(self, args: &[CString]) {
+        if show_command_line(args).is_err() || nix::sys::prctl::set_dumpable(false).is_err() {
+            return;
+        }
+        let _ = nix::sys::prctl::set_name(c"agent");
+        let inherited: Vec<_> = std::env::vars_os().map(|(name, _)| name).collect();
+        for name in inherited {
+            // SAFETY: the init is single-threaded (cloned from the
+            // single-threaded monitor, no thread started yet): nothing reads
+            // the environment meanwhile.
+            unsafe { std::env::remove_var(name) };
+        }
+        for (name, value) in AGENT_ENV {
+            // SAFETY: as above.
+            unsafe { std::env::set_var(name, value) };
+        }
+        std::process::exit(i32::from((self.serve)(LISTEN_FD)))
+    }
+}
+
+/// Writes `args` over this process's command line (the area
+/// `/proc/PID/cmdline` reads), padded with NULs, cut if longer.
+fn show_command_line(args: &[CString]) -> std::io::Result<()> {
+    let bad = || std::io::Error::other("no argument area in /proc/self/stat");
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // After the command name (in parentheses, which it may itself hold),
+    // the fields from the 3rd on; the argument area is the 48th and 49th.
+    let fields: Vec<&str> = stat.rsplit_once(')').ok_or_else(bad)?.1.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<usize>().ok()).ok_or_else(bad);
+    let (start, end) = (field(48)?, field(49)?);
+    let len = end.checked_sub(start).filter(|len| *len > 0).ok_or_else(bad)?;
+    let mut text: Vec<u8> = args.iter().flat_map(|a| a.as_bytes_with_nul()).copied().collect();
+    text.resize(len, 0);
+    if let Some(last) = text.last_mut() {
+        *last = 0;
+    }
+    // SAFETY: [start, end) is this process's argument area, the strings
+    // the kernel copied onto its first stack at exec: mapped writable, and
+    // read from here on only through /proc (std's copy of argv points into
+    // it, and nothing in this process reads the arguments again).
+    unsafe { std::ptr::copy_nonoverlapping(text.as_ptr(), std::ptr::with_exposed_provenance_mut(start), len) };
+    Ok(())
+}
+
+/// Where glibc keeps a thread's kernel tid: `struct pthread`'s `tid`, at
+/// this offset from the thread's descriptor on x86-64 (glibc's own code
+/// reads it as `%fs:0x2d0`; the same since glibc 2.26).
+#[cfg(all(target_arch = "x86_64", target_env = "gnu"))]
+const GLIBC_TID_OFFSET: usize = 0x2d0;
+
+/// The calling thread's tid slot in glibc's descriptor, if it holds the
+/// tid the kernel gives this thread: the layout is checked, not assumed.
+#[cfg(all(target_arch = "x86_64", target_env = "gnu"))]
+fn glibc_tid_slot() -> Option<*mut libc::pid_t> {
+    let tid = nix::unistd::gettid().as_raw();
+    // SAFETY: pthread_self has no preconditions.
+    let descriptor = usize::try_from(unsafe { libc::pthread_self() }).ok()?;
+    // SAFETY: pthread_self is the address of this thread's descriptor, a
+    // glibc object of some 2 KiB, alive as long as the thread; the slot is
+    // an aligned pid_t inside it, read as plain memory whatever it holds.
+    let slot =
+        unsafe { std::ptr::with_exposed_provenance_mut::<u8>(descriptor).add(GLIBC_TID_OFFSET).cast::<libc::pid_t>() };
+    // SAFETY: as above.
+    (unsafe { slot.read() } == tid).then_some(slot)
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_env = "gnu")))]
+fn glibc_tid_slot() -> Option<*mut libc::pid_t> {
+    None
+}
+
+/// The init's stack: as large as a main thread's (the agent's main thread
+/// runs on it when it serves in place), mapped lazily so that only the
+/// pages used are ever made, with a guard page below it.
+struct InitStack {
+    base: *mut libc::c_void,
+}
+
+impl InitStack {
+    const LEN: usize = 8 << 20;
+    const GUARD: usize = 4096;
+
+    fn new() -> std::io::Result<Self> {
+        let (prot, flags) = (
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_STACK,
+        );
+        // SAFETY: a new anonymous mapping, owned by the value returned.
+        let base = unsafe { libc::mmap(std::ptr::null_mut(), Self::LEN, prot, flags, -1, 0) };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let stack = Self { base };
+        // SAFETY: the lowest page of the mapping just made, owned here.
+        if unsafe { libc::mprotect(base, Self::GUARD, libc::PROT_NONE) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(stack)
+    }
+
+    /// The stack's top (it grows down), page-aligned.
+    fn top(&self) -> *mut libc::c_void {
+        self.base.wrapping_byte_add(Self::LEN)
+    }
+}
+
+impl Drop for InitStack {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, used by nothing of this
+        // process once the clone has its own copy.
+        unsafe { libc::munmap(self.base, Self::LEN) };
+    }
+}
+
+/// Clones the sandbox's init into the namespaces `flags` makes, running
+/// `init` on `stack`. With `tid_slot` ([`glibc_tid_slot`]), the kernel
+/// writes the child's tid there in the child, as glibc's own `fork` does
+/// for its children: glibc then knows the child's thread as itself
+/// (locks that record their owner, signals to itself), and the child may
+/// go on as any program, not only set up and exec.
+fn clone_init(
+    init: &mut dyn FnMut() -> libc::c_int,
+    stack: &InitStack,
+    flags: CloneFlags,
+    tid_slot: Option<*mut libc::pid_t>,
+) -> nix::Result<Pid> {
+    extern "C" fn entry(arg: *mut libc::c_void) -> libc::c_int {
+        // SAFETY: `arg` is the `&mut &mut dyn FnMut` passed to clone
+        // below, in the child's copy of its parent's memory: the child
+        // never returns to the frame that holds it.
+        let init = unsafe { &mut *arg.cast::<&mut dyn FnMut() -> libc::c_int>() };
+        init()
+    }
+    let mut init = init;
+    let mut flags = flags.bits() | libc::SIGCHLD;
+    let child_tid = match tid_slot {
+        Some(slot) => {
+            flags |= libc::CLONE_CHILD_SETTID;
+            slot
+        }
+        None => std::ptr::null_mut(),
+    };
+    // SAFETY: the process is single-threaded (the caller's contract), so
+    // the child, a copy of it on `stack`, holds no lock another thread
+    // owned; `init` and `stack` outlive the call, and the child has its
+    // own copy of both (no CLONE_VM). `child_tid` is this thread's tid
+    // slot, in the child's copy.
+    let pid = unsafe {
+        libc::clone(
+            entry,
+            stack.top(),
+            flags,
+            (&raw mut init).cast(),
+            std::ptr::null_mut::<libc::pid_t>(),
+            std::ptr::null_mut::<libc::c_void>(),
+            child_tid,
+        )
+    };
+    nix::errno::Errno::result(pid).map(Pid::from_raw)
 }
 
 fn c(s: &str) -> CString {
