@@ -18,7 +18,10 @@
 //! descriptors ([`moat_sys::cgroupfs`]), at any depth.
 //!
 //! It takes only what a host would give it: a sandbox's cgroup (`sbx-…`)
-//! beneath a `moat` directory of a cgroup file system.
+//! of a cgroup file system, beneath a `moat` directory (root's layout,
+//! and `moat setup --user`'s) or beside one (a delegated cgroup, where
+//! moat keeps itself in the leaf `moat` and its sandboxes' cgroups beside
+//! it).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -38,13 +41,14 @@ pub struct Sweep {
 }
 
 /// Whether `dir` is a sandbox's cgroup: absolute, named `sbx-…`, beneath
-/// a `moat` directory, on a cgroup file system (v1 or v2).
+/// a `moat` directory or beside one, on a cgroup file system (v1 or v2).
 pub fn check(dir: &Path) -> Result<(), String> {
+    let beside_moat = dir.parent().is_some_and(|parent| parent.join("moat").is_dir());
     let named = dir.is_absolute()
         && dir.file_name().is_some_and(|n| n.to_string_lossy().starts_with("sbx-"))
-        && dir.components().any(|c| c.as_os_str() == "moat");
+        && (beside_moat || dir.components().any(|c| c.as_os_str() == "moat"));
     if !named {
-        return Err(format!("{}: not a sandbox's cgroup (moat/…/sbx-…)", dir.display()));
+        return Err(format!("{}: not a sandbox's cgroup (moat/…/sbx-…, or sbx-… beside a moat leaf)", dir.display()));
     }
     let kind = nix::sys::statfs::statfs(dir).map_err(|e| format!("{}: {e}", dir.display()))?.filesystem_type();
     if kind != nix::sys::statfs::CGROUP_SUPER_MAGIC && kind != nix::sys::statfs::CGROUP2_SUPER_MAGIC {
@@ -97,5 +101,14 @@ mod tests {
         std::fs::create_dir_all(&dir).expect("mkdir");
         let why = check(&dir).expect_err("not a cgroup file system");
         assert!(why.contains("not on a cgroup file system"), "{why}");
+        // A delegated cgroup (a systemd scope): moat in its leaf `moat`,
+        // its sandboxes' cgroups beside it.
+        let scope = scratch.path().join("user@1000.service/app.slice/run-1.scope");
+        std::fs::create_dir_all(scope.join("moat")).expect("mkdir");
+        std::fs::create_dir_all(scope.join("sbx-2")).expect("mkdir");
+        let why = check(&scope.join("sbx-2")).expect_err("not a cgroup file system");
+        assert!(why.contains("not on a cgroup file system"), "{why}");
+        let why = check(&scratch.path().join("user@1000.service/app.slice/sbx-3")).expect_err("no moat leaf");
+        assert!(why.contains("not a sandbox's cgroup"), "{why}");
     }
 }

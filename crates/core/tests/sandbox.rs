@@ -204,6 +204,41 @@ async fn a_python_session_that_never_starts_is_given_up() {
     moat.destroy_all().await;
 }
 
+/// A Python cell that goes on past its interrupt — catching
+/// KeyboardInterrupt, or ignoring SIGINT, and printing meanwhile — ends
+/// at its timeout and the grace after it, however often it prints: the
+/// session is stopped, and the next cell starts a fresh one.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_python_cell_that_outlives_its_interrupt_is_stopped_at_the_grace() {
+    let moat = moat(16).await;
+    let sandbox = moat.create(small()).await.expect("created");
+    let id = sandbox.id.as_str();
+    let cells = [
+        "import time\nwhile True:\n    try:\n        print('on', flush=True); time.sleep(0.5)\n    except KeyboardInterrupt:\n        pass",
+        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    print('on', flush=True); time.sleep(0.5)",
+    ];
+    for cell in cells {
+        let run = moat.run_code(id, Language::Python, cell, Duration::from_secs(2), std::future::pending(), &|_, _| {});
+        // The timeout (2 s) and the grace (5 s), with room for a slow host;
+        // before, each line printed started the grace again, for ever.
+        let out = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .expect("the cell is stopped, not waited on while it prints")
+            .expect("an answer");
+        let error = out.error.clone().expect("stopped");
+        assert_eq!(error.name, "TimeoutError", "{error:?}");
+        assert!(error.value.contains("did not stop when interrupted"), "{error:?}");
+        assert!(String::from_utf8_lossy(&out.stdout).contains("on"), "{out:?}");
+        let fresh = moat
+            .run_code(id, Language::Python, "6 * 7", Duration::from_secs(60), std::future::pending(), &|_, _| {})
+            .await
+            .expect("a fresh session");
+        assert_eq!(fresh.text, "42", "{fresh:?}");
+    }
+    moat.destroy_all().await;
+}
+
 #[tokio::test]
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn expired_sandboxes_are_destroyed_and_limits_hold() {

@@ -472,22 +472,44 @@ impl PythonSession {
             "code": code, "limit": limit, "max_results": MAX_RESULTS, "results_budget": RESULTS_BUDGET,
         });
         let line = request.to_string() + "\n";
-        self.stdin.write(Bytes::from(line)).await.map_err(|_| self.ended())?;
-        let deadline = tokio::time::sleep(timeout);
+        let deadline = tokio::time::Instant::now() + timeout;
+        // Every wait of a cell ends by one deadline: the timeout, then once
+        // interrupted the grace after it, however the cell goes on (one
+        // that catches KeyboardInterrupt and keeps printing is dropped at
+        // the grace's end, not waited on event by event).
+        let gone = |stop: Stop| SessionError::Interrupted(stop.error(true, String::new()));
+        match tokio::time::timeout_at(deadline, self.stdin.write(Bytes::from(line))).await {
+            Ok(written) => written.map_err(|_| self.ended())?,
+            Err(_) => return Err(gone(Stop::Timeout(timeout))),
+        }
+        let deadline = tokio::time::sleep_until(deadline);
         tokio::pin!(deadline);
         tokio::pin!(cancelled);
-        let mut stop: Option<Stop> = None;
+        let mut stop: Option<(Stop, tokio::time::Instant)> = None;
         loop {
             let event = match stop {
-                Some(stop) => match tokio::time::timeout(INTERRUPT_GRACE, self.next_event()).await {
+                Some((stop, grace_end)) => match tokio::time::timeout_at(grace_end, self.next_event()).await {
                     Ok(event) => event?,
-                    Err(_) => return Err(SessionError::Interrupted(stop.error(true, String::new()))),
+                    Err(_) => return Err(gone(stop)),
                 },
-                None => tokio::select! {
-                    event = self.next_event() => event?,
-                    () = &mut deadline => { stop = Some(Stop::Timeout(timeout)); self.interrupt().await; continue }
-                    () = &mut cancelled => { stop = Some(Stop::Cancelled); self.interrupt().await; continue }
-                },
+                None => {
+                    let why = tokio::select! {
+                        event = self.next_event() => Err(event),
+                        () = &mut deadline => Ok(Stop::Timeout(timeout)),
+                        () = &mut cancelled => Ok(Stop::Cancelled),
+                    };
+                    match why {
+                        Err(event) => event?,
+                        Ok(why) => {
+                            let grace_end = tokio::time::Instant::now() + INTERRUPT_GRACE;
+                            if tokio::time::timeout_at(grace_end, self.interrupt()).await.is_err() {
+                                return Err(gone(why));
+                            }
+                            stop = Some((why, grace_end));
+                            continue;
+                        }
+                    }
+                }
             };
             match event {
                 Event::Ready => return Err(SessionError::Protocol("ready in the middle of a cell".into())),
@@ -535,7 +557,7 @@ impl PythonSession {
                         e
                     });
                     output.error = match stop {
-                        Some(stop) => Some(stop.error(false, error.map(|e| e.traceback).unwrap_or_default())),
+                        Some((stop, _)) => Some(stop.error(false, error.map(|e| e.traceback).unwrap_or_default())),
                         None => error,
                     };
                     return Ok(());

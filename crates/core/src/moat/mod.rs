@@ -41,6 +41,11 @@ const FAILURE_SETTLE: Duration = Duration::from_secs(3);
 
 /// How long a runtime's version command may take.
 const RUNTIME_PROBE_MS: u64 = 30_000;
+/// What is kept of a runtime's version command: its output up to this
+/// many bytes, its first lines, and of those joined this many characters.
+const PROBE_OUTPUT_LIMIT: usize = 4096;
+const PROBE_LINES: usize = 3;
+const PROBE_VERSION_CHARS: usize = 200;
 
 /// Failed sandboxes kept for `list` at most; the oldest go first.
 const FAILED_KEPT: usize = 64;
@@ -339,12 +344,19 @@ impl Moat {
     pub async fn runtime_version(&self, id: &str, runtime: crate::runtime::Runtime) -> Result<String, String> {
         let mut request = moat_proto::ExecRequest::shell(runtime.version_command());
         request.timeout_ms = Some(RUNTIME_PROBE_MS);
-        // Not through `run`: no task log records moat's own probe.
-        let out = match self.exec(id, request).await.map_err(|e| e.to_string())?.output_limited(RUN_OUTPUT_LIMIT).await
-        {
-            Ok(out) => out,
-            Err(source) => return Err(self.agent_error(id, source).await.to_string()),
+        request.output_limit = Some(PROBE_OUTPUT_LIMIT as u64);
+        // Not through `run`: no task log records moat's own probe. Bounded
+        // in time and size as a command is: what the sandbox prints as its
+        // version goes into its listing and its task's record.
+        let probe = async {
+            match self.exec(id, request).await?.output_limited(PROBE_OUTPUT_LIMIT).await {
+                Ok(out) => Ok(out),
+                Err(source) => Err(self.agent_error(id, source).await),
+            }
         };
+        let out = exec::answered_within(id, Some(Duration::from_millis(RUNTIME_PROBE_MS)), probe)
+            .await
+            .map_err(|e| e.to_string())?;
         if !out.status.success() {
             let said = String::from_utf8_lossy(&out.stderr).lines().next().unwrap_or_default().trim().to_owned();
             return Err(format!("`{}` failed: {said}", runtime.version_command()));
@@ -353,8 +365,10 @@ impl Moat {
             .lines()
             .map(str::trim)
             .filter(|l| !l.is_empty())
+            .take(PROBE_LINES)
             .collect::<Vec<_>>()
             .join(", ");
+        let version: String = version.chars().take(PROBE_VERSION_CHARS).collect();
         if let Some(entry) = self.inner.lock().get_mut(id) {
             entry.info.runtime = Some(runtime);
             entry.info.runtime_version = Some(version.clone());
@@ -624,7 +638,10 @@ impl Inner {
     ) -> Result<Machine, CreateError> {
         let machine = self.backend.start(id, name, spec, image, &self.config.data_dir).await?;
         if let Some(ca) = &self.config.extra_ca
-            && let Err(why) = ca.install(&machine.client()).await
+            && let Err(why) =
+                tokio::time::timeout(crate::timing::ANSWER_GRACE, ca.install(&machine.client())).await.unwrap_or_else(
+                    |_| Err(format!("its agent did not answer within {} s", crate::timing::ANSWER_GRACE.as_secs())),
+                )
         {
             let _ = tokio::task::spawn_blocking(move || drop(machine)).await;
             let reason = format!("the CA certificates of {} could not be added: {why}", crate::trust::CA_FILE_ENV);

@@ -161,12 +161,19 @@ async fn run_command(server: &Session<'_>, args: RunCommand, context: &CallConte
             create_parents: true,
             owner: Some("user".into()),
         };
-        if client.write_file(req, &mut whole.as_bytes()).await.is_ok() {
+        // Bounded as every wait on an agent is: one that takes the
+        // output and never answers leaves the call without the path.
+        let saved = moat_core::timing::within(&id, SAVE_GUARD, client.write_file(req, &mut whole.as_bytes())).await;
+        if matches!(saved, Ok(Ok(_))) {
             result["full_output_path"] = json!(path);
         }
     }
     Ok(result)
 }
+
+/// How long saving a clipped command's whole output in its sandbox may
+/// take (at most the command's output limit, over a local socket).
+const SAVE_GUARD: std::time::Duration = moat_core::timing::ANSWER_GRACE;
 
 /// A foreground command as [`execute`] runs it.
 struct Command<'a> {
