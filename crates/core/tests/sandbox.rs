@@ -880,6 +880,17 @@ async fn escapes_fail() {
         let (mounts, _) = sh(&moat, id, "cat /proc/self/mountinfo").await;
         let data = moat.data_dir().display().to_string();
         assert!(!mounts.contains(&data) && mounts.contains("lowerdir=/proc/self/fd/"), "{mounts}");
+        // Nor does the agent's command line, which every process reads: the
+        // init serves as the agent in place, a copy of the monitor whose
+        // command line named the data directory, the image and host ids.
+        let (cmdline, _) = sh(&moat, id, "tr '\\0' ' ' < /proc/1/cmdline; echo; cat /proc/1/comm").await;
+        assert_eq!(
+            cmdline.split_whitespace().collect::<Vec<_>>(),
+            ["/.moat/agent", "--listen", "fd:3", "--log-level", "warn", "agent"],
+            "{cmdline}"
+        );
+        let (environ, _) = sh(&moat, id, "cat /proc/1/environ 2>&1 | tr '\\0' ' '").await;
+        assert!(!environ.contains(&data) && !environ.contains("MOAT"), "{environ}");
         let out = moat.run(id, ExecRequest::shell("ls /.moat/cgroup 2>&1; echo $?")).await.expect("runs");
         assert_ne!(String::from_utf8_lossy(&out.stdout).trim().lines().last(), Some("0"), "user reaches the cgroups");
         let out = moat
