@@ -26,6 +26,13 @@ pub const MAX_FRAME_LEN: usize = 4 * 1024 * 1024;
 /// stdout and stderr and keep latency low.
 pub const DATA_CHUNK: usize = 256 * 1024;
 
+/// The largest data frame either side accepts: one [`DATA_CHUNK`], its
+/// tag and its stream id. Senders cut data into chunks (the encoder splits
+/// a larger one); a receiver buffers data frames by the count, so what a
+/// peer can park in its buffers is bounded by chunks, not by
+/// [`MAX_FRAME_LEN`].
+pub const MAX_DATA_FRAME_LEN: usize = DATA_CHUNK + 2;
+
 const TAG_MESSAGE: u8 = 0x01;
 const TAG_DATA: u8 = 0x02;
 
@@ -114,6 +121,15 @@ impl Decoder for FrameCodec {
         if len > self.max {
             return Err(FrameError::TooLarge { len, max: self.max });
         }
+        // Nothing is reserved before the tag says which limit holds.
+        if len > 0 {
+            let Some(&tag) = src.get(4) else {
+                return Ok(None);
+            };
+            if tag == TAG_DATA && len > MAX_DATA_FRAME_LEN.min(self.max) {
+                return Err(FrameError::TooLarge { len, max: MAX_DATA_FRAME_LEN.min(self.max) });
+            }
+        }
         if src.len() < 4 + len {
             src.reserve(4 + len - src.len());
             return Ok(None);
@@ -146,6 +162,14 @@ impl Encoder<Frame> for FrameCodec {
     fn encode(&mut self, frame: Frame, dst: &mut BytesMut) -> Result<(), FrameError> {
         let (header, body): (&[u8], Bytes) = match frame {
             Frame::Message(json) => (&[TAG_MESSAGE], json),
+            // Data longer than a chunk goes as several frames of a chunk.
+            Frame::Data(stream, mut bytes) if bytes.len() > DATA_CHUNK => {
+                while !bytes.is_empty() {
+                    let chunk = bytes.split_to(bytes.len().min(DATA_CHUNK));
+                    self.encode(Frame::Data(stream, chunk), dst)?;
+                }
+                return Ok(());
+            }
             Frame::Data(stream, bytes) => (&[TAG_DATA, stream as u8][..], bytes),
         };
         let len = header.len() + body.len();
@@ -185,6 +209,35 @@ mod tests {
             Frame::Data(StreamId::Error, Bytes::from_static(b"\0\xffx"))
         );
         assert!(codec.decode(&mut buf).expect("valid").is_none());
+    }
+
+    #[test]
+    fn data_frames_are_chunks() {
+        // A sender's long data goes as chunks.
+        let mut buf = encode(Frame::Data(StreamId::Output, Bytes::from(vec![1u8; DATA_CHUNK * 2 + 5])));
+        let mut codec = FrameCodec::default();
+        let mut lengths = Vec::new();
+        while let Some(frame) = codec.decode(&mut buf).expect("valid") {
+            let Frame::Data(StreamId::Output, bytes) = frame else { panic!("{frame:?}") };
+            lengths.push(bytes.len());
+        }
+        assert_eq!(lengths, [DATA_CHUNK, DATA_CHUNK, 5]);
+        // A peer's longer data frame is refused from its header, before
+        // its body is waited for or room made for it; a message of that
+        // size is not.
+        let len = u32::try_from(MAX_DATA_FRAME_LEN + 1).expect("small");
+        let mut head = BytesMut::new();
+        head.put_u32(len);
+        head.put_u8(TAG_DATA);
+        let err = FrameCodec::default().decode(&mut head.clone()).expect_err("too long for data");
+        assert!(matches!(err, FrameError::TooLarge { max: MAX_DATA_FRAME_LEN, .. }), "{err}");
+        head[4] = TAG_MESSAGE;
+        assert!(FrameCodec::default().decode(&mut head).expect("valid").is_none());
+        // Nor is room made before the tag has come.
+        let mut bare = BytesMut::new();
+        bare.put_u32(len);
+        assert!(FrameCodec::default().decode(&mut bare).expect("valid").is_none());
+        assert!(bare.capacity() < 1024, "{}", bare.capacity());
     }
 
     #[test]

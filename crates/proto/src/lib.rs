@@ -18,7 +18,7 @@ pub mod message;
 pub use client::{AgentClient, Connector, EgressControl, EgressRequest, ExecHandle, ExecStdin, Output, UnixConnector};
 pub use conn::{Connection, Prefixed};
 pub use error::{ErrorKind, ProtoError, WireError};
-pub use frame::{DATA_CHUNK, Frame, FrameCodec, FrameError, MAX_FRAME_LEN, StreamId};
+pub use frame::{DATA_CHUNK, Frame, FrameCodec, FrameError, MAX_DATA_FRAME_LEN, MAX_FRAME_LEN, StreamId};
 pub use message::{
     AgentInfo, AgentMsg, ClientMsg, Command, ExecRequest, ExitStatus, FileInfo, FileKind, OPERATIONS, PROTOCOL_VERSION,
     ReadFileRequest, Reply, Request, Version, WinSize, WriteFileRequest,
