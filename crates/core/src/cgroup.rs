@@ -152,6 +152,23 @@ impl Limits {
     }
 }
 
+/// Makes a sandbox's cgroup, which must be new: one there already is
+/// another's (a sandbox of another moat under the same `moat` directory
+/// whose id this one drew), never to be shared, limited or removed as
+/// this sandbox's. The error's kind is then `AlreadyExists`.
+fn create_own(dir: &Path) -> std::io::Result<()> {
+    std::fs::create_dir(dir).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AlreadyExists {
+            std::io::Error::new(
+                e.kind(),
+                format!("{} exists already: another sandbox's cgroup; create the sandbox again", dir.display()),
+            )
+        } else {
+            e
+        }
+    })
+}
+
 impl Cgroup {
     /// Creates `moat/<id>` (for a user other than root, beneath its
     /// delegated `moat/user-<uid>`) with `limits`; on v1 also its `agent`
@@ -181,7 +198,7 @@ impl Cgroup {
                     }
                 }
                 let dir = parent.join(id);
-                std::fs::create_dir_all(&dir)?;
+                create_own(&dir)?;
                 let group = Self { dirs: vec![(None, dir.clone())], v2: true, split: true, sweeper: None };
                 write(&dir, "memory.max", &limits.memory_bytes.to_string())?;
                 let _ = write(&dir, "memory.swap.max", "0");
@@ -203,10 +220,19 @@ impl Cgroup {
                     let dir = parent(&Path::new(ROOT).join(controller)).join(id);
                     // Root makes `moat` as needed; a delegated user's
                     // parent (`moat setup --user`) must be there already.
-                    if nix::unistd::geteuid().is_root() {
-                        std::fs::create_dir_all(&dir)?;
-                    } else {
-                        std::fs::create_dir(&dir)?;
+                    if nix::unistd::geteuid().is_root()
+                        && let Some(parent) = dir.parent()
+                    {
+                        std::fs::create_dir_all(parent)?;
+                    }
+                    if let Err(e) = create_own(&dir) {
+                        // Another's: what this create made goes, nothing more.
+                        for (_, made) in &group.dirs {
+                            for child in ["agent", "user", ""] {
+                                let _ = std::fs::remove_dir(made.join(child));
+                            }
+                        }
+                        return Err(e);
                     }
                     group.dirs.push((Some(*controller), dir.clone()));
                     let user = dir.join("user");
@@ -707,6 +733,16 @@ const REMOVE_GUARD: Duration = Duration::from_secs(10);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sandbox_cgroup_that_exists_is_anothers() {
+        let scratch = tempfile::tempdir().expect("tempdir");
+        let dir = scratch.path().join("sbx-1");
+        create_own(&dir).expect("new");
+        let err = create_own(&dir).expect_err("there already");
+        assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists);
+        assert!(err.to_string().contains("another sandbox's cgroup"), "{err}");
+    }
 
     /// A cgroup that still holds a process is removed all the same: the
     /// process is killed and waited for, with no sleeping in between.

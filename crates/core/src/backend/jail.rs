@@ -317,6 +317,13 @@ impl Backend for JailBackend {
             Ok(Some(cgroup)) => Some(cgroup.with_sweeper(sweeper.clone())),
             Ok(None) if crate::limits::allow_unlimited() => None,
             Ok(None) => return Err(self.unlimited_refused(id, monitor, state, "this host has no cgroups")),
+            // Another's cgroup of the same id: not run in, nor removed.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let _ = monitor.kill();
+                let _ = monitor.wait();
+                state.remove();
+                return Err(CreateError::StartFailed { id: id.into(), reason: e.to_string() });
+            }
             Err(e) if crate::limits::allow_unlimited() => {
                 tracing::warn!(%id, "running without cgroup limits (MOAT_ALLOW_UNLIMITED=1): {e}");
                 Cgroup::remove_leftovers(id, sweeper.as_deref());

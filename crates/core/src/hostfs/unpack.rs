@@ -173,7 +173,9 @@ pub fn unpack_within(
         let mut entry = entry.map_err(broken)?;
         let size = entry.size();
         // This entry's data, and the next entry's headers.
-        allowance.set(allowance.get().saturating_add(size.div_ceil(512) * 512).saturating_add(METADATA_ALLOWANCE));
+        allowance.set(
+            allowance.get().saturating_add(size.div_ceil(512).saturating_mul(512)).saturating_add(METADATA_ALLOWANCE),
+        );
         let name = entry.path_bytes().into_owned();
         let link = entry.link_name_bytes().map(std::borrow::Cow::into_owned);
         let shown = shown(&name);

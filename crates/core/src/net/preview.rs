@@ -57,6 +57,14 @@ const MAX_CONNECTIONS: usize = 64;
 pub const MAX_LINKS: usize = 16;
 /// The query parameter that carries the token.
 pub const TOKEN_PARAM: &str = "moat_token";
+/// How long a link waits for the sandbox's agent to connect it to the
+/// port (a local connect inside the sandbox: an agent that takes longer
+/// is stuck or hostile, and would hold one of the link's connections).
+const FORWARD_GUARD: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long a link's accept loop pauses after a failed accept.
+const ACCEPT_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Unused tokens, used tokens and sessions one link remembers, each: the
 /// oldest go first.
 const REMEMBERED: usize = 64;
@@ -123,14 +131,24 @@ impl PreviewHost {
     /// there share a site, and so their cookies) unless that name is a
     /// wildcard (`*.preview.example.com`, whose every name the operator's
     /// DNS points here): then each link is a host of its own,
-    /// `<random label>.preview.example.com`. Falls back to 127.0.0.1 where
-    /// the loopback takes no other address.
+    /// `<random label>.preview.example.com`. Where the loopback takes no
+    /// address but 127.0.0.1, no link is made: one there would share its
+    /// host, and so the browser's cookies for it, with every other.
     async fn listen(&self) -> std::io::Result<(TcpListener, String)> {
         if *self == Self::default() {
             let own = link_address()?;
-            if let Ok(listener) = TcpListener::bind((own, 0)).await {
-                return Ok((listener, own.to_string()));
-            }
+            return match TcpListener::bind((own, 0)).await {
+                Ok(listener) => Ok((listener, own.to_string())),
+                Err(e) => Err(std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "this host's loopback takes no address of its own for the link ({own}: {e}); a link on \
+                         127.0.0.1 would share the browser's cookies for it with every other link and local web \
+                         service, so none is made: serve moat-mcp over HTTP with MOAT_PREVIEW_URL=http://*.NAME, \
+                         a wildcard name for previews alone"
+                    ),
+                )),
+            };
         }
         let host = match self.host.strip_prefix("*.") {
             Some(parent) => format!("{}.{parent}", link_label()?),
@@ -339,7 +357,15 @@ async fn serve(listener: TcpListener, guard: Arc<Guard>, connect: Connect) {
     loop {
         tokio::select! {
             accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
+                let Ok((stream, _)) = accepted else {
+                    // Out of descriptors (EMFILE), the listener stays
+                    // ready and accept fails at once: without a pause this
+                    // loop would spin a worker that every other link and
+                    // the MCP server share. Not a poll: the next accept
+                    // waits on the listener as ever.
+                    tokio::time::sleep(ACCEPT_PAUSE).await;
+                    continue;
+                };
                 let Ok(permit) = slots.clone().try_acquire_owned() else {
                     connections.spawn(answer(stream, "503 Service Unavailable", "Too many connections through this preview link.".into(), None));
                     continue;
@@ -440,7 +466,10 @@ fn judge(head: &Head, guard: &Guard) -> Verdict {
             Err(why) => return Verdict::Refuse(why),
         };
         let location = if kept.is_empty() { path.to_owned() } else { format!("{path}?{}", kept.join("&")) };
-        let location = if location.starts_with('/') { location } else { "/".into() };
+        // A path of this link only: `//host/…` and `/\host/…` are other
+        // sites to a browser (a genuine link would send its user there).
+        let own_path = location.starts_with('/') && !location.starts_with("//") && !location.starts_with("/\\");
+        let location = if own_path { location } else { "/".into() };
         return Verdict::Redirect { location, page: !own_pages, session };
     }
     if !own_pages {
@@ -567,7 +596,14 @@ async fn connection(mut stream: TcpStream, guard: &Guard, connect: &Connect) {
                 return answer(stream, "411 Length Required", why.into(), None).await;
             }
             let upstream = match connect() {
-                Ok(client) => client.port_forward(guard.port).await.map_err(|e| e.to_string()),
+                Ok(client) => match tokio::time::timeout(FORWARD_GUARD, client.port_forward(guard.port)).await {
+                    Ok(forwarded) => forwarded.map_err(|e| e.to_string()),
+                    Err(_) => Err(format!(
+                        "the sandbox's agent did not open port {} within {} s",
+                        guard.port,
+                        FORWARD_GUARD.as_secs()
+                    )),
+                },
                 Err(e) => Err(e.to_string()),
             };
             let upstream = match upstream {
@@ -753,6 +789,16 @@ mod tests {
         assert!(matches!(judge(&parsed(&token_as_cookie), &g), Verdict::Refuse(_)), "a token is no session");
         let wrong = format!("GET / HTTP/1.1\r\nCookie: moat_preview_4000={}\r\n\r\n", "b".repeat(32));
         assert!(matches!(judge(&parsed(&wrong), &g), Verdict::Refuse(_)));
+    }
+
+    #[test]
+    fn a_token_redirects_within_its_link_only() {
+        let token = "a".repeat(32);
+        for (target, expected) in [("//evil.example/x", "/"), ("/\\evil.example/x", "/"), ("/ok//x", "/ok//x")] {
+            let opened = format!("GET {target}?moat_token={token} HTTP/1.1\r\n\r\n");
+            let (location, _, _) = redirect(judge(&parsed(&opened), &guard()));
+            assert_eq!(location, expected, "{target}");
+        }
     }
 
     #[test]
