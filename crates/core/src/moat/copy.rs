@@ -75,15 +75,30 @@ impl<R: std::io::Read> std::io::Read for Counted<R> {
 /// blocking threads, which stopping sandboxes need too) for ever.
 const COPY_STALL: Duration = Duration::from_secs(120);
 
+/// However it moves, a copy ends within this, and a second more for every
+/// [`COPY_MIN_RATE`] bytes it may carry: a sandbox that trickles its side
+/// (a byte a minute never stalls) is given up too.
+const COPY_BASE: Duration = super::AGENT_CALL_GUARD;
+const COPY_MIN_RATE: u64 = 1 << 20;
+
+/// How long a copy of at most `bytes` may take.
+fn copy_guard(bytes: u64) -> Duration {
+    COPY_BASE.saturating_add(Duration::from_secs(bytes / COPY_MIN_RATE))
+}
+
 /// `work`'s output, or `None` when `moved` stood still for a whole
-/// `stall` (then `work` is dropped, which closes its end of the pipe).
-async fn unless_stalled<F: Future>(moved: &AtomicU64, stall: Duration, work: F) -> Option<F::Output> {
+/// `stall`, or `guard` passed (then `work` is dropped, which closes its
+/// end of the pipe).
+async fn unless_stalled<F: Future>(moved: &AtomicU64, stall: Duration, guard: Duration, work: F) -> Option<F::Output> {
     tokio::pin!(work);
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + stall, stall);
     let mut last = moved.load(Ordering::Relaxed);
+    let over = tokio::time::sleep(guard);
+    tokio::pin!(over);
     loop {
         tokio::select! {
             out = &mut work => return Some(out),
+            () = &mut over => return None,
             _ = tick.tick() => {
                 let now = moved.load(Ordering::Relaxed);
                 if now == last {
@@ -95,11 +110,14 @@ async fn unless_stalled<F: Future>(moved: &AtomicU64, stall: Duration, work: F) 
     }
 }
 
-fn stalled(id: &str, way: &str) -> CopyError {
+fn stalled(id: &str, way: &str, guard: Duration) -> CopyError {
     HostPathError(format!(
-        "the copy {way} sandbox {id} stopped: nothing moved for {} s, so it was given up and nothing of it kept; \
-         check the sandbox with run_command, then copy again",
-        COPY_STALL.as_secs()
+        "the copy {way} sandbox {id} stopped: nothing moved for {} s, or it was not done within {} s (it may \
+         take {} s and a second more per MiB), so it was given up and nothing of it kept; check the sandbox \
+         with run_command, then copy again",
+        COPY_STALL.as_secs(),
+        guard.as_secs(),
+        COPY_BASE.as_secs()
     ))
     .into()
 }
@@ -179,13 +197,14 @@ impl Moat {
         let packer = tokio::task::spawn_blocking(move || {
             hostfs::pack(&inner.host, &dir, skip_git, std::io::BufWriter::new(sent))
         });
+        let guard = copy_guard(measured.bytes);
         let uploaded =
-            unless_stalled(&moved, COPY_STALL, client.tar_in(dest, Some("user".into()), &mut receiver)).await;
+            unless_stalled(&moved, COPY_STALL, guard, client.tar_in(dest, Some("user".into()), &mut receiver)).await;
         // An agent that stopped reading must not leave the packer blocked on
         // a full pipe: closing the read end makes its next write fail.
         drop(receiver);
         let packed = packer.await.map_err(|e| HostPathError(format!("archiving failed: {e}")))?;
-        let Some(uploaded) = uploaded else { return Err(stalled(id, "into")) };
+        let Some(uploaded) = uploaded else { return Err(stalled(id, "into", guard)) };
         let agent_stopped = write_failed.load(std::sync::atomic::Ordering::Relaxed);
         match (packed, uploaded) {
             // The agent refused the archive (a file in the way, a full disk)
@@ -235,12 +254,13 @@ impl Moat {
             let input = std::io::BufReader::with_capacity(64 << 10, received);
             hostfs::unpack_within(input, sink, limit, Some(&share))
         });
-        let downloaded = unless_stalled(&moved, COPY_STALL, client.tar_out(sandbox_path, &mut sender)).await;
+        let guard = copy_guard(limit.bytes);
+        let downloaded = unless_stalled(&moved, COPY_STALL, guard, client.tar_out(sandbox_path, &mut sender)).await;
         // The unpacker reads to the end of the archive; closing our end ends
         // it when the agent stopped early.
         drop(sender);
         let unpacked = unpacker.await.map_err(|e| HostPathError(format!("unpacking failed: {e}")))?;
-        let Some(downloaded) = downloaded else { return Err(stalled(id, "out of")) };
+        let Some(downloaded) = downloaded else { return Err(stalled(id, "out of", guard)) };
         let summary = match (unpacked, downloaded) {
             (Ok(summary), Ok(_)) => summary,
             // The unpacker stopped (limit, bad entry) and the agent's writes
@@ -264,7 +284,8 @@ mod tests {
         let moved = AtomicU64::new(0);
         // Nothing ever moves: given up after one stall.
         let started = tokio::time::Instant::now();
-        assert!(unless_stalled(&moved, stall, std::future::pending::<()>()).await.is_none());
+        let guard = copy_guard(1 << 30);
+        assert!(unless_stalled(&moved, stall, guard, std::future::pending::<()>()).await.is_none());
         assert_eq!(started.elapsed(), stall);
         // Slow but moving (a byte every minute for ten minutes): finished.
         let slow = async {
@@ -274,6 +295,18 @@ mod tests {
             }
             "done"
         };
-        assert_eq!(unless_stalled(&moved, stall, slow).await, Some("done"));
+        assert_eq!(unless_stalled(&moved, stall, guard, slow).await, Some("done"));
+        // A trickle that never stalls (a byte a minute, for ever) ends at
+        // the guard: 300 s, and a second for each MiB of the 1 GiB.
+        assert_eq!(guard, Duration::from_secs(300 + 1024));
+        let trickle = async {
+            loop {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                moved.fetch_add(1, Ordering::Relaxed);
+            }
+        };
+        let started = tokio::time::Instant::now();
+        assert!(unless_stalled(&moved, stall, guard, trickle).await.is_none());
+        assert_eq!(started.elapsed(), guard);
     }
 }
