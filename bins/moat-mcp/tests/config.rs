@@ -10,7 +10,8 @@ fn start(env: &[(&str, &str)]) -> std::process::Output {
         .stdin(Stdio::null())
         .env_remove("MOAT_ROOTS")
         .env_remove("MOAT_COPY_MAX_MIB")
-        .env_remove("MOAT_PREVIEW_URL");
+        .env_remove("MOAT_PREVIEW_URL")
+        .env_remove("MOAT_PREVIEW_SHARED_HOST");
     for (key, value) in env {
         command.env(key, value);
     }
@@ -71,4 +72,8 @@ fn a_bad_preview_url_stops_the_server() {
         assert_eq!(out.status.code(), Some(2), "MOAT_PREVIEW_URL={url}: {err}");
         assert!(err.contains("MOAT_PREVIEW_URL must be http://HOST"), "{err}");
     }
+    let out = start(&[("MOAT_PREVIEW_SHARED_HOST", "yes")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("MOAT_PREVIEW_SHARED_HOST must be 1 or 0"), "{err}");
 }

@@ -78,12 +78,19 @@ pub struct PreviewHost {
     /// in brackets, or a name under a wildcard (`*.preview.example.com`),
     /// whose `*` each link fills with a label of its own.
     pub host: String,
+    /// Links may share one host that is not the loopback's own per link
+    /// (`MOAT_PREVIEW_SHARED_HOST=1`): see [`PreviewHost::listen`].
+    pub shared: bool,
 }
+
+/// The setting that lets preview links share one host (see
+/// [`PreviewHost::listen`]).
+pub const SHARED_HOST_ENV: &str = "MOAT_PREVIEW_SHARED_HOST";
 
 impl Default for PreviewHost {
     /// The host's loopback: links for a browser on this machine.
     fn default() -> Self {
-        Self { bind: IpAddr::V4(Ipv4Addr::LOCALHOST), host: "127.0.0.1".into() }
+        Self { bind: IpAddr::V4(Ipv4Addr::LOCALHOST), host: "127.0.0.1".into(), shared: false }
     }
 }
 
@@ -111,13 +118,19 @@ impl PreviewHost {
                 IpAddr::V6(v6) => format!("[{v6}]"),
             },
         };
-        Ok(Self { bind: ip, host })
+        Ok(Self { bind: ip, host, shared: false })
     }
 
-    /// [`PreviewHost::for_http`] with `MOAT_PREVIEW_URL` from the environment.
+    /// [`PreviewHost::for_http`] with `MOAT_PREVIEW_URL` and
+    /// `MOAT_PREVIEW_SHARED_HOST` from the environment.
     pub fn for_http_from_env(http: SocketAddr) -> Result<Self, String> {
         let base = std::env::var("MOAT_PREVIEW_URL").ok().filter(|v| !v.trim().is_empty());
-        Self::for_http(http, base.as_deref())
+        let shared = match std::env::var(SHARED_HOST_ENV).ok().as_deref().map(str::trim) {
+            None | Some("" | "0") => false,
+            Some("1") => true,
+            Some(other) => return Err(format!("{SHARED_HOST_ENV} must be 1 or 0, got {other:?}")),
+        };
+        Ok(Self { shared, ..Self::for_http(http, base.as_deref())? })
     }
 
     /// Where one link listens and the host its URL names. On the host's
@@ -152,9 +165,24 @@ impl PreviewHost {
         }
         let host = match self.host.strip_prefix("*.") {
             Some(parent) => format!("{}.{parent}", link_label()?),
-            None => self.host.clone(),
+            None if self.shared => self.host.clone(),
+            None => return Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, self.shared_refused())),
         };
         Ok((TcpListener::bind((self.bind, 0)).await?, host))
+    }
+
+    /// Why no link is made on a host links would share: a browser sends a
+    /// host's cookies to every port of it, so every sandbox's server would
+    /// receive those of every other link and of every web service on that
+    /// host (a notebook's, a dashboard's session), and could set theirs.
+    fn shared_refused(&self) -> String {
+        format!(
+            "preview links here would all be on {host}, and a browser sends {host}'s cookies (other links', and \
+             those of every web service on {host}) to each, so none is made. The operator can set \
+             MOAT_PREVIEW_URL=http://*.NAME, a wildcard name whose every label reaches this machine (each link \
+             then a host of its own), or accept the sharing with {SHARED_HOST_ENV}=1",
+            host = self.host
+        )
     }
 }
 
@@ -940,11 +968,18 @@ mod tests {
                 "the link listens on 127.0.0.1 too"
             );
         }
-        // A remote client's links keep the address they were given.
-        let remote = PreviewHost { bind: IpAddr::V4(Ipv4Addr::LOCALHOST), host: "[fd00::2]".into() };
-        let c = Preview::start(8000, 0, &remote, Arc::new(|| Ok(AgentClient::unix("/nonexistent"))))
-            .await
-            .expect("listens");
+        // A remote client's links on one host they would share: refused,
+        // unless the operator accepts the sharing; then they keep the
+        // address they were given.
+        let mut remote = PreviewHost { bind: IpAddr::V4(Ipv4Addr::LOCALHOST), host: "[fd00::2]".into(), shared: false };
+        let connect: Connect = Arc::new(|| Ok(AgentClient::unix("/nonexistent")));
+        let Err(refused) = Preview::start(8000, 0, &remote, connect.clone()).await else {
+            panic!("a link on a shared host without the operator's consent")
+        };
+        let refused = refused.to_string();
+        assert!(refused.contains("MOAT_PREVIEW_URL=http://*.NAME") && refused.contains(SHARED_HOST_ENV), "{refused}");
+        remote.shared = true;
+        let c = Preview::start(8000, 0, &remote, connect).await.expect("listens");
         assert!(c.link.url.starts_with("http://[fd00::2]:"), "{}", c.link.url);
     }
 
