@@ -389,11 +389,19 @@ async fn run_code(server: &Session<'_>, args: RunCode, context: &CallContext) ->
     let mut extra = Vec::new();
     let mut results = Vec::new();
     for (index, bundle) in output.results.iter().enumerate() {
-        results.push(json!({ "index": index, "mime_types": bundle.keys().collect::<Vec<_>>() }));
+        let mut entry = json!({ "index": index, "mime_types": bundle.keys().collect::<Vec<_>>() });
         for (mime, value) in bundle {
             let Some(data) = value.as_str() else { continue };
             match mime.as_str() {
-                "image/png" | "image/jpeg" => extra.push(ContentBlock::image(data, mime)),
+                "image/png" | "image/jpeg" => {
+                    // Base64 as some libraries write it, in lines.
+                    let data: String = data.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+                    if is_image(&data, mime) {
+                        extra.push(ContentBlock::image(data, mime));
+                    } else {
+                        entry["left_out"] = json!(format!("its {mime} is not base64 of a {mime} image"));
+                    }
+                }
                 "image/svg+xml" => extra.push(ContentBlock::resource(
                     ResourceContents::text(data, format!("moat://sandbox/{id}/results/{index}.svg"))
                         .with_mime_type(mime),
@@ -401,6 +409,7 @@ async fn run_code(server: &Session<'_>, args: RunCode, context: &CallContext) ->
                 _ => {}
             }
         }
+        results.push(entry);
     }
     let mut value = json!({
         "text": text, "stdout": stdout, "stderr": stderr, "error": error, "results": results,
@@ -412,10 +421,39 @@ async fn run_code(server: &Session<'_>, args: RunCode, context: &CallContext) ->
     Ok((value, extra))
 }
 
+/// Whether `data` is what an MCP image block must carry: standard base64
+/// (whole groups of four, `=` only as padding) of an image whose first
+/// bytes are `mime`'s (a PNG's signature, a JPEG's start of image). A
+/// cell's results are the sandbox's words: a client given anything else as
+/// an image may refuse the whole result, or hand it to its image decoder.
+fn is_image(data: &str, mime: &str) -> bool {
+    let bytes = data.as_bytes();
+    let body = bytes.strip_suffix(b"==").or_else(|| bytes.strip_suffix(b"=")).unwrap_or(bytes);
+    let alphabet = |b: &u8| b.is_ascii_alphanumeric() || *b == b'+' || *b == b'/';
+    let signature = match mime {
+        // \x89PNG\r\n\x1a\n and \xff\xd8\xff, as base64.
+        "image/png" => "iVBORw0KGgo",
+        "image/jpeg" => "/9j/",
+        _ => return false,
+    };
+    bytes.len().is_multiple_of(4) && body.iter().all(alphabet) && data.starts_with(signature)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::tools::MAX_TEXT;
+
+    #[test]
+    fn only_base64_of_an_image_of_its_type_is_an_image() {
+        let png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==";
+        assert!(is_image(png, "image/png"));
+        assert!(is_image("/9j/4AAQ", "image/jpeg"));
+        assert!(!is_image(png, "image/jpeg"), "a PNG called a JPEG");
+        for bad in ["", "iVBORw0KGgo", "iVBORw0KGgo\"}]", "iVBORw0KGgo=AAA", "iVBORw0KGgoA AAA", "PHN2ZyA+PC9zdmc+"] {
+            assert!(!is_image(bad, "image/png"), "{bad:?}");
+        }
+    }
 
     #[test]
     fn a_limit_report_survives_the_cut_of_a_long_stderr() {
