@@ -110,6 +110,7 @@ async fn bench() {
     for _ in 0..3 {
         life(&moat).await;
     }
+    moat.settled().await;
     for parallel in [1, PARALLEL] {
         let t = Instant::now();
         let workers: Vec<_> = (0..parallel)
@@ -125,6 +126,8 @@ async fn bench() {
         for worker in workers {
             worker.await.expect("a churn worker ends");
         }
+        // Every teardown, done off the destroys' path, counts too.
+        moat.settled().await;
         let moat_s = t.elapsed().as_secs_f64();
         let bwrap_s = tokio::task::spawn_blocking(move || bwrap_churn(parallel)).await.expect("bwrap churn");
         println!(

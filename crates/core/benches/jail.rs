@@ -61,6 +61,7 @@ async fn bench() {
         let s = moat.create(spec()).await.expect("create");
         moat.run(&s.id, ExecRequest::argv(["true"])).await.expect("true");
         moat.destroy(&s.id).await.expect("destroy");
+        moat.settled().await;
         bwrap();
     }
     let mut jail = Vec::new();
@@ -75,6 +76,8 @@ async fn bench() {
         jail.push(t.elapsed());
         assert!(out.status.success());
         moat.destroy(&s.id).await.expect("destroy");
+        // Its teardown is over before the next baseline runs beside it.
+        moat.settled().await;
     }
     let (jail_ms, bwrap_ms) = (median(jail), median(baseline));
     println!("jail benchmarks (baselines measured in this run)");
@@ -94,6 +97,7 @@ async fn bench() {
         pooled.run(&s.id, ExecRequest::argv(["true"])).await.expect("true");
         from_pool.push((created, t.elapsed()));
         pooled.destroy(&s.id).await.expect("destroy");
+        pooled.settled().await;
     }
     let create_ms = median(from_pool.iter().map(|(c, _)| *c).collect());
     let first_ms = median(from_pool.iter().map(|(_, f)| *f).collect());

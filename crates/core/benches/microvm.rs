@@ -119,6 +119,8 @@ async fn bench(runs: usize) {
             phases.raw.push_str(&vmm_log_times(wall, &log.unwrap_or_default()));
             our_phases.push(phases);
             moat.destroy(&sandbox.id).await.expect("destroyed");
+            // Its teardown is over before QEMU's next start runs beside it.
+            moat.settled().await;
         } else {
             let (elapsed, rss, phases) = qemu_first_command(&image).await;
             qemu.push(elapsed);

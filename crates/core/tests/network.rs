@@ -162,6 +162,7 @@ async fn filtered_egress_allows_listed_hosts_and_explains_refusals() {
     let lines = std::fs::read_to_string(&file).expect("the egress log file");
     assert_eq!(lines.lines().count(), log.len(), "{lines}");
     moat.destroy(id).await.expect("destroyed");
+    moat.settled().await;
     assert!(!file.exists(), "the log goes with the sandbox");
 }
 
@@ -269,6 +270,7 @@ async fn open_network_reaches_a_server_through_pasta() {
     let (out, _) = sh(&moat, &sandbox.id, probe).await;
     assert_eq!(out, "EACCES\nEACCES\nEACCES\n", "a metadata address is reachable from an open sandbox");
     moat.destroy(&sandbox.id).await.expect("destroyed");
+    moat.settled().await;
     // pasta gets SIGKILL when the jail's monitor exits; give the kernel a moment to deliver it.
     for attempt in 0.. {
         if pasta_processes().iter().all(|p| before.contains(p)) {
@@ -508,8 +510,13 @@ fn session_cookie(response: &str, host_port: u16) -> String {
 #[ignore = "needs root, the default image, the static agent and Chromium; run by `cargo xtask test`"]
 async fn preview_links_open_from_another_machine() {
     let netns = TestNetns::create("moatnet2", "10.213.9.1/30", "10.213.9.2/30");
-    let preview = moat_core::net::preview::PreviewHost::for_http("10.213.9.1:8080".parse().expect("an address"), None)
-        .expect("a preview host");
+    // One host for every link: the operator's consent to the sharing
+    // (MOAT_PREVIEW_SHARED_HOST=1), without which no link is made there.
+    let preview = moat_core::net::preview::PreviewHost {
+        shared: true,
+        ..moat_core::net::preview::PreviewHost::for_http("10.213.9.1:8080".parse().expect("an address"), None)
+            .expect("a preview host")
+    };
     let config =
         moat_core::MoatConfig { preview, ..common::config(moat_core::BackendKind::Jail, 8, EgressConfig::default()) };
     let moat = moat_core::Moat::new(config).await.expect("moat starts");
@@ -661,6 +668,7 @@ while True:
 
     // The link ends with the sandbox.
     moat.destroy(id).await.expect("destroyed");
+    moat.settled().await;
     // The listener's task is aborted with the sandbox and closes as the runtime drops it.
     for attempt in 0.. {
         if tokio::net::TcpStream::connect(link_address(&link)).await.is_err() {

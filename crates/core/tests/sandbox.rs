@@ -89,6 +89,7 @@ async fn a_sandbox_runs_debian_as_user_and_moves_files() {
     let state = moat.data_dir().join("sandboxes").join(&sandbox.id);
     assert!(state.exists());
     moat.destroy(&sandbox.id).await.expect("destroyed");
+    moat.settled().await;
     assert!(!state.exists(), "the state directory outlived the sandbox");
     assert!(matches!(
         moat.run(&sandbox.id, ExecRequest::shell("true")).await,
@@ -327,6 +328,7 @@ async fn rootless_jails_join_the_held_namespace_and_refuse_a_false_one() {
     let first = moat.create(small()).await.expect("created");
     let (ns1, map1) = monitor_ns(&first.id);
     moat.destroy(&first.id).await.expect("destroyed");
+    moat.settled().await;
     let second = moat.create(small()).await.expect("created");
     let beside = moat.create(small()).await.expect("created");
     let (ns2, _) = monitor_ns(&second.id);
@@ -1237,6 +1239,7 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
     let task = moat.task_start(p, small()).await.expect("another task");
     let _ = sh(&moat, &task.sandbox_id, "head -c 4096 /dev/urandom").await;
     moat.destroy(&task.sandbox_id).await.expect("destroyed");
+    moat.settled().await;
     let err = moat.task_diff(&task.id).await.expect_err("its sandbox is gone");
     assert!(matches!(err, TaskError::UnknownTask { .. }), "{err}");
     let err = moat.task_start(std::path::Path::new("/etc"), small()).await.expect_err("outside the roots");
@@ -1323,6 +1326,7 @@ async fn copies_hold_the_host_boundary_against_a_hostile_sandbox() {
     // The sandbox still works.
     assert_eq!(sh(&moat, id, "echo alive").await.0, "alive\n");
     moat.destroy(id).await.expect("destroys");
+    moat.settled().await;
 }
 
 /// The processes a jail lives in are killed in the middle of a call: its
@@ -1438,6 +1442,7 @@ async fn a_sandbox_killed_mid_call_fails_alone_and_is_released() {
         let again = moat.run(&id, ExecRequest::shell("true")).await.expect_err("a failed sandbox runs nothing");
         assert!(matches!(again, SandboxError::Failed { .. }), "{again}");
         moat.destroy(&id).await.expect("a failed sandbox is destroyed (forgotten)");
+        moat.settled().await;
         assert!(moat.list().iter().all(|s| s.id != id), "{case}: still listed after destroy");
         assert_eq!(sh(&moat, &bystander, "echo ok").await.0, "ok\n", "{case}: another sandbox is affected");
     }
@@ -2313,6 +2318,7 @@ async fn a_failing_sandbox_is_never_unknown_to_a_caller() {
         assert_eq!(seen, Ok(()), "round {round}");
         for id in &ids {
             moat.destroy(id).await.expect("forgets the failed sandbox");
+            moat.settled().await;
         }
     }
 }
@@ -2639,6 +2645,7 @@ async fn frozen_processes_die_with_their_sandbox() {
     assert_eq!(state, "FROZEN");
     std::fs::write(sandbox.join("freezer.state"), "FROZEN").expect("frozen");
     moat.destroy(&id).await.expect("destroyed");
+    moat.settled().await;
     assert_eq!(
         alive_after_reaping(&pids).await,
         0,
@@ -2724,6 +2731,7 @@ async fn sandbox_root_freezing_its_own_cgroups_leaves_nothing_behind() {
     let host_pids = processes_beneath(std::slice::from_ref(&sandbox));
     assert!(host_pids.len() >= 3, "the sandbox's processes: {host_pids:?}");
     moat.destroy(&id).await.expect("destroyed");
+    moat.settled().await;
     assert_eq!(
         alive_after_reaping(&host_pids).await,
         0,
@@ -2804,6 +2812,7 @@ async fn sandbox_root_cgroups_at_any_depth_leave_nothing_behind() {
         nix::sys::signal::Signal::SIGKILL,
     );
     moat.destroy(&id).await.expect("destroyed");
+    moat.settled().await;
     assert_eq!(
         alive_after_reaping(&host_pids).await,
         0,

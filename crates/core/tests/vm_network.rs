@@ -126,6 +126,7 @@ async fn open_vms_reach_the_outside_through_passt_and_none_vms_nothing() {
     .await;
     assert!(!out.contains("hello from"), "a loopback service of level 1 answered: {out}");
     moat.destroy(&open.id).await.expect("destroyed");
+    moat.settled().await;
     assert!(passt_processes().is_empty(), "passt ends with its VM");
 
     let none = moat.create(spec(NetworkPolicy::None)).await.expect("a VM without network starts");

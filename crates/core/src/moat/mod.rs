@@ -41,6 +41,11 @@ const FAILURE_SETTLE: Duration = Duration::from_secs(3);
 
 /// How long a runtime's version command may take.
 const RUNTIME_PROBE_MS: u64 = 30_000;
+
+/// How long a create at the limits waits for the room a destroyed
+/// sandbox's teardown still holds (a teardown takes milliseconds; one
+/// whose processes will not die is bounded by the backend's own guards).
+const ENDING_WAIT: Duration = Duration::from_secs(30);
 /// What is kept of a runtime's version command: its output up to this
 /// many bytes, its first lines, and of those joined this many characters.
 const PROBE_OUTPUT_LIMIT: usize = 4096;
@@ -75,6 +80,47 @@ struct Entry {
     suspend_after: u64,
 }
 
+/// Sandboxes destroyed whose teardown (their processes killed and
+/// waited for, their cgroups and state removed) goes on off the caller's
+/// path: held against the limits until it ends, and waited for by
+/// [`Moat::settled`], [`Moat::destroy_all`] and [`Moat::close`].
+#[derive(Default)]
+struct Ending {
+    /// How many, and the memory they hold (as [`Inner::charged_mib`]).
+    held: Mutex<(usize, u64)>,
+    /// Told each time one ends.
+    done: tokio::sync::Notify,
+}
+
+impl Ending {
+    fn held(&self) -> (usize, u64) {
+        // Each critical section is two additions: a panic leaves it whole.
+        *self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Gives back what a background teardown held once it is over, however
+/// it ends (a teardown that panicked ends too).
+struct Ended {
+    ending: Arc<Ending>,
+    refill: Arc<tokio::sync::Notify>,
+    count: usize,
+    mib: u64,
+}
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        {
+            let mut held = self.ending.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            held.0 = held.0.saturating_sub(self.count);
+            held.1 = held.1.saturating_sub(self.mib);
+        }
+        self.ending.done.notify_waiters();
+        // The pool may have waited for this room.
+        self.refill.notify_one();
+    }
+}
+
 struct Inner {
     config: MoatConfig,
     /// `config.roots`, open.
@@ -100,6 +146,8 @@ struct Inner {
     /// Taken only while `sandboxes` is held (lock order: `sandboxes`,
     /// then this), so admission is one step however many creates run.
     reserved: Mutex<(usize, u64)>,
+    /// Destroyed sandboxes still being torn down.
+    ending: Arc<Ending>,
     refill: Arc<tokio::sync::Notify>,
     /// Set by [`Moat::close`]: a create that finishes afterwards destroys
     /// its sandbox instead of keeping it, so none outlives its owner.
@@ -169,6 +217,7 @@ impl Moat {
             pool: Mutex::new(Vec::new()),
             max_memory_mib,
             reserved: Mutex::new((0, 0)),
+            ending: Arc::default(),
             refill: Arc::new(tokio::sync::Notify::new()),
             closing: std::sync::atomic::AtomicBool::new(false),
         });
@@ -236,8 +285,22 @@ impl Moat {
         let max = self.inner.config.max_sandboxes;
         let from_pool = spec == self.inner.config.pool_spec && self.pooled() > 0;
         // Admitted, with its memory held, before it starts: concurrent
-        // creates never start more sandboxes than the limits allow.
-        let reservation = self.inner.reserve(&spec, from_pool)?;
+        // creates never start more sandboxes than the limits allow. Room
+        // that a destroyed sandbox's teardown still holds comes back within
+        // moments: waited for, not refused.
+        let reservation = loop {
+            let done = self.inner.ending.done.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            match self.inner.reserve(&spec, from_pool) {
+                Err(full) if self.inner.ending.held().0 > 0 => {
+                    if tokio::time::timeout(ENDING_WAIT, done).await.is_err() {
+                        return Err(full);
+                    }
+                }
+                reserved => break reserved?,
+            }
+        };
         let pooled = if spec == self.inner.config.pool_spec { self.inner.take_pooled() } else { None };
         let (id, name, machine, build) = match pooled {
             Some((id, machine, build)) => (id.clone(), id, machine, build),
@@ -405,8 +468,24 @@ impl Moat {
             }
         };
         self.inner.end_tasks_of(id);
-        tokio::task::spawn_blocking(move || drop(entry)).await.ok();
+        // The answer does not wait for the teardown: it goes on in the
+        // background, held against the limits until it ends.
+        self.inner.end_in_background(vec![entry]);
         Ok(())
+    }
+
+    /// Waits until every destroyed sandbox's teardown has ended: its
+    /// processes gone, its cgroups and state directory removed.
+    pub async fn settled(&self) {
+        loop {
+            let done = self.inner.ending.done.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            if self.inner.ending.held().0 == 0 {
+                return;
+            }
+            done.await;
+        }
     }
 
     /// The host process sandbox `id` lives in (its jail's monitor, or
@@ -532,6 +611,7 @@ impl Moat {
         }
         let pooled = std::mem::take(&mut *self.inner.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         tokio::task::spawn_blocking(move || drop((entries, pooled))).await.ok();
+        self.settled().await;
     }
 
     /// A client of the sandbox's agent, after marking it used and resuming
@@ -668,7 +748,7 @@ impl Inner {
     fn reserve(&self, spec: &SandboxSpec, pooled_counted: bool) -> Result<Reservation<'_>, CreateError> {
         let sandboxes = self.lock();
         let max = self.config.max_sandboxes;
-        if sandboxes.len() + self.reserved().0 >= max {
+        if sandboxes.len() + self.reserved().0 + self.ending.held().0 >= max {
             return Err(CreateError::LimitReached { max });
         }
         self.memory_check(&sandboxes, spec, pooled_counted)?;
@@ -696,15 +776,17 @@ impl Inner {
         let pooled = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
         let pooled_mib = self.charged_mib(&self.config.pool_spec).saturating_mul(pooled as u64);
         let (admitted, admitted_mib) = *self.reserved();
+        let (ending, ending_mib) = self.ending.held();
         let live: u64 = sandboxes
             .values()
             .map(|e| self.charged_mib(&e.info.spec))
             .sum::<u64>()
             .saturating_add(pooled_mib)
-            .saturating_add(admitted_mib);
+            .saturating_add(admitted_mib)
+            .saturating_add(ending_mib);
         let asked = if pooled_counted { 0 } else { self.charged_mib(spec) };
         let jail_disk = (self.backend.kind() == BackendKind::Jail).then_some(spec.disk_mib);
-        let count = sandboxes.len() + pooled + admitted;
+        let count = sandboxes.len() + pooled + admitted + ending;
         crate::limits::check_memory(live, count, crate::limits::Asked { mib: asked, jail_disk }, self.max_memory_mib)
     }
 
@@ -712,7 +794,7 @@ impl Inner {
     pub(super) fn pool_has_room(&self) -> Result<(), CreateError> {
         let sandboxes = self.lock();
         let pooled = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
-        if sandboxes.len() + pooled + self.reserved().0 >= self.config.max_sandboxes {
+        if sandboxes.len() + pooled + self.reserved().0 + self.ending.held().0 >= self.config.max_sandboxes {
             return Err(CreateError::LimitReached { max: self.config.max_sandboxes });
         }
         self.memory_check(&sandboxes, &self.config.pool_spec, false)
@@ -764,7 +846,26 @@ impl Inner {
         self.end_tasks_of(id);
         self.failures.notify_waiters();
         // Releasing waits for what is left to die: off the async threads.
-        tokio::task::spawn_blocking(move || drop(entry));
+        self.end_in_background(vec![entry]);
+    }
+
+    /// Tears `entries` down off the async threads (teardown waits for
+    /// processes to die), held against the limits until it is over.
+    fn end_in_background(&self, entries: Vec<Entry>) {
+        if entries.is_empty() {
+            return;
+        }
+        let (count, mib) = (entries.len(), entries.iter().map(|e| self.charged_mib(&e.info.spec)).sum::<u64>());
+        {
+            let mut held = self.ending.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            held.0 += count;
+            held.1 = held.1.saturating_add(mib);
+        }
+        let ended = Ended { ending: self.ending.clone(), refill: self.refill.clone(), count, mib };
+        tokio::task::spawn_blocking(move || {
+            drop(entries);
+            drop(ended);
+        });
     }
 
     fn unknown(&self, id: &str, sandboxes: &BTreeMap<String, Entry>) -> SandboxError {
@@ -832,10 +933,8 @@ impl Inner {
                 }
             }
         }
-        if !dead.is_empty() {
-            // Destroying blocks while processes die: off the async threads.
-            tokio::task::spawn_blocking(move || drop(dead));
-        }
+        // Destroying blocks while processes die: off the async threads.
+        self.end_in_background(dead);
     }
 }
 
