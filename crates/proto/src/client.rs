@@ -31,6 +31,39 @@ pub struct UnixConnector {
     pub path: PathBuf,
     /// The guest's vsock port to ask for; `None` for a plain socket.
     pub vsock_port: Option<u32>,
+    /// Only a socket served by this process (a host pid) or a child of it
+    /// is spoken to ([`served_by`]); `None`: any.
+    pub server: Option<u32>,
+}
+
+/// Checks that a connection's peer (the process that listened on its
+/// socket) is `server` or a child of it. Where the directory of a socket is writable
+/// by a process the host does not trust (a jailed VMM's socket
+/// directory), that process could swap the socket for a link to another
+/// sandbox's: `connect(2)` follows it, so who answers is checked instead.
+///
+/// `peer` is the pid `SO_PEERCRED` gives for the connection.
+pub fn served_by(peer: Option<i32>, path: &std::path::Path, server: u32) -> std::io::Result<()> {
+    let peer = peer.and_then(|pid| u32::try_from(pid).ok()).unwrap_or(0);
+    if peer == server || parent_of(peer) == Some(server) {
+        return Ok(());
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        format!(
+            "{} is served by process {peer}, neither the sandbox's ({server}) nor a child of it: the socket was \
+             replaced, and is not spoken to; destroy the sandbox",
+            path.display()
+        ),
+    ))
+}
+
+/// The parent of process `pid`, from `/proc/PID/stat` (after the command
+/// name, in parentheses that it may itself hold: the state, then the
+/// parent).
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// The longest answer to `CONNECT` accepted (`OK 4294967295\n` is 14 bytes).
@@ -39,9 +72,12 @@ const MAX_VSOCK_ANSWER: usize = 32;
 impl Connector for UnixConnector {
     type Stream = tokio::net::UnixStream;
     fn connect(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send {
-        let (path, port) = (self.path.clone(), self.vsock_port);
+        let (path, port, server) = (self.path.clone(), self.vsock_port, self.server);
         async move {
             let mut stream = tokio::net::UnixStream::connect(&path).await?;
+            if let Some(server) = server {
+                served_by(stream.peer_cred()?.pid(), &path, server)?;
+            }
             if let Some(port) = port {
                 vsock_handshake(&mut stream, port).await?;
             }
@@ -102,13 +138,19 @@ pub struct AgentClient<C> {
 impl AgentClient<UnixConnector> {
     /// A client of the agent listening on the Unix socket at `path`.
     pub fn unix(path: impl Into<PathBuf>) -> Self {
-        Self::new(UnixConnector { path: path.into(), vsock_port: None })
+        Self::new(UnixConnector { path: path.into(), vsock_port: None, server: None })
     }
 
     /// A client of the agent listening on vsock port `port` of the microVM
     /// whose vsock device is bridged to the Unix socket at `path`.
     pub fn vsock(path: impl Into<PathBuf>, port: u32) -> Self {
-        Self::new(UnixConnector { path: path.into(), vsock_port: Some(port) })
+        Self::new(UnixConnector { path: path.into(), vsock_port: Some(port), server: None })
+    }
+
+    /// [`AgentClient::vsock`], spoken to only where `server` (a host pid)
+    /// or a child of it serves the socket (see [`served_by`]).
+    pub fn vsock_of(path: impl Into<PathBuf>, port: u32, server: u32) -> Self {
+        Self::new(UnixConnector { path: path.into(), vsock_port: Some(port), server: Some(server) })
     }
 }
 
@@ -735,9 +777,24 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn only_the_named_server_or_its_child_is_spoken_to() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("vsock.sock");
+        let _listener = tokio::net::UnixListener::bind(&path).expect("binds");
+        let me = std::process::id();
+        let connector = |server| UnixConnector { path: path.clone(), vsock_port: None, server: Some(server) };
+        connector(me).connect().await.expect("served by this process");
+        let parent = parent_of(me).expect("a parent");
+        connector(parent).connect().await.expect("served by a child of the named process");
+        let err = connector(u32::MAX).connect().await.expect_err("served by another");
+        assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied);
+        assert!(err.to_string().contains("was replaced"), "{err}");
+    }
+
+    #[tokio::test]
     async fn vsock_connect_leaves_the_agents_bytes_unread() {
         let (_dir, path) = muxer(b"OK 1073741824\n", b"agent").await;
-        let connector = UnixConnector { path, vsock_port: Some(1024) };
+        let connector = UnixConnector { path, vsock_port: Some(1024), server: None };
         let mut stream = connector.connect().await.expect("connects");
         let mut first = [0u8; 5];
         stream.read_exact(&mut first).await.expect("agent bytes");
@@ -765,7 +822,7 @@ mod tests {
             }
             conn.send(&AgentMsg::End).await.expect("end");
         });
-        let client = AgentClient::new(UnixConnector { path, vsock_port: None });
+        let client = AgentClient::new(UnixConnector { path, vsock_port: None, server: None });
         let request = ReadFileRequest { path: "/big".into(), offset: 0, length: Some(1500) };
         let err = client.read_file(request).await.expect_err("more than asked");
         assert!(err.to_string().contains("more than 1500 bytes"), "{err}");
@@ -774,10 +831,10 @@ mod tests {
     #[tokio::test]
     async fn vsock_refusals_say_what_happened() {
         let (_dir, path) = muxer(b"", b"").await;
-        let err = UnixConnector { path, vsock_port: Some(1024) }.connect().await.expect_err("closed");
+        let err = UnixConnector { path, vsock_port: Some(1024), server: None }.connect().await.expect_err("closed");
         assert!(err.to_string().contains("not listening"), "{err}");
         let (_dir, path) = muxer(b"NO\n", b"").await;
-        let err = UnixConnector { path, vsock_port: Some(1024) }.connect().await.expect_err("garbage");
+        let err = UnixConnector { path, vsock_port: Some(1024), server: None }.connect().await.expect_err("garbage");
         assert!(err.to_string().contains("expected \"OK <port>\""), "{err}");
     }
 }

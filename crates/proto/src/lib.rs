@@ -15,7 +15,9 @@ pub mod error;
 pub mod frame;
 pub mod message;
 
-pub use client::{AgentClient, Connector, EgressControl, EgressRequest, ExecHandle, ExecStdin, Output, UnixConnector};
+pub use client::{
+    AgentClient, Connector, EgressControl, EgressRequest, ExecHandle, ExecStdin, Output, UnixConnector, served_by,
+};
 pub use conn::{Connection, Prefixed};
 pub use error::{ErrorKind, ProtoError, WireError};
 pub use frame::{DATA_CHUNK, Frame, FrameCodec, FrameError, MAX_DATA_FRAME_LEN, MAX_FRAME_LEN, StreamId};

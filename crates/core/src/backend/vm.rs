@@ -362,7 +362,9 @@ impl Backend for VmBackend {
 
 impl Instance for Vm {
     fn client(&self) -> AgentClient<UnixConnector> {
-        AgentClient::vsock(&self.vsock, AGENT_VSOCK_PORT)
+        // The socket's directory is the jailed VMM's to write: only its
+        // own socket (served by moat-vmm or the VMM it forks) is spoken to.
+        AgentClient::vsock_of(&self.vsock, AGENT_VSOCK_PORT, self.vmm.id())
     }
 
     fn can_suspend(&self) -> bool {
@@ -419,8 +421,8 @@ fn request_line(request: &Request) -> std::io::Result<Vec<u8>> {
 
 /// One request on a VMM's control socket; its answer (each way bounded by
 /// [`CONTROL_TIMEOUT`]).
-fn control_request<T: DeserializeOwned>(control: &Path, request: &Request) -> std::io::Result<T> {
-    let mut stream = connect_at_once(control)?;
+fn control_request<T: DeserializeOwned>(control: &Path, server: u32, request: &Request) -> std::io::Result<T> {
+    let mut stream = connect_at_once(control, server)?;
     stream.set_read_timeout(Some(CONTROL_TIMEOUT))?;
     stream.set_write_timeout(Some(CONTROL_TIMEOUT))?;
     stream.write_all(&request_line(request)?)?;
@@ -434,7 +436,9 @@ fn control_request<T: DeserializeOwned>(control: &Path, request: &Request) -> st
 /// a VMM that does not accept (its thread stuck, its backlog full) is an
 /// error now, where a blocking `connect(2)` would wait for a place for as
 /// long as it takes, with whatever lock its caller holds.
-fn connect_at_once(control: &Path) -> std::io::Result<UnixStream> {
+/// Only `server`'s socket (moat-vmm's, or its jailed VMM's) is taken
+/// (see [`moat_proto::served_by`]).
+fn connect_at_once(control: &Path, server: u32) -> std::io::Result<UnixStream> {
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
     use std::os::fd::AsRawFd;
     let fd = socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
@@ -450,15 +454,18 @@ fn connect_at_once(control: &Path) -> std::io::Result<UnixStream> {
         Err(e) => return Err(e.into()),
     }
     let stream = UnixStream::from(fd);
+    let peer = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)?.pid();
+    moat_proto::served_by(Some(peer), control, server)?;
     stream.set_nonblocking(false)?;
     Ok(stream)
 }
 
 /// Whether the moat-vmm behind `control` reports the guest ready (its boot
 /// timer written); `false` while it cannot be asked.
-async fn guest_ready(control: &Path) -> bool {
+async fn guest_ready(control: &Path, server: u32) -> bool {
     let control = control.to_owned();
-    let status = tokio::task::spawn_blocking(move || control_request::<Status>(&control, &Request::Status)).await;
+    let status =
+        tokio::task::spawn_blocking(move || control_request::<Status>(&control, server, &Request::Status)).await;
     matches!(status, Ok(Ok(Status { guest_ready_us: Some(_), .. })))
 }
 
@@ -473,7 +480,7 @@ impl Vm {
         let client = self.client();
         let mut probed: Option<Instant> = None;
         loop {
-            let timer_says_ready = guest_ready(&self.control).await;
+            let timer_says_ready = guest_ready(&self.control, self.vmm.id()).await;
             if (timer_says_ready || probed.is_none_or(|at| at.elapsed() >= PROBE_EVERY)) && self.vsock.exists() {
                 probed = Some(Instant::now());
                 if let Ok(Ok(info)) = tokio::time::timeout(Duration::from_secs(2), client.info()).await {
@@ -558,7 +565,7 @@ impl Vm {
 
     /// One request on the VMM's control socket; its answer.
     fn control<T: DeserializeOwned>(&self, request: &Request) -> std::io::Result<T> {
-        control_request(&self.control, request)
+        control_request(&self.control, self.vmm.id(), request)
     }
 
     /// Asks the VMM to stop the guest now, waits for it, SIGKILL if it does
@@ -566,7 +573,7 @@ impl Vm {
     fn stop(&mut self) {
         if let Ok(None) = self.vmm.try_wait() {
             // A forced shutdown ends the VM at once, paused or not.
-            let forced = connect_at_once(&self.control).and_then(|mut s| {
+            let forced = connect_at_once(&self.control, self.vmm.id()).and_then(|mut s| {
                 s.set_write_timeout(Some(CONTROL_TIMEOUT))?;
                 s.write_all(&request_line(&Request::Shutdown { force: true, timeout_ms: None })?)
             });
@@ -605,7 +612,8 @@ mod tests {
         use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("control.sock");
-        assert!(!guest_ready(&path).await, "no VMM yet");
+        let me = std::process::id();
+        assert!(!guest_ready(&path, me).await, "no VMM yet");
         let listener = tokio::net::UnixListener::bind(&path).expect("binds");
         let server = tokio::spawn(async move {
             for ready in ["null", "81234"] {
@@ -620,8 +628,8 @@ mod tests {
                 write.write_all(reply.as_bytes()).await.expect("answers");
             }
         });
-        assert!(!guest_ready(&path).await, "guest_ready_us null");
-        assert!(guest_ready(&path).await, "guest_ready_us set");
+        assert!(!guest_ready(&path, me).await, "guest_ready_us null");
+        assert!(guest_ready(&path, me).await, "guest_ready_us set");
         server.await.expect("served");
     }
 
