@@ -1355,16 +1355,17 @@ async fn a_sandbox_killed_mid_call_fails_alone_and_is_released() {
     for &case in cases {
         let id = moat.create(spec.clone()).await.expect("created").id;
         let outer = moat.host_pid(&id).expect("its host process");
-        // The jail's init (the agent), or the VMM under its supervisor: the
-        // child in a pid namespace of its own (a jail's keeper, cgroup v1's
-        // `moat_agent::keeper`, stays in its monitor's; told apart by its
-        // name it was taken for the init while, on a loaded host, it had
-        // not yet named itself).
-        let pid_ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
-        let inner: i32 = std::fs::read_to_string(format!("/proc/{outer}/task/{outer}/children"))
-            .expect("children")
+        // The jail's init (the agent, named so), or the VMM under its
+        // supervisor: a child that is not a jail's keeper (cgroup v1,
+        // `moat_agent::keeper`). The agent's name is looked for first: a
+        // keeper that has not yet named itself on a loaded host looks like
+        // neither.
+        let children = std::fs::read_to_string(format!("/proc/{outer}/task/{outer}/children")).expect("children");
+        let comm = |pid: &str| std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        let inner: i32 = children
             .split_whitespace()
-            .find(|pid| pid_ns(pid).is_some_and(|ns| Some(ns) != pid_ns(&outer.to_string())))
+            .find(|pid| comm(pid).trim() == "agent")
+            .or_else(|| children.split_whitespace().find(|pid| comm(pid).trim() != "moat-keeper"))
             .expect("the sandbox's child")
             .parse()
             .expect("a pid");
