@@ -215,6 +215,14 @@ async fn a_python_cell_that_outlives_its_interrupt_is_stopped_at_the_grace() {
     let moat = moat(16).await;
     let sandbox = moat.create(small()).await.expect("created");
     let id = sandbox.id.as_str();
+    // The session is started first, with a timeout a slow host (the
+    // nested host's level 2 under TCG) needs: a stalled cell's 2 s would
+    // also bound python3's start, which is not what this test is about.
+    let first = moat
+        .run_code(id, Language::Python, "6 * 7", Duration::from_secs(60), std::future::pending(), &|_, _| {})
+        .await
+        .expect("a started session");
+    assert_eq!(first.text, "42", "{first:?}");
     let cells = [
         "import time\nwhile True:\n    try:\n        print('on', flush=True); time.sleep(0.5)\n    except KeyboardInterrupt:\n        pass",
         "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    print('on', flush=True); time.sleep(0.5)",
