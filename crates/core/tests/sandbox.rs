@@ -1622,6 +1622,68 @@ async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {
     }
 }
 
+/// The pool counts against `MOAT_MAX_SANDBOXES`, and gives way: a create
+/// of another spec that only pooled sandboxes keep out takes the place of
+/// one, which ends first. Live and pooled never pass the limit together.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_warm_pool_counts_against_the_limit_and_gives_way() {
+    let config = MoatConfig {
+        data_dir: moat_core::image::data_dir(),
+        backend: backend(),
+        agent: agent(),
+        max_sandboxes: 3,
+        roots: vec![],
+        copy_limit: moat_core::hostfs::DEFAULT_COPY_MAX_MIB << 20,
+        pool_size: 2,
+        pool_spec: small(),
+        egress: moat_core::EgressConfig::default(),
+        grants: moat_core::Grants::everything(),
+        extra_ca: None,
+        preview: moat_core::net::preview::PreviewHost::default(),
+        max_memory_mib: None,
+    };
+    let moat = Moat::new(config).await.expect("moat starts");
+    let moat = &moat;
+    let filled = |n: usize| async move {
+        // A guard against a hang, not a bound.
+        for _ in 0..30_000 {
+            if moat.pooled() == n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        moat.pooled()
+    };
+    assert_eq!(filled(2).await, 2, "the pool did not fill");
+    let other = || SandboxSpec { memory_mib: 192, ..small() };
+    let mut live = Vec::new();
+    for n in 1..=3 {
+        let sandbox = moat.create(other()).await.unwrap_or_else(|e| panic!("create {n} of another spec: {e}"));
+        live.push(sandbox.id);
+        moat.settled().await;
+        // The pool refills only into room that is left.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(n + moat.pooled() <= 3, "{n} live and {} pooled, over the limit of 3", moat.pooled());
+    }
+    assert_eq!(moat.pooled(), 0, "three live sandboxes leave the pool no room");
+    for spec in [other(), small()] {
+        let err = moat.create(spec).await.expect_err("over the limit");
+        assert!(matches!(err, CreateError::LimitReached { max: 3 }), "{err}");
+    }
+    let (out, code) = sh(moat, &live[0], "true").await;
+    assert_eq!(code, Some(0), "{out}");
+    moat.destroy(&live[0]).await.expect("destroyed");
+    // The room a destroy leaves goes back to the pool, and then to a create
+    // of the pool's spec, which takes it.
+    assert_eq!(filled(1).await, 1, "the pool did not refill");
+    moat.create(small()).await.expect("from the pool");
+    assert_eq!(moat.pooled(), 0);
+    moat.create(small()).await.expect_err("over the limit again");
+    moat.destroy_all().await;
+    moat.settled().await;
+}
+
 /// The same contract for microVMs: this test binary runs itself inside the
 /// nested test host (a level-1 Linux under QEMU whose KVM can boot guests),
 /// every test above with `MOAT_TEST_BACKEND=vm`, one process per test, one
@@ -1684,6 +1746,7 @@ const NOT_FOR_MICROVMS: &[&str] = &[
     "a_python_session_that_never_starts_is_given_up",
     "a_stuck_sandbox_is_reported_not_waited_on",
     "background_processes_of_a_well_behaved_command_keep_running",
+    "a_warm_pool_counts_against_the_limit_and_gives_way",
 ];
 
 /// microVMs still run for root, as for hosts that run moat as a service:

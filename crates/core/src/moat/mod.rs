@@ -288,11 +288,12 @@ impl Moat {
         // creates never start more sandboxes than the limits allow. Room
         // that a destroyed sandbox's teardown still holds comes back within
         // moments: waited for, not refused.
-        let reservation = loop {
+        let admit = if from_pool { Admit::FromPool } else { Admit::Fresh };
+        let (reservation, evicted) = loop {
             let done = self.inner.ending.done.notified();
             tokio::pin!(done);
             done.as_mut().enable();
-            match self.inner.reserve(&spec, from_pool) {
+            match self.inner.reserve(&spec, admit) {
                 Err(full) if self.inner.ending.held().0 > 0 => {
                     if tokio::time::timeout(ENDING_WAIT, done).await.is_err() {
                         return Err(full);
@@ -301,6 +302,11 @@ impl Moat {
                 reserved => break reserved?,
             }
         };
+        if let Some(evicted) = evicted {
+            // Its place is this create's now: it is gone before this
+            // sandbox starts, so no more than the limit ever run.
+            let _ = tokio::task::spawn_blocking(move || drop(evicted)).await;
+        }
         let pooled = if spec == self.inner.config.pool_spec { self.inner.take_pooled() } else { None };
         let (id, name, machine, build) = match pooled {
             Some((id, machine, build)) => (id.clone(), id, machine, build),
@@ -354,7 +360,7 @@ impl Moat {
             let memory = self.inner.memory_check(&sandboxes, &info.spec, false);
             if self.inner.closing.load(std::sync::atomic::Ordering::SeqCst) {
                 Some((machine, Some(closing(&id))))
-            } else if sandboxes.len() >= max || memory.is_err() {
+            } else if self.inner.count(&sandboxes) >= max || memory.is_err() {
                 Some((machine, memory.err()))
             } else {
                 if let Machine::Vm(vm) = &machine {
@@ -740,23 +746,51 @@ impl Inner {
         }
     }
 
-    /// Admits a create of `spec`: refused when `max_sandboxes` are live or
-    /// being created, or when its memory would bring theirs over
-    /// [`Inner::max_memory_mib`]; else holds its place and its memory
-    /// until the reservation is dropped. `pooled_counted`: it will be taken
-    /// from the pool, whose sandboxes are counted already.
-    fn reserve(&self, spec: &SandboxSpec, pooled_counted: bool) -> Result<Reservation<'_>, CreateError> {
+    /// The sandboxes that count against `max_sandboxes`: live, pooled,
+    /// admitted and being created, and ending (their teardown not over).
+    fn count(&self, sandboxes: &BTreeMap<String, Entry>) -> usize {
+        let pooled = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
+        sandboxes.len() + pooled + self.reserved().0 + self.ending.held().0
+    }
+
+    /// Admits a create of `spec`: refused when `max_sandboxes` count
+    /// already ([`Inner::count`]), or when its memory would bring theirs
+    /// over [`Inner::max_memory_mib`]; else holds its place and its memory
+    /// until the reservation is dropped. A [`Admit::Fresh`] create that
+    /// only the pool's sandboxes keep out takes the place of one of them:
+    /// that one is returned, out of the pool, for the caller to end before
+    /// it starts its own.
+    fn reserve(&self, spec: &SandboxSpec, admit: Admit) -> Result<(Reservation<'_>, Option<Machine>), CreateError> {
         let sandboxes = self.lock();
         let max = self.config.max_sandboxes;
-        if sandboxes.len() + self.reserved().0 + self.ending.held().0 >= max {
-            return Err(CreateError::LimitReached { max });
+        let pooled_counted = admit == Admit::FromPool;
+        // The pooled sandbox it will take is counted once, as its own.
+        let count = self.count(&sandboxes).saturating_sub(usize::from(pooled_counted));
+        let mut evicted = None;
+        if count >= max {
+            let mut pool = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if admit != Admit::Fresh || count > max || pool.is_empty() {
+                return Err(CreateError::LimitReached { max });
+            }
+            // The pool is a head start, not a share of the limit.
+            evicted = pool.pop();
         }
-        self.memory_check(&sandboxes, spec, pooled_counted)?;
+        if let Err(e) = self.memory_check(&sandboxes, spec, pooled_counted) {
+            if let Some(entry) = evicted {
+                // Not enough memory even in its place: it goes back, started.
+                self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(entry);
+            }
+            return Err(e);
+        }
+        let evicted = evicted.map(|(id, machine, _)| {
+            tracing::info!(%id, "a pooled sandbox makes room for a create of another spec");
+            machine
+        });
         let mib = if pooled_counted { 0 } else { self.charged_mib(spec) };
         let mut reserved = self.reserved();
         reserved.0 += 1;
         reserved.1 = reserved.1.saturating_add(mib);
-        Ok(Reservation { inner: self, mib })
+        Ok((Reservation { inner: self, mib }, evicted))
     }
 
     fn reserved(&self) -> std::sync::MutexGuard<'_, (usize, u64)> {
@@ -788,16 +822,6 @@ impl Inner {
         let jail_disk = (self.backend.kind() == BackendKind::Jail).then_some(spec.disk_mib);
         let count = sandboxes.len() + pooled + admitted + ending;
         crate::limits::check_memory(live, count, crate::limits::Asked { mib: asked, jail_disk }, self.max_memory_mib)
-    }
-
-    /// Whether one more pooled sandbox fits beside the live ones.
-    pub(super) fn pool_has_room(&self) -> Result<(), CreateError> {
-        let sandboxes = self.lock();
-        let pooled = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
-        if sandboxes.len() + pooled + self.reserved().0 + self.ending.held().0 >= self.config.max_sandboxes {
-            return Err(CreateError::LimitReached { max: self.config.max_sandboxes });
-        }
-        self.memory_check(&sandboxes, &self.config.pool_spec, false)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Entry>> {
@@ -964,6 +988,17 @@ fn closing(id: &str) -> CreateError {
         id: id.to_owned(),
         reason: "moat is shutting down, so the new sandbox was destroyed; create it again once moat runs".into(),
     }
+}
+
+/// How [`Inner::reserve`] admits a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Admit {
+    /// A create that takes a pooled sandbox, counted already.
+    FromPool,
+    /// A create of another spec: it may take a pooled sandbox's place.
+    Fresh,
+    /// The pool's own refill, which never takes one of its own.
+    Refill,
 }
 
 /// A create admitted by [`Inner::reserve`]: its place and memory are held

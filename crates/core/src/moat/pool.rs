@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Inner, Moat, new_id};
+use super::{Admit, Inner, Moat, new_id};
 use crate::backend::machine::Machine;
 use crate::image::{Image, ImageBuild};
 
@@ -25,31 +25,17 @@ pub(super) async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::
             refill.notified().await;
             continue;
         }
-        if let Err(full) = strong.pool_has_room() {
-            // The pool counts against MOAT_MAX_SANDBOXES and the memory
-            // limit like live sandboxes: it waits for a take, or looks
-            // again after a while (a destroy makes room without a word).
-            tracing::debug!("the sandbox pool waits for room: {full}");
-            drop(strong);
-            let _ = tokio::time::timeout(Duration::from_secs(5), refill.notified()).await;
-            continue;
-        }
-        let spec = strong.config.pool_spec.clone();
-        let started = match Image::open_ref(&strong.config.data_dir, &spec.image) {
-            Ok(image) => {
-                let id = new_id();
-                strong.start_machine(&id, &id, &spec, &image).await.map(|machine| (id, machine, image.build()))
+        match strong.refill_one().await {
+            Refill::Added => {}
+            Refill::Full(full) => {
+                // It waits for a take, or looks again after a while (a
+                // destroy makes room without a word).
+                tracing::debug!("the sandbox pool waits for room: {full}");
+                drop(strong);
+                let _ = tokio::time::timeout(Duration::from_secs(5), refill.notified()).await;
             }
-            Err(e) => Err(e.into()),
-        };
-        match started {
-            // Started while its owner closed: destroyed, not kept.
-            Ok(entry) if strong.closing.load(std::sync::atomic::Ordering::SeqCst) => {
-                let _ = tokio::task::spawn_blocking(move || drop(entry)).await;
-                return;
-            }
-            Ok(entry) => strong.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(entry),
-            Err(e) => {
+            Refill::Closing => return,
+            Refill::Failed(e) => {
                 tracing::warn!("cannot fill the sandbox pool: {e}");
                 drop(strong);
                 // A back-off after a failed start, not a wait for an event.
@@ -59,7 +45,50 @@ pub(super) async fn fill_pool(inner: std::sync::Weak<Inner>, refill: Arc<tokio::
     }
 }
 
+/// What one step of [`fill_pool`] came to.
+enum Refill {
+    Added,
+    /// No room under the limits.
+    Full(crate::CreateError),
+    /// Its owner closed meanwhile: the one started was destroyed.
+    Closing,
+    Failed(crate::CreateError),
+}
+
 impl Inner {
+    /// Starts one sandbox of `pool_spec` into the pool. The pool counts
+    /// against MOAT_MAX_SANDBOXES and the memory limit like live
+    /// sandboxes, the one it starts too: its place is held while it starts.
+    async fn refill_one(&self) -> Refill {
+        let spec = self.config.pool_spec.clone();
+        let reservation = match self.reserve(&spec, Admit::Refill) {
+            Ok((reservation, _)) => reservation,
+            Err(full) => return Refill::Full(full),
+        };
+        let started = match Image::open_ref(&self.config.data_dir, &spec.image) {
+            Ok(image) => {
+                let id = new_id();
+                self.start_machine(&id, &id, &spec, &image).await.map(|machine| (id, machine, image.build()))
+            }
+            Err(e) => Err(e.into()),
+        };
+        match started {
+            // Started while its owner closed: destroyed, not kept.
+            Ok(entry) if self.closing.load(std::sync::atomic::Ordering::SeqCst) => {
+                drop(reservation);
+                let _ = tokio::task::spawn_blocking(move || drop(entry)).await;
+                Refill::Closing
+            }
+            Ok(entry) => {
+                // Counted as pooled before it stops counting as admitted.
+                self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(entry);
+                drop(reservation);
+                Refill::Added
+            }
+            Err(e) => Refill::Failed(e),
+        }
+    }
+
     /// A started sandbox from the pool, if one is ready; the pool refills.
     pub(super) fn take_pooled(&self) -> Option<(String, Machine, ImageBuild)> {
         let mut pool = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
