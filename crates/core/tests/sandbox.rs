@@ -1622,6 +1622,60 @@ async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {
     }
 }
 
+/// A pooled sandbox handed out keeps its place and memory while the create
+/// finishes (a filtered one starts its egress proxy then): the pool's
+/// refill never starts one more into that room, past the memory limit,
+/// nor does it take the room from the create it came from.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_pooled_sandbox_handed_out_at_the_memory_limit_keeps_its_place() {
+    let pooled_spec = SandboxSpec { network: moat_core::NetworkPolicy::Filtered, ..small() };
+    // Three of `small` (256 MiB and a 128 MiB disk in memory): two live, one pooled.
+    let config = MoatConfig {
+        data_dir: moat_core::image::data_dir(),
+        backend: backend(),
+        agent: agent(),
+        max_sandboxes: 16,
+        roots: vec![],
+        copy_limit: moat_core::hostfs::DEFAULT_COPY_MAX_MIB << 20,
+        pool_size: 1,
+        pool_spec: pooled_spec.clone(),
+        egress: moat_core::EgressConfig::default(),
+        grants: moat_core::Grants::everything(),
+        extra_ca: None,
+        preview: moat_core::net::preview::PreviewHost::default(),
+        max_memory_mib: Some(3 * (256 + 128)),
+    };
+    let moat = Moat::new(config).await.expect("moat starts");
+    for _ in 0..30_000 {
+        if moat.pooled() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(moat.pooled(), 1, "the pool did not fill");
+    for name in ["a", "b"] {
+        moat.create(SandboxSpec { name: Some(name.into()), ..small() }).await.expect("fits beside the pool");
+    }
+    for _ in 0..5 {
+        let taken = moat.create(pooled_spec.clone()).await.expect("the pooled sandbox, at the limit");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(moat.pooled(), 0, "the refill started past the memory limit");
+        assert_eq!(moat.list().len(), 3);
+        moat.destroy(&taken.id).await.expect("destroyed");
+        moat.settled().await;
+        for _ in 0..30_000 {
+            if moat.pooled() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(moat.pooled(), 1, "the room came back to the pool");
+    }
+    moat.destroy_all().await;
+    moat.settled().await;
+}
+
 /// The pool counts against `MOAT_MAX_SANDBOXES`, and gives way: a create
 /// of another spec that only pooled sandboxes keep out takes the place of
 /// one, which ends first. Live and pooled never pass the limit together.
@@ -1747,6 +1801,7 @@ const NOT_FOR_MICROVMS: &[&str] = &[
     "a_stuck_sandbox_is_reported_not_waited_on",
     "background_processes_of_a_well_behaved_command_keep_running",
     "a_warm_pool_counts_against_the_limit_and_gives_way",
+    "a_pooled_sandbox_handed_out_at_the_memory_limit_keeps_its_place",
 ];
 
 /// microVMs still run for root, as for hosts that run moat as a service:

@@ -283,17 +283,15 @@ impl Moat {
         spec.validate()?;
         self.inner.config.grants.check(&spec, &self.inner.egress)?;
         let max = self.inner.config.max_sandboxes;
-        let from_pool = spec == self.inner.config.pool_spec && self.pooled() > 0;
         // Admitted, with its memory held, before it starts: concurrent
         // creates never start more sandboxes than the limits allow. Room
         // that a destroyed sandbox's teardown still holds comes back within
         // moments: waited for, not refused.
-        let admit = if from_pool { Admit::FromPool } else { Admit::Fresh };
-        let (reservation, evicted) = loop {
+        let Admitted { reservation, pooled, evicted } = loop {
             let done = self.inner.ending.done.notified();
             tokio::pin!(done);
             done.as_mut().enable();
-            match self.inner.reserve(&spec, admit) {
+            match self.inner.reserve(&spec, Admit::Create) {
                 Err(full) if self.inner.ending.held().0 > 0 => {
                     if tokio::time::timeout(ENDING_WAIT, done).await.is_err() {
                         return Err(full);
@@ -307,7 +305,6 @@ impl Moat {
             // sandbox starts, so no more than the limit ever run.
             let _ = tokio::task::spawn_blocking(move || drop(evicted)).await;
         }
-        let pooled = if spec == self.inner.config.pool_spec { self.inner.take_pooled() } else { None };
         let (id, name, machine, build) = match pooled {
             Some((id, machine, build)) => (id.clone(), id, machine, build),
             None => {
@@ -357,7 +354,7 @@ impl Moat {
             // Checked again without its own reservation: the pool may have
             // grown meanwhile.
             drop(reservation);
-            let memory = self.inner.memory_check(&sandboxes, &info.spec, false);
+            let memory = self.inner.memory_check(&sandboxes, &info.spec);
             if self.inner.closing.load(std::sync::atomic::Ordering::SeqCst) {
                 Some((machine, Some(closing(&id))))
             } else if self.inner.count(&sandboxes) >= max || memory.is_err() {
@@ -753,29 +750,42 @@ impl Inner {
         sandboxes.len() + pooled + self.reserved().0 + self.ending.held().0
     }
 
-    /// Admits a create of `spec`: refused when `max_sandboxes` count
+    /// Admits a sandbox of `spec`: refused when `max_sandboxes` count
     /// already ([`Inner::count`]), or when its memory would bring theirs
     /// over [`Inner::max_memory_mib`]; else holds its place and its memory
-    /// until the reservation is dropped. A [`Admit::Fresh`] create that
-    /// only the pool's sandboxes keep out takes the place of one of them:
-    /// that one is returned, out of the pool, for the caller to end before
-    /// it starts its own.
-    fn reserve(&self, spec: &SandboxSpec, admit: Admit) -> Result<(Reservation<'_>, Option<Machine>), CreateError> {
+    /// until the reservation is dropped. A create of the pool's spec takes
+    /// a pooled sandbox here, under the same lock, so its place and memory
+    /// move from the pool to the reservation and are never counted twice
+    /// or not at all. A create of another spec that only the pool's
+    /// sandboxes keep out takes the place of one of them, which the caller
+    /// ends before it starts its own.
+    fn reserve(&self, spec: &SandboxSpec, admit: Admit) -> Result<Admitted<'_>, CreateError> {
         let sandboxes = self.lock();
         let max = self.config.max_sandboxes;
-        let pooled_counted = admit == Admit::FromPool;
-        // The pooled sandbox it will take is counted once, as its own.
-        let count = self.count(&sandboxes).saturating_sub(usize::from(pooled_counted));
+        let mib = self.charged_mib(spec);
+        let hold = || {
+            let mut reserved = self.reserved();
+            reserved.0 += 1;
+            reserved.1 = reserved.1.saturating_add(mib);
+            Reservation { inner: self, mib }
+        };
+        if admit == Admit::Create
+            && *spec == self.config.pool_spec
+            && let Some(entry) = self.take_pooled()
+        {
+            return Ok(Admitted { reservation: hold(), pooled: Some(entry), evicted: None });
+        }
+        let count = self.count(&sandboxes);
         let mut evicted = None;
         if count >= max {
             let mut pool = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if admit != Admit::Fresh || count > max || pool.is_empty() {
+            if admit == Admit::Refill || count > max || pool.is_empty() {
                 return Err(CreateError::LimitReached { max });
             }
             // The pool is a head start, not a share of the limit.
             evicted = pool.pop();
         }
-        if let Err(e) = self.memory_check(&sandboxes, spec, pooled_counted) {
+        if let Err(e) = self.memory_check(&sandboxes, spec) {
             if let Some(entry) = evicted {
                 // Not enough memory even in its place: it goes back, started.
                 self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(entry);
@@ -786,11 +796,7 @@ impl Inner {
             tracing::info!(%id, "a pooled sandbox makes room for a create of another spec");
             machine
         });
-        let mib = if pooled_counted { 0 } else { self.charged_mib(spec) };
-        let mut reserved = self.reserved();
-        reserved.0 += 1;
-        reserved.1 = reserved.1.saturating_add(mib);
-        Ok((Reservation { inner: self, mib }, evicted))
+        Ok(Admitted { reservation: hold(), pooled: None, evicted })
     }
 
     fn reserved(&self) -> std::sync::MutexGuard<'_, (usize, u64)> {
@@ -799,14 +805,8 @@ impl Inner {
     }
 
     /// Refuses a sandbox of `spec` that would bring the memory of the live,
-    /// pooled and admitted sandboxes over [`Inner::max_memory_mib`], unless
-    /// `pooled_counted` says it is among the pooled ones already.
-    fn memory_check(
-        &self,
-        sandboxes: &BTreeMap<String, Entry>,
-        spec: &SandboxSpec,
-        pooled_counted: bool,
-    ) -> Result<(), CreateError> {
+    /// pooled, admitted and ending sandboxes over [`Inner::max_memory_mib`].
+    fn memory_check(&self, sandboxes: &BTreeMap<String, Entry>, spec: &SandboxSpec) -> Result<(), CreateError> {
         let pooled = self.pool.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
         let pooled_mib = self.charged_mib(&self.config.pool_spec).saturating_mul(pooled as u64);
         let (admitted, admitted_mib) = *self.reserved();
@@ -818,7 +818,7 @@ impl Inner {
             .saturating_add(pooled_mib)
             .saturating_add(admitted_mib)
             .saturating_add(ending_mib);
-        let asked = if pooled_counted { 0 } else { self.charged_mib(spec) };
+        let asked = self.charged_mib(spec);
         let jail_disk = (self.backend.kind() == BackendKind::Jail).then_some(spec.disk_mib);
         let count = sandboxes.len() + pooled + admitted + ending;
         crate::limits::check_memory(live, count, crate::limits::Asked { mib: asked, jail_disk }, self.max_memory_mib)
@@ -993,12 +993,21 @@ fn closing(id: &str) -> CreateError {
 /// How [`Inner::reserve`] admits a sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Admit {
-    /// A create that takes a pooled sandbox, counted already.
-    FromPool,
-    /// A create of another spec: it may take a pooled sandbox's place.
-    Fresh,
+    /// A create: of the pool's spec, it takes a pooled sandbox if one is
+    /// ready; of another, it may take a pooled sandbox's place.
+    Create,
     /// The pool's own refill, which never takes one of its own.
     Refill,
+}
+
+/// What [`Inner::reserve`] admitted.
+struct Admitted<'a> {
+    reservation: Reservation<'a>,
+    /// A started sandbox from the pool, now the create's.
+    pooled: Option<(String, Machine, crate::image::ImageBuild)>,
+    /// A pooled sandbox whose place the create takes: ended before the
+    /// create starts its own.
+    evicted: Option<Machine>,
 }
 
 /// A create admitted by [`Inner::reserve`]: its place and memory are held

@@ -62,7 +62,7 @@ impl Inner {
     async fn refill_one(&self) -> Refill {
         let spec = self.config.pool_spec.clone();
         let reservation = match self.reserve(&spec, Admit::Refill) {
-            Ok((reservation, _)) => reservation,
+            Ok(admitted) => admitted.reservation,
             Err(full) => return Refill::Full(full),
         };
         let started = match Image::open_ref(&self.config.data_dir, &spec.image) {
