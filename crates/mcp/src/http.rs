@@ -381,14 +381,18 @@ async fn check_request(State(gate): State<Arc<Gate>>, request: Request, next: Ne
         response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
         return response;
     }
-    // A request that starts a session (or is served without one) while the
-    // server keeps as many as it may is refused before anything is made
-    // for it.
-    if !request.headers().contains_key("mcp-session-id")
-        && let Some(full) = session_full(crate::scope::live_scopes())
-    {
-        return full;
-    }
+    // A request that may start a session (or is served without one) while
+    // the server keeps as many as it may is refused before anything is made
+    // for it. Checked, it holds its place until its session counts itself
+    // (past its body, however slowly that comes).
+    let _starting = if request.headers().contains_key("mcp-session-id") {
+        None
+    } else {
+        match crate::scope::SESSIONS.start() {
+            Some(place) => Some(place),
+            None => return session_full(),
+        }
+    };
     let closing = request.method() == axum::http::Method::DELETE;
     let mut cut = false;
     let request = if request.method() == axum::http::Method::POST {
@@ -414,12 +418,9 @@ async fn check_request(State(gate): State<Arc<Gate>>, request: Request, next: Ne
     response
 }
 
-/// The 503 for a new session when `live` ones are as many as the server
-/// keeps ([`crate::scope::MAX_SESSIONS`]); `None` while one more fits.
-fn session_full(live: usize) -> Option<Response> {
-    if live < crate::scope::MAX_SESSIONS {
-        return None;
-    }
+/// The 503 for a new session when the server keeps as many as it may
+/// ([`crate::scope::MAX_SESSIONS`]).
+fn session_full() -> Response {
     let mut response = refuse(
         StatusCode::SERVICE_UNAVAILABLE,
         format!(
@@ -429,7 +430,7 @@ fn session_full(live: usize) -> Option<Response> {
         ),
     );
     response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("10"));
-    Some(response)
+    response
 }
 
 /// How much of an oversized body is read to find its id before the
@@ -587,8 +588,7 @@ mod tests {
 
     #[test]
     fn a_session_past_the_most_is_refused_with_when_to_retry() {
-        assert!(session_full(0).is_none() && session_full(crate::scope::MAX_SESSIONS - 1).is_none());
-        let full = session_full(crate::scope::MAX_SESSIONS).expect("full");
+        let full = session_full();
         assert_eq!(full.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(full.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()), Some("10"));
     }

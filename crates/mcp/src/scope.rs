@@ -7,6 +7,7 @@
 //! destroyed.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use moat_core::Moat;
@@ -81,13 +82,59 @@ pub const MAX_SESSIONS: usize = 256;
 pub static SERVER_CALLS: std::sync::LazyLock<CallGate> =
     std::sync::LazyLock::new(|| CallGate::new(MAX_SERVER_CALLS, "this server", "all sessions together"));
 
-/// HTTP sessions alive, and requests without one being served, for
+/// HTTP sessions alive, and requests without one being served, against
 /// [`MAX_SESSIONS`].
-static LIVE_SCOPES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+pub static SESSIONS: SessionCount = SessionCount::new(MAX_SESSIONS);
 
-/// How many scopes are alive.
-pub fn live_scopes() -> usize {
-    LIVE_SCOPES.load(std::sync::atomic::Ordering::Relaxed)
+/// Sessions (scopes) counted against a most, with the requests that may
+/// start one counted from their check on: a request checked against the
+/// most holds a place until the session it starts counts itself, so that
+/// requests checked at once (their bodies held back, then sent together)
+/// never start more sessions than the most between them.
+#[derive(Debug)]
+pub struct SessionCount {
+    live: AtomicUsize,
+    starting: AtomicUsize,
+    most: usize,
+}
+
+/// A place held by a request that may start a session; given back when
+/// dropped, once the request's session (if any) counts itself.
+#[derive(Debug)]
+pub struct StartingSession<'a>(&'a SessionCount);
+
+impl Drop for StartingSession<'_> {
+    fn drop(&mut self) {
+        self.0.starting.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl SessionCount {
+    pub const fn new(most: usize) -> Self {
+        Self { live: AtomicUsize::new(0), starting: AtomicUsize::new(0), most }
+    }
+
+    /// How many scopes are alive.
+    pub fn live(&self) -> usize {
+        self.live.load(Ordering::SeqCst)
+    }
+
+    /// Holds a place for a request that may start a session, or `None`
+    /// when the live sessions and those being started fill the most. A
+    /// session counts itself while its request still holds its place
+    /// (counted twice for a moment, never not at all).
+    pub fn start(&self) -> Option<StartingSession<'_>> {
+        let mut starting = self.starting.load(Ordering::SeqCst);
+        loop {
+            if self.live().saturating_add(starting) >= self.most {
+                return None;
+            }
+            match self.starting.compare_exchange_weak(starting, starting + 1, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => return Some(StartingSession(self)),
+                Err(now) => starting = now,
+            }
+        }
+    }
 }
 
 /// The sandboxes and tasks of one client connection or session.
@@ -99,7 +146,7 @@ pub struct Scope {
     /// user's own machine); HTTP sessions see only their own tasks.
     all_records: bool,
     calls: CallGate,
-    /// Counted in [`LIVE_SCOPES`] ([`Scope::counted`]).
+    /// Counted in [`SESSIONS`] ([`Scope::counted`]).
     counted: bool,
     /// The most live sandboxes this scope may own at once
     /// (`MOAT_MAX_SANDBOXES_PER_SESSION` over HTTP; a stdio connection,
@@ -183,7 +230,7 @@ impl Scope {
     /// The scope of one HTTP session (or of a request served without one,
     /// while it is), counted against [`MAX_SESSIONS`].
     pub fn counted(moat: Moat, max_sandboxes: usize) -> Self {
-        LIVE_SCOPES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        SESSIONS.live.fetch_add(1, Ordering::SeqCst);
         let mut scope = Self::new(moat, false, max_sandboxes);
         scope.counted = true;
         scope
@@ -300,7 +347,7 @@ impl Scope {
 impl Drop for Scope {
     fn drop(&mut self) {
         if self.counted {
-            LIVE_SCOPES.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            SESSIONS.live.fetch_sub(1, Ordering::SeqCst);
         }
         let (ids, tasks) = {
             let mut owned = self.lock();
@@ -334,6 +381,40 @@ impl Drop for Scope {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Requests checked at once hold places until their sessions count
+    /// themselves: however they interleave, no more start than the most.
+    #[test]
+    fn requests_checked_at_once_never_start_more_sessions_than_the_most() {
+        let count = SessionCount::new(3);
+        let held: Vec<_> = (0..5).filter_map(|_| count.start()).collect();
+        assert_eq!(held.len(), 3, "three places, then none");
+        drop(held);
+        // A session counts itself while its request holds its place, then
+        // the place goes: counted twice for a moment, never past the most.
+        let place = count.start().expect("room");
+        count.live.fetch_add(1, Ordering::SeqCst);
+        drop(place);
+        assert_eq!(count.live(), 1);
+        // Threads racing for places, each starting a session and keeping it.
+        let started = AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..16 {
+                scope.spawn(|| {
+                    if let Some(place) = count.start() {
+                        count.live.fetch_add(1, Ordering::SeqCst);
+                        started.fetch_add(1, Ordering::SeqCst);
+                        drop(place);
+                    }
+                });
+            }
+        });
+        assert_eq!(started.load(Ordering::SeqCst), 2, "one was live already, and the most is three");
+        assert_eq!(count.live(), 3);
+        assert!(count.start().is_none());
+        count.live.fetch_sub(1, Ordering::SeqCst);
+        assert!(count.start().is_some(), "a session's end makes room");
+    }
 
     #[test]
     fn an_id_that_comes_back_is_owned_by_its_new_scope_alone() {
