@@ -23,7 +23,7 @@ use crate::users;
 pub const MAX_READ: u64 = 1 << 30;
 
 /// The most entries one listing returns.
-pub const MAX_ENTRIES: usize = 10_000;
+pub const MAX_ENTRIES: usize = moat_proto::MAX_LIST_ENTRIES;
 
 /// Sends (a range of) a file: a `FileData` reply, the bytes, then `End`.
 pub async fn read<S>(req: ReadFileRequest, conn: &mut Connection<S>) -> Result<(), WireError>

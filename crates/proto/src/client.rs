@@ -12,8 +12,8 @@ use crate::conn::{Connection, FrameSink, FrameStream, Prefixed, decode_message};
 use crate::error::ProtoError;
 use crate::frame::{DATA_CHUNK, Frame, StreamId};
 use crate::message::{
-    AgentInfo, AgentMsg, ClientMsg, ExecRequest, ExitStatus, FileInfo, PROTOCOL_VERSION, ReadFileRequest, Reply,
-    Request, WinSize, WriteFileRequest,
+    AgentInfo, AgentMsg, ClientMsg, ExecRequest, ExitStatus, FileInfo, MAX_LIST_ENTRIES, PROTOCOL_VERSION,
+    ReadFileRequest, Reply, Request, WinSize, WriteFileRequest,
 };
 
 /// Opens a new byte stream to the agent; one is opened per operation.
@@ -251,9 +251,15 @@ impl<C: Connector> AgentClient<C> {
 
     /// Lists a directory `depth` levels deep (1–5). The flag is `true` when
     /// the agent cut the listing short.
+    /// Lists `path` to `depth`: its entries, and whether they were cut
+    /// (at [`MAX_LIST_ENTRIES`], here too: a guest may send more).
     pub async fn list_dir(&self, path: impl Into<String>, depth: u8) -> Result<(Vec<FileInfo>, bool), ProtoError> {
         match self.call(Request::ListDir { path: path.into(), depth }).await? {
-            Reply::Entries { entries, truncated } => Ok((entries, truncated)),
+            Reply::Entries { mut entries, truncated } => {
+                let cut = entries.len() > MAX_LIST_ENTRIES;
+                entries.truncate(MAX_LIST_ENTRIES);
+                Ok((entries, truncated || cut))
+            }
             other => Err(unexpected_reply("entries", &other)),
         }
     }
@@ -758,6 +764,7 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+    use crate::message::FileKind;
 
     /// A muxer that expects `CONNECT 1024`, answers `answer` and then sends
     /// `then` right behind it, as an agent's first bytes would be.
@@ -826,6 +833,41 @@ mod tests {
         let request = ReadFileRequest { path: "/big".into(), offset: 0, length: Some(1500) };
         let err = client.read_file(request).await.expect_err("more than asked");
         assert!(err.to_string().contains("more than 1500 bytes"), "{err}");
+    }
+
+    /// An agent that lists more entries than a listing carries.
+    #[tokio::test]
+    async fn a_listing_keeps_no_more_entries_than_a_listing_carries() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("agent.sock");
+        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+        tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.expect("accept");
+            let mut conn = Connection::new(stream);
+            for _ in 0..2 {
+                let _ = conn.recv().await;
+            }
+            let welcome = AgentMsg::Welcome { version: PROTOCOL_VERSION, agent: "liar".into() };
+            conn.send(&welcome).await.expect("welcome");
+            let entry = FileInfo {
+                name: String::new(),
+                path: String::new(),
+                kind: FileKind::File,
+                size: 0,
+                mode: 0,
+                uid: 0,
+                gid: 0,
+                mtime: 0,
+                link_target: None,
+                lossy_name: false,
+            };
+            let entries = vec![entry; MAX_LIST_ENTRIES + 5];
+            conn.send(&AgentMsg::Reply { reply: Reply::Entries { entries, truncated: false } }).await.expect("reply");
+        });
+        let client = AgentClient::new(UnixConnector { path, vsock_port: None, server: None });
+        let (entries, truncated) = client.list_dir("/", 1).await.expect("a listing");
+        assert_eq!(entries.len(), MAX_LIST_ENTRIES);
+        assert!(truncated, "said to be cut");
     }
 
     #[tokio::test]

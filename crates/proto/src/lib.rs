@@ -22,6 +22,6 @@ pub use conn::{Connection, Prefixed};
 pub use error::{ErrorKind, ProtoError, WireError};
 pub use frame::{DATA_CHUNK, Frame, FrameCodec, FrameError, MAX_DATA_FRAME_LEN, MAX_FRAME_LEN, StreamId};
 pub use message::{
-    AgentInfo, AgentMsg, ClientMsg, Command, ExecRequest, ExitStatus, FileInfo, FileKind, OPERATIONS, PROTOCOL_VERSION,
-    ReadFileRequest, Reply, Request, Version, WinSize, WriteFileRequest,
+    AgentInfo, AgentMsg, ClientMsg, Command, ExecRequest, ExitStatus, FileInfo, FileKind, MAX_LIST_ENTRIES, OPERATIONS,
+    PROTOCOL_VERSION, ReadFileRequest, Reply, Request, Version, WinSize, WriteFileRequest,
 };

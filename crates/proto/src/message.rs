@@ -339,6 +339,10 @@ pub enum FileKind {
     Other,
 }
 
+/// The most entries one listing carries: the agent cuts its walk there,
+/// and the host keeps no more of a reply, whatever a guest sends.
+pub const MAX_LIST_ENTRIES: usize = 10_000;
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileInfo {
     /// The last path component (lossily converted when not UTF-8).
