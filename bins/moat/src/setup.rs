@@ -76,8 +76,26 @@ fn prepare(user: &nix::unistd::User, image: &str) -> Result<()> {
     };
     let (mut uids, mut gids, subuid, subgid) = found();
     if uids.is_none() || gids.is_none() {
-        // Only what is missing is added, from a range free in both files.
-        let range = free_range(&subuid, &subgid).ok_or("no free range of 65536 subordinate ids is left")?;
+        // Only what is missing is added: from the start of the half there
+        // is (a jail's image is owned from one id for uids and gids), else
+        // from a range free in both files.
+        let range = match (uids, gids) {
+            (Some(have), None) if moat_core::hostuser::is_free(&subgid, have) => have,
+            (None, Some(have)) if moat_core::hostuser::is_free(&subuid, have) => have,
+            (Some(have), None) | (None, Some(have)) => {
+                let (given, missing) = if uids.is_some() { ("uids", "/etc/subgid") } else { ("gids", "/etc/subuid") };
+                let free = free_range(&subuid, &subgid).map_or_else(|| "N-M".to_owned(), show);
+                return Err(format!(
+                    "{name}'s subordinate {given} are {have}, and {missing} gives some of those ids to someone \
+                     else; a jail's image is owned from one id for uids and gids: as root, give {name} both from \
+                     one free start (`usermod --del-sub{given} {have} --add-subuids {free} --add-subgids {free} \
+                     {name}`), then run this again",
+                    have = show(have)
+                )
+                .into());
+            }
+            _ => free_range(&subuid, &subgid).ok_or("no free range of 65536 subordinate ids is left")?,
+        };
         let span = format!("{}-{}", range.start, range.start + range.count - 1);
         let mut usermod = std::process::Command::new("usermod");
         if uids.is_none() {
@@ -102,6 +120,9 @@ fn prepare(user: &nix::unistd::User, image: &str) -> Result<()> {
         )
         .into());
     };
+    if uids.start != gids.start {
+        return Err(moat_core::hostuser::split_ranges(name, uids, gids).into());
+    }
     println!("subordinate ids: {name} maps uids {} and gids {} (/etc/subuid, /etc/subgid)", show(uids), show(gids));
     for helper in ["newuidmap", "newgidmap"] {
         if moat_core::programs::find_program(helper).is_none() {

@@ -83,6 +83,11 @@ impl HostUser {
                  with a free range of {JAIL_ID_COUNT} ids"
             ));
         }
+        if let Some((uids, gids)) = self.ids
+            && uids.start != gids.start
+        {
+            return Some(split_ranges(&name, uids, gids));
+        }
         for helper in ["newuidmap", "newgidmap"] {
             if crate::programs::find_program(helper).is_none() {
                 return Some(format!(
@@ -95,6 +100,27 @@ impl HostUser {
     }
 }
 
+/// Why subordinate uids and gids that start at different ids are refused,
+/// and what to do: a jail's image is owned from one id for both (its
+/// files' groups shift by the uid range's start), so the groups of a
+/// user's image would be ids outside its gid range, which another user
+/// may be given.
+pub fn split_ranges(name: &str, uids: Range, gids: Range) -> String {
+    let end = |r: Range| u64::from(r.start) + u64::from(r.count) - 1;
+    format!(
+        "user {name}'s subordinate uids start at {} and its gids at {}: a jail's image is owned from one id for \
+         both, so its files' groups would be ids outside {name}'s gid range; as root, give {name} gids from the \
+         same start (`usermod --del-subgids {}-{} --add-subgids {}-{} {name}`, where that range is no one \
+         else's), then run `moat setup --user {name}`",
+        uids.start,
+        gids.start,
+        gids.start,
+        end(gids),
+        uids.start,
+        end(uids)
+    )
+}
+
 /// The first range of at least [`JAIL_ID_COUNT`] ids that `subid` (the
 /// text of `/etc/subuid` or `/etc/subgid`) gives the user `uid` or `name`.
 pub fn subordinate(subid: &str, uid: u32, name: Option<&str>) -> Option<Range> {
@@ -104,6 +130,21 @@ pub fn subordinate(subid: &str, uid: u32, name: Option<&str>) -> Option<Range> {
         let mine = who == uid.to_string() || name.is_some_and(|n| n == who);
         let range = Range { start: start.parse().ok()?, count: count.parse().ok()? };
         (mine && range.count >= JAIL_ID_COUNT && range.start.checked_add(range.count).is_some()).then_some(range)
+    })
+}
+
+/// Whether `subid` (the text of `/etc/subuid` or `/etc/subgid`) hands
+/// out none of `range`'s ids.
+pub fn is_free(subid: &str, range: Range) -> bool {
+    let (start, end) = (u64::from(range.start), u64::from(range.start) + u64::from(range.count));
+    subid.lines().all(|line| {
+        let mut fields = line.trim().split(':').skip(1);
+        let given =
+            (fields.next().and_then(|s| s.parse::<u64>().ok()), fields.next().and_then(|c| c.parse::<u64>().ok()));
+        match given {
+            (Some(from), Some(count)) => from + count <= start || end <= from,
+            _ => true,
+        }
     })
 }
 
@@ -170,5 +211,36 @@ mod tests {
         let alice = HostUser { uid: 1000, gid: 1000, name: Some("alice".into()), ids: None };
         let problem = alice.jail_problem().expect("no range is a problem");
         assert!(problem.contains("moat setup --user alice") && problem.contains("usermod"), "{problem}");
+    }
+
+    /// A user whose uids and gids start apart would own its image's groups
+    /// with ids outside its gid range: refused, with the line that mends it.
+    #[test]
+    fn ranges_that_start_apart_are_refused() {
+        let uids = Range { start: 100_000, count: JAIL_ID_COUNT };
+        let gids = Range { start: 165_536, count: JAIL_ID_COUNT };
+        let alice = HostUser { uid: 1000, gid: 1000, name: Some("alice".into()), ids: Some((uids, gids)) };
+        let problem = alice.jail_problem().expect("apart is a problem");
+        assert!(
+            problem.contains("uids start at 100000 and its gids at 165536")
+                && problem.contains("usermod --del-subgids 165536-231071 --add-subgids 100000-165535 alice"),
+            "{problem}"
+        );
+        let together = HostUser { ids: Some((uids, uids)), ..alice };
+        assert!(together.jail_problem().is_none_or(|p| p.contains("uidmap")), "{:?}", together.jail_problem());
+    }
+
+    #[test]
+    fn a_range_is_free_where_no_line_gives_any_of_its_ids() {
+        let subid = "alice:100000:65536
+bob:300000:65536
+broken line
+";
+        let range = |start| Range { start, count: JAIL_ID_COUNT };
+        assert!(is_free(subid, range(165_536)), "between the two");
+        assert!(!is_free(subid, range(165_535)), "its first id is alice's last");
+        assert!(!is_free(subid, range(250_000)), "its end is bob's");
+        assert!(!is_free(subid, range(100_000)), "alice's own");
+        assert!(is_free("", range(100_000)));
     }
 }
