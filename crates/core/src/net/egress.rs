@@ -171,9 +171,13 @@ pub fn forbidden_address(ip: IpAddr) -> Option<&'static str> {
                 Some("a link-local address")
             } else if first & 0xff00 == 0xff00 {
                 Some("a multicast address")
-            } else if v6.segments()[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || v6.segments()[..6] == [0; 6] {
-                // NAT64, and the deprecated IPv4-compatible form: judge
-                // the IPv4 address inside.
+            } else if v6.segments()[..6] == [0x64, 0xff9b, 0, 0, 0, 0]
+                || v6.segments()[..6] == [0; 6]
+                || v6.segments()[..6] == [0, 0, 0, 0, 0xffff, 0]
+            {
+                // NAT64, the deprecated IPv4-compatible form and SIIT's
+                // IPv4-translated form (`::ffff:0:a.b.c.d`, RFC 2765):
+                // judge the IPv4 address inside.
                 let [.., a, b] = v6.segments();
                 forbidden_v4(Ipv4Addr::from((u32::from(a) << 16) | u32::from(b)))
             } else if first == 0x2002 {
@@ -644,6 +648,8 @@ mod tests {
             "2002:a9fe:a9fe::1",
             "2002:7f00:1::",
             "::10.0.0.1",
+            "::ffff:0:7f00:1",
+            "::ffff:0:a9fe:a9fe",
             "64:ff9b:1::a00:1",
             "fec0::1",
             "2001:0:4136:e378::1",
@@ -663,6 +669,7 @@ mod tests {
             "172.32.0.1",
             "203.0.113.80",
             "2002:808:808::1",
+            "::ffff:0:808:808",
             "2001:db8::1",
             "198.20.0.1",
         ] {
