@@ -14,7 +14,7 @@ use moat_core::{
 use moat_proto::{ExecRequest, ReadFileRequest, WriteFileRequest};
 
 mod common;
-use common::{agent, sh};
+use common::sh;
 
 /// The backend under test.
 fn backend() -> moat_core::BackendKind {
@@ -1570,20 +1570,9 @@ async fn a_full_data_disk_fails_clearly_and_damages_nothing() {
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_warm_pool_hands_out_started_sandboxes_and_cleans_up() {
     let config = MoatConfig {
-        data_dir: moat_core::image::data_dir(),
-        backend: backend(),
-        agent: agent(),
-        max_sandboxes: 16,
-        roots: vec![],
-        copy_limit: moat_core::hostfs::DEFAULT_COPY_MAX_MIB << 20,
         pool_size: 2,
         pool_spec: small(),
-        egress: moat_core::EgressConfig::default(),
-        // The test is the operator: it grants what it asks for.
-        grants: moat_core::Grants::everything(),
-        extra_ca: None,
-        preview: moat_core::net::preview::PreviewHost::default(),
-        max_memory_mib: None,
+        ..common::config(backend(), 16, moat_core::EgressConfig::default())
     };
     let moat = Moat::new(config).await.expect("moat starts");
     // A guard against a hang: microVMs under nested emulation take seconds each.
@@ -1632,19 +1621,10 @@ async fn a_pooled_sandbox_handed_out_at_the_memory_limit_keeps_its_place() {
     let pooled_spec = SandboxSpec { network: moat_core::NetworkPolicy::Filtered, ..small() };
     // Three of `small` (256 MiB and a 128 MiB disk in memory): two live, one pooled.
     let config = MoatConfig {
-        data_dir: moat_core::image::data_dir(),
-        backend: backend(),
-        agent: agent(),
-        max_sandboxes: 16,
-        roots: vec![],
-        copy_limit: moat_core::hostfs::DEFAULT_COPY_MAX_MIB << 20,
         pool_size: 1,
         pool_spec: pooled_spec.clone(),
-        egress: moat_core::EgressConfig::default(),
-        grants: moat_core::Grants::everything(),
-        extra_ca: None,
-        preview: moat_core::net::preview::PreviewHost::default(),
         max_memory_mib: Some(3 * (256 + 128)),
+        ..common::config(backend(), 16, moat_core::EgressConfig::default())
     };
     let moat = Moat::new(config).await.expect("moat starts");
     for _ in 0..30_000 {
@@ -1683,19 +1663,9 @@ async fn a_pooled_sandbox_handed_out_at_the_memory_limit_keeps_its_place() {
 #[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
 async fn a_warm_pool_counts_against_the_limit_and_gives_way() {
     let config = MoatConfig {
-        data_dir: moat_core::image::data_dir(),
-        backend: backend(),
-        agent: agent(),
-        max_sandboxes: 3,
-        roots: vec![],
-        copy_limit: moat_core::hostfs::DEFAULT_COPY_MAX_MIB << 20,
         pool_size: 2,
         pool_spec: small(),
-        egress: moat_core::EgressConfig::default(),
-        grants: moat_core::Grants::everything(),
-        extra_ca: None,
-        preview: moat_core::net::preview::PreviewHost::default(),
-        max_memory_mib: None,
+        ..common::config(backend(), 3, moat_core::EgressConfig::default())
     };
     let moat = Moat::new(config).await.expect("moat starts");
     let moat = &moat;

@@ -808,10 +808,9 @@ mod tests {
         assert_eq!(&first, b"agent");
     }
 
-    /// An agent that announces a file of 1 GiB and sends more than was asked.
-    #[tokio::test]
-    async fn a_read_takes_no_more_than_it_asked_for_whatever_the_agent_announces() {
-        let dir = tempfile::tempdir().expect("tempdir");
+    /// A lying agent's socket: it greets the first connection, answers its
+    /// request with `reply`, sends `chunks` KiB of output and ends.
+    fn liar(dir: &tempfile::TempDir, reply: Reply, chunks: usize) -> PathBuf {
         let path = dir.path().join("agent.sock");
         let listener = tokio::net::UnixListener::bind(&path).expect("bind");
         tokio::spawn(async move {
@@ -822,13 +821,20 @@ mod tests {
             }
             let welcome = AgentMsg::Welcome { version: PROTOCOL_VERSION, agent: "liar".into() };
             conn.send(&welcome).await.expect("welcome");
-            let reply = Reply::FileData { size: 1 << 30, length: 1 << 30 };
             conn.send(&AgentMsg::Reply { reply }).await.expect("reply");
-            for _ in 0..4 {
+            for _ in 0..chunks {
                 conn.send_data(StreamId::Output, Bytes::from_static(&[7; 1024])).await.expect("data");
             }
             conn.send(&AgentMsg::End).await.expect("end");
         });
+        path
+    }
+
+    /// An agent that announces a file of 1 GiB and sends more than was asked.
+    #[tokio::test]
+    async fn a_read_takes_no_more_than_it_asked_for_whatever_the_agent_announces() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = liar(&dir, Reply::FileData { size: 1 << 30, length: 1 << 30 }, 4);
         let client = AgentClient::new(UnixConnector { path, vsock_port: None, server: None });
         let request = ReadFileRequest { path: "/big".into(), offset: 0, length: Some(1500) };
         let err = client.read_file(request).await.expect_err("more than asked");
@@ -838,32 +844,21 @@ mod tests {
     /// An agent that lists more entries than a listing carries.
     #[tokio::test]
     async fn a_listing_keeps_no_more_entries_than_a_listing_carries() {
+        let entry = FileInfo {
+            name: String::new(),
+            path: String::new(),
+            kind: FileKind::File,
+            size: 0,
+            mode: 0,
+            uid: 0,
+            gid: 0,
+            mtime: 0,
+            link_target: None,
+            lossy_name: false,
+        };
+        let entries = vec![entry; MAX_LIST_ENTRIES + 5];
         let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("agent.sock");
-        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
-        tokio::spawn(async move {
-            let (stream, _) = listener.accept().await.expect("accept");
-            let mut conn = Connection::new(stream);
-            for _ in 0..2 {
-                let _ = conn.recv().await;
-            }
-            let welcome = AgentMsg::Welcome { version: PROTOCOL_VERSION, agent: "liar".into() };
-            conn.send(&welcome).await.expect("welcome");
-            let entry = FileInfo {
-                name: String::new(),
-                path: String::new(),
-                kind: FileKind::File,
-                size: 0,
-                mode: 0,
-                uid: 0,
-                gid: 0,
-                mtime: 0,
-                link_target: None,
-                lossy_name: false,
-            };
-            let entries = vec![entry; MAX_LIST_ENTRIES + 5];
-            conn.send(&AgentMsg::Reply { reply: Reply::Entries { entries, truncated: false } }).await.expect("reply");
-        });
+        let path = liar(&dir, Reply::Entries { entries, truncated: false }, 0);
         let client = AgentClient::new(UnixConnector { path, vsock_port: None, server: None });
         let (entries, truncated) = client.list_dir("/", 1).await.expect("a listing");
         assert_eq!(entries.len(), MAX_LIST_ENTRIES);
