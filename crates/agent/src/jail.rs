@@ -27,10 +27,11 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
+use moat_sys::beneath;
 use nix::mount::{MntFlags, MsFlags, mount, umount2};
 use nix::sched::CloneFlags;
 use nix::sys::signal::Signal;
@@ -514,8 +515,8 @@ fn start_pasta(pasta: &Path, pid: Pid, owner: u32, log: &Path) -> Result<std::pr
     // signal, which is set last, so pasta dies with this monitor.
     // SAFETY: the closure runs in the forked child before exec and only
     // makes async-signal-safe system calls (dup2, setgroups, setresgid,
-    // setresuid, prctl); dup2 targets descriptor numbers nothing in the
-    // child uses.
+    // setresuid, signal, setrlimit, prctl); dup2 targets descriptor numbers
+    // nothing in the child uses.
     unsafe {
         command.pre_exec(move || {
             let id = owner;
@@ -527,6 +528,8 @@ fn start_pasta(pasta: &Path, pid: Pid, owner: u32, log: &Path) -> Result<std::pr
             {
                 return Err(std::io::Error::last_os_error());
             }
+            // What the sandbox's traffic makes it log stays bounded.
+            moat_sys::fds::cap_file_writes(moat_sys::fds::HELPER_LOG_MAX)?;
             nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
             Ok(())
         });
@@ -800,16 +803,19 @@ fn bind_user_cgroups(root: &Path, user_cgroups: &[(String, PathBuf)], id_base: u
     if user_cgroups.is_empty() {
         return Ok(());
     }
-    let base = root.join(crate::cgroup::USER_CGROUPS.trim_start_matches('/'));
-    step("creating /.moat/cgroup", std::fs::create_dir_all(&base))?;
-    step("chown /.moat/cgroup", nix::unistd::chown(&base, Some(Uid::from_raw(id_base)), Some(Gid::from_raw(id_base))))?;
+    // Beneath the merged root's descriptor, following no symlink of the
+    // image's (see `prepare_root`).
+    let root = step("opening the merged root", beneath::open_root(root))?;
+    let base = Path::new(crate::cgroup::USER_CGROUPS.trim_start_matches('/'));
+    let base = step("creating /.moat/cgroup", beneath::make_dirs(root.as_fd(), base))?;
+    step("chown /.moat/cgroup", beneath::chown(&base, id_base, id_base))?;
     // Only the agent (the sandbox's root) reaches them, not the commands it
     // runs as `user`.
-    step("chmod /.moat/cgroup", std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o700)))?;
+    step("chmod /.moat/cgroup", beneath::chmod(&base, 0o700))?;
     for (name, dir) in user_cgroups {
-        let target = base.join(name);
-        step("creating a cgroup mount point", std::fs::create_dir_all(&target))?;
+        let target = step("creating a cgroup mount point", beneath::make_dirs(base.as_fd(), Path::new(name)))?;
         let flags = MsFlags::MS_BIND | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+        let target = beneath::path_of(&target);
         step(&format!("binding the {name} user cgroup"), mount(Some(dir), &target, None::<&str>, flags, None::<&str>))?;
     }
     Ok(())
@@ -879,31 +885,38 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
         ),
     )?;
     drop(layers);
+    // The merged root shows the image's tree, whose names moat does not
+    // trust: a symlink there (`.moat -> /etc`) followed by path text would
+    // have this monitor, host root, create, chown or remove host files.
+    // Everything below is made beneath the root's descriptor, following no
+    // symlink, and used through its own (`moat_sys::beneath`).
+    let top = step("opening the merged root", beneath::open_root(&root))?;
 
     // /dev: a tmpfs with bind mounts of harmless host devices.
-    let dev = root.join("dev");
-    step("creating /dev", std::fs::create_dir_all(&dev))?;
+    let dev = step("creating /dev", beneath::make_dirs(top.as_fd(), Path::new("dev")))?;
     step(
         "mounting /dev",
         mount(
             Some("moat-dev"),
-            &dev,
+            &beneath::path_of(&dev),
             Some("tmpfs"),
             MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
             Some("mode=0755,size=64k"),
         ),
     )?;
+    // The tmpfs now there, by its name again (the descriptor above is of
+    // the directory beneath it).
+    let dev = step("opening /dev", beneath::dir(top.as_fd(), Path::new("dev")))?;
     for name in DEVICES {
-        let target = dev.join(name);
-        step("creating a device node", File::create(&target))?;
+        let node = OwnedFd::from(step("creating a device node", beneath::create_file(dev.as_fd(), name))?);
         let source = Path::new("/dev").join(name);
         step(
             &format!("binding /dev/{name}"),
-            mount(Some(&source), &target, None::<&str>, MsFlags::MS_BIND, None::<&str>),
+            mount(Some(&source), &beneath::path_of(&node), None::<&str>, MsFlags::MS_BIND, None::<&str>),
         )?;
     }
     for dir in ["pts", "shm"] {
-        step("creating /dev dirs", std::fs::create_dir(dev.join(dir)))?;
+        step("creating /dev dirs", beneath::make_dirs(dev.as_fd(), Path::new(dir)))?;
     }
     // /dev/shm, /tmp and /run: directories of the disk's tmpfs bound in,
     // so that every file the sandbox writes comes out of one budget, its
@@ -911,8 +924,8 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
     // their own each, sized like the disk, let files take three disks'
     // worth of the memory limit, which holds both: a sandbox that filled
     // them had no memory left to run the `rm` that would free it.)
-    for (name, target, mode) in
-        [("shm", dev.join("shm"), 0o1777), ("tmp", root.join("tmp"), 0o1777), ("run", root.join("run"), 0o755)]
+    for (name, parent, target, mode) in
+        [("shm", &dev, "shm", 0o1777), ("tmp", &top, "tmp", 0o1777), ("run", &top, "run", 0o755)]
     {
         let source = disk.join("volatile").join(name);
         step("creating the disk's volatile directories", std::fs::create_dir_all(&source))?;
@@ -921,7 +934,8 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
             "setting a volatile directory's mode",
             std::fs::set_permissions(&source, std::os::unix::fs::PermissionsExt::from_mode(mode)),
         )?;
-        step(&format!("creating {}", target.display()), std::fs::create_dir_all(&target))?;
+        let target = step(&format!("creating {target}"), beneath::make_dirs(parent.as_fd(), Path::new(target)))?;
+        let target = beneath::path_of(&target);
         step(&format!("binding /{name}"), mount(Some(&source), &target, None::<&str>, MsFlags::MS_BIND, None::<&str>))?;
     }
     for (link, target) in [
@@ -931,34 +945,38 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
         ("stdout", "/proc/self/fd/1"),
         ("stderr", "/proc/self/fd/2"),
     ] {
-        step("creating /dev links", std::os::unix::fs::symlink(target, dev.join(link)))?;
+        step("creating /dev links", beneath::symlink(dev.as_fd(), link, target))?;
     }
-    step("chown /dev", nix::unistd::chown(&dev, base.0, base.1))?;
+    step("chown /dev", beneath::chown(&dev, spec.id_base, spec.id_base))?;
 
     // /.moat: the agent binary (read-only) and the socket directory.
-    let moat = root.join(".moat");
-    step("creating /.moat", std::fs::create_dir_all(&moat))?;
-    step("creating /.moat/old", std::fs::create_dir_all(moat.join("old")))?;
-    step("creating /.moat/agent", File::create(moat.join("agent")))?;
+    let moat = step("creating /.moat", beneath::make_dirs(top.as_fd(), Path::new(".moat")))?;
+    step("creating /.moat/old", beneath::make_dirs(moat.as_fd(), Path::new("old")))?;
+    let agent = OwnedFd::from(step("creating /.moat/agent", beneath::create_file(moat.as_fd(), "agent"))?);
     step(
         "binding the agent",
-        mount(Some(&spec.agent), &moat.join("agent"), None::<&str>, MsFlags::MS_BIND, None::<&str>),
+        mount(Some(&spec.agent), &beneath::path_of(&agent), None::<&str>, MsFlags::MS_BIND, None::<&str>),
     )?;
+    // The bind mount now there, by its name again.
+    let bound =
+        beneath::open(moat.as_fd(), Path::new("agent"), nix::fcntl::OFlag::O_PATH, nix::sys::stat::Mode::empty());
+    let bound = step("opening /.moat/agent", bound)?;
     step(
         "making the agent read-only",
         mount(
             None::<&str>,
-            &moat.join("agent"),
+            &beneath::path_of(&bound),
             None::<&str>,
             MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID,
             None::<&str>,
         ),
     )?;
-    step("chown /.moat", nix::unistd::chown(&moat, base.0, base.1))?;
+    step("chown /.moat", beneath::chown(&moat, spec.id_base, spec.id_base))?;
     if spec.pasta.is_some() {
-        let resolv = root.join("etc/resolv.conf");
-        let _ = std::fs::remove_file(&resolv);
-        step("writing /etc/resolv.conf", std::fs::write(&resolv, format!("nameserver {OPEN_DNS}\n")))?;
+        let etc = step("creating /etc", beneath::make_dirs(top.as_fd(), Path::new("etc")))?;
+        let _ = beneath::remove_file(etc.as_fd(), "resolv.conf");
+        let mut resolv = step("writing /etc/resolv.conf", beneath::create_file(etc.as_fd(), "resolv.conf"))?;
+        step("writing /etc/resolv.conf", resolv.write_all(format!("nameserver {OPEN_DNS}\n").as_bytes()))?;
     }
     Ok(root)
 }

@@ -1772,7 +1772,56 @@ const NOT_FOR_MICROVMS: &[&str] = &[
     "background_processes_of_a_well_behaved_command_keep_running",
     "a_warm_pool_counts_against_the_limit_and_gives_way",
     "a_pooled_sandbox_handed_out_at_the_memory_limit_keeps_its_place",
+    "a_symlink_planted_in_the_image_leads_no_write_out_of_the_root",
 ];
+
+/// An image whose tree holds a symlink where the jail's monitor makes its
+/// mount points (`/.moat` pointing at a host directory) leads no write of
+/// the monitor's, host root, out of the sandbox's root: the create is
+/// refused naming the link, and the host directory is left as it was (with
+/// the names followed as text, the monitor made `old` and `agent` there
+/// and gave it to the jail's uid).
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_symlink_planted_in_the_image_leads_no_write_out_of_the_root() {
+    use std::os::unix::fs::MetadataExt;
+    if backend() != moat_core::BackendKind::Jail || !nix::unistd::geteuid().is_root() {
+        eprintln!("skipping: plants a link in an image of root's jails");
+        return;
+    }
+    let data = moat_core::image::data_dir();
+    let default = moat_core::image::Image::open(&data, "default").expect("the default image");
+    let name = format!("planted-{}", std::process::id());
+    let dir = data.join("images").join(&name);
+    let victim = common::tmp_root().join(format!("victim-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&victim);
+    std::fs::create_dir_all(&victim).expect("the host directory");
+    // The default image's files (what `Image::open` checks is there), and a
+    // tree of its own with the link.
+    std::fs::create_dir_all(dir.join("rootfs/etc")).expect("the image's tree");
+    for entry in std::fs::read_dir(data.join("images/default")).expect("the default image's files").flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_file()) {
+            std::fs::hard_link(entry.path(), dir.join(entry.file_name())).expect("linked");
+        }
+    }
+    std::os::unix::fs::symlink(&victim, dir.join("rootfs/.moat")).expect("the plant");
+    let owner = default.manifest.jail_id_base;
+    for path in [dir.join("rootfs"), dir.join("rootfs/etc")] {
+        std::os::unix::fs::lchown(&path, Some(owner), Some(owner)).expect("owned as an image's tree is");
+    }
+    let moat = moat(4).await;
+    let refused = moat.create(SandboxSpec { image: name.clone(), ..small() }).await;
+    moat.settled().await;
+    let listed: Vec<_> = std::fs::read_dir(&victim).expect("listed").flatten().map(|e| e.file_name()).collect();
+    let meta = std::fs::metadata(&victim).expect("the host directory");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&victim);
+    let refused = refused.map(|s| s.id).expect_err("a root with a planted link is refused");
+    assert!(listed.is_empty(), "the monitor wrote {listed:?} into a host directory through the image's link");
+    assert_eq!((meta.uid(), meta.gid()), (0, 0), "the monitor gave a host directory away");
+    assert!(refused.to_string().contains(".moat"), "the error names the link: {refused}");
+}
 
 /// microVMs still run for root, as for hosts that run moat as a service:
 /// what differs from the account's contract run is moat-vmm's start and

@@ -33,10 +33,50 @@ pub fn open_above(lowest: i32) -> std::io::Result<Vec<i32>> {
         .collect())
 }
 
+/// The most a helper's log may hold: what pasta and passt write to the
+/// file their stderr goes to in the sandbox's state directory.
+pub const HELPER_LOG_MAX: u64 = 1 << 20;
+
+/// Caps every file this process (and what it execs) writes at `bytes`:
+/// writes past it fail (`EFBIG`) rather than grow the file, and do not kill
+/// the writer (`SIGXFSZ` ignored, which an exec keeps). For a helper that
+/// logs what sandbox traffic makes it say (pasta, passt) into a host file:
+/// a sandbox could otherwise fill the host's disk through it. For use
+/// between fork and exec (async-signal-safe: `signal` and `setrlimit`).
+pub fn cap_file_writes(bytes: u64) -> std::io::Result<()> {
+    let limit = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
+    // SAFETY: signal(2) with a constant disposition and setrlimit(2) with a
+    // value on this stack; both are async-signal-safe.
+    let done = unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN) != libc::SIG_ERR
+            && libc::setrlimit(libc::RLIMIT_FSIZE, &raw const limit) == 0
+    };
+    if done { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    /// A helper told to write more than the cap leaves a log of the cap's
+    /// size and goes on (its writes fail; it is not killed).
+    #[test]
+    fn a_capped_helper_writes_no_more_than_the_cap_and_lives() {
+        use std::os::unix::process::{CommandExt, ExitStatusExt};
+        let dir = tempfile::tempdir().expect("a directory");
+        let log = dir.path().join("helper.log");
+        let mut command = std::process::Command::new("sh");
+        command.args(["-c", "head -c 3000000 /dev/zero >&2; echo still here"]);
+        command.stderr(std::fs::File::create(&log).expect("the log"));
+        command.stdout(std::process::Stdio::piped());
+        // SAFETY: cap_file_writes is async-signal-safe.
+        unsafe { command.pre_exec(|| cap_file_writes(HELPER_LOG_MAX)) };
+        let out = command.output().expect("sh runs");
+        assert_eq!(out.status.signal(), None, "killed: {:?}", out.status);
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "still here\n");
+        assert_eq!(std::fs::metadata(&log).expect("the log").len(), HELPER_LOG_MAX);
+    }
 
     #[test]
     fn an_inherited_descriptor_reaches_no_program_this_process_starts() {

@@ -113,7 +113,7 @@ impl Passt {
         let fd = passt_end.as_raw_fd();
         // SAFETY: the closure runs in the forked child before exec and makes
         // only async-signal-safe calls (dup2/fcntl, geteuid, setgroups,
-        // setresgid, setresuid, prctl).
+        // setresgid, setresuid, signal, setrlimit, prctl).
         unsafe {
             std::os::unix::process::CommandExt::pre_exec(&mut command, move || {
                 inherit(fd, CHILD_FD)?;
@@ -124,6 +124,8 @@ impl Passt {
                 {
                     return Err(std::io::Error::last_os_error());
                 }
+                // What the guest's traffic makes it log stays bounded.
+                moat_sys::fds::cap_file_writes(moat_sys::fds::HELPER_LOG_MAX)?;
                 // Last, after any change of credentials (which clears it):
                 // passt dies with the process that started it.
                 nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).map_err(std::io::Error::from)
