@@ -21,6 +21,7 @@ non-zero with the reason when a check fails.
 
 import asyncio
 import base64
+import contextlib
 import http.client
 import http.cookiejar
 import http.server
@@ -98,9 +99,20 @@ class GitHost(http.server.SimpleHTTPRequestHandler):
     expected = "Basic " + base64.b64encode(f"{USER}:{TOKEN}".encode()).decode()
     authorized = 0
     requests = []  # (Host header, Authorization header) of every request
+    hanging = threading.Event()  # a clone waits on /hang.git
+    release = threading.Event()  # /hang.git answers (404) at last
 
     def do_GET(self):
         GitHost.requests.append((self.headers.get("Host", ""), self.headers.get("Authorization", "")))
+        if self.path.startswith("/hang.git/"):
+            # A server that never answers: the clone waits until it is
+            # killed or cancelled.
+            GitHost.hanging.set()
+            GitHost.release.wait(120)
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if self.path.startswith("/moved.git/"):
             # A repository that moved to another host: git follows, and
             # must not take the token along.
@@ -205,6 +217,33 @@ async def git_token_attacks(session, url, port, main):
     assert "No such file" in out["stdout"] and TOKEN not in out["stdout"], f"~/.gitconfig was honoured: {out}"
     assert lines[-3:] == ["0", "0", "0"], f"the token was seen by a user process, or files stayed: {out}"
     await call(session, "run_command", {"cmd": "rm -rf ~/.gitconfig ~/.config/git; pkill -u user -f 'seq 3000'"})
+
+    # A clone cancelled with its call while git waits on the server is
+    # stopped: killed (no shell trap runs), and moat removes the token's
+    # directory and the staging directory itself. (Before, the clone went on
+    # to its timeout, and a killed one left the token in the sandbox's /run.)
+    hung = asyncio.ensure_future(session.call_tool("git_clone", {
+        "url": f"https://git.test:{port}/hang.git", "path": "hung", "username": USER, "token": TOKEN}))
+    for _ in range(300):
+        if GitHost.hanging.is_set():
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the clone to cancel never reached the server")
+    show = "ls /run | grep -c moat-git; ls /var/tmp | grep -c moat-clone; pgrep -c git-remote"
+    listed = await call(session, "run_command", {"cmd": show})
+    assert listed["stdout"].split() == ["1", "1", "1"], f"the clone does not wait as it should: {listed}"
+    hung.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await hung
+    for _ in range(100):
+        listed = await call(session, "run_command", {"cmd": show})
+        if listed["stdout"].split() == ["0", "0", "0"]:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"a cancelled clone left git, its token or its staging in the sandbox: {listed}")
+    GitHost.release.set()
 
     # git.test/moved.git redirects to other.test: git follows, asks for
     # credentials there, and gets none.

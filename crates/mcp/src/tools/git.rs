@@ -7,7 +7,9 @@
 //!
 //! - it travels on the clone's stdin, never in an argument or environment
 //!   variable, into a file in a directory only root (in the sandbox) can
-//!   read, removed when the clone ends;
+//!   read, removed when the clone ends: by the clone's shell when it ends
+//!   by itself, and by moat when it is killed at its timeout or cancelled
+//!   with its call (`SecretSweep`);
 //! - the clone runs as root with an environment of moat's own (none of the
 //!   sandbox's `env`), `GIT_CONFIG_NOSYSTEM=1` and `GIT_CONFIG_GLOBAL`
 //!   naming a config of moat's own, so the user-writable `~/.gitconfig`
@@ -48,8 +50,8 @@ pub(crate) struct GitClone {
 impl Tool for GitClone {
     const NAME: &'static str = "git_clone";
 
-    async fn run(self, server: &Session<'_>, _context: &CallContext) -> RichOutcome {
-        plain(git_clone(server, self).await)
+    async fn run(self, server: &Session<'_>, context: &CallContext) -> RichOutcome {
+        plain(git_clone(server, self, context).await)
     }
 }
 
@@ -76,15 +78,17 @@ if [ "$proto" = https ] && [ "$host" = "$want" ] && [ -s "$dir/cred" ]; then cat
 const GIT_CONFIG: &str = "[credential]\n\thelper = @HELPER@\n[protocol]\n\tallow = never\n\
                           [protocol \"https\"]\n\tallow = always\n[http]\n\tsslVerify = true\n";
 
-/// The clone, run as root. Inputs: the environment below (no secret), and
-/// on stdin the user name then the token, one line each. Prints the
-/// staging directory and the commit checked out, one line each.
+/// The clone, run as root. Inputs: the environment below (no secret; the
+/// names of the secret and staging directories, `MOAT_GIT_SECRET` and
+/// `MOAT_GIT_STAGE`, are chosen by moat, which removes both if the clone is
+/// killed), and on stdin the user name then the token, one line each. Prints the staging directory and the commit
+/// checked out, one line each.
 const CLONE_SCRIPT: &str = r#"set -eu
 umask 077
 IFS= read -r user_name || true
 IFS= read -r token || true
-secret=$(mktemp -d /run/moat-git.XXXXXXXX)
-stage=$(mktemp -d /var/tmp/moat-clone.XXXXXXXX)
+secret=$MOAT_GIT_SECRET stage=$MOAT_GIT_STAGE
+mkdir -- "$secret" "$stage"
 trap 'rm -rf "$secret"; [ -n "${keep:-}" ] || rm -rf "$stage"' EXIT
 printf '%s
 ' "$MOAT_GIT_AUTHORITY" > "$secret/host"
@@ -416,7 +420,7 @@ impl SshClone {
     }
 }
 
-async fn git_clone(server: &Session<'_>, args: GitClone) -> Outcome {
+async fn git_clone(server: &Session<'_>, args: GitClone, context: &CallContext) -> Outcome {
     let checked = CloneRequest::check(
         server,
         &CloneArgs {
@@ -430,7 +434,15 @@ async fn git_clone(server: &Session<'_>, args: GitClone) -> Outcome {
         },
     )?;
     let id = args.sandbox.resolve(server).await?;
-    clone_into(server, &checked, &id).await
+    // A cancelled call stops the clone: dropped, its connection to the
+    // agent closes, and the agent kills git and all it started (its token's
+    // directory is then removed, see `SecretSweep`).
+    tokio::select! {
+        outcome = clone_into(server, &checked, &id) => outcome,
+        () = context.cancelled.cancelled() => {
+            Err(ToolError(format!("cancelled: the clone of {} was stopped and nothing of it kept", checked.url)))
+        }
+    }
 }
 
 /// Clones as `request` says into sandbox `id`; the result names the path
@@ -476,6 +488,11 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
         ("GIT_TERMINAL_PROMPT".to_owned(), "0".to_owned()),
         ("GIT_ASKPASS".to_owned(), "/bin/false".to_owned()),
     ]);
+    let named =
+        |under: &str| random_name(under).map_err(|e| ToolError(format!("git clone of {url} cannot start: {e}")));
+    let (secret_dir, stage_dir) = (named("/run/moat-git.")?, named("/var/tmp/moat-clone.")?);
+    env.push(("MOAT_GIT_SECRET".to_owned(), secret_dir.clone()));
+    env.push(("MOAT_GIT_STAGE".to_owned(), stage_dir.clone()));
     let mut request = ExecRequest::argv(["bash", "-c", CLONE_SCRIPT]);
     request.env = env;
     request.user = Some("root".into());
@@ -483,6 +500,7 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
     request.stdin = true;
     request.timeout_ms = Some(CLONE_TIMEOUT_MS);
     let started_at = moat_core::timing::now();
+    let mut sweep = SecretSweep { client: Some(server.moat.client(&id)?), dirs: [secret_dir, stage_dir] };
     let clone = async {
         let client = server.moat.client(&id)?;
         let lost = |source| moat_core::SandboxError::Agent { id: id.clone(), source };
@@ -493,6 +511,11 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
             stdin.close().await.map_err(lost)?;
         }
         let mut out = handle.output_limited(1 << 20).await.map_err(lost)?;
+        if out.status.code.is_some() && !out.status.timed_out {
+            // It ended by itself: its shell's trap removed the secret (and
+            // the staging directory, unless the checkout is in it).
+            sweep.client = None;
+        }
         if out.status.success() {
             let text = String::from_utf8_lossy(&out.stdout).into_owned();
             let stage = text.lines().next().unwrap_or_default().trim().to_owned();
@@ -535,6 +558,45 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
     let commit = String::from_utf8_lossy(&out.stdout).lines().nth(1).unwrap_or_default().trim().to_owned();
     Ok(json!({ "path": path, "commit": commit }))
 }
+
+/// A name for a directory a clone makes in the sandbox, `prefix` and 96
+/// random bits: chosen here, so that moat can remove it if the clone is
+/// killed, and guessed by nobody in the sandbox before it is made.
+fn random_name(prefix: &str) -> Result<String, getrandom::Error> {
+    let mut bytes = [0u8; 12];
+    getrandom::fill(&mut bytes)?;
+    Ok(format!("{prefix}{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()))
+}
+
+/// Removes a clone's secret directory (the token's file) and its staging
+/// directory from its sandbox when dropped armed: a clone killed at its
+/// timeout, or with its call cancelled, ends without its shell's trap, and
+/// the token would stay in the sandbox's `/run` (root's alone, but the
+/// sandbox's for its life). Disarmed once the clone's shell ended by
+/// itself. The removal runs in the background, bounded, so a cancelled
+/// call is not held by it.
+struct SecretSweep {
+    client: Option<moat_proto::AgentClient<moat_proto::UnixConnector>>,
+    dirs: [String; 2],
+}
+
+impl Drop for SecretSweep {
+    fn drop(&mut self) {
+        let Some(client) = self.client.take() else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let [secret, stage] = &self.dirs;
+        let mut remove = ExecRequest::argv(["rm", "-rf", "--", secret.as_str(), stage.as_str()]);
+        remove.user = Some("root".into());
+        remove.timeout_ms = Some(SWEEP_TIMEOUT_MS);
+        runtime.spawn(async move {
+            let bound = std::time::Duration::from_millis(SWEEP_TIMEOUT_MS) + moat_core::timing::ANSWER_GRACE;
+            let _ = tokio::time::timeout(bound, client.run(remove)).await;
+        });
+    }
+}
+
+/// How long the removal of a killed clone's secret may take.
+const SWEEP_TIMEOUT_MS: u64 = 10_000;
 
 /// Moves a checkout from `stage` to `path` ([`PLACE_SCRIPT`]); a failure
 /// becomes `out`'s.
