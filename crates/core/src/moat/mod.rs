@@ -322,11 +322,26 @@ impl Moat {
                 if let Some(runtime) = spec.runtime {
                     policy.set_runtime(runtime);
                 }
-                match EgressProxy::start(machine.client(), policy.clone()).await {
-                    Ok(proxy) => Some((policy, proxy)),
-                    Err(source) => {
+                // Bounded as every wait on an agent is: a guest that never
+                // answers fails the create instead of holding it.
+                let started = crate::timing::within(
+                    &id,
+                    crate::timing::ANSWER_GRACE,
+                    EgressProxy::start(machine.client(), policy.clone()),
+                )
+                .await;
+                match started {
+                    Ok(Ok(proxy)) => Some((policy, proxy)),
+                    Ok(Err(source)) => {
                         let _ = tokio::task::spawn_blocking(move || drop(machine)).await;
                         return Err(CreateError::Agent { id, source });
+                    }
+                    Err(silent) => {
+                        let _ = tokio::task::spawn_blocking(move || drop(machine)).await;
+                        return Err(CreateError::StartFailed {
+                            id,
+                            reason: format!("its agent did not start the egress proxy: {silent}"),
+                        });
                     }
                 }
             }
