@@ -245,6 +245,33 @@ async def git_token_attacks(session, url, port, main):
         raise AssertionError(f"a cancelled clone left git, its token or its staging in the sandbox: {listed}")
     GitHost.release.set()
 
+    # task_start from a Git URL, cancelled the same way: the clone stops and
+    # the task's sandbox is destroyed. (Before, the clone went on.)
+    GitHost.hanging.clear()
+    GitHost.release.clear()
+    ids = lambda listed: sorted(box["sandbox_id"] for box in listed["sandboxes"])  # noqa: E731
+    before = ids(await call(session, "list_sandboxes", {}))
+    starting = asyncio.ensure_future(session.call_tool("task_start", {
+        "source": f"https://git.test:{port}/hang.git", "username": USER, "token": TOKEN}))
+    for _ in range(300):
+        if GitHost.hanging.is_set():
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the task's clone never reached the server")
+    assert len(ids(await call(session, "list_sandboxes", {}))) == len(before) + 1, "no sandbox for the task"
+    starting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await starting
+    for _ in range(100):
+        after = ids(await call(session, "list_sandboxes", {}))
+        if after == before:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"a cancelled task_start left its sandbox: {after} (before: {before})")
+    GitHost.release.set()
+
     # git.test/moved.git redirects to other.test: git follows, asks for
     # credentials there, and gets none.
     before = len(GitHost.requests)

@@ -9,7 +9,7 @@
 //!   variable, into a file in a directory only root (in the sandbox) can
 //!   read, removed when the clone ends: by the clone's shell when it ends
 //!   by itself, and by moat when it is killed at its timeout or cancelled
-//!   with its call (`SecretSweep`);
+//!   with its call (`CloneSweep`);
 //! - the clone runs as root with an environment of moat's own (none of the
 //!   sandbox's `env`), `GIT_CONFIG_NOSYSTEM=1` and `GIT_CONFIG_GLOBAL`
 //!   naming a config of moat's own, so the user-writable `~/.gitconfig`
@@ -122,15 +122,16 @@ printf '%s
 ' "$stage" "$commit"
 "#;
 
-/// The clone over SSH, run as root: as [`CLONE_SCRIPT`], but git's "ssh"
+/// The clone over SSH, run as root: as [`CLONE_SCRIPT`] (its directories
+/// named by moat too), but git's "ssh"
 /// is a relay on this process's stdin and stdout, which moat connects to
 /// the host's `ssh` (`moat_core::net::gitssh`); everything it prints goes
 /// to stderr, its last line `moat-git-result STAGE COMMIT`.
 const SSH_CLONE_SCRIPT: &str = r#"set -eu
 exec 3<&0 4>&1 </dev/null >&2
 umask 077
-secret=$(mktemp -d /run/moat-git.XXXXXXXX)
-stage=$(mktemp -d /var/tmp/moat-clone.XXXXXXXX)
+secret=$MOAT_GIT_SECRET stage=$MOAT_GIT_STAGE
+mkdir -- "$secret" "$stage"
 trap 'rm -rf "$secret"; [ -n "${keep:-}" ] || rm -rf "$stage"' EXIT
 # git's stdin to the host's ssh (fd 4), the host's ssh (fd 3) to git's stdout;
 # each cat holds only its own end, so each side sees the other end.
@@ -258,7 +259,7 @@ fn scrub(text: &str, secrets: &[&str]) -> String {
 /// A clone's arguments, checked: nothing runs and no sandbox is made before
 /// [`CloneRequest::check`] succeeds.
 pub(super) struct CloneRequest {
-    url: String,
+    pub(super) url: String,
     authority: String,
     /// The URL's host, lowercase: one of the operator's Git hosts.
     pub(super) host: String,
@@ -436,7 +437,7 @@ async fn git_clone(server: &Session<'_>, args: GitClone, context: &CallContext) 
     let id = args.sandbox.resolve(server).await?;
     // A cancelled call stops the clone: dropped, its connection to the
     // agent closes, and the agent kills git and all it started (its token's
-    // directory is then removed, see `SecretSweep`).
+    // directory is then removed, see `CloneSweep`).
     tokio::select! {
         outcome = clone_into(server, &checked, &id) => outcome,
         () = context.cancelled.cancelled() => {
@@ -488,11 +489,8 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
         ("GIT_TERMINAL_PROMPT".to_owned(), "0".to_owned()),
         ("GIT_ASKPASS".to_owned(), "/bin/false".to_owned()),
     ]);
-    let named =
-        |under: &str| random_name(under).map_err(|e| ToolError(format!("git clone of {url} cannot start: {e}")));
-    let (secret_dir, stage_dir) = (named("/run/moat-git.")?, named("/var/tmp/moat-clone.")?);
-    env.push(("MOAT_GIT_SECRET".to_owned(), secret_dir.clone()));
-    env.push(("MOAT_GIT_STAGE".to_owned(), stage_dir.clone()));
+    let (dirs, named) = clone_dirs(url)?;
+    env.extend(named);
     let mut request = ExecRequest::argv(["bash", "-c", CLONE_SCRIPT]);
     request.env = env;
     request.user = Some("root".into());
@@ -500,7 +498,7 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
     request.stdin = true;
     request.timeout_ms = Some(CLONE_TIMEOUT_MS);
     let started_at = moat_core::timing::now();
-    let mut sweep = SecretSweep { client: Some(server.moat.client(&id)?), dirs: [secret_dir, stage_dir] };
+    let mut sweep = CloneSweep { client: Some(server.moat.client(&id)?), dirs };
     let clone = async {
         let client = server.moat.client(&id)?;
         let lost = |source| moat_core::SandboxError::Agent { id: id.clone(), source };
@@ -568,19 +566,32 @@ fn random_name(prefix: &str) -> Result<String, getrandom::Error> {
     Ok(format!("{prefix}{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()))
 }
 
-/// Removes a clone's secret directory (the token's file) and its staging
-/// directory from its sandbox when dropped armed: a clone killed at its
-/// timeout, or with its call cancelled, ends without its shell's trap, and
-/// the token would stay in the sandbox's `/run` (root's alone, but the
-/// sandbox's for its life). Disarmed once the clone's shell ended by
+/// A clone's secret and staging directories, and the variables that name
+/// them to its script (`MOAT_GIT_SECRET`, `MOAT_GIT_STAGE`).
+type CloneDirs = ([String; 2], [(String, String); 2]);
+
+/// Names [`CloneDirs`] for a clone of `url`.
+fn clone_dirs(url: &str) -> Result<CloneDirs, ToolError> {
+    let named =
+        |under: &str| random_name(under).map_err(|e| ToolError(format!("git clone of {url} cannot start: {e}")));
+    let (secret, stage) = (named("/run/moat-git.")?, named("/var/tmp/moat-clone.")?);
+    let vars = [("MOAT_GIT_SECRET".to_owned(), secret.clone()), ("MOAT_GIT_STAGE".to_owned(), stage.clone())];
+    Ok(([secret, stage], vars))
+}
+
+/// Removes a clone's secret directory (an https clone's token file, an SSH
+/// clone's relay) and its staging directory from its sandbox when dropped
+/// armed: a clone killed at its timeout, or with its call cancelled, ends
+/// without its shell's trap, and the token would stay in the sandbox's
+/// `/run` (root's alone, but the sandbox's for its life). Disarmed once the clone's shell ended by
 /// itself. The removal runs in the background, bounded, so a cancelled
 /// call is not held by it.
-struct SecretSweep {
+struct CloneSweep {
     client: Option<moat_proto::AgentClient<moat_proto::UnixConnector>>,
     dirs: [String; 2],
 }
 
-impl Drop for SecretSweep {
+impl Drop for CloneSweep {
     fn drop(&mut self) {
         let Some(client) = self.client.take() else { return };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
@@ -624,6 +635,7 @@ async fn clone_over_ssh(server: &Session<'_>, request: &CloneRequest, ssh: &SshC
     let CloneRequest { url, path, branch, commit, .. } = request;
     let transport = SshTransport::new(&ssh.remote, &ssh.key, &ssh.known_hosts, ssh.address)
         .map_err(|e| ToolError(format!("git clone of {url} cannot start: {e}")))?;
+    let (dirs, named) = clone_dirs(url)?;
     let mut exec = ExecRequest::argv(["bash", "-c", SSH_CLONE_SCRIPT]);
     exec.env = vec![
         ("MOAT_GIT_URL".into(), url.clone()),
@@ -631,12 +643,14 @@ async fn clone_over_ssh(server: &Session<'_>, request: &CloneRequest, ssh: &SshC
         ("MOAT_GIT_COMMIT".into(), commit.clone()),
         ("GIT_TERMINAL_PROMPT".into(), "0".into()),
     ];
+    exec.env.extend(named);
     exec.user = Some("root".into());
     exec.cwd = Some("/".into());
     exec.stdin = true;
     exec.timeout_ms = Some(CLONE_TIMEOUT_MS);
     let started_at = moat_core::timing::now();
     let client = server.moat.client(id)?;
+    let mut sweep = CloneSweep { client: Some(client.clone()), dirs };
     // As above, the whole of it: the start, the clone (ssh's moment to end
     // its session after), the move into place. Dropping the relay kills
     // ssh (kill_on_drop).
@@ -652,6 +666,10 @@ async fn clone_over_ssh(server: &Session<'_>, request: &CloneRequest, ssh: &SshC
     let Ok(relayed) = tokio::time::timeout_at(deadline, transport.relay(handle)).await else {
         return Err(unresponsive().into());
     };
+    if relayed.status.as_ref().is_ok_and(|status| status.code.is_some() && !status.timed_out) {
+        // It ended by itself: its shell's trap did the removal.
+        sweep.client = None;
+    }
     let stderr = String::from_utf8_lossy(&relayed.stderr).into_owned();
     let result = stderr.lines().rev().find_map(|l| l.strip_prefix("moat-git-result ")).map(str::to_owned);
     let git_said: String = stderr.lines().filter(|l| !l.starts_with("moat-git-result ")).collect::<Vec<_>>().join("\n");

@@ -30,8 +30,8 @@ pub(crate) struct TaskStart {
 impl Tool for TaskStart {
     const NAME: &'static str = "task_start";
 
-    async fn run(self, server: &Session<'_>, _context: &CallContext) -> RichOutcome {
-        plain(task_start(server, self).await)
+    async fn run(self, server: &Session<'_>, context: &CallContext) -> RichOutcome {
+        plain(task_start(server, self, context).await)
     }
 }
 
@@ -90,9 +90,9 @@ fn own_task(server: &Session<'_>, id: &str) -> Result<(), ToolError> {
     }
 }
 
-async fn task_start(server: &Session<'_>, args: TaskStart) -> Outcome {
+async fn task_start(server: &Session<'_>, args: TaskStart, context: &CallContext) -> Outcome {
     if moat_core::task::is_git_url(&args.source) {
-        return task_from_repository(server, args).await;
+        return task_from_repository(server, args, context).await;
     }
     if let Some(field) = [
         ("branch", &args.branch),
@@ -119,7 +119,7 @@ async fn task_start(server: &Session<'_>, args: TaskStart) -> Outcome {
 /// made; the sandbox has the session's default network, `filtered` when
 /// that is `none`; the checkout fills `/workspace` and its commit is the
 /// baseline. A failed clone leaves no sandbox.
-async fn task_from_repository(server: &Session<'_>, args: TaskStart) -> Outcome {
+async fn task_from_repository(server: &Session<'_>, args: TaskStart, context: &CallContext) -> Outcome {
     let clone = CloneRequest::check(
         server,
         &CloneArgs {
@@ -143,7 +143,14 @@ async fn task_from_repository(server: &Session<'_>, args: TaskStart) -> Outcome 
     // leaves no sandbox behind the session's end.
     place.adopt(&id, false);
     let adopted = async {
-        let cloned = clone_into(server, &clone, &id).await?;
+        // A cancelled call stops the clone (see `git_clone`), and the
+        // sandbox goes with it below.
+        let cloned = tokio::select! {
+            cloned = clone_into(server, &clone, &id) => cloned?,
+            () = context.cancelled.cancelled() => {
+                return Err(ToolError(format!("cancelled: the clone of {} was stopped and its sandbox destroyed", clone.url)));
+            }
+        };
         let task = server.moat.task_adopt(&id, &args.source, Some(clone.host.clone()), args.runtime).await?;
         Ok::<_, ToolError>((task, cloned))
     };
