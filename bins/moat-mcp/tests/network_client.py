@@ -222,20 +222,12 @@ async def git_token_attacks(session, url, port, main):
     # stopped: killed (no shell trap runs), and moat removes the token's
     # directory and the staging directory itself. (Before, the clone went on
     # to its timeout, and a killed one left the token in the sandbox's /run.)
-    hung = asyncio.ensure_future(session.call_tool("git_clone", {
-        "url": f"https://git.test:{port}/hang.git", "path": "hung", "username": USER, "token": TOKEN}))
-    for _ in range(300):
-        if GitHost.hanging.is_set():
-            break
-        await asyncio.sleep(0.1)
-    else:
-        raise AssertionError("the clone to cancel never reached the server")
+    hung = await hanging_call(session, "git_clone", {
+        "url": f"https://git.test:{port}/hang.git", "path": "hung", "username": USER, "token": TOKEN})
     show = "ls /run | grep -c moat-git; ls /var/tmp | grep -c moat-clone; pgrep -c git-remote"
     listed = await call(session, "run_command", {"cmd": show})
     assert listed["stdout"].split() == ["1", "1", "1"], f"the clone does not wait as it should: {listed}"
-    hung.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await hung
+    await cancel(hung)
     for _ in range(100):
         listed = await call(session, "run_command", {"cmd": show})
         if listed["stdout"].split() == ["0", "0", "0"]:
@@ -247,22 +239,12 @@ async def git_token_attacks(session, url, port, main):
 
     # task_start from a Git URL, cancelled the same way: the clone stops and
     # the task's sandbox is destroyed. (Before, the clone went on.)
-    GitHost.hanging.clear()
-    GitHost.release.clear()
     ids = lambda listed: sorted(box["sandbox_id"] for box in listed["sandboxes"])  # noqa: E731
     before = ids(await call(session, "list_sandboxes", {}))
-    starting = asyncio.ensure_future(session.call_tool("task_start", {
-        "source": f"https://git.test:{port}/hang.git", "username": USER, "token": TOKEN}))
-    for _ in range(300):
-        if GitHost.hanging.is_set():
-            break
-        await asyncio.sleep(0.1)
-    else:
-        raise AssertionError("the task's clone never reached the server")
+    starting = await hanging_call(session, "task_start", {
+        "source": f"https://git.test:{port}/hang.git", "username": USER, "token": TOKEN})
     assert len(ids(await call(session, "list_sandboxes", {}))) == len(before) + 1, "no sandbox for the task"
-    starting.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await starting
+    await cancel(starting)
     for _ in range(100):
         after = ids(await call(session, "list_sandboxes", {}))
         if after == before:
@@ -281,6 +263,27 @@ async def git_token_attacks(session, url, port, main):
     to_other = [(host, auth) for host, auth in GitHost.requests[before:] if host.startswith("other.test")]
     assert to_other, f"the redirect was not followed: {GitHost.requests[before:]}"
     assert all(not auth for _, auth in to_other), f"credentials went to another host: {to_other}"
+
+
+async def hanging_call(session, name, args):
+    """Starts a call whose clone reaches /hang.git, which never answers, and
+    returns it (a future) once the Git host has the request."""
+    GitHost.hanging.clear()
+    GitHost.release.clear()
+    running = asyncio.ensure_future(session.call_tool(name, args))
+    for _ in range(300):
+        if GitHost.hanging.is_set():
+            return running
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{name}'s clone never reached the Git host")
+
+
+async def cancel(running):
+    """Cancels a call started with asyncio (SDK 2.x sends
+    notifications/cancelled)."""
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
 
 
 SSH_NS, SSH_HOST_IP, SSH_PEER_IP = "moatssh", "10.203.0.1", "10.203.0.2"
