@@ -1034,10 +1034,18 @@ fn sandbox_init(
             Some("newinstance,ptmxmode=0666,mode=0620"),
         ),
     ];
+    // Beneath the root's descriptor, as the monitor made the rest: a
+    // symlink of the image's (`sys -> /tmp/x`) would otherwise lead these
+    // out of the root, into the host's tree this namespace still shows.
+    let top = step("opening the root", beneath::open_root(Path::new(".")))?;
     for (source, target, fstype, flags, data) in mounts {
-        let _ = std::fs::create_dir_all(target);
-        step(&format!("mounting /{target}"), mount(Some(*source), *target, Some(*fstype), *flags, *data))?;
+        let at = step(&format!("creating /{target}"), beneath::make_dirs(top.as_fd(), Path::new(target)))?;
+        step(
+            &format!("mounting /{target}"),
+            mount(Some(*source), &beneath::path_of(&at), Some(*fstype), *flags, *data),
+        )?;
     }
+    drop(top);
     step("sethostname", nix::unistd::sethostname(&spec.hostname))?;
     step("bringing up loopback", crate::init::loopback_up())?;
     // An `open` jail reaches what the host does, but for the cloud's

@@ -77,10 +77,17 @@ pub fn make_dirs(root: BorrowedFd<'_>, rel: &Path) -> io::Result<OwnedFd> {
 }
 
 /// Makes (or empties) the regular file `name` in `parent` for writing; a
-/// symlink of that name is refused.
+/// symlink of that name is refused, and so is anything else that is not a
+/// regular file (a FIFO is opened without waiting for a reader, and
+/// refused: it would hold the caller until one came).
 pub fn create_file(parent: BorrowedFd<'_>, name: &str) -> io::Result<std::fs::File> {
-    let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC;
-    open(parent, Path::new(name), flags, Mode::from_bits_truncate(0o644)).map(std::fs::File::from)
+    let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_NONBLOCK;
+    let file = std::fs::File::from(open(parent, Path::new(name), flags, Mode::from_bits_truncate(0o644))?);
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{name} is not a regular file")));
+    }
+    file.set_len(0)?;
+    Ok(file)
 }
 
 /// Removes `name` from `parent` if it is there (a symlink itself, never
@@ -152,6 +159,8 @@ mod tests {
         assert!(make_dirs(root_fd, Path::new("../outside/x")).is_err(), "no way up");
         let etc = dir(root_fd, Path::new("etc")).expect("etc");
         assert!(create_file(etc.as_fd(), "resolv.conf").is_err(), "the link is not written through");
+        nix::unistd::mkfifo(&root.join("etc/fifo"), Mode::from_bits_truncate(0o644)).expect("a FIFO");
+        assert!(create_file(etc.as_fd(), "fifo").is_err(), "a FIFO is refused, not waited on");
         remove_file(etc.as_fd(), "resolv.conf").expect("the link itself goes");
         std::io::Write::write_all(&mut create_file(etc.as_fd(), "resolv.conf").expect("made"), b"nameserver 1\n")
             .expect("written");

@@ -88,8 +88,8 @@ umask 077
 IFS= read -r user_name || true
 IFS= read -r token || true
 secret=$MOAT_GIT_SECRET stage=$MOAT_GIT_STAGE
-mkdir -- "$secret" "$stage"
 trap 'rm -rf "$secret"; [ -n "${keep:-}" ] || rm -rf "$stage"' EXIT
+mkdir -- "$secret" "$stage"
 printf '%s
 ' "$MOAT_GIT_AUTHORITY" > "$secret/host"
 if [ -n "$token" ]; then printf 'username=%s
@@ -131,8 +131,8 @@ const SSH_CLONE_SCRIPT: &str = r#"set -eu
 exec 3<&0 4>&1 </dev/null >&2
 umask 077
 secret=$MOAT_GIT_SECRET stage=$MOAT_GIT_STAGE
-mkdir -- "$secret" "$stage"
 trap 'rm -rf "$secret"; [ -n "${keep:-}" ] || rm -rf "$stage"' EXIT
+mkdir -- "$secret" "$stage"
 # git's stdin to the host's ssh (fd 4), the host's ssh (fd 3) to git's stdout;
 # each cat holds only its own end, so each side sees the other end.
 printf '#!/bin/sh\ncat <&3 4>&- 2>/dev/null &\nexec cat >&4 3<&-\n' > "$secret/ssh"
@@ -441,7 +441,7 @@ async fn git_clone(server: &Session<'_>, args: GitClone, context: &CallContext) 
     tokio::select! {
         outcome = clone_into(server, &checked, &id) => outcome,
         () = context.cancelled.cancelled() => {
-            Err(ToolError(format!("cancelled: the clone of {} was stopped and nothing of it kept", checked.url)))
+            Err(ToolError(format!("cancelled: the clone of {} was stopped", checked.url)))
         }
     }
 }
@@ -596,7 +596,10 @@ impl Drop for CloneSweep {
         let Some(client) = self.client.take() else { return };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         let [secret, stage] = &self.dirs;
-        let mut remove = ExecRequest::argv(["rm", "-rf", "--", secret.as_str(), stage.as_str()]);
+        // A few tries: the agent kills the clone as its connection closes,
+        // beside this, and git may still make a file while `rm` walks.
+        let script = r#"for try in 1 2 3; do rm -rf -- "$@" 2>/dev/null && exit 0; sleep 0.2; done; rm -rf -- "$@""#;
+        let mut remove = ExecRequest::argv(["sh", "-c", script, "sh", secret.as_str(), stage.as_str()]);
         remove.user = Some("root".into());
         remove.timeout_ms = Some(SWEEP_TIMEOUT_MS);
         runtime.spawn(async move {
