@@ -843,13 +843,7 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
     // The overlay's directories by descriptor: its options show in the
     // sandbox's mountinfo, where host paths (the user's home, the data
     // directory, the sandbox's state) have no business.
-    let open_path = |dir: &Path| {
-        nix::fcntl::open(
-            dir,
-            nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC,
-            nix::sys::stat::Mode::empty(),
-        )
-    };
+    let open_path = beneath::open_root;
     // Owned from another range than the jail's: shown in the jail's
     // through an idmapped bind mount, itself in the tmpfs (the sandbox's
     // root, pivoted to, leaves it behind with the rest of the host's).

@@ -154,7 +154,7 @@ impl TokenFile {
 }
 
 /// 64 random hex digits.
-fn new_token() -> Result<String, getrandom::Error> {
+pub(crate) fn new_token() -> Result<String, getrandom::Error> {
     let mut bytes = [0u8; 32];
     getrandom::fill(&mut bytes)?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())

@@ -81,8 +81,8 @@ const GIT_CONFIG: &str = "[credential]\n\thelper = @HELPER@\n[protocol]\n\tallow
 /// The clone, run as root. Inputs: the environment below (no secret; the
 /// names of the secret and staging directories, `MOAT_GIT_SECRET` and
 /// `MOAT_GIT_STAGE`, are chosen by moat, which removes both if the clone is
-/// killed), and on stdin the user name then the token, one line each. Prints the staging directory and the commit
-/// checked out, one line each.
+/// killed), and on stdin the user name then the token, one line each.
+/// Prints the staging directory and the commit checked out, one line each.
 const CLONE_SCRIPT: &str = r#"set -eu
 umask 077
 IFS= read -r user_name || true
@@ -123,10 +123,10 @@ printf '%s
 "#;
 
 /// The clone over SSH, run as root: as [`CLONE_SCRIPT`] (its directories
-/// named by moat too), but git's "ssh"
-/// is a relay on this process's stdin and stdout, which moat connects to
-/// the host's `ssh` (`moat_core::net::gitssh`); everything it prints goes
-/// to stderr, its last line `moat-git-result STAGE COMMIT`.
+/// named by moat too), but git's "ssh" is a relay on this process's stdin
+/// and stdout, which moat connects to the host's `ssh`
+/// (`moat_core::net::gitssh`); everything it prints goes to stderr, its
+/// last line `moat-git-result STAGE COMMIT`.
 const SSH_CLONE_SCRIPT: &str = r#"set -eu
 exec 3<&0 4>&1 </dev/null >&2
 umask 077
@@ -498,9 +498,9 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
     request.stdin = true;
     request.timeout_ms = Some(CLONE_TIMEOUT_MS);
     let started_at = moat_core::timing::now();
-    let mut sweep = CloneSweep { client: Some(server.moat.client(&id)?), dirs };
+    let client = server.moat.client(&id)?;
+    let mut sweep = CloneSweep { client: Some(client.clone()), dirs };
     let clone = async {
-        let client = server.moat.client(&id)?;
         let lost = |source| moat_core::SandboxError::Agent { id: id.clone(), source };
         let mut handle = client.exec(request).await.map_err(lost)?;
         if let Some(mut stdin) = handle.take_stdin() {
@@ -509,11 +509,7 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
             stdin.close().await.map_err(lost)?;
         }
         let mut out = handle.output_limited(1 << 20).await.map_err(lost)?;
-        if out.status.code.is_some() && !out.status.timed_out {
-            // It ended by itself: its shell's trap removed the secret (and
-            // the staging directory, unless the checkout is in it).
-            sweep.client = None;
-        }
+        sweep.disarm_if_ended(&out.status);
         if out.status.success() {
             let text = String::from_utf8_lossy(&out.stdout).into_owned();
             let stage = text.lines().next().unwrap_or_default().trim().to_owned();
@@ -557,23 +553,19 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
     Ok(json!({ "path": path, "commit": commit }))
 }
 
-/// A name for a directory a clone makes in the sandbox, `prefix` and 96
-/// random bits: chosen here, so that moat can remove it if the clone is
-/// killed, and guessed by nobody in the sandbox before it is made.
-fn random_name(prefix: &str) -> Result<String, getrandom::Error> {
-    let mut bytes = [0u8; 12];
-    getrandom::fill(&mut bytes)?;
-    Ok(format!("{prefix}{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()))
-}
-
 /// A clone's secret and staging directories, and the variables that name
 /// them to its script (`MOAT_GIT_SECRET`, `MOAT_GIT_STAGE`).
 type CloneDirs = ([String; 2], [(String, String); 2]);
 
-/// Names [`CloneDirs`] for a clone of `url`.
+/// Names [`CloneDirs`] for a clone of `url`: each a prefix and 256 random
+/// bits, chosen here, so that moat can remove them if the clone is killed,
+/// and guessed by nobody in the sandbox before they are made.
 fn clone_dirs(url: &str) -> Result<CloneDirs, ToolError> {
-    let named =
-        |under: &str| random_name(under).map_err(|e| ToolError(format!("git clone of {url} cannot start: {e}")));
+    let named = |prefix: &str| {
+        crate::http::new_token()
+            .map(|token| format!("{prefix}{token}"))
+            .map_err(|e| ToolError(format!("git clone of {url} cannot start: {e}")))
+    };
     let (secret, stage) = (named("/run/moat-git.")?, named("/var/tmp/moat-clone.")?);
     let vars = [("MOAT_GIT_SECRET".to_owned(), secret.clone()), ("MOAT_GIT_STAGE".to_owned(), stage.clone())];
     Ok(([secret, stage], vars))
@@ -583,12 +575,23 @@ fn clone_dirs(url: &str) -> Result<CloneDirs, ToolError> {
 /// clone's relay) and its staging directory from its sandbox when dropped
 /// armed: a clone killed at its timeout, or with its call cancelled, ends
 /// without its shell's trap, and the token would stay in the sandbox's
-/// `/run` (root's alone, but the sandbox's for its life). Disarmed once the clone's shell ended by
-/// itself. The removal runs in the background, bounded, so a cancelled
-/// call is not held by it.
+/// `/run` (root's alone, but the sandbox's for its life). Disarmed once the
+/// clone's shell ended by itself. The removal runs in the background,
+/// bounded, so a cancelled call is not held by it.
 struct CloneSweep {
     client: Option<moat_proto::AgentClient<moat_proto::UnixConnector>>,
     dirs: [String; 2],
+}
+
+impl CloneSweep {
+    /// Disarms it where the clone's shell ended by itself (an exit code,
+    /// no timeout): its trap did the removal, and a checkout to move into
+    /// place is in the staging directory.
+    fn disarm_if_ended(&mut self, status: &moat_proto::ExitStatus) {
+        if status.code.is_some() && !status.timed_out {
+            self.client = None;
+        }
+    }
 }
 
 impl Drop for CloneSweep {
@@ -669,9 +672,8 @@ async fn clone_over_ssh(server: &Session<'_>, request: &CloneRequest, ssh: &SshC
     let Ok(relayed) = tokio::time::timeout_at(deadline, transport.relay(handle)).await else {
         return Err(unresponsive().into());
     };
-    if relayed.status.as_ref().is_ok_and(|status| status.code.is_some() && !status.timed_out) {
-        // It ended by itself: its shell's trap did the removal.
-        sweep.client = None;
+    if let Ok(status) = &relayed.status {
+        sweep.disarm_if_ended(status);
     }
     let stderr = String::from_utf8_lossy(&relayed.stderr).into_owned();
     let result = stderr.lines().rev().find_map(|l| l.strip_prefix("moat-git-result ")).map(str::to_owned);
