@@ -314,6 +314,30 @@ impl UserCgroups {
         self.names.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Takes command cgroup `name` for one owner (a command being given
+    /// it, a pass killing or removing it) unless another has it or it
+    /// waits free: each cgroup has one owner at a time, and a pass that
+    /// judged it from a listing acts on it only once it is its own. False
+    /// when it is another's; [`UserCgroups::unclaim`] gives it up.
+    fn claim(&self, name: &str) -> bool {
+        let mut names = self.names();
+        if names.active.contains(name) || names.free.iter().any(|(free, _)| free == name) {
+            return false;
+        }
+        names.active.insert(name.to_owned());
+        true
+    }
+
+    fn unclaim(&self, name: &str) {
+        self.names().active.remove(name);
+    }
+
+    /// Whether `exec` still holds what its command left running, as
+    /// [`ExecCgroup::release`] recorded: not emptied and handed out since.
+    pub fn holds_left(&self, exec: &ExecCgroup) -> bool {
+        self.names().left.contains_key(&exec.name)
+    }
+
     /// An empty cgroup of an earlier command (and its launcher), now
     /// active, if one waits.
     fn take_free(&self) -> Option<(String, Option<Launcher>)> {
@@ -489,15 +513,25 @@ impl UserCgroups {
     /// Makes a new command cgroup in every hierarchy.
     fn make_exec(&'static self) -> std::io::Result<ExecCgroup> {
         self.sweep();
+        // Claimed before it exists: a pass listing the directories (a
+        // reclaim, a sweep) finds it in use, never idle. Found idle in
+        // that window, it was once kept free too, and two commands were
+        // later handed the one cgroup: a kill meant for one took the other
+        // and its launcher.
         let name = loop {
             let name = format!("exec-{}", self.next.fetch_add(1, Ordering::Relaxed));
+            if !self.claim(&name) {
+                continue;
+            }
             match self.hierarchies.first().map(|h| std::fs::create_dir(h.dir.join(&name))) {
-                Some(Err(e)) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                Some(Err(e)) => return Err(e),
+                Some(Err(e)) if e.kind() == std::io::ErrorKind::AlreadyExists => self.unclaim(&name),
+                Some(Err(e)) => {
+                    self.unclaim(&name);
+                    return Err(e);
+                }
                 _ => break name,
             }
         };
-        self.names().active.insert(name.clone());
         let mut exec = ExecCgroup::existing(&self.hierarchies, &name);
         exec.owner = Some(self);
         let mut procs = Vec::new();
@@ -569,11 +603,19 @@ impl UserCgroups {
         let _pass = self.reclaiming.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut runaways = Vec::new();
         for dir in self.idle_exec_dirs() {
+            // Judged and killed as this pass's own: listed idle, it may
+            // have been emptied, freed and handed to a command since.
+            if !self.claim(&dir) {
+                continue;
+            }
             let mut exec = ExecCgroup::existing(&self.hierarchies, &dir);
             exec.baseline = self.names().left.get(&dir).copied().unwrap_or_default();
             match exec.reached_limit() {
                 Some(hit) if exec.process_count() > 0 => runaways.push((exec, hit)),
-                _ => self.remove_idle(&exec),
+                _ => {
+                    self.unclaim(&dir);
+                    self.remove_idle(&exec);
+                }
             }
         }
         // Several bombs lit one after another share the sandbox's limit:
@@ -588,6 +630,7 @@ impl UserCgroups {
             let top = exec.top_processes();
             let count = exec.kill();
             killed.push(format!("{count} processes of an earlier command that reached a limit ({top})"));
+            self.unclaim(&exec.name);
             self.remove_idle(exec);
         }
         if runaways.iter().any(|(_, hit)| matches!(hit, LimitHit::Pids { .. })) {
@@ -683,8 +726,17 @@ impl UserCgroups {
     /// processes while forks kept failing at the shared limit; the next
     /// command says so.
     pub fn kill_filling(&self, exec: &ExecCgroup) {
+        // The command is done with it (released): killed as this pass's
+        // own, once it is, and only while it still holds what that
+        // command left, never after it was handed to another.
+        if !self.holds_left(exec) || !self.claim(&exec.name) {
+            return;
+        }
+        let exec = ExecCgroup::existing(&self.hierarchies, &exec.name);
         let top = exec.top_processes();
         let count = exec.kill();
+        self.unclaim(&exec.name);
+        self.remove_idle(&exec);
         if count > 0 {
             let line =
                 format!("{count} processes of an earlier command that filled the sandbox's process limit ({top})");
@@ -808,9 +860,18 @@ impl ExecCgroup {
         }
     }
 
-    /// The raw descriptors of its `cgroup.procs` files, for [`join`].
-    pub fn procs_fds(&self) -> Vec<i32> {
-        self.procs.iter().map(AsRawFd::as_raw_fd).collect()
+    /// The raw descriptors of its `cgroup.procs` files, for a child to
+    /// join it by: those kept open, or, for a cgroup whose commands start
+    /// through its launcher (none at hand now), opened into `opened`.
+    pub fn join_fds(&self, opened: &mut Vec<OwnedFd>) -> std::io::Result<Vec<i32>> {
+        if self.procs.is_empty() {
+            for h in &self.dirs {
+                let file = std::fs::OpenOptions::new().write(true).open(h.dir.join("cgroup.procs"))?;
+                opened.push(OwnedFd::from(file));
+            }
+            return Ok(opened.iter().map(AsRawFd::as_raw_fd).collect());
+        }
+        Ok(self.procs.iter().map(AsRawFd::as_raw_fd).collect())
     }
 
     /// Closes the `cgroup.procs` files once the child has joined.
@@ -1612,6 +1673,77 @@ mod tests {
         // Little of the limit, or another limit: no note.
         assert_eq!(files_note(&hit, || vec![("/tmp".to_owned(), 100 << 20)]), None);
         assert_eq!(files_note(&LimitHit::Pids { limit: "960".into() }, || used.to_vec()), None);
+    }
+
+    /// A `user` cgroup made for a test in the host's `pids` hierarchy
+    /// (cgroup v1) or its unified one, bound as a sandbox's would be;
+    /// removed, with what the test made in it, at its end. `None` where
+    /// the host lets this test make none (not root, no such hierarchy).
+    struct TestUserCgroup {
+        dir: PathBuf,
+        bound: tempfile::TempDir,
+    }
+
+    impl TestUserCgroup {
+        fn make(test: &str) -> Option<Self> {
+            let (hierarchy, name) = [("/sys/fs/cgroup/pids", "pids"), ("/sys/fs/cgroup", UNIFIED)]
+                .into_iter()
+                .find(|(dir, _)| Path::new(dir).join("cgroup.procs").exists())?;
+            let dir = Path::new(hierarchy).join(format!("moat-{test}-{}", std::process::id()));
+            std::fs::create_dir(&dir).ok()?;
+            let bound = tempfile::tempdir().ok()?;
+            std::os::unix::fs::symlink(&dir, bound.path().join(name)).ok()?;
+            Some(Self { dir, bound })
+        }
+    }
+
+    impl Drop for TestUserCgroup {
+        fn drop(&mut self) {
+            for entry in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+                if entry.path().is_dir() {
+                    let _ = std::fs::remove_dir(entry.path());
+                }
+            }
+            let _ = std::fs::remove_dir(&self.dir);
+        }
+    }
+
+    /// A command cgroup has one owner at a time: one being made for a
+    /// command is never found idle by a pass that lists the directories
+    /// meanwhile (a sweep, a reclaim) and kept free for another command
+    /// too. (It was, in the moment between its directory and its name:
+    /// two commands were later handed the one cgroup, and a kill meant
+    /// for what one left took the other and its launcher.)
+    #[test]
+    fn a_cgroup_being_made_is_never_kept_free_for_another_command() {
+        let Some(user) = TestUserCgroup::make("claims") else {
+            eprintln!("skipped: this host lets the test make no cgroup (run as root on a host with cgroups)");
+            return;
+        };
+        let cgroups: &'static UserCgroups =
+            Box::leak(Box::new(UserCgroups::discover(user.bound.path()).expect("the test's cgroup is found")));
+        let reaper = std::sync::Arc::new(Reaper::default());
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let (mut made, mut kept_free_too) = (0, 0);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                while !done.load(Ordering::SeqCst) {
+                    cgroups.sweep();
+                }
+            });
+            for _ in 0..2000 {
+                let exec = cgroups.create_exec(&reaper).expect("a command cgroup is made");
+                made += 1;
+                if cgroups.names().free.iter().any(|(free, _)| *free == exec.name) {
+                    kept_free_too += 1;
+                }
+                // Gone before its name is given up: the next is made anew.
+                exec.remove();
+                drop(exec);
+            }
+            done.store(true, Ordering::SeqCst);
+        });
+        assert_eq!(kept_free_too, 0, "of {made} cgroups given to commands, {kept_free_too} were kept free as well");
     }
 
     #[test]

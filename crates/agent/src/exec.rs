@@ -279,6 +279,34 @@ async fn spawn_launched(
     }
 }
 
+/// A started command: what was asked, its pid, its exit and its streams.
+type Started = (Prepared, i32, oneshot::Receiver<Exit>, Streams);
+
+/// Starts `req`'s command in `cgroup`, where it has one: through the
+/// cgroup's launcher when it has one at hand (cgroup v1), else joined to
+/// it between fork and exec. Never outside it: a command started by the
+/// agent alone would run in the agent's cgroup, beside its reserve.
+async fn start_in(
+    reaper: &Reaper,
+    req: &ExecRequest,
+    cgroup: Option<&crate::cgroup::ExecCgroup>,
+) -> Result<Started, WireError> {
+    let launcher = cgroup.and_then(crate::cgroup::ExecCgroup::take_launcher);
+    let mut opened = Vec::new();
+    let join = match cgroup {
+        Some(cgroup) if launcher.is_none() => {
+            cgroup.join_fds(&mut opened).map_err(|e| io_error("opening the command's cgroup to start it there", &e))?
+        }
+        _ => Vec::new(),
+    };
+    let prepared = prepare(req, join)?;
+    let (pid, exit, streams) = match (launcher, cgroup) {
+        (Some(launcher), Some(cgroup)) => spawn_launched(launcher, cgroup.launcher_slot(), &prepared).await?,
+        _ => spawn(reaper, &prepared)?,
+    };
+    Ok((prepared, pid, exit, streams))
+}
+
 /// Serves one exec request on `conn` until the process exits or the client goes away.
 pub async fn serve<S>(reaper: Arc<Reaper>, req: ExecRequest, mut conn: Connection<S>)
 where
@@ -308,30 +336,17 @@ where
     if let Some(hold) = cgroups.and_then(crate::cgroup::UserCgroups::hold) {
         tokio::time::sleep(hold).await;
     }
-    let join = cgroup.as_ref().map(crate::cgroup::ExecCgroup::procs_fds).unwrap_or_default();
-    let mut spawned = match prepare(&req, join.clone()) {
-        Err(error) => Err(error),
-        // Through the cgroup's launcher (cgroup v1), where there is one:
-        // the command is born in its cgroup.
-        Ok(prepared) if let Some(launcher) = cgroup.as_ref().and_then(crate::cgroup::ExecCgroup::take_launcher) => {
-            let slot = cgroup.as_ref().map(crate::cgroup::ExecCgroup::launcher_slot).unwrap_or_default();
-            spawn_launched(launcher, slot, &prepared).await.map(|(pid, exit, streams)| (prepared, pid, exit, streams))
-        }
-        Ok(prepared) => spawn(&reaper, &prepared).map(|(pid, exit, streams)| (prepared, pid, exit, streams)),
-    };
+    let mut spawned = start_in(&reaper, &req, cgroup.as_ref()).await;
     // A runaway of an earlier command may fill the limit between the look
     // for runaways above and the start (a fork bomb left in the background
     // grows by hundreds a second): looked for again, and the start tried
-    // once more if one was killed; else the refusal stands.
+    // once more, the same way, if one was killed; else the refusal stands.
     if let (Err(error), Some(cgroups)) = (&spawned, cgroups)
         && error.message.contains(LIMIT_FULL)
         && let Ok(Some(note)) = tokio::task::spawn_blocking(move || cgroups.reclaim()).await
     {
         reclaimed = Some(reclaimed.map_or_else(|| note.clone(), |first| first + &note));
-        spawned = match prepare(&req, join) {
-            Err(error) => Err(error),
-            Ok(prepared) => spawn(&reaper, &prepared).map(|(pid, exit, streams)| (prepared, pid, exit, streams)),
-        };
+        spawned = start_in(&reaper, &req, cgroup.as_ref()).await;
     }
     if let Some(cgroup) = cgroup.as_mut() {
         cgroup.joined();
@@ -493,11 +508,31 @@ where
             };
             let _ = sink.send(&AgentMsg::Exited { status }).await;
         }
-        Err(()) => {
+        Err(Lost::Client) => {
             // The client went away mid-stream: nobody will read the output,
             // so the process tree went too (above).
         }
+        Err(Lost::Exit) => {
+            // Its launcher ended before saying how the command ended (the
+            // tree went too, above): said so, never a silent close, which
+            // the host would take for the agent's end.
+            let error = WireError::new(
+                moat_proto::ErrorKind::Internal,
+                "the command's exit status was lost: the process that started it in its cgroup ended first; \
+                 the command and everything it started were stopped; run it again",
+            );
+            let _ = sink.send(&AgentMsg::Error { error }).await;
+        }
     }
+}
+
+/// Why a command's output ended before its exit was sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lost {
+    /// The client stopped listening.
+    Client,
+    /// The command's exit never came: its launcher ended first.
+    Exit,
 }
 
 /// How a command that exited on its own left its cgroup ([`Tree::end`]).
@@ -523,7 +558,8 @@ fn watch_background(cgroups: &'static crate::cgroup::UserCgroups, cgroup: Arc<cr
         let mut shared = crate::cgroup::ForkWatch::new(cgroups.failed_forks());
         loop {
             tokio::time::sleep(crate::cgroup::FORK_WATCH_PERIOD).await;
-            if cgroup.process_count() == 0 {
+            // Emptied (and perhaps another command's since): nothing left to watch.
+            if cgroup.process_count() == 0 || !cgroups.holds_left(&cgroup) {
                 return;
             }
             if watch.observe(cgroup.failed_forks()) {
@@ -686,7 +722,7 @@ async fn pump_output<S>(
     mut exit: oneshot::Receiver<Exit>,
     limit: u64,
     dropped: &mut u64,
-) -> Result<Exit, ()>
+) -> Result<Exit, Lost>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -716,7 +752,7 @@ where
         if stdout.is_none() && stderr.is_none() {
             match exited {
                 Some(exit) => return Ok(exit),
-                None => return exit.await.map_err(|_| ()),
+                None => return exit.await.map_err(|_| Lost::Exit),
             }
         }
         // Biased: output already in the pipes goes before the exit and the
@@ -728,7 +764,7 @@ where
                 Some(bytes) => {
                     let (kept, pause) = within(0, bytes);
                     if let Some(bytes) = kept {
-                        sink.send_data(StreamId::Output, bytes).await.map_err(|_| ())?;
+                        sink.send_data(StreamId::Output, bytes).await.map_err(|_| Lost::Client)?;
                     }
                     drain_slowly(pause).await;
                     if exited.is_some() {
@@ -741,7 +777,7 @@ where
                 Some(bytes) => {
                     let (kept, pause) = within(1, bytes);
                     if let Some(bytes) = kept {
-                        sink.send_data(StreamId::Error, bytes).await.map_err(|_| ())?;
+                        sink.send_data(StreamId::Error, bytes).await.map_err(|_| Lost::Client)?;
                     }
                     drain_slowly(pause).await;
                     if exited.is_some() {
@@ -751,7 +787,7 @@ where
                 None => stderr = None,
             },
             status = &mut exit, if exited.is_none() => {
-                exited = Some(status.map_err(|_| ())?);
+                exited = Some(status.map_err(|_| Lost::Exit)?);
                 drain_deadline.as_mut().reset(tokio::time::Instant::now() + DRAIN_GRACE);
             },
             () = &mut drain_deadline, if exited.is_some() => {

@@ -2576,9 +2576,13 @@ async fn a_background_fork_bomb_is_reclaimed_by_the_next_command() {
     // first one after it reclaims the sandbox. (A guard against a hang.)
     // A command whose start meets the limit just as the bomb fills it, with
     // nothing yet to reclaim, is refused saying so: the next one reclaims.
+    // Each command runs in a command cgroup of its own, the one that
+    // reclaims too (its first start may meet the limit; the second, after
+    // the reclaim, was once made outside any, in the agent's).
     let mut reclaimed = false;
     for _ in 0..600 {
-        let mut request = ExecRequest::argv(["bash", "-c", "echo ok"]);
+        let mut request =
+            ExecRequest::argv(["bash", "-c", "grep -q exec- /proc/self/cgroup && echo ok || cat /proc/self/cgroup"]);
         request.timeout_ms = Some(60_000);
         let out = match moat.run(&id, request).await {
             Ok(out) => out,
