@@ -70,6 +70,8 @@ class Server:
             MOAT_DATA_DIR=self.data_dir,
             MOAT_BACKEND="jail",
             MOAT_MAX_SANDBOXES="1024",
+            # Its sandboxes are never suspended (idle_seconds 0): allowed.
+            MOAT_MAX_IDLE_SECONDS="0",
             # memory_mib is a cap, not a reservation: many small-use jails
             # fit where their caps' sum would not (docs/operations.md).
             MOAT_MAX_MEMORY_MIB=str(1 << 20),

@@ -7,6 +7,7 @@ Usage: python bench_mcp.py MOAT_MCP [RUNS]
 """
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -21,7 +22,9 @@ def pct(values, p):
 
 
 async def main(binary, runs):
-    async with stdio_client(StdioServerParameters(command=binary, args=[])) as (read, write):
+    # The sandbox is never suspended between runs: the operator lets it be.
+    env = dict(os.environ, MOAT_MAX_IDLE_SECONDS="0")
+    async with stdio_client(StdioServerParameters(command=binary, args=[], env=env)) as (read, write):
         async with ClientSession(read, write) as session:
             await session.initialize()
             await session.call_tool("create_sandbox", {"idle_seconds": 0})

@@ -15,6 +15,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -259,9 +260,16 @@ async def every_tool(session, contract, project):
     assert again["token"] != link["token"], "each call gives a new one-time token"
 
     # Copies between host (inside MOAT_ROOTS) and sandbox.
+    # A tree travels without its top-level .git, whose config may hold a
+    # remote's credentials (the contract says so).
+    git_dir = os.path.join(project, ".git")
+    os.makedirs(git_dir, exist_ok=True)
+    with open(os.path.join(git_dir, "config"), "w") as f:
+        f.write('[remote "origin"]\n\turl = https://user:secret@git.example/x\n')
     copied = await call(session, "copy_to_sandbox", {"host_path": project, "sandbox_path": "copied"})
+    shutil.rmtree(git_dir)
     assert copied["files"] >= 1, copied
-    out = await call(session, "run_command", {"cmd": "cat copied/main.py && echo extra > copied/new.txt"})
+    out = await call(session, "run_command", {"cmd": "test ! -e copied/.git && cat copied/main.py && echo extra > copied/new.txt"})
     assert out["stdout"] == "print('hello')\n" and out["exit_code"] == 0, out
     back_dir = os.path.join(os.path.dirname(project), "copied-back-" + str(os.getpid()))
     got = await call(session, "copy_from_sandbox", {"sandbox_path": "copied", "host_path": back_dir})

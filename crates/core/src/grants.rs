@@ -7,7 +7,9 @@
 //! one sandbox may hold: CPUs (`MOAT_MAX_CPUS`, default the host's),
 //! memory (`MOAT_MAX_SANDBOX_MEMORY_MIB`), disk (`MOAT_MAX_DISK_MIB`) and
 //! lifetime (`MOAT_MAX_TIMEOUT_SECONDS`, default `MOAT_TIMEOUT_SECONDS`,
-//! itself 3600 by default). A [`SandboxSpec`] — what a tool call asks for —
+//! itself 3600 by default), and how long one may stay unused before it is
+//! suspended (`MOAT_MAX_IDLE_SECONDS`, default `MOAT_IDLE_SECONDS`, itself
+//! 300 by default; 0 lets sandboxes never suspend). A [`SandboxSpec`] — what a tool call asks for —
 //! may only ask for something inside that: [`Grants::check`] refuses the
 //! rest with a message naming the variable that would allow it.
 //! [`Moat::create`](crate::Moat::create) checks every spec, so code that
@@ -37,6 +39,12 @@ pub const TIMEOUT_VAR: &str = "MOAT_MAX_TIMEOUT_SECONDS";
 /// The lifetime of a sandbox that asks for none, and by default also the
 /// longest one may ask for.
 pub const DEFAULT_TIMEOUT_VAR: &str = "MOAT_TIMEOUT_SECONDS";
+/// The longest one sandbox may stay unused before it is suspended (0: it
+/// may ask never to be).
+pub const IDLE_VAR: &str = "MOAT_MAX_IDLE_SECONDS";
+/// How long a sandbox that asks for nothing stays unused before it is
+/// suspended, and by default also the longest one may ask for.
+pub const DEFAULT_IDLE_VAR: &str = "MOAT_IDLE_SECONDS";
 
 /// What the operator allows models to ask for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +59,9 @@ pub struct Grants {
     pub disk_mib: u64,
     /// The longest one sandbox may live, in seconds.
     pub timeout_seconds: u64,
+    /// The longest one sandbox may stay unused before it is suspended, in
+    /// seconds; 0: it may ask never to be.
+    pub idle_seconds: u64,
 }
 
 /// A variable of the grants holds a value moat cannot use.
@@ -90,6 +101,7 @@ impl Grants {
             memory_mib: SandboxSpec::MAX_MEMORY_MIB,
             disk_mib: SandboxSpec::MAX_DISK_MIB,
             timeout_seconds: SandboxSpec::MAX_TIMEOUT_SECONDS,
+            idle_seconds: 0,
         }
     }
 
@@ -162,7 +174,21 @@ impl Grants {
                 .filter(|n| (SandboxSpec::MIN_TIMEOUT_SECONDS..=SandboxSpec::MAX_TIMEOUT_SECONDS).contains(n))
                 .unwrap_or(SandboxSpec::default().timeout_seconds),
         };
-        Ok(Self { network, cpus, memory_mib, disk_mib, timeout_seconds })
+        let idle_seconds = match number(
+            IDLE_VAR,
+            0,
+            SandboxSpec::MAX_IDLE_SECONDS,
+            "the longest one sandbox may stay unused before it is suspended, in seconds, 0 to let it ask never \
+             to be; unset, the most is MOAT_IDLE_SECONDS",
+        )? {
+            Some(n) => n,
+            // The default is the ceiling too, as the lifetime's is.
+            None => get(DEFAULT_IDLE_VAR)
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|n| *n <= SandboxSpec::MAX_IDLE_SECONDS)
+                .unwrap_or(SandboxSpec::default().idle_seconds),
+        };
+        Ok(Self { network, cpus, memory_mib, disk_mib, timeout_seconds, idle_seconds })
     }
 
     /// The network policies a model may ask for, lowest first.
@@ -248,6 +274,24 @@ impl Grants {
                 SandboxSpec::MAX_TIMEOUT_SECONDS,
             ),
         ];
+        // Unused longer than granted, or never suspended where the
+        // operator suspends: a background process of a forgotten sandbox
+        // would run on past what the operator allows.
+        if self.idle_seconds != 0 && (spec.idle_seconds == 0 || spec.idle_seconds > self.idle_seconds) {
+            let asked = match spec.idle_seconds {
+                0 => "0 (never suspend)".to_owned(),
+                n => n.to_string(),
+            };
+            return Err(NotGranted(format!(
+                "the sandbox asks for idle_seconds {asked}, but this server suspends one after at most {most} s \
+                 unused ({IDLE_VAR}; unset, it is {DEFAULT_IDLE_VAR}, itself {} unless set); ask for 60 to {most}. \
+                 Only the operator who starts moat can allow more, by setting {IDLE_VAR} (up to {}, or 0 to let \
+                 sandboxes never suspend)",
+                SandboxSpec::default().idle_seconds,
+                SandboxSpec::MAX_IDLE_SECONDS,
+                most = self.idle_seconds,
+            )));
+        }
         for (field, asked, most, var, default, bound) in ceilings {
             if asked > most {
                 return Err(NotGranted(format!(
@@ -291,12 +335,16 @@ impl Grants {
         format!(
             "network up to {} ({NETWORK_VAR}); {hosts}; SSH keys for clones {ssh} (MOAT_ALLOW_SSH_KEY); one sandbox \
              up to {} CPUs ({CPUS_VAR}), {} MiB of memory ({MEMORY_VAR}), {} MiB of disk ({DISK_VAR}) and {} s of \
-             life ({TIMEOUT_VAR})",
+             life ({TIMEOUT_VAR}), {} ({IDLE_VAR})",
             self.network.as_str(),
             self.cpus,
             self.memory_mib,
             self.disk_mib,
             self.timeout_seconds,
+            match self.idle_seconds {
+                0 => "never suspended if it asks".to_owned(),
+                n => format!("suspended after at most {n} s unused"),
+            },
         )
     }
 }
@@ -410,6 +458,26 @@ mod tests {
             let err = grants.check(&spec, &egress).expect_err(asked).to_string();
             assert!(err.contains(asked) && err.contains(most) && err.contains(&format!("by setting {var}")), "{err}");
         }
+        // Suspended after at most the granted idle time; never, only where
+        // the operator lets sandboxes never suspend.
+        let idle = with(&[(IDLE_VAR, "600")]).expect("valid");
+        assert!(idle.check(&SandboxSpec { idle_seconds: 600, ..SandboxSpec::default() }, &egress).is_ok());
+        for (asked, words) in [(601, "idle_seconds 601"), (0, "idle_seconds 0 (never suspend)")] {
+            let err = idle.check(&SandboxSpec { idle_seconds: asked, ..SandboxSpec::default() }, &egress);
+            let err = err.expect_err(words).to_string();
+            assert!(
+                err.contains(words)
+                    && err.contains("at most 600 s")
+                    && err.contains("by setting MOAT_MAX_IDLE_SECONDS"),
+                "{err}"
+            );
+        }
+        let defaulted = with(&[(DEFAULT_IDLE_VAR, "120")]).expect("valid");
+        assert_eq!(defaulted.idle_seconds, 120, "unset, the default idle time is the most");
+        assert_eq!(Grants::unset().idle_seconds, 300);
+        let never = with(&[(IDLE_VAR, "0")]).expect("valid");
+        assert!(never.check(&SandboxSpec { idle_seconds: 0, ..SandboxSpec::default() }, &egress).is_ok());
+        assert!(with(&[(IDLE_VAR, "28801")]).is_err(), "past the spec's own bound");
         // The CLI's grants stop only at the spec's own bounds.
         let most = SandboxSpec {
             cpus: SandboxSpec::MAX_CPUS,

@@ -139,6 +139,17 @@ impl ServerConfig {
                 &format!("0 (never suspend) or from 60 to less than MOAT_TIMEOUT_SECONDS ({timeout})"),
             ));
         }
+        if grants.idle_seconds != 0 && (idle == 0 || idle > grants.idle_seconds) {
+            return Err(bad(
+                "MOAT_IDLE_SECONDS",
+                &idle.to_string(),
+                &format!(
+                    "at most MOAT_MAX_IDLE_SECONDS ({}), the longest a sandbox may stay unused before it is \
+                     suspended, and not 0 unless that is 0; raise MOAT_MAX_IDLE_SECONDS or lower MOAT_IDLE_SECONDS",
+                    grants.idle_seconds
+                ),
+            ));
+        }
         let image = get("MOAT_IMAGE").unwrap_or_else(|| "default".into());
         if moat_core::image::parse_ref(&image).is_none() {
             return Err(bad("MOAT_IMAGE", &image, &format!("an image name: {}", moat_core::image::NAME_RULE)));
@@ -332,6 +343,14 @@ mod tests {
             assert!(err.starts_with(&format!("{var}=")) && err.contains(allowed), "{err}");
         }
         assert_eq!(with(&[("MOAT_IDLE_SECONDS", "0")]).expect("0 turns it off").defaults.idle_seconds, 0);
+        // The default idle time within the operator's most.
+        let err = with(&[("MOAT_MAX_IDLE_SECONDS", "120")]).expect_err("300 past 120").to_string();
+        assert!(
+            err.starts_with("MOAT_IDLE_SECONDS=\"300\"") && err.contains("at most MOAT_MAX_IDLE_SECONDS (120)"),
+            "{err}"
+        );
+        let never = with(&[("MOAT_MAX_IDLE_SECONDS", "600"), ("MOAT_IDLE_SECONDS", "0")]).expect_err("never past 600");
+        assert!(never.to_string().contains("not 0 unless that is 0"), "{never}");
         assert!(!with(&[]).expect("valid").test_conformance_tools, "fixtures are listed only when asked for");
         assert!(with(&[("MOAT_TEST_CONFORMANCE_TOOLS", "1")]).expect("valid").test_conformance_tools);
     }

@@ -140,6 +140,25 @@ pub fn acted_on_path<P: AsRef<[u8]>>(parts: &[P]) -> Option<(usize, &'static str
         .then_some((index, "Python runs the import lines of a .pth file in site-packages at each start"))
 }
 
+/// What git makes of directory `dir`, by what it holds rather than its
+/// name, as git itself judges one: a repository (a `HEAD`, `objects` and
+/// `refs`: a bare one, or a `.git` under any name, as `--separate-git-dir`
+/// makes), or a linked worktree's own directory (a `HEAD` and a
+/// `commondir`). `None` for any other directory.
+fn repository_kind(dir: &OwnedFd) -> Option<&'static str> {
+    let has = |name: &str| fstatat(dir, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW).is_ok();
+    if !has("HEAD") {
+        return None;
+    }
+    if has("objects") && has("refs") {
+        Some("a git repository (a directory holding HEAD, objects and refs)")
+    } else if has("commondir") {
+        Some("a git worktree's own directory (one holding HEAD and commondir)")
+    } else {
+        None
+    }
+}
+
 /// Whether `name` is a directory Python takes `.pth` files from.
 fn is_site_packages(name: &[u8]) -> bool {
     name.eq_ignore_ascii_case(b"site-packages") || name.eq_ignore_ascii_case(b"dist-packages")
@@ -531,9 +550,38 @@ impl HostRoots {
     /// Opens the directory `parts` beneath `root`, refusing symlinks, the
     /// data directory and the home directory's dot directories.
     fn walk(&self, root: &Root, parts: &[OsString], shown: &Path) -> Result<OwnedFd, HostPathError> {
+        self.walk_with(root, parts, shown, |_| Ok(()))
+    }
+
+    /// [`HostRoots::walk`] to a place a copy is written: no directory on
+    /// the way may be a git repository's own, whatever its name.
+    fn walk_to_write(&self, root: &Root, parts: &[OsString], shown: &Path) -> Result<OwnedFd, HostPathError> {
+        self.walk_with(root, parts, shown, |dir| match repository_kind(dir) {
+            None => Ok(()),
+            Some(what) => Err(self.refuse(
+                shown,
+                format!(
+                    "moat never writes a copy into {what}: git runs the hooks and the commands in its config there, \
+                     so a file from a sandbox could run commands on the host; copy to another path and look at \
+                     what you move there yourself"
+                ),
+            )),
+        })
+    }
+
+    /// Opens each directory of `parts` beneath `root` in turn, never
+    /// following a link; `check` judges each, the root's included.
+    fn walk_with(
+        &self,
+        root: &Root,
+        parts: &[OsString],
+        shown: &Path,
+        check: impl Fn(&OwnedFd) -> Result<(), HostPathError>,
+    ) -> Result<OwnedFd, HostPathError> {
         let mut dir = openat(&root.dir, ".", OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
             .map_err(|e| self.refuse(shown, e.desc()))?;
         self.check_dir(&dir, shown)?;
+        check(&dir)?;
         for name in parts {
             self.check_entry(&dir, name, shown)?;
             dir = openat(
@@ -544,6 +592,7 @@ impl HostRoots {
             )
             .map_err(|e| self.walk_error(shown, name, e))?;
             self.check_dir(&dir, shown)?;
+            check(&dir)?;
         }
         Ok(dir)
     }
@@ -702,7 +751,7 @@ impl HostRoots {
         let Some((name, parents)) = parts.split_last() else {
             return Err(self.refuse(path, "exists; copy to a new path (nothing on the host is overwritten)"));
         };
-        let parent = self.walk(root, parents, path)?;
+        let parent = self.walk_to_write(root, parents, path)?;
         self.check_entry(&parent, name, path)?;
         match fstatat(&parent, name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
             Err(Errno::ENOENT) => {}
@@ -995,14 +1044,16 @@ impl Drop for Staged {
 }
 
 /// Reads the small file `rel` beneath the directory `dir` (at most 64 KiB),
-/// never leaving it (`RESOLVE_BENEATH`, no magic links); `None` when it is
-/// missing, unreadable or larger.
+/// never leaving it and following no link on the way (`RESOLVE_BENEATH`,
+/// `RESOLVE_NO_SYMLINKS`), as every other host path is walked; `None` when
+/// it is missing, a link, unreadable or larger.
 pub fn read_small(dir: &OwnedFd, rel: &str) -> Option<String> {
+    use nix::fcntl::ResolveFlag;
     use std::io::Read;
     const MAX: u64 = 64 << 10;
     let how = nix::fcntl::OpenHow::new()
         .flags(OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NOCTTY | OFlag::O_NONBLOCK)
-        .resolve(nix::fcntl::ResolveFlag::RESOLVE_BENEATH | nix::fcntl::ResolveFlag::RESOLVE_NO_MAGICLINKS);
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
     let fd = retry_again(|| nix::fcntl::openat2(dir, rel, how)).ok()?;
     let stat = fstat(&fd).ok()?;
     if SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {

@@ -699,6 +699,28 @@ fn nothing_a_host_program_runs_by_itself_is_written() {
     refused(f.roots.destination(&f.root.join("proj/.venv/lib/python3.12/site-packages")), "Python runs the .pth");
     assert!(acted_on_path(&[b"site-packages".as_slice(), b".pth"]).is_some(), "a file named .pth is one");
     refused(f.roots.destination(&f.root.join("proj/repo.git/HEAD")), "git takes a directory holding it");
+    // A repository already on the host, under any name, and what is
+    // beneath it: git runs the hooks and config commands there.
+    for repo in ["proj/mirror.git", "proj/gitdir"] {
+        for dir in ["hooks", "refs", "objects"] {
+            std::fs::create_dir_all(f.root.join(repo).join(dir)).expect("mkdir");
+        }
+        std::fs::write(f.root.join(repo).join("HEAD"), "ref: refs/heads/main\n").expect("write");
+    }
+    for dest in
+        ["proj/mirror.git/hooks/post-update", "proj/gitdir/hooks/pre-push", "proj/gitdir/info", "proj/mirror.git/x"]
+    {
+        refused(f.roots.destination(&f.root.join(dest)), "moat never writes a copy into a git repository");
+    }
+    std::fs::create_dir_all(f.root.join("proj/wt-admin/logs")).expect("mkdir");
+    std::fs::write(f.root.join("proj/wt-admin/HEAD"), "0123\n").expect("write");
+    std::fs::write(f.root.join("proj/wt-admin/commondir"), "../mirror.git\n").expect("write");
+    refused(f.roots.destination(&f.root.join("proj/wt-admin/logs/x")), "a git worktree's own directory");
+    // A working tree's files, and a directory that only looks alike, are not.
+    std::fs::create_dir_all(f.root.join("proj/notes/objects")).expect("mkdir");
+    std::fs::write(f.root.join("proj/notes/HEAD.txt"), "x").expect("write");
+    assert!(f.roots.destination(&f.root.join("proj/notes/new.md")).is_ok(), "no HEAD: no repository");
+    assert!(f.roots.destination(&f.root.join("proj/src.rs")).is_ok(), "a working tree beside its .git");
 }
 
 #[test]
@@ -814,4 +836,22 @@ fn a_copy_never_takes_the_space_the_disk_keeps_free() {
     assert!(err.to_string().contains("less free space than moat keeps free"), "{err}");
     drop((staged, rest, share));
     assert!(!f.root.join("new").exists(), "nothing of it kept");
+}
+
+/// A small file moat reads from a host tree (a project's `.git/config`) is
+/// reached through no link, as every other host path: a link planted on
+/// the way leads the read nowhere.
+#[test]
+fn small_files_are_read_through_no_link() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    std::fs::create_dir_all(dir.path().join("real/.git")).expect("mkdir");
+    std::fs::write(dir.path().join("real/.git/config"), "[remote \"origin\"]\n").expect("write");
+    std::fs::create_dir_all(dir.path().join("linked/elsewhere")).expect("mkdir");
+    std::fs::write(dir.path().join("linked/elsewhere/config"), "[remote \"origin\"]\n").expect("write");
+    std::os::unix::fs::symlink("elsewhere", dir.path().join("linked/.git")).expect("symlink");
+    std::os::unix::fs::symlink("../real/.git/config", dir.path().join("linked/elsewhere/link")).expect("symlink");
+    let open = |p: &str| OwnedFd::from(std::fs::File::open(dir.path().join(p)).expect("open"));
+    assert!(read_small(&open("real"), ".git/config").is_some(), "a plain file is read");
+    assert_eq!(read_small(&open("linked"), ".git/config"), None, "a linked directory on the way");
+    assert_eq!(read_small(&open("linked"), "elsewhere/link"), None, "a link as the file");
 }

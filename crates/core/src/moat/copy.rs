@@ -143,7 +143,7 @@ impl Moat {
         let source = self.inner.host.open_source(host)?;
         let client = self.client(id)?;
         if source.kind == SourceKind::Dir {
-            let packed = self.send_tree(id, source, sandbox_path, false).await?;
+            let packed = self.send_tree(id, source, sandbox_path, true).await?;
             return Ok(CopySummary { files: packed.files, bytes: packed.bytes, skipped: packed.skipped });
         }
         let size = hostfs::file_size(&source.fd);
