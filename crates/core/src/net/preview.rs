@@ -240,7 +240,15 @@ fn parse_base(base: &str) -> Result<String, String> {
     if name.len() != host.len() && (name.contains(['[', ':']) || !name.contains('.') || name.ends_with('.')) {
         return Err(format!("{rule}: a wildcard goes before a DNS name of two labels or more, not {base:?}"));
     }
-    Ok(host)
+    // As a browser writes it in an Origin (lower case, an IPv6 address in
+    // its shortest form): links' origins are compared with it exactly.
+    match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6
+            .parse::<std::net::Ipv6Addr>()
+            .map(|address| format!("[{address}]"))
+            .map_err(|_| format!("{rule}, not {base:?}")),
+        None => Ok(host.to_ascii_lowercase()),
+    }
 }
 
 /// Secrets of the host side that no preview link forwards into a sandbox.
@@ -842,6 +850,14 @@ mod tests {
         assert_eq!((named.bind.to_string(), named.host.as_str()), ("0.0.0.0".into(), "devbox.lan"));
         let tunnel = PreviewHost::for_http(at("127.0.0.1:8080"), Some("http://[fd00::2]")).expect("a host");
         assert_eq!((tunnel.bind.to_string(), tunnel.host.as_str()), ("127.0.0.1".into(), "[fd00::2]"));
+        // Written as a browser writes an Origin, which the links compare
+        // exactly: in lower case, an IPv6 address in its shortest form.
+        let cased = PreviewHost::for_http(at("0.0.0.0:8080"), Some("http://DevBox.LAN")).expect("a host");
+        assert_eq!(cased.host, "devbox.lan");
+        let long = PreviewHost::for_http(at("0.0.0.0:8080"), Some("http://[FD00::0002]")).expect("a host");
+        assert_eq!(long.host, "[fd00::2]");
+        let wild = PreviewHost::for_http(at("0.0.0.0:8080"), Some("http://*.Preview.Example.com")).expect("a host");
+        assert_eq!(wild.host, "*.preview.example.com");
         for bad in [
             "https://devbox.lan",
             "devbox.lan",
@@ -853,6 +869,7 @@ mod tests {
             "http://*.[fd00::2]",
             "http://a.*.lan",
             "http://*.*.lan",
+            "http://[fd00::zz]",
         ] {
             let why = PreviewHost::for_http(at("0.0.0.0:1"), Some(bad)).expect_err(bad);
             assert!(why.contains("MOAT_PREVIEW_URL must be http://HOST"), "{bad}: {why}");
