@@ -274,8 +274,10 @@ impl HttpServer {
 /// is checked (the token included): every local account can open them.
 #[derive(Debug, Clone, Copy)]
 struct ConnectionLimits {
-    /// The most connections served at once; more wait in the kernel's
-    /// backlog until one closes.
+    /// The most connections served at once. A connection past it closes
+    /// the oldest one no request has yet vouched for (carried the token),
+    /// else waits until one closes: connections that only ever send heads
+    /// without the token hold no place against the server's own client.
     max: usize,
     /// How long a client may take to send a request's head, and a
     /// kept-alive connection may wait for its next request, before it is
@@ -291,12 +293,61 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// Set on a connection once a request on it carried the token
+/// ([`check_request`]): from then on it is the server's client's, and is
+/// never closed to make room.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Vouched(Arc<std::sync::atomic::AtomicBool>);
+
+impl Vouched {
+    fn set(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn is_set(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// The connections being served, oldest first: what may be closed to make
+/// room for a new one.
+#[derive(Debug, Default)]
+struct Served {
+    next: u64,
+    live: std::collections::VecDeque<(u64, Vouched, CancellationToken)>,
+}
+
+impl Served {
+    fn add(&mut self, vouched: Vouched, close: CancellationToken) -> u64 {
+        self.next += 1;
+        self.live.push_back((self.next, vouched, close));
+        self.next
+    }
+
+    fn remove(&mut self, id: u64) {
+        self.live.retain(|(live, _, _)| *live != id);
+    }
+
+    /// Closes the oldest connection no request has vouched for; false when
+    /// every one has been.
+    fn close_oldest_stranger(&mut self) -> bool {
+        match self.live.iter().position(|(_, vouched, close)| !vouched.is_set() && !close.is_cancelled()) {
+            Some(at) => {
+                self.live[at].2.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
 /// Serves `app` on `listener` until `shutdown`, then lets the connections
 /// finish. Written here rather than with `axum::serve`, which gives hyper
 /// no timer (so no header timeout) and caps neither connections nor what a
 /// head may buffer: a client trickling one header byte at a time would
 /// hold a descriptor and 400 KiB for ever, and enough of them would stop
-/// the server for everyone.
+/// the server for everyone. Nor would they now: at the most connections,
+/// a new one closes the oldest that no request has vouched for.
 async fn serve_connections(
     listener: tokio::net::TcpListener,
     app: axum::Router,
@@ -304,15 +355,9 @@ async fn serve_connections(
     limits: ConnectionLimits,
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max));
+    let served = Arc::new(std::sync::Mutex::new(Served::default()));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     loop {
-        let slot = tokio::select! {
-            slot = slots.clone().acquire_owned() => match slot {
-                Ok(slot) => slot,
-                Err(_) => break,
-            },
-            () = shutdown.cancelled() => break,
-        };
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
@@ -325,18 +370,52 @@ async fn serve_connections(
             },
             () = shutdown.cancelled() => break,
         };
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(tokio::sync::TryAcquireError::Closed) => break,
+            Err(tokio::sync::TryAcquireError::NoPermits) => {
+                let lock = || served.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if lock().close_oldest_stranger() {
+                    tracing::debug!("closed the oldest connection no request had vouched for, for a new one");
+                }
+                tokio::select! {
+                    slot = slots.clone().acquire_owned() => match slot {
+                        Ok(slot) => slot,
+                        Err(_) => break,
+                    },
+                    () = shutdown.cancelled() => break,
+                }
+            }
+        };
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
             .timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(limits.head_timeout)
             .max_buf_size(limits.head_bytes);
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let (vouched, close) = (Vouched::default(), CancellationToken::new());
+        let id = served.lock().unwrap_or_else(std::sync::PoisonError::into_inner).add(vouched.clone(), close.clone());
+        let app = tower::ServiceExt::map_request(
+            app.clone(),
+            move |mut request: axum::http::Request<hyper::body::Incoming>| {
+                request.extensions_mut().insert(vouched.clone());
+                request
+            },
+        );
+        let service = hyper_util::service::TowerToHyperService::new(app);
         let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
         let connection = graceful.watch(connection);
+        let served = served.clone();
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!("an HTTP connection ended: {e}");
+            tokio::select! {
+                ended = connection => {
+                    if let Err(e) = ended {
+                        tracing::debug!("an HTTP connection ended: {e}");
+                    }
+                }
+                // Dropped, the connection closes.
+                () = close.cancelled() => {}
             }
+            served.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(id);
             drop(slot);
         });
     }
@@ -380,6 +459,9 @@ async fn check_request(State(gate): State<Arc<Gate>>, request: Request, next: Ne
         let mut response = refuse(StatusCode::UNAUTHORIZED, format!("Unauthorized: {message}"));
         response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
         return response;
+    }
+    if let Some(vouched) = request.extensions().get::<Vouched>() {
+        vouched.set();
     }
     // A request that may start a session (or is served without one) while
     // the server keeps as many as it may is refused before anything is made
@@ -583,6 +665,72 @@ mod tests {
         let answer = until_closed(&mut big).await.unwrap_or_default();
         assert!(!answer.starts_with("HTTP/1.1 200"), "{answer}");
         stop.cancel();
+        tokio::time::timeout(Duration::from_secs(10), task).await.expect("stops").expect("ends");
+    }
+
+    /// Connections that never carry the token hold no place against the
+    /// server's client: at the most connections, a new one closes the
+    /// oldest that no request vouched for; one that did is never closed.
+    #[tokio::test]
+    async fn strangers_holding_every_connection_make_room_and_vouched_ones_keep_theirs() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let limits = ConnectionLimits { max: 2, head_timeout: Duration::from_secs(3600), head_bytes: 8192 };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        // What check_request does once the token checks out.
+        let app = axum::Router::new().route("/", axum::routing::get(|| async { "ok" })).layer(
+            axum::middleware::from_fn(|request: Request, next: Next| async move {
+                if request.headers().contains_key("x-token")
+                    && let Some(vouched) = request.extensions().get::<Vouched>()
+                {
+                    vouched.set();
+                }
+                next.run(request).await
+            }),
+        );
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(serve_connections(listener, app, stop.clone(), limits));
+        let ask =
+            |token: bool| format!("GET / HTTP/1.1\r\nHost: x\r\n{}\r\n", if token { "X-Token: 1\r\n" } else { "" });
+        async fn answer(stream: &mut tokio::net::TcpStream, request: &str) -> String {
+            stream.write_all(request.as_bytes()).await.expect("a request");
+            let mut got = vec![0u8; 4096];
+            let n = tokio::time::timeout(Duration::from_secs(30), stream.read(&mut got))
+                .await
+                .expect("answered, not left waiting")
+                .expect("read");
+            String::from_utf8_lossy(&got[..n]).into_owned()
+        }
+        // Two strangers take both places and send nothing.
+        let mut strangers = Vec::new();
+        for _ in 0..2 {
+            strangers.push(tokio::net::TcpStream::connect(addr).await.expect("connect"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The client gets a place at once: the oldest stranger is closed.
+        let mut client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        assert!(answer(&mut client, &ask(true)).await.starts_with("HTTP/1.1 200"));
+        assert_eq!(until_closed(&mut strangers[0]).await.as_deref(), Some(""), "the oldest stranger is closed");
+        // A second client connection, vouched for too: both places are
+        // the client's, and a stranger neither closes them nor is served.
+        let mut second = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        assert!(answer(&mut second, &ask(true)).await.starts_with("HTTP/1.1 200"));
+        let mut late = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        late.write_all(ask(false).as_bytes()).await.expect("a request");
+        for stream in [&mut client, &mut second] {
+            assert!(answer(stream, &ask(false)).await.starts_with("HTTP/1.1 200"), "a vouched connection stays");
+        }
+        let mut nothing = [0u8; 1];
+        let waited = tokio::time::timeout(Duration::from_millis(300), late.read(&mut nothing)).await;
+        assert!(waited.is_err(), "a stranger past the most waits for a place");
+        // A place freed, it is served.
+        drop(client);
+        let mut got = vec![0u8; 4096];
+        let n =
+            tokio::time::timeout(Duration::from_secs(30), late.read(&mut got)).await.expect("served").expect("read");
+        assert!(String::from_utf8_lossy(&got[..n]).starts_with("HTTP/1.1 200"));
+        stop.cancel();
+        drop((strangers, second, late));
         tokio::time::timeout(Duration::from_secs(10), task).await.expect("stops").expect("ends");
     }
 
