@@ -722,17 +722,27 @@ impl UserCgroups {
         LimitHit::Pids { limit }
     }
 
-    /// Kills what a finished command left running when it held the most
-    /// processes while forks kept failing at the shared limit; the next
-    /// command says so.
-    pub fn kill_filling(&self, exec: &ExecCgroup) {
-        // The command is done with it (released): killed as this pass's
-        // own, once it is, and only while it still holds what that
-        // command left, never after it was handed to another.
-        if !self.holds_left(exec) || !self.claim(&exec.name) {
-            return;
+    /// Kills what a finished command left running (`exec`'s) when it
+    /// holds the most processes while forks keep failing at the shared
+    /// limit; the next command says so. Judged and killed as this pass's
+    /// own, claimed while it still holds what that command left: never
+    /// once it was emptied and handed to another command.
+    pub fn stop_filling(&self, exec: &ExecCgroup) -> Filling {
+        {
+            let mut names = self.names();
+            if !names.left.contains_key(&exec.name) {
+                return Filling::Gone;
+            }
+            if names.active.contains(&exec.name) || names.free.iter().any(|(free, _)| *free == exec.name) {
+                return Filling::Busy;
+            }
+            names.active.insert(exec.name.clone());
         }
         let exec = ExecCgroup::existing(&self.hierarchies, &exec.name);
+        if !self.holds_the_most(&exec) {
+            self.unclaim(&exec.name);
+            return Filling::NotTheMost;
+        }
         let top = exec.top_processes();
         let count = exec.kill();
         self.unclaim(&exec.name);
@@ -743,6 +753,7 @@ impl UserCgroups {
             self.reclaimed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(line);
             self.cool_down();
         }
+        Filling::Stopped
     }
 
     /// How many processes run in the sandbox's `user` cgroup, all commands together.
@@ -772,6 +783,19 @@ pub enum LimitHit {
     /// reclaiming its file pages again and again instead of ending it);
     /// moat ends it.
     MemoryStall { limit_bytes: Option<u64>, seconds: u64 },
+}
+
+/// What [`UserCgroups::stop_filling`] made of what a command left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Filling {
+    /// It held the most, and was killed.
+    Stopped,
+    /// Another command's cgroup holds more: left running.
+    NotTheMost,
+    /// Another pass has the cgroup now (a reclaim judging it).
+    Busy,
+    /// It no longer holds what that command left: emptied since.
+    Gone,
 }
 
 /// The cgroup of one command: one directory per hierarchy.

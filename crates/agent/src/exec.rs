@@ -291,15 +291,17 @@ async fn start_in(
     req: &ExecRequest,
     cgroup: Option<&crate::cgroup::ExecCgroup>,
 ) -> Result<Started, WireError> {
+    // Checked first: a request refused before its start (a missing cwd,
+    // an unknown user) leaves the launcher in its place.
+    let mut prepared = prepare(req, Vec::new())?;
     let launcher = cgroup.and_then(crate::cgroup::ExecCgroup::take_launcher);
     let mut opened = Vec::new();
-    let join = match cgroup {
-        Some(cgroup) if launcher.is_none() => {
-            cgroup.join_fds(&mut opened).map_err(|e| io_error("opening the command's cgroup to start it there", &e))?
-        }
-        _ => Vec::new(),
-    };
-    let prepared = prepare(req, join)?;
+    if let Some(cgroup) = cgroup
+        && launcher.is_none()
+    {
+        prepared.join =
+            cgroup.join_fds(&mut opened).map_err(|e| io_error("opening the command's cgroup to start it there", &e))?;
+    }
     let (pid, exit, streams) = match (launcher, cgroup) {
         (Some(launcher), Some(cgroup)) => spawn_launched(launcher, cgroup.launcher_slot(), &prepared).await?,
         _ => spawn(reaper, &prepared)?,
@@ -518,8 +520,9 @@ where
             // the host would take for the agent's end.
             let error = WireError::new(
                 moat_proto::ErrorKind::Internal,
-                "the command's exit status was lost: the process that started it in its cgroup ended first; \
-                 the command and everything it started were stopped; run it again",
+                "the command's exit status was lost: the process that started it in its cgroup ended first, \
+                 and the command and everything it started were stopped; check whether it did what it should \
+                 (it may have finished), then run it again if not",
             );
             let _ = sink.send(&AgentMsg::Error { error }).await;
         }
@@ -570,17 +573,12 @@ fn watch_background(cgroups: &'static crate::cgroup::UserCgroups, cgroup: Arc<cr
             // holding the most processes goes.
             if shared.observe(cgroups.failed_forks()) {
                 let cgroup = cgroup.clone();
-                let stopped = tokio::task::spawn_blocking(move || {
-                    let most = cgroups.holds_the_most(&cgroup);
-                    if most {
-                        cgroups.kill_filling(&cgroup);
-                    }
-                    most
-                })
-                .await
-                .unwrap_or(false);
-                if stopped {
-                    return;
+                let filling = tokio::task::spawn_blocking(move || cgroups.stop_filling(&cgroup)).await;
+                match filling {
+                    // Stopped, or no longer what that command left: done.
+                    Ok(crate::cgroup::Filling::Stopped | crate::cgroup::Filling::Gone) => return,
+                    // Not the most, or another pass judging it now: watched on.
+                    Ok(crate::cgroup::Filling::NotTheMost | crate::cgroup::Filling::Busy) | Err(_) => {}
                 }
             }
         }

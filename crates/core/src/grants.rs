@@ -174,13 +174,17 @@ impl Grants {
                 .filter(|n| (SandboxSpec::MIN_TIMEOUT_SECONDS..=SandboxSpec::MAX_TIMEOUT_SECONDS).contains(n))
                 .unwrap_or(SandboxSpec::default().timeout_seconds),
         };
-        let idle_seconds = match number(
-            IDLE_VAR,
-            0,
-            SandboxSpec::MAX_IDLE_SECONDS,
-            "the longest one sandbox may stay unused before it is suspended, in seconds, 0 to let it ask never \
-             to be; unset, the most is MOAT_IDLE_SECONDS",
-        )? {
+        let idle_rule = "the longest one sandbox may stay unused before it is suspended, in seconds, 0 to let it \
+                         ask never to be; unset, the most is MOAT_IDLE_SECONDS";
+        let idle_seconds = match number(IDLE_VAR, 0, SandboxSpec::MAX_IDLE_SECONDS, idle_rule)? {
+            // No sandbox may ask for less than a minute: nothing would pass.
+            Some(n) if (1..60).contains(&n) => {
+                return Err(GrantsError {
+                    var: IDLE_VAR,
+                    value: n.to_string(),
+                    allowed: format!("0, or an integer from 60 to {} ({idle_rule})", SandboxSpec::MAX_IDLE_SECONDS),
+                });
+            }
             Some(n) => n,
             // The default is the ceiling too, as the lifetime's is.
             None => get(DEFAULT_IDLE_VAR)
@@ -478,6 +482,8 @@ mod tests {
         let never = with(&[(IDLE_VAR, "0")]).expect("valid");
         assert!(never.check(&SandboxSpec { idle_seconds: 0, ..SandboxSpec::default() }, &egress).is_ok());
         assert!(with(&[(IDLE_VAR, "28801")]).is_err(), "past the spec's own bound");
+        let short = with(&[(IDLE_VAR, "30")]).expect_err("below any spec's").to_string();
+        assert!(short.contains("0, or an integer from 60 to 28800"), "{short}");
         // The CLI's grants stop only at the spec's own bounds.
         let most = SandboxSpec {
             cpus: SandboxSpec::MAX_CPUS,

@@ -2557,6 +2557,59 @@ async fn a_background_thread_bomb_goes_before_a_later_command() {
     moat.destroy_all().await;
 }
 
+/// Two thread bombs left in the background, each lit by a command of its
+/// own at one moment, fill the shared pids limit together, each holding
+/// about half of it. Both go before the next command runs, which says so:
+/// where a refused fork counts in the forking cgroup (cgroup v1, and v2
+/// before Linux 6.15), each reached a limit and is reclaimed; where only
+/// the shared limit counts it, the one that holds the most is stopped
+/// while later starts keep failing (`stop_filling`), then the other.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn two_background_bombs_that_fill_the_limit_together_give_way() {
+    // The fork watch is the agent's, the same in both backends.
+    if nested() {
+        return;
+    }
+    let moat = moat(16).await;
+    let id = moat.create(small()).await.expect("created").id;
+    // Lit at one moment and growing alike, each stops at its first refused
+    // thread with about half the limit, and holds what it made.
+    let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_secs() + 4;
+    let bomb = format!(
+        "setsid python3 -c \"import threading, time\ntime.sleep(max(0, {at} - time.time()))\nwhile True:\n    threading.Thread(target=time.sleep, args=(300,)).start()\n    time.sleep(0.002)\" >/dev/null 2>&1 & echo started"
+    );
+    for _ in 0..2 {
+        let (out, err, _, _) = bash(&moat, &id, &bomb, 60_000).await;
+        assert!(out.contains("started"), "{out}{err}");
+    }
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let mut reclaimed = false;
+    for _ in 0..300 {
+        let mut request = ExecRequest::argv(["bash", "-c", "echo ok"]);
+        request.timeout_ms = Some(60_000);
+        let out = match moat.run(&id, request).await {
+            Ok(out) => out,
+            Err(e) if format!("{e} {e:?}").contains("the sandbox's process limit is full") => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            Err(e) => panic!("runs: {e:?}"),
+        };
+        let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert_eq!((text.as_ref(), out.status.code), ("ok\n", Some(0)), "{err}");
+        if err.contains("processes of an earlier command that") {
+            reclaimed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(reclaimed, "the bombs were never reclaimed: every command was refused");
+    assert!(count_processes(&moat, &id, "^python3").await <= 1, "both bombs are left");
+    assert_recovered(&moat, &id).await;
+    moat.destroy_all().await;
+}
+
 /// A fork bomb left running in the background is killed before the next
 /// command starts, and that command says so.
 #[tokio::test]

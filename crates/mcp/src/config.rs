@@ -145,8 +145,9 @@ impl ServerConfig {
                 &idle.to_string(),
                 &format!(
                     "at most MOAT_MAX_IDLE_SECONDS ({}), the longest a sandbox may stay unused before it is \
-                     suspended, and not 0 unless that is 0; raise MOAT_MAX_IDLE_SECONDS or lower MOAT_IDLE_SECONDS",
-                    grants.idle_seconds
+                     suspended, and not 0 (never suspend) unless that is 0; give MOAT_IDLE_SECONDS a value from 60 \
+                     to {}, or raise MOAT_MAX_IDLE_SECONDS (0 lets sandboxes never suspend)",
+                    grants.idle_seconds, grants.idle_seconds
                 ),
             ));
         }
@@ -350,7 +351,7 @@ mod tests {
             "{err}"
         );
         let never = with(&[("MOAT_MAX_IDLE_SECONDS", "600"), ("MOAT_IDLE_SECONDS", "0")]).expect_err("never past 600");
-        assert!(never.to_string().contains("not 0 unless that is 0"), "{never}");
+        assert!(never.to_string().contains("not 0 (never suspend) unless that is 0"), "{never}");
         assert!(!with(&[]).expect("valid").test_conformance_tools, "fixtures are listed only when asked for");
         assert!(with(&[("MOAT_TEST_CONFORMANCE_TOOLS", "1")]).expect("valid").test_conformance_tools);
     }

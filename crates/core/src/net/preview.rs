@@ -240,14 +240,18 @@ fn parse_base(base: &str) -> Result<String, String> {
     if name.len() != host.len() && (name.contains(['[', ':']) || !name.contains('.') || name.ends_with('.')) {
         return Err(format!("{rule}: a wildcard goes before a DNS name of two labels or more, not {base:?}"));
     }
-    // As a browser writes it in an Origin (lower case, an IPv6 address in
-    // its shortest form): links' origins are compared with it exactly.
-    match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
-        Some(v6) => v6
-            .parse::<std::net::Ipv6Addr>()
-            .map(|address| format!("[{address}]"))
-            .map_err(|_| format!("{rule}, not {base:?}")),
-        None => Ok(host.to_ascii_lowercase()),
+    // As a browser writes it in an Origin (the URL standard's host: lower
+    // case, an IPv4 address in four decimals, an IPv6 one in its shortest
+    // form): links' origins are compared with it exactly.
+    let as_browsers_write = |host: &str| {
+        url::Url::parse(&format!("http://{host}/"))
+            .ok()
+            .and_then(|url| url.host_str().map(str::to_owned))
+            .ok_or_else(|| format!("{rule}, not {base:?}"))
+    };
+    match host.strip_prefix("*.") {
+        Some(name) => Ok(format!("*.{}", as_browsers_write(name)?)),
+        None => as_browsers_write(&host),
     }
 }
 
@@ -856,6 +860,10 @@ mod tests {
         assert_eq!(cased.host, "devbox.lan");
         let long = PreviewHost::for_http(at("0.0.0.0:8080"), Some("http://[FD00::0002]")).expect("a host");
         assert_eq!(long.host, "[fd00::2]");
+        let mapped = PreviewHost::for_http(at("0.0.0.0:8080"), Some("http://[::ffff:1.2.3.4]")).expect("a host");
+        assert_eq!(mapped.host, "[::ffff:102:304]");
+        let short = PreviewHost::for_http(at("0.0.0.0:8080"), Some("http://10.1")).expect("a host");
+        assert_eq!(short.host, "10.0.0.1");
         let wild = PreviewHost::for_http(at("0.0.0.0:8080"), Some("http://*.Preview.Example.com")).expect("a host");
         assert_eq!(wild.host, "*.preview.example.com");
         for bad in [
