@@ -2295,6 +2295,36 @@ async fn assert_recovered(moat: &Moat, id: &str) {
     assert_eq!(cell.text, "42", "{cell:?}");
 }
 
+/// Runs `echo ok` in sandbox `id` until one says, on stderr, that moat
+/// reclaimed what an earlier command left (`note`); true when one did
+/// (a guard against a hang: 600 tries). A start refused at the full
+/// process limit, with nothing yet to reclaim, is tried again. Each runs
+/// in a command cgroup of its own, the one that reclaims too (its first
+/// start may meet the limit; the second, after the reclaim, was once made
+/// outside any, in the agent's).
+async fn run_until_reclaimed(moat: &Moat, id: &str, note: &str) -> bool {
+    for _ in 0..600 {
+        let mut request =
+            ExecRequest::argv(["bash", "-c", "grep -q exec- /proc/self/cgroup && echo ok || cat /proc/self/cgroup"]);
+        request.timeout_ms = Some(60_000);
+        let out = match moat.run(id, request).await {
+            Ok(out) => out,
+            Err(e) if format!("{e} {e:?}").contains("the sandbox's process limit is full") => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            Err(e) => panic!("runs: {e:?}"),
+        };
+        let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert_eq!((text.as_ref(), out.status.code), ("ok\n", Some(0)), "{err}");
+        if err.contains(note) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
 /// How many processes of the sandbox have `pattern` in their command line.
 async fn count_processes(moat: &Moat, id: &str, pattern: &str) -> usize {
     let (out, _, _, _) = bash(moat, id, &format!("pgrep -c -f '{pattern}' || true"), 60_000).await;
@@ -2584,26 +2614,7 @@ async fn two_background_bombs_that_fill_the_limit_together_give_way() {
         assert!(out.contains("started"), "{out}{err}");
     }
     tokio::time::sleep(Duration::from_secs(8)).await;
-    let mut reclaimed = false;
-    for _ in 0..300 {
-        let mut request = ExecRequest::argv(["bash", "-c", "echo ok"]);
-        request.timeout_ms = Some(60_000);
-        let out = match moat.run(&id, request).await {
-            Ok(out) => out,
-            Err(e) if format!("{e} {e:?}").contains("the sandbox's process limit is full") => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-            Err(e) => panic!("runs: {e:?}"),
-        };
-        let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert_eq!((text.as_ref(), out.status.code), ("ok\n", Some(0)), "{err}");
-        if err.contains("processes of an earlier command that") {
-            reclaimed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let reclaimed = run_until_reclaimed(&moat, &id, "processes of an earlier command that").await;
     assert!(reclaimed, "the bombs were never reclaimed: every command was refused");
     assert!(count_processes(&moat, &id, "^python3").await <= 1, "both bombs are left");
     assert_recovered(&moat, &id).await;
@@ -2626,30 +2637,8 @@ async fn a_background_fork_bomb_is_reclaimed_by_the_next_command() {
     let (out, err, _, _) = bash(&moat, &id, script, 120_000).await;
     assert!(out.contains("started"), "{out}{err}");
     // Until the bomb reaches the limit, commands run without a note; the
-    // first one after it reclaims the sandbox. (A guard against a hang.)
-    // A command whose start meets the limit just as the bomb fills it, with
-    // nothing yet to reclaim, is refused saying so: the next one reclaims.
-    // Each command runs in a command cgroup of its own, the one that
-    // reclaims too (its first start may meet the limit; the second, after
-    // the reclaim, was once made outside any, in the agent's).
-    let mut reclaimed = false;
-    for _ in 0..600 {
-        let mut request =
-            ExecRequest::argv(["bash", "-c", "grep -q exec- /proc/self/cgroup && echo ok || cat /proc/self/cgroup"]);
-        request.timeout_ms = Some(60_000);
-        let out = match moat.run(&id, request).await {
-            Ok(out) => out,
-            Err(e) if format!("{e} {e:?}").contains("the sandbox's process limit is full") => continue,
-            Err(e) => panic!("runs: {e:?}"),
-        };
-        let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert_eq!((text.as_ref(), out.status.code), ("ok\n", Some(0)), "{err}");
-        if err.contains("earlier command that reached a limit") {
-            reclaimed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // first one after it reclaims the sandbox.
+    let reclaimed = run_until_reclaimed(&moat, &id, "earlier command that reached a limit").await;
     assert!(reclaimed, "the background bomb was never reclaimed");
     assert_recovered(&moat, &id).await;
     moat.destroy_all().await;
