@@ -680,8 +680,14 @@ pub fn delegate(support: &CgroupSupport, uid: u32, gid: u32) -> std::io::Result<
     Ok(done)
 }
 
+/// How recently a sandbox's cgroups may have been made and still be on
+/// their way to holding its monitor: a moat of another data directory
+/// makes them a moment before its monitor joins, within its start guard.
+const STARTING: Duration = Duration::from_secs(60);
+
 /// Removes the cgroups of sandbox `id` if no process is left in them
-/// (another data directory's live sandbox is never touched).
+/// (another data directory's live sandbox is never touched, nor one it is
+/// starting: cgroups made in the last [`STARTING`] are left).
 pub fn remove_if_empty(id: &str, sweeper: Option<&Sweeper>) {
     let dirs = sandbox_dirs(id);
     // A live sandbox has its monitor and agent in `agent` (or, not split,
@@ -691,6 +697,13 @@ pub fn remove_if_empty(id: &str, sweeper: Option<&Sweeper>) {
         return;
     }
     let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).filter(|d| d.exists()).collect();
+    // A directory's time is when it, or its last child, was made.
+    let lately = |d: &&Path| {
+        std::fs::metadata(d).and_then(|m| m.modified()).is_ok_and(|t| t.elapsed().map_or(true, |age| age < STARTING))
+    };
+    if dirs.iter().any(lately) {
+        return;
+    }
     if dirs.iter().all(|d| matches!(cgroupfs::processes(d), Ok(0))) {
         remove_trees(&dirs, sweeper);
     }
@@ -733,6 +746,42 @@ const REMOVE_GUARD: Duration = Duration::from_secs(10);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The sweep leaves a sandbox's empty cgroups made in the last minute:
+    /// another moat (another data directory) makes them a moment before
+    /// its monitor joins. Older empty ones, a crash's, go.
+    #[test]
+    fn empty_cgroups_being_started_elsewhere_are_left_and_old_ones_go() {
+        let hierarchy = Path::new(ROOT).join("pids");
+        let parent = parent(&hierarchy);
+        let id = format!("sbx-sweeptest{}", std::process::id());
+        let dir = parent.join(&id);
+        if !hierarchy.join("cgroup.procs").exists() || std::fs::create_dir_all(&dir).is_err() {
+            eprintln!("skipped: this host lets the test make no cgroup (run as root on a cgroup v1 host)");
+            return;
+        }
+        remove_if_empty(&id, None);
+        let young = dir.exists();
+        // Made two minutes ago, as a crash's would be.
+        let old = nix::sys::time::TimeSpec::from_duration(
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970")
+                - Duration::from_secs(120),
+        );
+        let dated = nix::sys::stat::utimensat(
+            nix::fcntl::AT_FDCWD,
+            &dir,
+            &old,
+            &old,
+            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+        );
+        if dated.is_ok() {
+            remove_if_empty(&id, None);
+        }
+        let gone = !dir.exists();
+        let _ = std::fs::remove_dir(&dir);
+        assert!(young, "a sandbox's cgroup made a moment ago was removed");
+        assert!(dated.is_err() || gone, "an old empty cgroup was left");
+    }
 
     #[test]
     fn a_sandbox_cgroup_that_exists_is_anothers() {
