@@ -246,6 +246,13 @@ struct Names {
     left: std::collections::HashMap<String, Counters>,
 }
 
+impl Names {
+    /// Whether cgroup `name` has an owner (a command, a pass) or waits free.
+    fn taken(&self, name: &str) -> bool {
+        self.active.contains(name) || self.free.iter().any(|(free, _)| free == name)
+    }
+}
+
 /// How many empty command cgroups are kept for reuse.
 const KEPT_FREE: usize = 8;
 
@@ -321,7 +328,7 @@ impl UserCgroups {
     /// when it is another's; [`UserCgroups::unclaim`] gives it up.
     fn claim(&self, name: &str) -> bool {
         let mut names = self.names();
-        if names.active.contains(name) || names.free.iter().any(|(free, _)| free == name) {
+        if names.taken(name) {
             return false;
         }
         names.active.insert(name.to_owned());
@@ -658,7 +665,7 @@ impl UserCgroups {
         // since. Removing it then took a command's cgroup from under it
         // (its start failed with ENODEV); keeping it twice would give two
         // commands one cgroup.
-        if names.active.contains(&exec.name) || names.free.iter().any(|(free, _)| *free == exec.name) {
+        if names.taken(&exec.name) {
             return;
         }
         names.left.remove(&exec.name);
@@ -694,7 +701,7 @@ impl UserCgroups {
     fn idle_exec_dirs(&self) -> Vec<String> {
         let mut dirs = self.exec_dirs();
         let names = self.names();
-        dirs.retain(|d| !names.active.contains(d) && !names.free.iter().any(|(free, _)| free == d));
+        dirs.retain(|d| !names.taken(d));
         dirs
     }
 
@@ -733,7 +740,7 @@ impl UserCgroups {
             if !names.left.contains_key(&exec.name) {
                 return Filling::Gone;
             }
-            if names.active.contains(&exec.name) || names.free.iter().any(|(free, _)| *free == exec.name) {
+            if names.taken(&exec.name) {
                 return Filling::Busy;
             }
             names.active.insert(exec.name.clone());
