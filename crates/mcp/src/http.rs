@@ -35,6 +35,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use moat_core::net::places::{Places, Vouched};
 use moat_core::{Moat, SandboxSpec};
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
@@ -293,54 +294,6 @@ impl Default for ConnectionLimits {
     }
 }
 
-/// Set on a connection once a request on it carried the token
-/// ([`check_request`]): from then on it is the server's client's, and is
-/// never closed to make room.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Vouched(Arc<std::sync::atomic::AtomicBool>);
-
-impl Vouched {
-    fn set(&self) {
-        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    fn is_set(&self) -> bool {
-        self.0.load(std::sync::atomic::Ordering::Relaxed)
-    }
-}
-
-/// The connections being served, oldest first: what may be closed to make
-/// room for a new one.
-#[derive(Debug, Default)]
-struct Served {
-    next: u64,
-    live: std::collections::VecDeque<(u64, Vouched, CancellationToken)>,
-}
-
-impl Served {
-    fn add(&mut self, vouched: Vouched, close: CancellationToken) -> u64 {
-        self.next += 1;
-        self.live.push_back((self.next, vouched, close));
-        self.next
-    }
-
-    fn remove(&mut self, id: u64) {
-        self.live.retain(|(live, _, _)| *live != id);
-    }
-
-    /// Closes the oldest connection no request has vouched for; false when
-    /// every one has been.
-    fn close_oldest_stranger(&mut self) -> bool {
-        match self.live.iter().position(|(_, vouched, close)| !vouched.is_set() && !close.is_cancelled()) {
-            Some(at) => {
-                self.live[at].2.cancel();
-                true
-            }
-            None => false,
-        }
-    }
-}
-
 /// Serves `app` on `listener` until `shutdown`, then lets the connections
 /// finish. Written here rather than with `axum::serve`, which gives hyper
 /// no timer (so no header timeout) and caps neither connections nor what a
@@ -354,8 +307,7 @@ async fn serve_connections(
     shutdown: CancellationToken,
     limits: ConnectionLimits,
 ) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max));
-    let served = Arc::new(std::sync::Mutex::new(Served::default()));
+    let places = Places::new(limits.max);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     loop {
         let stream = tokio::select! {
@@ -370,19 +322,14 @@ async fn serve_connections(
             },
             () = shutdown.cancelled() => break,
         };
-        let slot = match slots.clone().try_acquire_owned() {
-            Ok(slot) => slot,
-            Err(tokio::sync::TryAcquireError::Closed) => break,
-            Err(tokio::sync::TryAcquireError::NoPermits) => {
-                let lock = || served.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                if lock().close_oldest_stranger() {
+        let place = match places.try_take() {
+            Some(place) => place,
+            None => {
+                if places.make_room() {
                     tracing::debug!("closed the oldest connection no request had vouched for, for a new one");
                 }
                 tokio::select! {
-                    slot = slots.clone().acquire_owned() => match slot {
-                        Ok(slot) => slot,
-                        Err(_) => break,
-                    },
+                    place = places.take() => place,
                     () = shutdown.cancelled() => break,
                 }
             }
@@ -392,8 +339,7 @@ async fn serve_connections(
             .timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(limits.head_timeout)
             .max_buf_size(limits.head_bytes);
-        let (vouched, close) = (Vouched::default(), CancellationToken::new());
-        let id = served.lock().unwrap_or_else(std::sync::PoisonError::into_inner).add(vouched.clone(), close.clone());
+        let vouched = place.vouched().clone();
         let app = tower::ServiceExt::map_request(
             app.clone(),
             move |mut request: axum::http::Request<hyper::body::Incoming>| {
@@ -404,7 +350,6 @@ async fn serve_connections(
         let service = hyper_util::service::TowerToHyperService::new(app);
         let connection = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
         let connection = graceful.watch(connection);
-        let served = served.clone();
         tokio::spawn(async move {
             tokio::select! {
                 ended = connection => {
@@ -413,10 +358,9 @@ async fn serve_connections(
                     }
                 }
                 // Dropped, the connection closes.
-                () = close.cancelled() => {}
+                () = place.closed() => {}
             }
-            served.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(id);
-            drop(slot);
+            drop(place);
         });
     }
     drop(listener);

@@ -29,6 +29,11 @@
 //! Request bodies are forwarded by `Content-Length`; a chunked request body
 //! is refused (411). After a WebSocket upgrade request, bytes flow
 //! unchanged both ways.
+//!
+//! A link serves [`MAX_CONNECTIONS`] at once. Past that, a new connection
+//! closes the oldest one on which no request has shown the link's session
+//! or token ([`crate::net::places`]): strangers who reach a remote link's
+//! address can take only one another's places, never the user's.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -39,10 +44,10 @@ use serde::{Deserialize, Serialize};
 use subtle::ConstantTimeEq;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use crate::error::SandboxError;
+use crate::net::places::{Places, Vouched};
 
 /// The largest request head a link reads.
 const MAX_HEAD: usize = 16 * 1024;
@@ -61,6 +66,10 @@ pub const TOKEN_PARAM: &str = "moat_token";
 /// port (a local connect inside the sandbox: an agent that takes longer
 /// is stuck or hostile, and would hold one of the link's connections).
 const FORWARD_GUARD: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long a full link waits for the place of a connection it closed to
+/// make room (its task ends at once; the bound is against a stuck one).
+const ROOM_WAIT: Duration = Duration::from_secs(1);
 
 /// How long a link's accept loop pauses after a failed accept.
 const ACCEPT_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
@@ -392,7 +401,7 @@ impl Guard {
 }
 
 async fn serve(listener: TcpListener, guard: Arc<Guard>, connect: Connect) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let places = Places::new(MAX_CONNECTIONS);
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
@@ -406,14 +415,25 @@ async fn serve(listener: TcpListener, guard: Arc<Guard>, connect: Connect) {
                     tokio::time::sleep(ACCEPT_PAUSE).await;
                     continue;
                 };
-                let Ok(permit) = slots.clone().try_acquire_owned() else {
+                // At the most, the oldest connection that has not shown the
+                // link's session goes (strangers who reach a remote link's
+                // address cannot keep its user out); one the user's browser
+                // holds never does.
+                let place = match places.try_take() {
+                    Some(place) => Some(place),
+                    None if places.make_room() => tokio::time::timeout(ROOM_WAIT, places.take()).await.ok(),
+                    None => None,
+                };
+                let Some(place) = place else {
                     connections.spawn(answer(stream, "503 Service Unavailable", "Too many connections through this preview link.".into(), None));
                     continue;
                 };
                 let (guard, connect) = (guard.clone(), connect.clone());
                 connections.spawn(async move {
-                    connection(stream, &guard, &connect).await;
-                    drop(permit);
+                    tokio::select! {
+                        () = connection(stream, &guard, &connect, place.vouched()) => {}
+                        () = place.closed() => {}
+                    }
                 });
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
@@ -603,7 +623,7 @@ fn body_of(head: &Head) -> Body {
     }
 }
 
-async fn connection(mut stream: TcpStream, guard: &Guard, connect: &Connect) {
+async fn connection(mut stream: TcpStream, guard: &Guard, connect: &Connect, vouched: &Vouched) {
     let (head, rest) = match tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream, Vec::new())).await {
         Ok(Some((Ok(head), rest))) => (head, rest),
         Ok(Some((Err(_), _))) => return refuse(stream, guard, "not an HTTP request").await,
@@ -612,6 +632,7 @@ async fn connection(mut stream: TcpStream, guard: &Guard, connect: &Connect) {
     match judge(&head, guard) {
         Verdict::Refuse(why) => refuse(stream, guard, why).await,
         Verdict::Redirect { location, page, session } => {
+            vouched.set();
             let cookie = session.map_or_else(String::new, |session| {
                 format!("Set-Cookie: {}={session}; Path=/; HttpOnly; SameSite=Strict\r\n", guard.cookie)
             });
@@ -631,6 +652,7 @@ async fn connection(mut stream: TcpStream, guard: &Guard, connect: &Connect) {
             }
         }
         Verdict::Forward => {
+            vouched.set();
             if body_of(&head) == Body::Unsupported {
                 let why = "a request body must have one Content-Length (chunked bodies are not forwarded)";
                 return answer(stream, "411 Length Required", why.into(), None).await;
@@ -1006,6 +1028,35 @@ mod tests {
         remote.shared = true;
         let c = Preview::start(8000, 0, &remote, connect).await.expect("listens");
         assert!(c.link.url.starts_with("http://[fd00::2]:"), "{}", c.link.url);
+    }
+
+    /// A remote link's address is reachable by anyone on the network: at
+    /// the most connections, strangers that send nothing make room for the
+    /// link's user (a 503 before).
+    #[tokio::test]
+    async fn strangers_holding_every_connection_do_not_keep_the_links_user_out() {
+        use tokio::io::AsyncReadExt as _;
+        let connect: Connect = Arc::new(|| Ok(AgentClient::unix("/nonexistent")));
+        let preview = Preview::start(8000, 0, &PreviewHost::default(), connect).await.expect("listens");
+        let link = preview.new_link().expect("a link");
+        let rest = link.url.strip_prefix("http://").expect("http");
+        let address = rest.split('/').next().expect("an authority").to_owned();
+        let mut strangers = Vec::new();
+        for _ in 0..MAX_CONNECTIONS {
+            strangers.push(TcpStream::connect(&address).await.expect("a stranger connects"));
+        }
+        let mut user = TcpStream::connect(&address).await.expect("the user connects");
+        let request = format!("GET /?{TOKEN_PARAM}={} HTTP/1.1\r\nHost: {address}\r\n\r\n", link.token);
+        user.write_all(request.as_bytes()).await.expect("sent");
+        let mut answer = String::new();
+        tokio::time::timeout(Duration::from_secs(5), user.read_to_string(&mut answer))
+            .await
+            .expect("answered before a stranger's head timed out")
+            .expect("read");
+        assert!(answer.starts_with("HTTP/1.1 303") && answer.contains("Set-Cookie: moat_preview_"), "{answer}");
+        let mut byte = [0u8; 1];
+        let oldest = tokio::time::timeout(Duration::from_secs(5), strangers[0].read(&mut byte)).await;
+        assert!(matches!(oldest, Ok(Ok(0))), "the oldest stranger was closed to make room: {oldest:?}");
     }
 
     #[tokio::test]
