@@ -295,18 +295,6 @@ impl Cgroup {
             .collect()
     }
 
-    /// Whether a command still runs: more processes than the agent (and
-    /// `resident` idle ones) in the sandbox's cgroup.
-    pub fn is_busy(&self, resident: usize) -> bool {
-        let Some((_, dir)) = self.dirs.first() else { return false };
-        if self.split {
-            // Everything below `user` is a command's, at any depth.
-            cgroupfs::processes(&dir.join("user")).unwrap_or(0) > resident
-        } else {
-            count_procs(dir) > 1 + resident
-        }
-    }
-
     /// Whether freezing works here.
     pub fn can_freeze(&self) -> bool {
         self.v2 || self.dirs.iter().any(|(c, _)| *c == Some("freezer"))

@@ -113,6 +113,66 @@ async fn idle_sandboxes_suspend_and_resume_transparently() {
     moat.destroy_all().await;
 }
 
+/// Idle is no call in flight. A command being waited for is use; a process
+/// left in the background, and a Python session waiting for its next cell,
+/// are not: the operator's idle time bounds a forgotten sandbox's work (it
+/// kept the sandbox from ever being suspended before). Its work goes on
+/// once the next call resumes it.
+#[tokio::test]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn background_work_is_no_use_and_a_call_in_flight_is() {
+    let moat = moat(16).await;
+    let sandbox = moat.create(small()).await.expect("created");
+    let id = sandbox.id.as_str();
+    let (_, code) = sh(&moat, id, "setsid sleep 3000 >/dev/null 2>&1 &").await;
+    assert_eq!(code, Some(0));
+    let cell = |code: &'static str| {
+        moat.run_code(id, Language::Python, code, Duration::from_secs(60), std::future::pending(), &|_, _| {})
+    };
+    assert_eq!(cell("x = 6 * 7\nx").await.expect("a started session").text, "42");
+    let run = moat.run(id, ExecRequest::shell("touch /tmp/waited; sleep 2"));
+    let idle_while_it_runs = async {
+        while sh(&moat, id, "test -e /tmp/waited && echo yes").await.0.trim() != "yes" {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        calls_closed().await;
+        moat_core::moat::idle_now(&moat, id);
+        moat.get(id).expect("listed").state
+    };
+    let (ran, state) = tokio::join!(run, idle_while_it_runs);
+    assert_eq!(ran.expect("ran").status.code, Some(0));
+    assert_eq!(state, SandboxState::Running, "suspended under a command being waited for");
+    calls_closed().await;
+    moat_core::moat::idle_now(&moat, id);
+    let state = moat.get(id).expect("listed").state;
+    if state == SandboxState::Running && !can_freeze(&moat, id) {
+        eprintln!("this host cannot freeze cgroups; nothing to check");
+        moat.destroy_all().await;
+        return;
+    }
+    assert_eq!(state, SandboxState::Paused, "a background process or a waiting session kept the sandbox in use");
+    let (out, _) = sh(&moat, id, "pgrep -x sleep >/dev/null && echo running").await;
+    assert_eq!(out, "running\n", "the background process goes on after the resume");
+    assert_eq!(moat.get(id).expect("listed").state, SandboxState::Running);
+    assert_eq!(cell("x").await.expect("the same session").text, "42");
+    moat.destroy_all().await;
+}
+
+/// Lets the tasks of the calls just answered end: a finished command's
+/// connection closes when its aborted tasks are dropped, which this
+/// (one-thread) runtime does before a timer's task runs again.
+async fn calls_closed() {
+    tokio::time::sleep(Duration::from_millis(10)).await;
+}
+
+/// Whether sandbox `id` can be frozen here (it is left running).
+fn can_freeze(moat: &Moat, id: &str) -> bool {
+    moat.suspend(id).expect("suspends");
+    let frozen = moat.get(id).expect("listed").state == SandboxState::Paused;
+    moat.client(id).expect("resumes");
+    frozen
+}
+
 /// A sandbox whose agent stops answering mid-command (here: frozen by
 /// suspend behind the command's back; in life, a wedged guest kernel) is
 /// reported once the command's timeout and the grace after it pass, not

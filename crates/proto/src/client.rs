@@ -34,6 +34,91 @@ pub struct UnixConnector {
     /// Only a socket served by this process (a host pid) or a child of it
     /// is spoken to ([`served_by`]); `None`: any.
     pub server: Option<u32>,
+    /// Counts the connections open through this connector, each until its
+    /// stream is dropped; `None`: not counted.
+    pub in_use: Option<InUse>,
+}
+
+/// How many connections to an agent are open through the connectors that
+/// share it: a sandbox's owner counts the calls in flight, which are its
+/// use (an idle sandbox is one with none).
+#[derive(Debug, Clone, Default)]
+pub struct InUse(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl InUse {
+    /// The connections open now.
+    pub fn count(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn hold(&self) -> Held {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Held(self.clone())
+    }
+}
+
+/// One counted connection, until dropped.
+#[derive(Debug)]
+struct Held(InUse);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A stream to an agent through a [`UnixConnector`]: the socket, counted in
+/// its connector's [`InUse`] while it is open.
+#[derive(Debug)]
+pub struct AgentStream {
+    socket: tokio::net::UnixStream,
+    _held: Option<Held>,
+}
+
+impl AsyncRead for AgentStream {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.socket).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for AgentStream {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.socket).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.socket).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.socket.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.socket).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.socket).poll_shutdown(cx)
+    }
 }
 
 /// Checks that a connection's peer (the process that listened on its
@@ -70,9 +155,11 @@ fn parent_of(pid: u32) -> Option<u32> {
 const MAX_VSOCK_ANSWER: usize = 32;
 
 impl Connector for UnixConnector {
-    type Stream = tokio::net::UnixStream;
+    type Stream = AgentStream;
     fn connect(&self) -> impl Future<Output = std::io::Result<Self::Stream>> + Send {
         let (path, port, server) = (self.path.clone(), self.vsock_port, self.server);
+        // Counted from the start: a connection being made is a call in flight.
+        let held = self.in_use.as_ref().map(InUse::hold);
         async move {
             let mut stream = tokio::net::UnixStream::connect(&path).await?;
             if let Some(server) = server {
@@ -81,7 +168,7 @@ impl Connector for UnixConnector {
             if let Some(port) = port {
                 vsock_handshake(&mut stream, port).await?;
             }
-            Ok(stream)
+            Ok(AgentStream { socket: stream, _held: held })
         }
     }
 }
@@ -138,19 +225,26 @@ pub struct AgentClient<C> {
 impl AgentClient<UnixConnector> {
     /// A client of the agent listening on the Unix socket at `path`.
     pub fn unix(path: impl Into<PathBuf>) -> Self {
-        Self::new(UnixConnector { path: path.into(), vsock_port: None, server: None })
+        Self::new(UnixConnector { path: path.into(), vsock_port: None, server: None, in_use: None })
+    }
+
+    /// This client, its connections counted in `in_use` while open.
+    #[must_use]
+    pub fn counted(mut self, in_use: InUse) -> Self {
+        self.connector.in_use = Some(in_use);
+        self
     }
 
     /// A client of the agent listening on vsock port `port` of the microVM
     /// whose vsock device is bridged to the Unix socket at `path`.
     pub fn vsock(path: impl Into<PathBuf>, port: u32) -> Self {
-        Self::new(UnixConnector { path: path.into(), vsock_port: Some(port), server: None })
+        Self::new(UnixConnector { path: path.into(), vsock_port: Some(port), server: None, in_use: None })
     }
 
     /// [`AgentClient::vsock`], spoken to only where `server` (a host pid)
     /// or a child of it serves the socket (see [`served_by`]).
     pub fn vsock_of(path: impl Into<PathBuf>, port: u32, server: u32) -> Self {
-        Self::new(UnixConnector { path: path.into(), vsock_port: Some(port), server: Some(server) })
+        Self::new(UnixConnector { path: path.into(), vsock_port: Some(port), server: Some(server), in_use: None })
     }
 }
 
@@ -789,7 +883,8 @@ mod tests {
         let path = dir.path().join("vsock.sock");
         let _listener = tokio::net::UnixListener::bind(&path).expect("binds");
         let me = std::process::id();
-        let connector = |server| UnixConnector { path: path.clone(), vsock_port: None, server: Some(server) };
+        let connector =
+            |server| UnixConnector { path: path.clone(), vsock_port: None, server: Some(server), in_use: None };
         connector(me).connect().await.expect("served by this process");
         let parent = parent_of(me).expect("a parent");
         connector(parent).connect().await.expect("served by a child of the named process");
@@ -798,10 +893,36 @@ mod tests {
         assert!(err.to_string().contains("was replaced"), "{err}");
     }
 
+    /// A counted connection is use from its connect to its drop, a failed
+    /// connect none once it has failed; an uncounted client counts nothing.
+    #[tokio::test]
+    async fn counted_connections_are_use_while_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("agent.sock");
+        let _listener = tokio::net::UnixListener::bind(&path).expect("binds");
+        let in_use = InUse::default();
+        let client = AgentClient::unix(&path).counted(in_use.clone());
+        let first = client.connector().connect().await.expect("connects");
+        let second = client.connector().connect().await.expect("connects");
+        assert_eq!(in_use.count(), 2);
+        drop(first);
+        assert_eq!(in_use.count(), 1);
+        drop(second);
+        assert_eq!(in_use.count(), 0);
+        AgentClient::unix(&path).connector().connect().await.expect("connects");
+        AgentClient::unix(dir.path().join("none"))
+            .counted(in_use.clone())
+            .connector()
+            .connect()
+            .await
+            .expect_err("no socket");
+        assert_eq!(in_use.count(), 0);
+    }
+
     #[tokio::test]
     async fn vsock_connect_leaves_the_agents_bytes_unread() {
         let (_dir, path) = muxer(b"OK 1073741824\n", b"agent").await;
-        let connector = UnixConnector { path, vsock_port: Some(1024), server: None };
+        let connector = UnixConnector { path, vsock_port: Some(1024), server: None, in_use: None };
         let mut stream = connector.connect().await.expect("connects");
         let mut first = [0u8; 5];
         stream.read_exact(&mut first).await.expect("agent bytes");
@@ -835,7 +956,7 @@ mod tests {
     async fn a_read_takes_no_more_than_it_asked_for_whatever_the_agent_announces() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = liar(&dir, Reply::FileData { size: 1 << 30, length: 1 << 30 }, 4);
-        let client = AgentClient::new(UnixConnector { path, vsock_port: None, server: None });
+        let client = AgentClient::new(UnixConnector { path, vsock_port: None, server: None, in_use: None });
         let request = ReadFileRequest { path: "/big".into(), offset: 0, length: Some(1500) };
         let err = client.read_file(request).await.expect_err("more than asked");
         assert!(err.to_string().contains("more than 1500 bytes"), "{err}");
@@ -859,7 +980,7 @@ mod tests {
         let entries = vec![entry; MAX_LIST_ENTRIES + 5];
         let dir = tempfile::tempdir().expect("tempdir");
         let path = liar(&dir, Reply::Entries { entries, truncated: false }, 0);
-        let client = AgentClient::new(UnixConnector { path, vsock_port: None, server: None });
+        let client = AgentClient::new(UnixConnector { path, vsock_port: None, server: None, in_use: None });
         let (entries, truncated) = client.list_dir("/", 1).await.expect("a listing");
         assert_eq!(entries.len(), MAX_LIST_ENTRIES);
         assert!(truncated, "said to be cut");
@@ -868,10 +989,16 @@ mod tests {
     #[tokio::test]
     async fn vsock_refusals_say_what_happened() {
         let (_dir, path) = muxer(b"", b"").await;
-        let err = UnixConnector { path, vsock_port: Some(1024), server: None }.connect().await.expect_err("closed");
+        let err = UnixConnector { path, vsock_port: Some(1024), server: None, in_use: None }
+            .connect()
+            .await
+            .expect_err("closed");
         assert!(err.to_string().contains("not listening"), "{err}");
         let (_dir, path) = muxer(b"NO\n", b"").await;
-        let err = UnixConnector { path, vsock_port: Some(1024), server: None }.connect().await.expect_err("garbage");
+        let err = UnixConnector { path, vsock_port: Some(1024), server: None, in_use: None }
+            .connect()
+            .await
+            .expect_err("garbage");
         assert!(err.to_string().contains("expected \"OK <port>\""), "{err}");
     }
 }

@@ -16,7 +16,8 @@ pub mod frame;
 pub mod message;
 
 pub use client::{
-    AgentClient, Connector, EgressControl, EgressRequest, ExecHandle, ExecStdin, Output, UnixConnector, served_by,
+    AgentClient, AgentStream, Connector, EgressControl, EgressRequest, ExecHandle, ExecStdin, InUse, Output,
+    UnixConnector, served_by,
 };
 pub use conn::{Connection, Prefixed};
 pub use error::{ErrorKind, ProtoError, WireError};

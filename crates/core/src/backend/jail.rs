@@ -400,11 +400,6 @@ impl Instance for Jail {
         self.cgroup.as_ref().is_some_and(Cgroup::can_freeze)
     }
 
-    fn is_busy(&self, resident: usize) -> bool {
-        // The agent is one process; anything more is a command still running.
-        self.cgroup.as_ref().is_some_and(|c| c.is_busy(resident))
-    }
-
     fn set_suspended(&self, suspended: bool) -> Result<(), IoError> {
         match &self.cgroup {
             Some(cgroup) if cgroup.can_freeze() => cgroup.set_frozen(suspended).map_err(|source| IoError {

@@ -88,10 +88,6 @@ impl Machine {
     pub fn set_suspended(&self, suspended: bool) -> Result<(), IoError> {
         self.instance().set_suspended(suspended)
     }
-
-    pub fn is_busy(&self, resident: usize) -> bool {
-        self.instance().is_busy(resident)
-    }
 }
 
 /// Where `moat-vmm` is: `$MOAT_VMM`, else beside the current executable

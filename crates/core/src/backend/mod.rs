@@ -45,11 +45,6 @@ pub trait Instance: Send + 'static {
     /// Whether the sandbox can be suspended (frozen, or its vCPUs paused).
     fn can_suspend(&self) -> bool;
     fn set_suspended(&self, suspended: bool) -> Result<(), IoError>;
-    /// Whether a process runs in the sandbox beyond the agent and
-    /// `resident` known idle ones (a waiting Python session): a command in
-    /// progress, or a server started in the background. Busy sandboxes are
-    /// not suspended for being idle.
-    fn is_busy(&self, resident: usize) -> bool;
     /// Stops every process of the sandbox and removes its state.
     fn destroy(&mut self);
     /// The host process the sandbox lives in (the jail's monitor, or

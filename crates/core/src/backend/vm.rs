@@ -23,8 +23,6 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use moat_proto::{AgentClient, UnixConnector};
@@ -87,8 +85,6 @@ pub struct Vm {
     control: PathBuf,
     /// The other end of the network device of an `open` VM.
     passt: Option<Passt>,
-    /// Processes in the guest besides the agent, as last reported by it.
-    processes: Arc<AtomicU32>,
     /// The serial console and moat-vmm's own output, each capped.
     logs: Vec<CappedLog>,
     /// The host disk its overlay may grow to, kept from copies, task
@@ -336,18 +332,7 @@ impl Backend for VmBackend {
         state.record_monitor(vmm.id()).map_err(io("recording its VMM"))?;
         let logs = vec![console_log, vmm_log];
         let (vsock, control) = (files.vsock, files.control);
-        let mut vm = Vm {
-            id: id.into(),
-            vmm,
-            exit,
-            state: Some(state),
-            vsock,
-            control,
-            passt,
-            processes: Arc::default(),
-            logs,
-            _disk: disk,
-        };
+        let mut vm = Vm { id: id.into(), vmm, exit, state: Some(state), vsock, control, passt, logs, _disk: disk };
         let ready = match vm.wait_ready().await {
             Ok(()) => vm.check_passt(),
             Err(e) => Err(e),
@@ -378,10 +363,6 @@ impl Instance for Vm {
             what: format!("asking its VMM to {}", request.op()),
             source,
         })
-    }
-
-    fn is_busy(&self, resident: usize) -> bool {
-        usize::try_from(self.processes.load(Ordering::Relaxed)).unwrap_or(usize::MAX) > resident
     }
 
     fn destroy(&mut self) {
@@ -483,8 +464,7 @@ impl Vm {
             let timer_says_ready = guest_ready(&self.control, self.vmm.id()).await;
             if (timer_says_ready || probed.is_none_or(|at| at.elapsed() >= PROBE_EVERY)) && self.vsock.exists() {
                 probed = Some(Instant::now());
-                if let Ok(Ok(info)) = tokio::time::timeout(Duration::from_secs(2), client.info()).await {
-                    self.processes.store(info.processes, Ordering::Relaxed);
+                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(2), client.info()).await {
                     return Ok(());
                 }
             }
@@ -516,27 +496,6 @@ impl Vm {
             .unwrap_or_default();
         let last = log.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("(no message)");
         Err(CreateError::StartFailed { id: self.id.clone(), reason: format!("passt exited ({status}): {last}") })
-    }
-
-    /// Keeps the guest's process count fresh for [`Instance::is_busy`]:
-    /// asks the agent every `every` while the VM runs (not while paused:
-    /// asking would need it resumed).
-    pub fn watch_processes(&self, every: Duration, paused: impl Fn() -> bool + Send + 'static) {
-        let client = self.client();
-        let processes = Arc::downgrade(&self.processes);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            loop {
-                tick.tick().await;
-                let Some(processes) = processes.upgrade() else { break };
-                if paused() {
-                    continue;
-                }
-                if let Ok(Ok(info)) = tokio::time::timeout(every, client.info()).await {
-                    processes.store(info.processes, Ordering::Relaxed);
-                }
-            }
-        });
     }
 
     /// Where the boot got to and how the console ended, for a failed start.

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use moat_proto::{ExecHandle, ExecRequest, Output};
+use moat_proto::{AgentClient, ExecHandle, ExecRequest, Output, UnixConnector};
 
 use super::Moat;
 use crate::error::SandboxError;
@@ -67,7 +67,19 @@ impl Moat {
     /// The CA variables of `MOAT_CA_FILE` (when set) and a `filtered`
     /// sandbox's proxy variables come first, then the sandbox's
     /// `env`; the request's own variables override both.
-    pub async fn exec(&self, id: &str, mut request: ExecRequest) -> Result<ExecHandle, SandboxError> {
+    pub async fn exec(&self, id: &str, request: ExecRequest) -> Result<ExecHandle, SandboxError> {
+        let client = self.client(id)?;
+        self.exec_through(id, client, request).await
+    }
+
+    /// [`Moat::exec`] through `client` (one of [`Moat::client`]'s, or a
+    /// [`Moat::resident_client`] for a process that is not a call).
+    async fn exec_through(
+        &self,
+        id: &str,
+        client: AgentClient<UnixConnector>,
+        mut request: ExecRequest,
+    ) -> Result<ExecHandle, SandboxError> {
         request.user.get_or_insert_with(|| "user".into());
         let spec = self.get(id)?.spec;
         let mut spec_env = spec.env;
@@ -80,7 +92,6 @@ impl Moat {
         if !spec_env.is_empty() {
             request.env = spec_env.into_iter().chain(std::mem::take(&mut request.env)).collect();
         }
-        let client = self.client(id)?;
         match client.exec(request).await {
             Ok(handle) => Ok(handle),
             Err(source) => Err(self.agent_error(id, source).await),
@@ -214,8 +225,11 @@ impl Moat {
                     None => {
                         // Bounded as a command is: the runner is given the
                         // cell's timeout and the grace after it to be ready.
-                        let handle =
-                            answered_within(id, Some(timeout), self.exec(id, PythonSession::request())).await?;
+                        // The session's runner stays connected between
+                        // cells, which is no use of the sandbox.
+                        let client = self.resident_client(id)?;
+                        let start = self.exec_through(id, client, PythonSession::request());
+                        let handle = answered_within(id, Some(timeout), start).await?;
                         let started = PythonSession::start(handle, timeout.saturating_add(ANSWER_GRACE))
                             .await
                             .map_err(|e| SandboxError::CodeSession { id: id.into(), reason: e.to_string() })?;

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use moat_proto::{AgentClient, UnixConnector};
+use moat_proto::{AgentClient, InUse, UnixConnector};
 
 use crate::backend::BackendKind;
 use crate::backend::machine::{Machine, Runner, find_vmm};
@@ -75,6 +75,11 @@ struct Entry {
     /// The sandbox's Python session for `run_code`, started on first use;
     /// the async lock queues calls on one sandbox.
     python: Arc<tokio::sync::Mutex<Option<PythonSession>>>,
+    /// The calls in flight: connections to the agent opened through
+    /// [`Moat::client`] (a command waited for, a copy, a preview
+    /// connection), each until it closes. A sandbox with none is unused;
+    /// what runs in it in the background is not use.
+    in_use: InUse,
     /// After a suspend failed: not tried again before this time (each try
     /// may wait for the VMM's answer with the sandboxes' lock held).
     suspend_after: u64,
@@ -375,16 +380,6 @@ impl Moat {
             } else if self.inner.count(&sandboxes) >= max || memory.is_err() {
                 Some((machine, memory.err()))
             } else {
-                if let Machine::Vm(vm) = &machine {
-                    // How busy the guest is, for idle suspend: asked of its
-                    // agent while it runs.
-                    let (inner, key) = (Arc::downgrade(&self.inner), id.clone());
-                    vm.watch_processes(Duration::from_secs(2), move || {
-                        inner.upgrade().is_none_or(|inner| {
-                            inner.lock().get(&key).is_none_or(|e| e.info.state == SandboxState::Paused)
-                        })
-                    });
-                }
                 self.watch_exit(&id, &machine);
                 let entry = Entry {
                     info: info.clone(),
@@ -392,6 +387,7 @@ impl Moat {
                     previews: BTreeMap::new(),
                     machine,
                     python: Arc::default(),
+                    in_use: InUse::default(),
                     suspend_after: 0,
                 };
                 sandboxes.insert(id, entry);
@@ -646,7 +642,14 @@ impl Moat {
             tracing::debug!(%id, "resumed");
         }
         entry.info.last_used_at = now();
-        Ok(entry.machine.client())
+        Ok(entry.machine.client().counted(entry.in_use.clone()))
+    }
+
+    /// [`Moat::client`], its connections not counted as use: for what stays
+    /// connected while nothing is asked of it (a Python session waiting for
+    /// its next cell).
+    pub(crate) fn resident_client(&self, id: &str) -> Result<AgentClient<UnixConnector>, SandboxError> {
+        self.client(id).map(|client| AgentClient::new(UnixConnector { in_use: None, ..client.connector().clone() }))
     }
 
     /// The newest egress decisions of a `filtered` sandbox (empty for others).
@@ -942,14 +945,13 @@ impl Inner {
             }
             for (id, entry) in sandboxes.iter_mut() {
                 let idle = entry.info.spec.idle_seconds;
-                // A Python session waiting for its next cell is resident;
-                // one running a cell holds its lock.
-                let busy = match entry.python.try_lock() {
-                    Ok(session) => entry.machine.is_busy(usize::from(session.is_some())),
-                    Err(_) => true,
-                };
+                // A call in flight is use (a command waited for, a copy, a
+                // preview connection open, a Python cell, which holds its
+                // session's lock); what a sandbox runs in the background is
+                // not: a forgotten sandbox's work stops when the operator's
+                // idle time says.
+                let busy = entry.in_use.count() > 0 || entry.python.try_lock().is_err();
                 if idle > 0 && entry.info.state == SandboxState::Running && busy {
-                    // A command or server still runs: that is use.
                     entry.info.last_used_at = now;
                     continue;
                 }
@@ -993,6 +995,16 @@ impl Drop for Inner {
 pub fn expire_now(moat: &Moat, id: &str) {
     if let Some(entry) = moat.inner.lock().get_mut(id) {
         entry.info.expires_at = now();
+    }
+    moat.inner.lifecycle();
+}
+
+/// For tests: makes sandbox `id` unused for its whole `idle_seconds` and
+/// runs the lifecycle pass, which suspends it unless a call is in flight.
+#[doc(hidden)]
+pub fn idle_now(moat: &Moat, id: &str) {
+    if let Some(entry) = moat.inner.lock().get_mut(id) {
+        entry.info.last_used_at = now().saturating_sub(entry.info.spec.idle_seconds);
     }
     moat.inner.lifecycle();
 }

@@ -148,7 +148,8 @@ mod tests {
         assert!(!owner.close.is_cancelled());
         first.closed().await;
         drop(first);
-        let third = tokio::time::timeout(std::time::Duration::from_secs(5), places.take()).await.expect("the place freed");
+        let third =
+            tokio::time::timeout(std::time::Duration::from_secs(5), places.take()).await.expect("the place freed");
         assert!(places.make_room(), "a stranger being closed is not counted twice: the new one is next");
         assert!(third.close.is_cancelled() && !owner.close.is_cancelled());
         drop((second, third));
