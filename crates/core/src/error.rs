@@ -39,7 +39,10 @@ pub enum CreateError {
     /// The spec asks for more than the operator grants.
     #[error(transparent)]
     NotGranted(#[from] NotGranted),
-    #[error("The limit of {max} live sandboxes is reached; destroy one first (or raise max_sandboxes)")]
+    #[error(
+        "The limit of {max} live sandboxes is reached; destroy one first. Only the operator who starts moat can \
+         allow more (moat-mcp: MOAT_MAX_SANDBOXES)"
+    )]
     LimitReached { max: usize },
     /// The live sandboxes' `memory_mib` would pass `MOAT_MAX_MEMORY_MIB`.
     #[error("The host's memory for sandboxes is taken: {0}")]

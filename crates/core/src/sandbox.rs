@@ -127,8 +127,11 @@ impl SandboxSpec {
         if !(Self::MIN_TIMEOUT_SECONDS..=Self::MAX_TIMEOUT_SECONDS).contains(&self.timeout_seconds) {
             return bad("timeout_seconds", &between(&Self::MIN_TIMEOUT_SECONDS, &Self::MAX_TIMEOUT_SECONDS));
         }
-        if self.idle_seconds != 0 && !(60..self.timeout_seconds).contains(&self.idle_seconds) {
-            return bad("idle_seconds", "0 (never suspend) or at least 60 and less than timeout_seconds");
+        // At or past `timeout_seconds` is allowed: the sandbox ends first.
+        // A short-lived sandbox asked for with the default idle time
+        // (`create_sandbox(timeout_seconds: 120)`) was refused otherwise.
+        if self.idle_seconds != 0 && !(60..=Self::MAX_IDLE_SECONDS).contains(&self.idle_seconds) {
+            return bad("idle_seconds", &format!("0 (never suspend) or 60 to {} seconds", Self::MAX_IDLE_SECONDS));
         }
         if !self.allow_hosts.is_empty() && self.network != NetworkPolicy::Filtered {
             return bad(
@@ -215,7 +218,7 @@ mod tests {
             (SandboxSpec { memory_mib: 1, ..SandboxSpec::default() }, "memory_mib"),
             (SandboxSpec { timeout_seconds: 10, ..SandboxSpec::default() }, "timeout_seconds"),
             (SandboxSpec { idle_seconds: 30, ..SandboxSpec::default() }, "idle_seconds"),
-            (SandboxSpec { idle_seconds: 3600, ..SandboxSpec::default() }, "idle_seconds"),
+            (SandboxSpec { idle_seconds: SandboxSpec::MAX_IDLE_SECONDS + 1, ..SandboxSpec::default() }, "idle_seconds"),
             (SandboxSpec { name: Some("bad name".into()), ..SandboxSpec::default() }, "name"),
             (SandboxSpec { env: vec![("A=B".into(), "c".into())], ..SandboxSpec::default() }, "env"),
             (SandboxSpec { allow_hosts: vec!["example.com".into()], ..SandboxSpec::default() }, "allow_hosts"),
@@ -233,5 +236,8 @@ mod tests {
             assert!(err.contains(field), "{err}");
         }
         assert!(SandboxSpec { idle_seconds: 0, ..SandboxSpec::default() }.validate().is_ok());
+        // A lifetime shorter than the default idle time: it ends before it
+        // would be suspended.
+        assert!(SandboxSpec { timeout_seconds: 120, ..SandboxSpec::default() }.validate().is_ok());
     }
 }
