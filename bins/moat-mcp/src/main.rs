@@ -1,5 +1,6 @@
 //! `moat-mcp`: the MCP server, over stdio or streamable HTTP.
 
+use std::os::unix::fs::OpenOptionsExt;
 use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -319,8 +320,22 @@ fn init(client: Host, scope: Scope, print: bool) -> ExitCode {
         return fail(format!("cannot create {}: {e}", dir.display()));
     }
     // Written beside it and renamed: a failure leaves the old file whole.
-    let temp = path.with_extension("moat-tmp");
-    if let Err(e) = std::fs::write(&temp, &text).and_then(|()| std::fs::rename(&temp, &path)) {
+    // A new file of a name no one could foresee, never through a link: in
+    // a directory others write in, a name planted there would be followed
+    // (or renamed into the configuration's place).
+    let temp = path.with_extension(format!("moat-tmp-{}-{}", std::process::id(), nanos_now()));
+    // A configuration the user had closed (other servers' keys in it)
+    // stays as closed.
+    let mode = std::fs::metadata(&path)
+        .map_or(0o666, |meta| std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777);
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+        .open(&temp)
+        .and_then(|mut file| std::io::Write::write_all(&mut file, text.as_bytes()));
+    if let Err(e) = written.and_then(|()| std::fs::rename(&temp, &path)) {
         let _ = std::fs::remove_file(&temp);
         return fail(format!("cannot write {}: {e}", path.display()));
     }
@@ -370,4 +385,9 @@ fn raise_descriptor_limit() {
         Ok(_) => {}
         Err(e) => tracing::warn!("cannot read the open-descriptor limit: {e}"),
     }
+}
+
+/// Nanoseconds of the clock, for a name no one could foresee.
+fn nanos_now() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
 }

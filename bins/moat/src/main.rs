@@ -372,6 +372,7 @@ impl Drop for RawTerminal {
 
 fn ls() -> Result<ExitCode> {
     let dir = moat_core::state::sandboxes_dir(&moat_core::image::data_dir());
+    moat_core::state::trusted(&dir)?;
     let mut rows = Vec::new();
     for entry in std::fs::read_dir(&dir).into_iter().flatten().filter_map(std::result::Result::ok) {
         let path = entry.path();
@@ -393,6 +394,8 @@ fn ls() -> Result<ExitCode> {
 
 fn rm(ids: &[String], all: bool) -> Result<ExitCode> {
     let dir = moat_core::state::sandboxes_dir(&moat_core::image::data_dir());
+    // Nothing another user could have planted is killed or removed.
+    moat_core::state::trusted(&dir)?;
     let targets: Vec<String> = if all {
         std::fs::read_dir(&dir)
             .into_iter()
@@ -413,9 +416,7 @@ fn rm(ids: &[String], all: bool) -> Result<ExitCode> {
             // its owner notices on its next operation. One that is gone
             // already (its pid maybe another process's now) is left to
             // the sweep below.
-            if let Some(pid) = moat_core::state::live_monitor(&state) {
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-            }
+            moat_core::state::kill_monitor(&state);
             println!("removed {id}");
         } else {
             eprintln!("moat: no sandbox {id}");
@@ -614,6 +615,22 @@ fn doctor(image_name: &str) -> ExitCode {
     match moat_core::hostfs::copy_limit_from_env() {
         Ok(limit) => println!("copy limit:              {} MiB (MOAT_COPY_MAX_MIB)", limit >> 20),
         Err(e) => println!("copy limit:              {e}"),
+    }
+    let data_dir = moat_core::image::data_dir();
+    match moat_core::state::open_to_others(&data_dir) {
+        Some(open) => println!(
+            "data directory:          {} — other local users can reach it (every directory down to it lets them \
+             pass): they can read your images, and write into an image's tmp, var/tmp and run/lock, which are \
+             open to all (jails mount their own over them, but what is put there takes your disk); close it with \
+             `chmod 700 {}`",
+            data_dir.display(),
+            open.display()
+        ),
+        None => println!("data directory:          {} (closed to other local users)", data_dir.display()),
+    }
+    match moat_core::task::records_limit_from_env() {
+        Ok(limit) => println!("task records:            at most {} MiB (MOAT_TASK_RECORDS_MIB)", limit >> 20),
+        Err(e) => println!("task records:            {e}"),
     }
     let data = moat_core::image::data_dir();
     match Image::open(&data, image_name) {

@@ -918,9 +918,16 @@ fn prepare_root(spec: &JailSpec) -> Result<PathBuf, JailError> {
     // their own each, sized like the disk, let files take three disks'
     // worth of the memory limit, which holds both: a sandbox that filled
     // them had no memory left to run the `rm` that would free it.)
-    for (name, parent, target, mode) in
-        [("shm", &dev, "shm", 0o1777), ("tmp", &top, "tmp", 0o1777), ("run", &top, "run", 0o755)]
-    {
+    //
+    // /var/tmp too: the image's is open to everyone on the host (its tree
+    // may be reachable by other local users), so nothing put in it there
+    // is seen in a sandbox.
+    for (name, parent, target, mode) in [
+        ("shm", &dev, "shm", 0o1777),
+        ("tmp", &top, "tmp", 0o1777),
+        ("run", &top, "run", 0o755),
+        ("var-tmp", &top, "var/tmp", 0o1777),
+    ] {
         let source = disk.join("volatile").join(name);
         step("creating the disk's volatile directories", std::fs::create_dir_all(&source))?;
         step("chown a volatile directory", nix::unistd::chown(&source, base.0, base.1))?;

@@ -82,6 +82,7 @@ async fn bench(runs: usize) {
         max_sandboxes: 4,
         roots: vec![],
         copy_limit: moat_core::hostfs::DEFAULT_COPY_MAX_MIB << 20,
+        task_records_limit: moat_core::task::DEFAULT_RECORDS_MIB << 20,
         pool_size: 0,
         pool_spec: spec(),
         egress: moat_core::EgressConfig::default(),

@@ -152,6 +152,9 @@ pub enum TaskError {
     /// Writing or removing a task record failed.
     #[error(transparent)]
     Io(#[from] IoError),
+    /// The retained records would hold more than the operator allows.
+    #[error("No room for the task's record: {0}")]
+    RecordsFull(String),
     #[error(transparent)]
     Create(#[from] CreateError),
     #[error(transparent)]

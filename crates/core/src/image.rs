@@ -428,6 +428,29 @@ pub fn shift_ownership(root: &Path, from: u32, to: u32) -> std::io::Result<u64> 
     Ok(count)
 }
 
+/// Removes the device nodes of the tree at `root` (made by root, not yet
+/// the user's: nothing in it moves while this runs). A root-built image's
+/// `dev/` holds nodes such as `console` open to all (mmdebstrap makes them
+/// so); in a user's home another local user could reach them and write to
+/// the system's console. No sandbox needs them: a jail mounts a `/dev` of
+/// its own, and a microVM boots from the image's disk file.
+fn remove_device_nodes(root: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir)? {
+            let entry = entry?;
+            let kind = entry.file_type()?;
+            if kind.is_dir() {
+                stack.push(entry.path());
+            } else if kind.is_char_device() || kind.is_block_device() {
+                std::fs::remove_file(entry.path())?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Where `moat setup --user` puts a user's copy of an image: the data
 /// directory a user's moat uses by default, relative to the user's home.
 pub const USER_DATA_DIR: &str = ".local/share/moat";
@@ -498,6 +521,7 @@ pub fn copy_for_user(image: &Image, home: &Path, base: u32, owner: (u32, u32)) -
             )));
         }
         shift_ownership(&at.join("rootfs"), image.manifest.jail_id_base, base)?;
+        remove_device_nodes(&at.join("rootfs"))?;
         for file in image.manifest.artifacts.keys() {
             let (from, to) = (image.path(file), at.join(file));
             if std::fs::hard_link(&from, &to).is_err() {
@@ -732,6 +756,18 @@ mod tests {
         for path in [source.join("rootfs"), source.join("rootfs/etc"), source.join("rootfs/etc/hostname")] {
             std::os::unix::fs::lchown(&path, Some(JAIL_ID_BASE), Some(JAIL_ID_BASE)).expect("chown");
         }
+        // A device node open to all, as mmdebstrap makes /dev/console.
+        std::fs::create_dir_all(source.join("rootfs/dev")).expect("mkdir");
+        nix::sys::stat::mknod(
+            &source.join("rootfs/dev/console"),
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o666),
+            nix::sys::stat::makedev(5, 1),
+        )
+        .expect("mknod");
+        for path in [source.join("rootfs/dev"), source.join("rootfs/dev/console")] {
+            std::os::unix::fs::lchown(&path, Some(JAIL_ID_BASE), Some(JAIL_ID_BASE)).expect("chown");
+        }
         let image = Image::open(&data, "t").expect("opens");
         let (base, owner) = (500_000, (12_345, 12_345));
         let victim = scratch.path().join("victim");
@@ -762,6 +798,7 @@ mod tests {
         let meta = std::fs::symlink_metadata(&copy).expect("lstat");
         assert!(meta.is_dir(), "the copy is a directory of its own");
         assert_eq!((meta.uid(), meta.mode() & 0o777), (owner.0, 0o755));
+        assert!(copy.join("rootfs/dev").is_dir() && !copy.join("rootfs/dev/console").exists(), "a device node copied");
         let hostname = std::fs::symlink_metadata(copy.join("rootfs/etc/hostname")).expect("lstat");
         assert_eq!(hostname.uid(), base, "the rootfs is owned from the user's base");
         let manifest = user_copy_manifest(&home, "t").expect("the copy's manifest reads");

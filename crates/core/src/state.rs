@@ -10,8 +10,6 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use nix::fcntl::{Flock, FlockArg};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 
 use crate::cgroup::Cgroup;
 
@@ -73,28 +71,80 @@ pub fn private_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     let me = nix::unistd::geteuid().as_raw();
     // Before anything is made in them.
-    for level in dir.ancestors().filter(|d| !d.as_os_str().is_empty()) {
-        let meta = match std::fs::metadata(level) {
+    trusted(dir)?;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    // Made, or there already: another user's directory put in its place
+    // after the check above is not taken for this user's.
+    trusted(dir)?;
+    // The user's own, not merely a directory above it may be root's (a
+    // shared `/tmp` itself named as the data directory, say).
+    let meta = std::fs::metadata(dir)?;
+    if meta.uid() != me {
+        return Err(untrusted(dir, &format!("belongs to uid {}", meta.uid())));
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
+/// Whether other local users can pass every directory down to `dir`, and
+/// so reach what lies beneath it by name: then the directory to close with
+/// `chmod 700`, the highest of the user's own on the way (their home, say;
+/// for root, whose are all the system's, `dir` itself).
+/// An image beneath must stay reachable by the ids of a rootless build's
+/// and jail's user namespace, which are not the user, so moat does not
+/// close its data directory itself: `moat doctor` says this.
+pub fn open_to_others(dir: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let me = nix::unistd::geteuid().as_raw();
+    let dir = dir.canonicalize().ok()?;
+    let mut highest_own = None;
+    for level in dir.ancestors() {
+        let meta = std::fs::metadata(level).ok()?;
+        if meta.mode() & 0o001 == 0 {
+            return None;
+        }
+        if meta.uid() == me {
+            highest_own = Some(level.to_path_buf());
+        }
+    }
+    if me == 0 { Some(dir) } else { highest_own }
+}
+
+/// Whether state kept in `dir` can be trusted: every directory on its path
+/// (each link as itself, and again on the path it leads to) is this user's
+/// or root's, and none is writable by everyone unless sticky. Checked
+/// before a sweep or `moat ls`/`rm` acts on what is there (kills a
+/// recorded monitor, removes cgroups and directories), and before state is
+/// made there; a directory that does not exist yet passes.
+pub fn trusted(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let me = nix::unistd::geteuid().as_raw();
+    let resolved = dir.canonicalize().ok();
+    let levels = dir.ancestors().map(|level| (level, false));
+    let real = resolved.iter().flat_map(|d| d.ancestors()).map(|level| (level, true));
+    for (level, follow) in levels.chain(real).filter(|(d, _)| !d.as_os_str().is_empty()) {
+        let meta = match if follow { std::fs::metadata(level) } else { std::fs::symlink_metadata(level) } {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             other => other?,
         };
         if let Some(why) = unsafe_owner(meta.uid(), meta.mode(), me) {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::PermissionDenied,
-                format!(
-                    "{} {why}: another user could plant state moat trusts there; use a data directory of your \
-                     own (MOAT_DATA_DIR, or the default under your home)",
-                    level.display()
-                ),
-            ));
+            return Err(untrusted(level, &why));
         }
     }
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
-    let meta = std::fs::metadata(dir)?;
-    if meta.mode() & 0o077 != 0 && meta.uid() == me {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-    }
     Ok(())
+}
+
+fn untrusted(level: &Path, why: &str) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        format!(
+            "{} {why}: another user could plant state moat trusts there; use a data directory of your own: set \
+             MOAT_DATA_DIR, or leave it unset under your own home (as root, run sudo with -H, not -E)",
+            level.display()
+        ),
+    )
 }
 
 /// Why a directory owned by `uid` with `mode` is not safe to keep user
@@ -104,7 +154,10 @@ fn unsafe_owner(uid: u32, mode: u32, me: u32) -> Option<String> {
     if uid != me && uid != 0 {
         return Some(format!("belongs to uid {uid}"));
     }
-    (mode & 0o002 != 0 && mode & 0o1000 == 0).then(|| format!("is writable by every user (mode {:o})", mode & 0o7777))
+    // A link's own mode is always 0777 and means nothing.
+    let link = mode & libc::S_IFMT == libc::S_IFLNK;
+    (!link && mode & 0o002 != 0 && mode & 0o1000 == 0)
+        .then(|| format!("is writable by every user (mode {:o})", mode & 0o7777))
 }
 
 /// State directories this process is creating and has not locked yet.
@@ -136,6 +189,12 @@ fn creating() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
 /// A directory this process is still creating is not a dead owner's.
 pub fn sweep(data_dir: &Path, sweeper: Option<&crate::cgroup::Sweeper>) -> Vec<String> {
     let mut swept = Vec::new();
+    // What another user could have planted is not acted on: a recorded
+    // monitor would be killed, a named sandbox's cgroups removed.
+    if let Err(e) = trusted(&sandboxes_dir(data_dir)) {
+        tracing::warn!("no sweep of sandboxes left by dead owners: {e}");
+        return swept;
+    }
     // Empty cgroups whose sandbox has no state directory here (a crash
     // between the two removals). Cgroups with processes may belong to a
     // moat using another data directory: those are left alone.
@@ -163,9 +222,7 @@ pub fn sweep(data_dir: &Path, sweeper: Option<&crate::cgroup::Sweeper>) -> Vec<S
             continue;
         }
         let owner = std::fs::read_to_string(dir.join("owner")).unwrap_or_default();
-        if let Some(monitor) = live_monitor(&dir) {
-            let _ = kill(Pid::from_raw(monitor), Signal::SIGKILL);
-        }
+        kill_monitor(&dir);
         Cgroup::remove_leftovers(&id, sweeper);
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => tracing::info!(%id, owner = owner.trim(), "removed a sandbox left by a dead owner"),
@@ -188,6 +245,18 @@ pub fn live_monitor(state_dir: &Path) -> Option<i32> {
     // the user's namespace, and a non-dumpable process's /proc entry is
     // root's. Pid and tick name one process.
     (pid > 1 && start_time(pid) == Some(started)).then_some(pid)
+}
+
+/// Kills the monitor (or VMM) of the sandbox whose state directory is
+/// `state_dir`, if it lives: through a pidfd taken before its start time is
+/// checked, so the signal reaches that process and never one that reused
+/// its pid in between. Whether there was one to kill.
+pub fn kill_monitor(state_dir: &Path) -> bool {
+    let Some(pid) = live_monitor(state_dir) else { return false };
+    let Ok(pidfd) = crate::process::Pidfd::of_pid(pid) else { return false };
+    // The pidfd names whichever process had the pid when it was taken:
+    // still the monitor only if its start time is still the recorded one.
+    live_monitor(state_dir) == Some(pid) && pidfd.kill().is_ok()
 }
 
 /// When process `pid` started, in clock ticks after boot (field 22 of
@@ -234,8 +303,17 @@ mod tests {
         assert!(unsafe_owner(1001, 0o40700, 1000).expect("another user's").contains("uid 1001"));
         assert!(unsafe_owner(1001, 0o40755, 0).is_some(), "root keeps no state in a user's directory");
         assert!(unsafe_owner(0, 0o40777, 1000).expect("open").contains("mode 777"));
-        // A real tree: another user's directory above is refused, by name.
+        // One's own directory, made or found open, is closed to others.
         let scratch = tempfile::tempdir().expect("tempdir");
+        let open = scratch.path().join("open");
+        std::fs::create_dir(&open).expect("mkdir");
+        std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+        for dir in [open, scratch.path().join("made/data")] {
+            private_dir(&dir).expect("one's own");
+            let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&dir).expect("stat").permissions());
+            assert_eq!(mode & 0o777, 0o700, "{}", dir.display());
+        }
+        // A real tree: another user's directory above is refused, by name.
         let theirs = scratch.path().join("theirs");
         std::fs::create_dir(&theirs).expect("mkdir");
         if std::os::unix::fs::chown(&theirs, Some(4242), Some(4242)).is_err() {
@@ -245,6 +323,30 @@ mod tests {
         assert!(why.to_string().contains("belongs to uid 4242") && why.to_string().contains("MOAT_DATA_DIR"), "{why}");
         assert!(!theirs.join("sandboxes").exists(), "nothing is made in another user's directory");
         private_dir(&scratch.path().join("mine/sandboxes")).expect("one's own is fine");
+    }
+
+    #[test]
+    fn a_directory_others_can_pass_to_is_named() {
+        let scratch = tempfile::tempdir().expect("tempdir");
+        let data = scratch.path().join("home/data");
+        std::fs::create_dir_all(&data).expect("mkdir");
+        let mode = |path: &Path, mode: u32| {
+            std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode)).expect("chmod");
+        };
+        let open_above = |path: &Path| {
+            path.ancestors().skip(1).all(|level| {
+                std::os::unix::fs::MetadataExt::mode(&std::fs::metadata(level).expect("stat")) & 0o001 != 0
+            })
+        };
+        if !open_above(scratch.path()) {
+            return eprintln!("skipping: a directory above the scratch directory is closed already");
+        }
+        mode(scratch.path(), 0o755);
+        mode(&scratch.path().join("home"), 0o755);
+        let to_close = if nix::unistd::geteuid().is_root() { data.clone() } else { scratch.path().to_path_buf() };
+        assert_eq!(open_to_others(&data), Some(to_close.canonicalize().expect("real")));
+        mode(&scratch.path().join("home"), 0o700);
+        assert_eq!(open_to_others(&data), None, "the home closed");
     }
 
     #[test]
@@ -260,6 +362,65 @@ mod tests {
         assert!(live.path.exists());
         assert!(!dead.exists());
         live.remove();
+    }
+
+    /// A data directory another user could write in, or a link to one, is
+    /// not swept: a "dead owner's" state planted there (a recorded monitor
+    /// that is any process of the host) is left alone. A link of the user's
+    /// own to a directory of theirs is fine.
+    #[test]
+    fn a_sweep_acts_on_nothing_another_user_could_have_planted() {
+        let scratch = tempfile::tempdir().expect("tempdir");
+        let plant = |data: &Path| {
+            let dead = sandboxes_dir(data).join("sbx-planted");
+            std::fs::create_dir_all(&dead).expect("mkdir");
+            std::fs::write(dead.join("lock"), "").expect("lock file");
+            dead
+        };
+        let mut victim = std::process::Command::new("sleep").arg("30").spawn().expect("sleep");
+        let pid = i32::try_from(victim.id()).expect("pid");
+        let record = |dead: &Path| {
+            let started = start_time(pid).expect("alive");
+            std::fs::write(dead.join("monitor"), format!("{pid} {started}")).expect("monitor");
+        };
+        let theirs = scratch.path().join("theirs");
+        let dead = plant(&theirs);
+        record(&dead);
+        if std::os::unix::fs::chown(&theirs, Some(4242), Some(4242)).is_err() {
+            victim.kill().expect("kill");
+            victim.wait().expect("reaped");
+            return eprintln!("skipping: chown needs root");
+        }
+        // Theirs, named directly or through a link of the user's own.
+        let link = scratch.path().join("link");
+        std::os::unix::fs::symlink(&theirs, &link).expect("symlink");
+        for data in [&theirs, &link] {
+            assert!(sweep(data, None).is_empty(), "{}", data.display());
+            assert!(dead.exists() && live_monitor(&dead) == Some(pid), "the planted state was acted on");
+            let why = trusted(&sandboxes_dir(data)).expect_err("untrusted");
+            assert!(why.to_string().contains("belongs to uid 4242"), "{why}");
+        }
+        // The user's own `sandboxes` made a link (another user's) to the
+        // planted directory: the link itself is judged.
+        let mine = scratch.path().join("mine");
+        std::fs::create_dir(&mine).expect("mkdir");
+        std::os::unix::fs::symlink(theirs.join("sandboxes"), sandboxes_dir(&mine)).expect("symlink");
+        nix::unistd::fchownat(
+            nix::fcntl::AT_FDCWD,
+            &sandboxes_dir(&mine),
+            Some(4242.into()),
+            Some(4242.into()),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .expect("lchown");
+        assert!(sweep(&mine, None).is_empty());
+        assert_eq!(live_monitor(&dead), Some(pid));
+        // Given back to the user, the same state is swept, through a link
+        // of the user's own as well: its monitor killed.
+        std::os::unix::fs::chown(&theirs, Some(nix::unistd::geteuid().as_raw()), None).expect("chown");
+        assert_eq!(sweep(&link, None), ["sbx-planted"]);
+        assert!(!dead.exists());
+        victim.wait().expect("killed by the sweep, as a dead owner's monitor");
     }
 
     /// The sweep runs beside this process's first creates: a directory made

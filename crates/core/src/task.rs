@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{IoError, TaskError};
+use crate::error::{ConfigError, IoError, TaskError};
 use crate::runtime::Runtime;
 
 /// Output kept per command in the execution log.
@@ -135,6 +135,63 @@ pub const RECORD_MAX: u64 = 8 << 20;
 /// The most of one path a summary keeps, in bytes.
 pub const MAX_PATH_SHOWN: usize = 512;
 
+/// The default of `MOAT_TASK_RECORDS_MIB`: what the retained records may
+/// hold in all.
+pub const DEFAULT_RECORDS_MIB: u64 = 2048;
+
+/// The most the retained task records may hold in all, in bytes
+/// (`MOAT_TASK_RECORDS_MIB`, 1–1048576 MiB; [`DEFAULT_RECORDS_MIB`] unset).
+pub fn records_limit_from_env() -> Result<u64, ConfigError> {
+    match std::env::var("MOAT_TASK_RECORDS_MIB") {
+        Err(_) => Ok(DEFAULT_RECORDS_MIB << 20),
+        Ok(text) => match text.trim().parse::<u64>() {
+            Ok(mib) if (1..=1 << 20).contains(&mib) => Ok(mib << 20),
+            _ => Err(ConfigError::Invalid(format!(
+                "MOAT_TASK_RECORDS_MIB={text:?} is not a size in MiB from 1 to 1048576 (the default is \
+                 {DEFAULT_RECORDS_MIB})"
+            ))),
+        },
+    }
+}
+
+/// What the retained records hold now, in bytes: the files of each record
+/// directory (its patch, log and `record.json`), by their size, links not
+/// followed.
+pub fn records_size(data_dir: &Path) -> u64 {
+    std::fs::read_dir(tasks_dir(data_dir))
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter(|dir| dir.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|dir| std::fs::read_dir(dir.path()).ok())
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|file| file.metadata().ok())
+        .map(|meta| meta.len())
+        .fold(0, u64::saturating_add)
+}
+
+/// Whether a record of `needed` bytes fits beside the retained ones within
+/// `limit`: a model finishing tasks in a loop keeps no more than the
+/// operator allows in moat's data directory. The refusal says how to make
+/// room; the task stays in progress.
+pub fn room_for_record(data_dir: &Path, id: &str, needed: u64, limit: u64) -> Result<(), TaskError> {
+    let held = records_size(data_dir);
+    if held.saturating_add(needed) <= limit {
+        return Ok(());
+    }
+    let mib = |bytes: u64| bytes.div_ceil(1 << 20);
+    Err(TaskError::RecordsFull(format!(
+        "task {id}'s record needs {} MiB, and the retained task records hold {} MiB of the {} MiB this server \
+         keeps (MOAT_TASK_RECORDS_MIB, in {}); remove records you no longer need with remove_task (list_tasks \
+         names them), then finish the task again: it stays in progress, its sandbox and work kept",
+        mib(needed),
+        mib(held),
+        mib(limit),
+        tasks_dir(data_dir).display()
+    )))
+}
+
 /// Every retained record, oldest first.
 pub fn records(data_dir: &Path) -> Vec<TaskRecord> {
     let mut records: Vec<TaskRecord> = std::fs::read_dir(tasks_dir(data_dir))
@@ -212,6 +269,40 @@ mod tests {
         assert_eq!((text.as_str(), cut), ("short", false));
         let (text, cut) = clip(&vec![b'a'; LOG_OUTPUT_BYTES + 1]);
         assert!(cut && text.len() == LOG_OUTPUT_BYTES);
+    }
+
+    /// Records kept add up against the operator's limit; one past it is
+    /// refused with how to make room, and fits once a record is removed.
+    #[test]
+    fn retained_records_stay_within_the_operators_limit() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let record = |id: &str, patch: usize| {
+            let dir = tasks_dir(data.path()).join(id);
+            std::fs::create_dir_all(&dir).expect("mkdir");
+            std::fs::write(dir.join("patch.diff"), vec![b'+'; patch]).expect("patch");
+            std::fs::write(dir.join("log.json"), "[]").expect("log");
+            std::fs::write(dir.join("record.json"), "{}").expect("record");
+        };
+        assert_eq!(records_size(data.path()), 0, "no tasks directory yet");
+        record("task-a", 600 << 10);
+        record("task-b", 300 << 10);
+        // A link in a record counts as itself, not as what it names.
+        let big = data.path().join("big");
+        std::fs::write(&big, vec![0u8; 4 << 20]).expect("big");
+        std::os::unix::fs::symlink(&big, tasks_dir(data.path()).join("task-b/extra")).expect("link");
+        let held = records_size(data.path());
+        assert!((900 << 10..(900 << 10) + 4096).contains(&held), "{held}");
+        let limit = 1 << 20;
+        room_for_record(data.path(), "task-c", (1 << 20) - held, limit).expect("fits exactly");
+        let refused = room_for_record(data.path(), "task-c", 200 << 10, limit).expect_err("past the limit");
+        let text = refused.to_string();
+        assert!(
+            text.contains("task task-c's record needs 1 MiB") && text.contains("hold 1 MiB of the 1 MiB"),
+            "{text}"
+        );
+        assert!(text.contains("MOAT_TASK_RECORDS_MIB") && text.contains("remove_task"), "{text}");
+        remove_record(data.path(), "task-a").expect("removed");
+        room_for_record(data.path(), "task-c", 200 << 10, limit).expect("fits once a record is gone");
     }
 
     #[test]

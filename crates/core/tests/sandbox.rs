@@ -53,6 +53,10 @@ async fn a_sandbox_runs_debian_as_user_and_moves_files() {
     assert_eq!(out.lines().collect::<Vec<_>>(), ["user", "/home/user", "box-one", "debian", "numpy"]);
     let (out, _) = sh(&moat, &sandbox.id, "echo $GREETING").await;
     assert_eq!(out, "hi\n", "the sandbox's env reaches its commands");
+    // Scratch directories open to every process of the sandbox, each its
+    // own (in a jail, none the image's tree on the host).
+    let (out, code) = sh(&moat, &sandbox.id, "touch /tmp/a /var/tmp/a && stat -c %a /tmp /var/tmp").await;
+    assert_eq!((out.as_str(), code), ("1777\n1777\n", Some(0)));
     // The wall clock is the host's (a microVM has no RTC: its kernel reads
     // the time from kvmclock), or TLS certificates would not be valid yet.
     let (out, _) = sh(&moat, &sandbox.id, "date +%s").await;

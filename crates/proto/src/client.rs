@@ -151,6 +151,15 @@ fn parent_of(pid: u32) -> Option<u32> {
     stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// The largest frame accepted on a connection whose messages are all small
+/// (a port forward's or an egress tunnel's, before its bytes flow raw).
+pub const SMALL_FRAME_LEN: usize = 64 * 1024;
+
+/// What [`AgentClient::run`] keeps of each output stream when the request
+/// sets no `output_limit`: an agent that sends without end (a guest's root
+/// may run any agent) holds no more of the host's memory.
+pub const RUN_OUTPUT_DEFAULT: u64 = 64 << 20;
+
 /// The longest answer to `CONNECT` accepted (`OK 4294967295\n` is 14 bytes).
 const MAX_VSOCK_ANSWER: usize = 32;
 
@@ -263,7 +272,17 @@ impl<C: Connector> AgentClient<C> {
     /// the agent's welcome.
     async fn open(&self, request: Request) -> Result<Conn<C>, ProtoError> {
         let stream = self.connector.connect().await.map_err(ProtoError::Connect)?;
-        let mut conn = Connection::new(stream);
+        // The connections a sandbox's own traffic opens, up to hundreds at
+        // once (egress tunnels, preview connections), carry only small
+        // messages before their bytes flow raw: a hostile agent's message
+        // that trickles in on each holds no more than this of the host's
+        // memory, not a whole frame's 4 MiB.
+        let small = matches!(
+            request,
+            Request::PortForward { .. } | Request::EgressAttach { .. } | Request::EgressListen { .. }
+        );
+        let mut conn =
+            if small { Connection::with_max_frame(stream, SMALL_FRAME_LEN) } else { Connection::new(stream) };
         conn.feed(&ClientMsg::Hello { version: PROTOCOL_VERSION, client: client_name() }).await?;
         conn.send(&ClientMsg::Request { request }).await?;
         match next_msg(&mut conn, "the handshake").await? {
@@ -293,10 +312,13 @@ impl<C: Connector> AgentClient<C> {
         Ok(ExecHandle::spawn(pid, conn))
     }
 
-    /// Runs a process to completion with stdin closed and collects its output.
+    /// Runs a process to completion with stdin closed and collects its
+    /// output: at most the request's `output_limit` of each stream
+    /// ([`RUN_OUTPUT_DEFAULT`] unset), whatever the agent sends.
     pub async fn run(&self, mut request: ExecRequest) -> Result<Output, ProtoError> {
         request.stdin = false;
-        self.exec(request).await?.output().await
+        let limit = *request.output_limit.get_or_insert(RUN_OUTPUT_DEFAULT);
+        self.exec(request).await?.output_limited(usize::try_from(limit).unwrap_or(usize::MAX)).await
     }
 
     /// Streams (a range of) a file into `sink`; returns the byte count.
@@ -984,6 +1006,41 @@ mod tests {
         let (entries, truncated) = client.list_dir("/", 1).await.expect("a listing");
         assert_eq!(entries.len(), MAX_LIST_ENTRIES);
         assert!(truncated, "said to be cut");
+    }
+
+    /// An agent that answers a tunnel's or a port forward's opening with
+    /// the head of a message frame of 1 MiB, then trickles it: refused at
+    /// the head, not buffered (each of hundreds of tunnels held 4 MiB so).
+    #[tokio::test]
+    async fn a_tunnels_opening_holds_no_large_message() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("agent.sock");
+        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut conn = Connection::new(stream);
+                    for _ in 0..2 {
+                        let _ = conn.recv().await;
+                    }
+                    let welcome = AgentMsg::Welcome { version: PROTOCOL_VERSION, agent: "liar".into() };
+                    conn.send(&welcome).await.expect("welcome");
+                    let mut raw = conn.into_raw();
+                    raw.write_all(&[0, 0x10, 0, 0, 0x01, b'{']).await.expect("a head of 1 MiB");
+                    std::future::pending::<()>().await;
+                });
+            }
+        });
+        let client = AgentClient::unix(&path);
+        let guard = std::time::Duration::from_secs(30);
+        let attach = tokio::time::timeout(guard, client.egress_attach(1)).await.expect("refused, not waited on");
+        let err = attach.expect_err("too large");
+        assert!(
+            matches!(err, ProtoError::Frame(crate::frame::FrameError::TooLarge { max: SMALL_FRAME_LEN, .. })),
+            "the small limit: {err:?}"
+        );
+        let forward = tokio::time::timeout(guard, client.port_forward(80)).await.expect("refused, not waited on");
+        assert!(forward.is_err());
     }
 
     #[tokio::test]

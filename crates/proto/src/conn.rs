@@ -24,6 +24,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         Self { framed: Framed::new(stream, FrameCodec::default()) }
     }
 
+    /// A connection that refuses frames longer than `max` bytes (for one
+    /// whose messages are all small, so that a peer parks no more).
+    pub fn with_max_frame(stream: S, max: usize) -> Self {
+        Self { framed: Framed::new(stream, FrameCodec::with_max_len(max)) }
+    }
+
     /// Encodes and sends one message frame.
     pub async fn send<T: Serialize>(&mut self, msg: &T) -> Result<(), FrameError> {
         self.framed.send(encode_message(msg)?).await

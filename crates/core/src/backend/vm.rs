@@ -387,7 +387,11 @@ impl Instance for Vm {
             .and_then(|s| std::fs::read_to_string(s.path.join("console.log")).ok())
             .unwrap_or_default();
         let lines: Vec<&str> = console.lines().filter(|l| !l.trim().is_empty()).collect();
-        let tail = lines[lines.len().saturating_sub(3)..].join("\n");
+        // What the guest wrote, kept with the failed sandbox and shown in
+        // its listing: a line's first 512 bytes.
+        let clipped: Vec<&str> =
+            lines[lines.len().saturating_sub(3)..].iter().map(|line| &line[..line.floor_char_boundary(512)]).collect();
+        let tail = clipped.join("\n");
         let console = if tail.is_empty() { String::new() } else { format!("; its console ended with:\n{tail}") };
         Some(format!("the microVM ended unexpectedly (moat-vmm {status}){console}"))
     }

@@ -29,6 +29,9 @@ pub struct MoatConfig {
     pub roots: Vec<PathBuf>,
     /// The most one copy or import may move, in bytes (`MOAT_COPY_MAX_MIB`).
     pub copy_limit: u64,
+    /// The most the retained task records may hold in all, in bytes
+    /// (`MOAT_TASK_RECORDS_MIB`).
+    pub task_records_limit: u64,
     /// Sandboxes kept started ahead of need, for `create` calls whose spec
     /// equals `pool_spec`: those return at once. 0 turns the pool off.
     pub pool_size: usize,
@@ -65,6 +68,7 @@ impl MoatConfig {
         // The operator's errors (exit 2) before the machine's.
         let roots = hostfs::roots_from_env()?;
         let copy_limit = hostfs::copy_limit_from_env()?;
+        let task_records_limit = crate::task::records_limit_from_env()?;
         let extra_ca = ExtraCa::from_env()?;
         Ok(Self {
             data_dir: image::data_dir(),
@@ -73,6 +77,7 @@ impl MoatConfig {
             max_sandboxes: 16,
             roots,
             copy_limit,
+            task_records_limit,
             pool_size: 0,
             pool_spec: SandboxSpec::default(),
             egress: EgressConfig::from_env(),

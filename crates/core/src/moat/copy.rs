@@ -177,7 +177,8 @@ impl Moat {
         dest: &str,
         skip_git: bool,
     ) -> Result<PackSummary, CopyError> {
-        let client = self.client(id)?;
+        // A sandbox of this moat's, resumed if suspended, before the work.
+        self.client(id)?;
         let inner = self.inner.clone();
         let dir = source.fd;
         let (measured, dir) = tokio::task::spawn_blocking(move || {
@@ -187,6 +188,9 @@ impl Moat {
         .await
         .map_err(|e| HostPathError(format!("measuring the tree failed: {e}")))?;
         let measured = measured?;
+        // Again after measuring, which may take longer than the sandbox's
+        // idle time: resumed if it was suspended meanwhile.
+        let client = self.client(id)?;
         let (read, write) = pipe()?;
         let mut receiver = tokio::net::unix::pipe::Receiver::from_owned_fd(read)
             .map_err(|e| HostPathError(format!("cannot stream the copy: {e}")))?;

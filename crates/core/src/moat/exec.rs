@@ -103,14 +103,16 @@ impl Moat {
     /// With a `timeout_ms`, an agent that has not answered
     /// [`ANSWER_GRACE`] past it is [`SandboxError::Unresponsive`].
     pub async fn run(&self, id: &str, mut request: ExecRequest) -> Result<Output, SandboxError> {
-        request.output_limit.get_or_insert(RUN_OUTPUT_LIMIT as u64);
+        // What the agent is asked to keep, and all the host keeps of what
+        // it sends: an agent that ignores the limit gets no further.
+        let limit = (*request.output_limit.get_or_insert(RUN_OUTPUT_LIMIT as u64)).min(RUN_OUTPUT_LIMIT as u64);
         let command = command_line(&request);
         let started_at = now();
         let timeout = request.timeout_ms.map(Duration::from_millis);
         let work = async {
             self.exec(id, request)
                 .await?
-                .output_limited(RUN_OUTPUT_LIMIT)
+                .output_limited(usize::try_from(limit).unwrap_or(RUN_OUTPUT_LIMIT))
                 .await
                 .map_err(|source| SandboxError::Agent { id: id.into(), source })
         };

@@ -142,6 +142,9 @@ struct Inner {
     failures: tokio::sync::Notify,
     /// Tasks in progress, by task id, with their execution logs.
     tasks: Mutex<BTreeMap<String, (Task, Vec<LogEntry>)>>,
+    /// Held while a task record is checked against the records' limit and
+    /// written.
+    saving_record: Mutex<()>,
     /// Started sandboxes waiting to be handed out, by id.
     pool: Mutex<Vec<(String, Machine, ImageBuild)>>,
     /// The most the live sandboxes' memory (see [`Inner::charged_mib`])
@@ -219,6 +222,7 @@ impl Moat {
             failed: Mutex::new(BTreeMap::new()),
             failures: tokio::sync::Notify::new(),
             tasks: Mutex::new(BTreeMap::new()),
+            saving_record: Mutex::new(()),
             pool: Mutex::new(Vec::new()),
             max_memory_mib,
             reserved: Mutex::new((0, 0)),

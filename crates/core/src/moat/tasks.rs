@@ -16,11 +16,6 @@ use crate::sandbox::SandboxSpec;
 use crate::task::{self, DiffSummary, LogEntry, Task, TaskRecord};
 use crate::timing::now;
 
-/// Room counted per execution-log entry when a record's size is checked
-/// against the free space (an entry holds at most 4 KiB of command and of
-/// each stream, and its JSON).
-const LOG_ENTRY_ROOM: u64 = 16 << 10;
-
 /// The longest one of moat's own git commands in a task's sandbox may run.
 /// The sandbox owns its git (its configuration, filters, even the binary),
 /// so a command that does not end is stopped, never waited for.
@@ -278,7 +273,18 @@ impl Moat {
         // A record never takes the space the file system keeps free: a
         // model finishing tasks in a loop fills no host disk. Refused like
         // a full disk (ENOSPC), which the error explains.
-        let needed = diff.len() as u64 + (LOG_ENTRY_ROOM * log.len() as u64);
+        // What is written, counted as written.
+        let log_json = serde_json::to_string_pretty(log).unwrap_or_default();
+        let record_json = serde_json::to_string_pretty(record).unwrap_or_default();
+        let needed = (diff.len() + log_json.len() + record_json.len()) as u64;
+        // One record is saved at a time, so two cannot both pass the check.
+        let _saving = self.inner.saving_record.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        task::room_for_record(
+            &self.inner.config.data_dir,
+            &record.task.id,
+            needed,
+            self.inner.config.task_records_limit,
+        )?;
         let tasks = std::fs::File::open(&tasks_dir).map_err(io("creating the task record"))?;
         if hostfs::room_left(&tasks).is_some_and(|left| left < needed) {
             let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
@@ -289,9 +295,7 @@ impl Moat {
         std::fs::create_dir(dir).map_err(io("creating the task record"))?;
         let written = (|| {
             hostfs::write_new(&record.patch_path, diff.as_bytes()).map_err(io("writing the patch"))?;
-            let log_json = serde_json::to_string_pretty(log).unwrap_or_default();
             hostfs::write_new(&record.log_path, log_json.as_bytes()).map_err(io("writing the log"))?;
-            let record_json = serde_json::to_string_pretty(record).unwrap_or_default();
             hostfs::write_new(&dir.join("record.json"), record_json.as_bytes()).map_err(io("writing the record"))
         })();
         if written.is_err() {

@@ -333,7 +333,14 @@ pub struct SandboxEgress {
     /// A task's repository host.
     repository: Mutex<Option<String>>,
     log: Mutex<EgressLog>,
+    /// Host-name lookups under way: each holds one of the blocking threads
+    /// every sandbox's work shares until the resolver answers, which a
+    /// timed-out wait does not end.
+    lookups: Arc<tokio::sync::Semaphore>,
 }
+
+/// Host-name lookups one sandbox may have under way at once.
+const LOOKUPS: usize = 8;
 
 #[derive(Debug)]
 struct EgressLog {
@@ -350,6 +357,7 @@ impl SandboxEgress {
             runtime: Mutex::new(None),
             repository: Mutex::new(None),
             log: Mutex::new(EgressLog { recent: VecDeque::new(), file: log_file, written: 0 }),
+            lookups: Arc::new(tokio::sync::Semaphore::new(LOOKUPS)),
         }
     }
 
@@ -425,6 +433,25 @@ impl SandboxEgress {
         log.recent.push_back(decision);
     }
 
+    /// The addresses of `host`, looked up on a blocking thread that keeps
+    /// one of the sandbox's [`LOOKUPS`] places until the resolver answers,
+    /// however long after a caller stopped waiting: a sandbox naming slow
+    /// hosts ties up that many threads, never the pool.
+    async fn lookup(&self, host: &str, port: u16) -> std::io::Result<Vec<SocketAddr>> {
+        let place = self.lookups.clone().try_acquire_owned().map_err(|_| {
+            std::io::Error::other(format!(
+                "{LOOKUPS} of this sandbox's lookups are still waiting for their DNS answers; try again shortly"
+            ))
+        })?;
+        let host = host.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let _place = place;
+            std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), port)).map(Iterator::collect)
+        })
+        .await
+        .map_err(std::io::Error::other)?
+    }
+
     /// Decides on one request: the address to connect to, or why not.
     async fn resolve(&self, host: &str, port: u16) -> Result<Vec<SocketAddr>, (String, Option<String>)> {
         let how_to_allow = "the operator who starts moat can allow it with MOAT_ALLOW_HOSTS \
@@ -442,8 +469,8 @@ impl SandboxEgress {
         }
         let addrs: Vec<SocketAddr> = match self.config.test_resolve.iter().find(|(name, _)| name == host) {
             Some((_, ip)) => vec![SocketAddr::new(*ip, port)],
-            None => match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port))).await {
-                Ok(Ok(addrs)) => addrs.collect(),
+            None => match tokio::time::timeout(RESOLVE_TIMEOUT, self.lookup(host, port)).await {
+                Ok(Ok(addrs)) => addrs,
                 Ok(Err(e)) => return Err((format!("moat refused {host}:{port}: cannot resolve {host}: {e}"), None)),
                 Err(_) => return Err((format!("moat refused {host}:{port}: resolving {host} timed out"), None)),
             },

@@ -36,6 +36,7 @@ pub fn config(backend: BackendKind, max_sandboxes: usize, egress: EgressConfig) 
         max_sandboxes,
         roots: vec![tmp_root()],
         copy_limit: moat_core::hostfs::DEFAULT_COPY_MAX_MIB << 20,
+        task_records_limit: moat_core::task::DEFAULT_RECORDS_MIB << 20,
         pool_size: 0,
         pool_spec: SandboxSpec::default(),
         egress,

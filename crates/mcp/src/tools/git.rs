@@ -605,6 +605,8 @@ impl Drop for CloneSweep {
         let mut remove = ExecRequest::argv(["sh", "-c", script, "sh", secret.as_str(), stage.as_str()]);
         remove.user = Some("root".into());
         remove.timeout_ms = Some(SWEEP_TIMEOUT_MS);
+        // Its output is not read: the host keeps next to none of it.
+        remove.output_limit = Some(1024);
         runtime.spawn(async move {
             let bound = std::time::Duration::from_millis(SWEEP_TIMEOUT_MS) + moat_core::timing::ANSWER_GRACE;
             let _ = tokio::time::timeout(bound, client.run(remove)).await;
