@@ -142,16 +142,7 @@ pub const DEFAULT_RECORDS_MIB: u64 = 2048;
 /// The most the retained task records may hold in all, in bytes
 /// (`MOAT_TASK_RECORDS_MIB`, 1–1048576 MiB; [`DEFAULT_RECORDS_MIB`] unset).
 pub fn records_limit_from_env() -> Result<u64, ConfigError> {
-    match std::env::var("MOAT_TASK_RECORDS_MIB") {
-        Err(_) => Ok(DEFAULT_RECORDS_MIB << 20),
-        Ok(text) => match text.trim().parse::<u64>() {
-            Ok(mib) if (1..=1 << 20).contains(&mib) => Ok(mib << 20),
-            _ => Err(ConfigError::Invalid(format!(
-                "MOAT_TASK_RECORDS_MIB={text:?} is not a size in MiB from 1 to 1048576 (the default is \
-                 {DEFAULT_RECORDS_MIB})"
-            ))),
-        },
-    }
+    crate::hostfs::mib_from_env("MOAT_TASK_RECORDS_MIB", DEFAULT_RECORDS_MIB)
 }
 
 /// What the retained records hold now, in bytes: the files of each record

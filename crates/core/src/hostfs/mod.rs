@@ -222,12 +222,18 @@ pub const ENTRY_COST: u64 = 4096;
 
 /// The limit of one copy, in bytes: `MOAT_COPY_MAX_MIB` or the default.
 pub fn copy_limit_from_env() -> Result<u64, ConfigError> {
-    match std::env::var("MOAT_COPY_MAX_MIB") {
-        Err(_) => Ok(DEFAULT_COPY_MAX_MIB << 20),
+    mib_from_env("MOAT_COPY_MAX_MIB", DEFAULT_COPY_MAX_MIB)
+}
+
+/// A size the operator sets in MiB, 1 to 1048576 (`default` unset), in
+/// bytes; anything else is an error that names the setting and its range.
+pub fn mib_from_env(var: &str, default: u64) -> Result<u64, ConfigError> {
+    match std::env::var(var) {
+        Err(_) => Ok(default << 20),
         Ok(text) => match text.trim().parse::<u64>() {
             Ok(mib) if (1..=1 << 20).contains(&mib) => Ok(mib << 20),
             _ => Err(ConfigError::Invalid(format!(
-                "MOAT_COPY_MAX_MIB={text:?} is not a size in MiB from 1 to 1048576 (the default is {DEFAULT_COPY_MAX_MIB})"
+                "{var}={text:?} is not a size in MiB from 1 to 1048576 (the default is {default})"
             ))),
         },
     }
