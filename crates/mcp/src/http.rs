@@ -26,7 +26,7 @@
 
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -92,11 +92,18 @@ pub enum HttpError {
 }
 
 /// The directory generated tokens are written to: `$XDG_RUNTIME_DIR/moat`
-/// when the session has a runtime directory, else `run/` in moat's data
-/// directory.
+/// when the session has a runtime directory of this user's own, else `run/`
+/// in moat's data directory. (Root started with a user's environment, by
+/// `su` or `sudo -E`, would otherwise write in a directory that user
+/// controls.)
 pub fn token_dir(data_dir: &Path) -> PathBuf {
-    match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()).map(PathBuf::from) {
-        Some(runtime) if runtime.is_dir() => runtime.join("moat"),
+    token_dir_in(std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()).map(PathBuf::from), data_dir)
+}
+
+fn token_dir_in(runtime: Option<PathBuf>, data_dir: &Path) -> PathBuf {
+    let me = nix::unistd::geteuid().as_raw();
+    match runtime {
+        Some(runtime) if std::fs::metadata(&runtime).is_ok_and(|m| m.is_dir() && m.uid() == me) => runtime.join("moat"),
         _ => data_dir.join("run"),
     }
 }
@@ -111,11 +118,15 @@ pub fn token_path(data_dir: &Path, port: u16) -> PathBuf {
 pub struct TokenFile {
     pub path: PathBuf,
     pub token: String,
+    /// The directory it was written in, held: it is removed from there,
+    /// wherever that directory's name now leads.
+    dir: std::os::fd::OwnedFd,
+    name: std::ffi::OsString,
 }
 
 impl Drop for TokenFile {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        let _ = nix::unistd::unlinkat(&self.dir, self.name.as_os_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
     }
 }
 
@@ -124,33 +135,40 @@ impl TokenFile {
     /// (mode 0700) if missing and must be this user's and writable by no
     /// one else; the file is created with `O_EXCL | O_NOFOLLOW`, mode 0600.
     /// A file left by a server that died is replaced; a link is refused.
+    ///
+    /// The directory is checked and used through one descriptor (opened
+    /// without following a link), never by its path again: whoever owns
+    /// the directory above it may rename things there meanwhile.
     pub fn create(path: &Path) -> Result<Self, HttpError> {
+        use nix::fcntl::{OFlag, open, openat};
+        use nix::sys::stat::{Mode, SFlag, fstat, fstatat};
         let fail = |why: String| HttpError::TokenFile { path: path.to_owned(), why };
-        let dir = path.parent().ok_or_else(|| fail("it has no directory".into()))?;
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| fail(e.to_string()))?;
-        let meta = std::fs::symlink_metadata(dir).map_err(|e| fail(e.to_string()))?;
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        let me = unsafe { libc::geteuid() };
-        if !meta.is_dir() || meta.uid() != me || meta.permissions().mode() & 0o022 != 0 {
-            return Err(fail(format!("{} is not a directory of this user that only it may write", dir.display())));
+        let dir_path = path.parent().ok_or_else(|| fail("it has no directory".into()))?;
+        let name = path.file_name().ok_or_else(|| fail("it names no file".into()))?;
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir_path).map_err(|e| fail(e.to_string()))?;
+        let not_ours =
+            || fail(format!("{} is not a directory of this user that only it may write", dir_path.display()));
+        let dir =
+            open(dir_path, OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC, Mode::empty())
+                .map_err(|_| not_ours())?;
+        let me = nix::unistd::geteuid().as_raw();
+        let meta = fstat(&dir).map_err(|e| fail(e.to_string()))?;
+        if meta.st_uid != me || meta.st_mode & 0o022 != 0 {
+            return Err(not_ours());
         }
-        match std::fs::symlink_metadata(path) {
-            Ok(old) if old.is_file() && old.uid() == me => {
-                std::fs::remove_file(path).map_err(|e| fail(format!("removing a stale token file: {e}")))?;
+        match fstatat(&dir, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(old) if old.st_mode & SFlag::S_IFMT.bits() == SFlag::S_IFREG.bits() && old.st_uid == me => {
+                nix::unistd::unlinkat(&dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir)
+                    .map_err(|e| fail(format!("removing a stale token file: {e}")))?;
             }
             Ok(_) => return Err(fail("something that is not this user's file is in its place".into())),
             Err(_) => {}
         }
         let token = new_token().map_err(|e| fail(format!("no random bytes from the kernel for a token: {e}")))?;
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|e| fail(e.to_string()))?;
-        file.write_all(format!("{token}\n").as_bytes()).map_err(|e| fail(e.to_string()))?;
-        Ok(Self { path: path.to_owned(), token })
+        let flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let file = openat(&dir, name, flags, Mode::from_bits_truncate(0o600)).map_err(|e| fail(e.to_string()))?;
+        std::fs::File::from(file).write_all(format!("{token}\n").as_bytes()).map_err(|e| fail(e.to_string()))?;
+        Ok(Self { path: path.to_owned(), token, dir, name: name.to_owned() })
     }
 }
 
@@ -724,6 +742,24 @@ mod tests {
         // A directory others may write is refused.
         std::fs::set_permissions(dir.path().join("run"), std::fs::Permissions::from_mode(0o777)).expect("chmod");
         assert!(TokenFile::create(&path).is_err());
+
+        // A link in the directory's place is not followed either.
+        let theirs = dir.path().join("theirs");
+        std::fs::create_dir(&theirs).expect("mkdir");
+        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        std::os::unix::fs::symlink(&theirs, dir.path().join("linked")).expect("link");
+        let through = dir.path().join("linked/http-8000.token");
+        let err = TokenFile::create(&through).expect_err("a linked directory").to_string();
+        assert!(err.contains("not a directory of this user"), "{err}");
+        assert_eq!(std::fs::read_dir(&theirs).expect("ls").count(), 0, "written through the link");
+
+        // A runtime directory of another user's is not used.
+        let data = dir.path().join("data");
+        assert_eq!(token_dir_in(Some(dir.path().to_owned()), &data), dir.path().join("moat"));
+        if std::os::unix::fs::chown(&theirs, Some(4242), Some(4242)).is_ok() {
+            assert_eq!(token_dir_in(Some(theirs.clone()), &data), data.join("run"), "another user's runtime directory");
+        }
+        assert_eq!(token_dir_in(None, &data), data.join("run"));
     }
 
     #[test]
