@@ -70,9 +70,12 @@ impl StateDir {
 pub fn private_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     let me = nix::unistd::geteuid().as_raw();
-    // Before anything is made in them.
-    trusted(dir)?;
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    // Before anything is made in them (a directory there already, the
+    // usual case on every sandbox's create, is judged once, below).
+    if !std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir()) {
+        trusted(dir)?;
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    }
     // Made, or there already: another user's directory put in its place
     // after the check above is not taken for this user's.
     trusted(dir)?;
