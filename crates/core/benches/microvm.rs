@@ -114,7 +114,7 @@ async fn bench(runs: usize) {
             if memory.is_none() {
                 memory = Some(vmm_memory(&data_dir, &sandbox.id));
             }
-            let client = moat.client(&sandbox.id).expect("its client");
+            let client = moat.client(&sandbox.id).await.expect("its client");
             let mut phases = Phases::of(&client, elapsed, &out).await;
             let log = std::fs::read_to_string(data_dir.join("sandboxes").join(&sandbox.id).join("vmm.log"));
             phases.raw.push_str(&vmm_log_times(wall, &log.unwrap_or_default()));
@@ -391,7 +391,7 @@ impl Connector for Vsock {
 async fn channel(moat: &Moat) {
     const EXECS: usize = 50;
     let sandbox = moat.create(spec()).await.expect("a microVM sandbox");
-    let vsock = moat.client(&sandbox.id).expect("its client");
+    let vsock = moat.client(&sandbox.id).await.expect("its client");
     let dir = tempfile::tempdir().expect("a temporary directory");
     let socket = dir.path().join("agent.sock");
     let mut agent = Command::new("moat-agent")

@@ -17,7 +17,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = moat.run(&sandbox.id, ExecRequest::shell("python3 -c 'print(6 * 7)' | tee answer.txt")).await?;
     println!("python says {}", String::from_utf8_lossy(&out.stdout).trim());
 
-    let client = moat.client(&sandbox.id)?;
+    let client = moat.client(&sandbox.id).await?;
     let file =
         client.read_file(ReadFileRequest { path: "/home/user/answer.txt".into(), offset: 0, length: None }).await?;
     println!("answer.txt holds {:?}", String::from_utf8_lossy(&file));

@@ -482,7 +482,7 @@ async fn serve_page(moat: &Moat, id: &str, page: &str) -> moat_proto::AgentClien
     );
     let (out, code) = sh(moat, id, &script).await;
     assert_eq!(code, Some(0), "{out}");
-    let client = moat.client(id).expect("client");
+    let client = moat.client(id).await.expect("client");
     for attempt in 0.. {
         if client.port_forward(8000).await.is_ok() {
             break;

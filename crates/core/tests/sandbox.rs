@@ -64,7 +64,7 @@ async fn a_sandbox_runs_debian_as_user_and_moves_files() {
     let guest: u64 = out.trim().parse().expect("date +%s prints seconds");
     assert!(guest.abs_diff(host) < 600, "the sandbox's clock says {guest}, the host's {host}");
 
-    let client = moat.client(&sandbox.id).expect("client");
+    let client = moat.client(&sandbox.id).await.expect("client");
     // Past every frame (4 MiB) and chunk (256 KiB) on the way: 64 MiB, or
     // 16 MiB in the nested host, whose vsock moves a few MiB a second.
     let size = if nested() { 16 << 20 } else { 64 << 20 };
@@ -106,7 +106,7 @@ async fn a_sandbox_runs_debian_as_user_and_moves_files() {
 async fn idle_sandboxes_suspend_and_resume_transparently() {
     let moat = moat(16).await;
     let sandbox = moat.create(small()).await.expect("created");
-    moat.suspend(&sandbox.id).expect("suspends");
+    moat.suspend(&sandbox.id).await.expect("suspends");
     let state = moat.get(&sandbox.id).expect("listed").state;
     if state != SandboxState::Paused {
         eprintln!("this host cannot freeze cgroups; suspend is a no-op here");
@@ -140,16 +140,16 @@ async fn background_work_is_no_use_and_a_call_in_flight_is() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         calls_closed().await;
-        moat_core::moat::idle_now(&moat, id);
+        moat_core::moat::idle_now(&moat, id).await;
         moat.get(id).expect("listed").state
     };
     let (ran, state) = tokio::join!(run, idle_while_it_runs);
     assert_eq!(ran.expect("ran").status.code, Some(0));
     assert_eq!(state, SandboxState::Running, "suspended under a command being waited for");
     calls_closed().await;
-    moat_core::moat::idle_now(&moat, id);
+    moat_core::moat::idle_now(&moat, id).await;
     let state = moat.get(id).expect("listed").state;
-    if state == SandboxState::Running && !can_freeze(&moat, id) {
+    if state == SandboxState::Running && !can_freeze(&moat, id).await {
         eprintln!("this host cannot freeze cgroups; nothing to check");
         moat.destroy_all().await;
         return;
@@ -162,6 +162,58 @@ async fn background_work_is_no_use_and_a_call_in_flight_is() {
     moat.destroy_all().await;
 }
 
+/// A sandbox whose suspend does not answer (in life, a microVM whose VMM
+/// a guest keeps busy; here, a switch held back) holds up no other
+/// sandbox's calls, nor the listing: it was flipped with the lock of every
+/// sandbox held. Its own next call waits for the suspend, then resumes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root, the default image and the static agent; run by `cargo xtask test`"]
+async fn a_sandbox_slow_to_suspend_holds_up_no_other() {
+    let moat = moat(16).await;
+    let (slow, other) = (moat.create(small()).await.expect("created"), moat.create(small()).await.expect("created"));
+    if !can_freeze(&moat, &slow.id).await {
+        eprintln!("this host cannot freeze cgroups; nothing to check");
+        moat.destroy_all().await;
+        return;
+    }
+    let (release, mut flips) = moat_core::moat::slow_power(&moat, &slow.id);
+    let suspending = tokio::spawn({
+        let (moat, id) = (moat.clone(), slow.id.clone());
+        async move { moat.suspend(&id).await }
+    });
+    assert_eq!(flips.recv().await, Some(true), "the suspend began");
+    let resuming = tokio::spawn({
+        let (moat, id) = (moat.clone(), slow.id.clone());
+        async move { moat.client(&id).await.map(drop) }
+    });
+    // A guard against a hang, not a measure: held up, this never ends, and
+    // the runtime's threads may all be stuck with it (waiting for the lock
+    // of every sandbox), so the guard waits on this thread and ends the
+    // process.
+    let (done, others) = std::sync::mpsc::channel();
+    tokio::spawn({
+        let (moat, id) = (moat.clone(), other.id.clone());
+        async move {
+            let (out, code) = sh(&moat, &id, "echo free").await;
+            let _ = done.send((out, code, moat.list().len()));
+        }
+    });
+    let Ok((out, code, listed)) = others.recv_timeout(Duration::from_secs(120)) else {
+        eprintln!("another sandbox's suspend held up a call to this one and the listing");
+        std::process::exit(101);
+    };
+    assert_eq!((out.as_str(), code, listed), ("free\n", Some(0), 2));
+    assert!(!resuming.is_finished(), "a call to the sandbox being suspended went ahead of its suspend");
+    release.send(()).expect("the suspend waits");
+    suspending.await.expect("joined").expect("suspends");
+    assert_eq!(flips.recv().await, Some(false), "the waiting call resumes it");
+    drop(release);
+    resuming.await.expect("joined").expect("resumes");
+    assert_eq!(moat.get(&slow.id).expect("listed").state, SandboxState::Running);
+    assert_eq!(sh(&moat, &slow.id, "echo awake").await.0, "awake\n");
+    moat.destroy_all().await;
+}
+
 /// Lets the tasks of the calls just answered end: a finished command's
 /// connection closes when its aborted tasks are dropped, which this
 /// (one-thread) runtime does before a timer's task runs again.
@@ -170,10 +222,10 @@ async fn calls_closed() {
 }
 
 /// Whether sandbox `id` can be frozen here (it is left running).
-fn can_freeze(moat: &Moat, id: &str) -> bool {
-    moat.suspend(id).expect("suspends");
+async fn can_freeze(moat: &Moat, id: &str) -> bool {
+    moat.suspend(id).await.expect("suspends");
     let frozen = moat.get(id).expect("listed").state == SandboxState::Paused;
-    moat.client(id).expect("resumes");
+    moat.client(id).await.expect("resumes");
     frozen
 }
 
@@ -211,7 +263,7 @@ async fn a_stuck_sandbox_is_reported_not_waited_on() {
         while sh(&moat, id, both).await.0.trim() != "yes" {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        moat.suspend(id)
+        moat.suspend(id).await
     };
     let (result, code_result, suspended) = tokio::join!(run, code, freeze);
     suspended.expect("suspends");
@@ -224,7 +276,7 @@ async fn a_stuck_sandbox_is_reported_not_waited_on() {
     } else {
         eprintln!("this host cannot freeze cgroups; nothing to check");
     }
-    moat.client(id).expect("resumes");
+    moat.client(id).await.expect("resumes");
     moat.destroy_all().await;
 }
 
@@ -474,7 +526,7 @@ async fn sandboxes_never_outlive_a_killed_owner() {
         // frozen, its monitor too, which then takes no signal at all).
         let (_, code) = sh(&moat, &sandbox.id, "setsid sleep 3000 >/dev/null 2>&1 &").await;
         assert_eq!(code, Some(0));
-        moat.suspend(&sandbox.id).expect("suspends");
+        moat.suspend(&sandbox.id).await.expect("suspends");
         // The parent test reads the id from this process's stdout.
         #[allow(clippy::print_stdout)]
         {

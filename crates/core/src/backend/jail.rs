@@ -51,7 +51,8 @@ pub struct Jail {
     /// Readable once `monitor` has ended.
     exit: Pidfd,
     state: Option<StateDir>,
-    cgroup: Option<Cgroup>,
+    /// Shared with its power switch, which only freezes and thaws it.
+    cgroup: Option<Arc<Cgroup>>,
     socket: PathBuf,
     /// Root's lease of the jail's host ids (see `ids`), released after
     /// [`Jail::stop`], once nothing of the jail runs as them.
@@ -314,7 +315,7 @@ impl Backend for JailBackend {
         };
         state.record_monitor(monitor.id()).map_err(io("recording its monitor"))?;
         let cgroup = match Cgroup::create(&self.cgroups, id, limits, self.user.is_root().then_some(uids.start)) {
-            Ok(Some(cgroup)) => Some(cgroup.with_sweeper(sweeper.clone())),
+            Ok(Some(cgroup)) => Some(Arc::new(cgroup.with_sweeper(sweeper.clone()))),
             Ok(None) if crate::limits::allow_unlimited() => None,
             Ok(None) => return Err(self.unlimited_refused(id, monitor, state, "this host has no cgroups")),
             // Another's cgroup of the same id: not run in, nor removed.
@@ -335,9 +336,9 @@ impl Backend for JailBackend {
             }
         };
         let mut procs: String =
-            cgroup.iter().flat_map(Cgroup::procs_files).map(|p| format!("{}\n", p.display())).collect();
+            cgroup.iter().flat_map(|c| c.procs_files()).map(|p| format!("{}\n", p.display())).collect();
         // The `user` cgroups the monitor binds into the sandbox for the agent.
-        for (name, dir) in cgroup.iter().flat_map(Cgroup::user_dirs) {
+        for (name, dir) in cgroup.iter().flat_map(|c| c.user_dirs()) {
             procs.push_str(&format!("user {name} {}\n", dir.display()));
         }
         if let Some(split) = cgroup.as_ref().and_then(|c| c.split_line(limits)) {
@@ -396,19 +397,16 @@ impl Instance for Jail {
         AgentClient::unix(&self.socket)
     }
 
-    fn can_suspend(&self) -> bool {
-        self.cgroup.as_ref().is_some_and(Cgroup::can_freeze)
-    }
-
-    fn set_suspended(&self, suspended: bool) -> Result<(), IoError> {
-        match &self.cgroup {
-            Some(cgroup) if cgroup.can_freeze() => cgroup.set_frozen(suspended).map_err(|source| IoError {
-                id: self.id.clone(),
-                what: "freezing".into(),
+    fn power_switch(&self) -> Option<super::PowerSwitch> {
+        let cgroup = self.cgroup.clone().filter(|cgroup| cgroup.can_freeze())?;
+        let id = self.id.clone();
+        Some(Arc::new(move |suspended| {
+            cgroup.set_frozen(suspended).map_err(|source| IoError {
+                id: id.clone(),
+                what: if suspended { "freezing".into() } else { "thawing".into() },
                 source,
-            }),
-            _ => Ok(()),
-        }
+            })
+        }))
     }
 
     fn destroy(&mut self) {

@@ -9,7 +9,7 @@ use moat_proto::{AgentClient, UnixConnector};
 use crate::backend::jail::{Jail, JailBackend};
 use crate::backend::vm::{Vm, VmBackend};
 use crate::backend::{Backend, BackendKind, Instance};
-use crate::error::{CreateError, IoError};
+use crate::error::CreateError;
 use crate::image::Image;
 use crate::sandbox::SandboxSpec;
 
@@ -81,12 +81,8 @@ impl Machine {
         self.instance_mut().ended()
     }
 
-    pub fn can_suspend(&self) -> bool {
-        self.instance().can_suspend()
-    }
-
-    pub fn set_suspended(&self, suspended: bool) -> Result<(), IoError> {
-        self.instance().set_suspended(suspended)
+    pub fn power_switch(&self) -> Option<crate::backend::PowerSwitch> {
+        self.instance().power_switch()
     }
 }
 

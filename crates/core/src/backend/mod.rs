@@ -38,13 +38,21 @@ pub trait Backend: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Self::Instance, CreateError>> + Send;
 }
 
+/// Suspends (`true`) or resumes (`false`) one sandbox, apart from the
+/// value that owns it: a switch is flipped with no lock of moat's held, on
+/// a blocking thread, because a microVM's answer comes from its VMM (within
+/// a bound of seconds) and only that sandbox's callers may wait for it.
+/// Flipped once the sandbox is gone, it fails harmlessly: its cgroups or
+/// its VMM's control socket are no longer there.
+pub type PowerSwitch = std::sync::Arc<dyn Fn(bool) -> Result<(), IoError> + Send + Sync>;
+
 /// One running sandbox of a backend. Dropping it destroys the sandbox.
 pub trait Instance: Send + 'static {
     /// A client of the sandbox's agent.
     fn client(&self) -> AgentClient<UnixConnector>;
-    /// Whether the sandbox can be suspended (frozen, or its vCPUs paused).
-    fn can_suspend(&self) -> bool;
-    fn set_suspended(&self, suspended: bool) -> Result<(), IoError>;
+    /// What suspends and resumes the sandbox (freezes its cgroups, or
+    /// pauses its vCPUs), or `None` where it cannot be suspended.
+    fn power_switch(&self) -> Option<PowerSwitch>;
     /// Stops every process of the sandbox and removes its state.
     fn destroy(&mut self);
     /// The host process the sandbox lives in (the jail's monitor, or

@@ -352,17 +352,16 @@ impl Instance for Vm {
         AgentClient::vsock_of(&self.vsock, AGENT_VSOCK_PORT, self.vmm.id())
     }
 
-    fn can_suspend(&self) -> bool {
-        true
-    }
-
-    fn set_suspended(&self, suspended: bool) -> Result<(), IoError> {
-        let request = if suspended { Request::Pause } else { Request::Resume };
-        self.control::<Status>(&request).map(drop).map_err(|source| IoError {
-            id: self.id.clone(),
-            what: format!("asking its VMM to {}", request.op()),
-            source,
-        })
+    fn power_switch(&self) -> Option<crate::backend::PowerSwitch> {
+        let (id, control, server) = (self.id.clone(), self.control.clone(), self.vmm.id());
+        Some(std::sync::Arc::new(move |suspended| {
+            let request = if suspended { Request::Pause } else { Request::Resume };
+            control_request::<Status>(&control, server, &request).map(drop).map_err(|source| IoError {
+                id: id.clone(),
+                what: format!("asking its VMM to {}", request.op()),
+                source,
+            })
+        }))
     }
 
     fn destroy(&mut self) {
@@ -524,11 +523,6 @@ impl Vm {
                 tail(&read("vmm.log"), 5)
             ),
         }
-    }
-
-    /// One request on the VMM's control socket; its answer.
-    fn control<T: DeserializeOwned>(&self, request: &Request) -> std::io::Result<T> {
-        control_request(&self.control, self.vmm.id(), request)
     }
 
     /// Asks the VMM to stop the guest now, waits for it, SIGKILL if it does

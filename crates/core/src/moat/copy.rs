@@ -141,7 +141,7 @@ impl Moat {
 
     async fn copy_in(&self, id: &str, host: &Path, sandbox_path: &str) -> Result<CopySummary, CopyError> {
         let source = self.inner.host.open_source(host)?;
-        let client = self.client(id)?;
+        let client = self.client(id).await?;
         if source.kind == SourceKind::Dir {
             let packed = self.send_tree(id, source, sandbox_path, true).await?;
             return Ok(CopySummary { files: packed.files, bytes: packed.bytes, skipped: packed.skipped });
@@ -178,7 +178,7 @@ impl Moat {
         skip_git: bool,
     ) -> Result<PackSummary, CopyError> {
         // A sandbox of this moat's, resumed if suspended, before the work.
-        self.client(id)?;
+        self.client(id).await?;
         let inner = self.inner.clone();
         let dir = source.fd;
         let (measured, dir) = tokio::task::spawn_blocking(move || {
@@ -190,7 +190,7 @@ impl Moat {
         let measured = measured?;
         // Again after measuring, which may take longer than the sandbox's
         // idle time: resumed if it was suspended meanwhile.
-        let client = self.client(id)?;
+        let client = self.client(id).await?;
         let (read, write) = pipe()?;
         let mut receiver = tokio::net::unix::pipe::Receiver::from_owned_fd(read)
             .map_err(|e| HostPathError(format!("cannot stream the copy: {e}")))?;
@@ -234,7 +234,7 @@ impl Moat {
     async fn copy_out(&self, id: &str, sandbox_path: &str, host: &Path) -> Result<CopySummary, CopyError> {
         let dest = self.inner.host.destination(host)?;
         let (limit, share) = dest.limit(self.inner.host.copy_limit());
-        let client = self.client(id)?;
+        let client = self.client(id).await?;
         let agent = |source| SandboxError::Agent { id: id.into(), source };
         let info =
             crate::timing::within(id, super::AGENT_CALL_GUARD, client.stat(sandbox_path)).await?.map_err(agent)?;

@@ -68,7 +68,7 @@ impl Moat {
     /// sandbox's proxy variables come first, then the sandbox's
     /// `env`; the request's own variables override both.
     pub async fn exec(&self, id: &str, request: ExecRequest) -> Result<ExecHandle, SandboxError> {
-        let client = self.client(id)?;
+        let client = self.client(id).await?;
         self.exec_through(id, client, request).await
     }
 
@@ -221,7 +221,7 @@ impl Moat {
                 let running = match session.as_mut() {
                     Some(running) => {
                         // Resumes a suspended sandbox and marks it used.
-                        self.client(id)?;
+                        self.client(id).await?;
                         running
                     }
                     None => {
@@ -229,7 +229,7 @@ impl Moat {
                         // cell's timeout and the grace after it to be ready.
                         // The session's runner stays connected between
                         // cells, which is no use of the sandbox.
-                        let client = self.resident_client(id)?;
+                        let client = self.resident_client(id).await?;
                         let start = self.exec_through(id, client, PythonSession::request());
                         let handle = answered_within(id, Some(timeout), start).await?;
                         let started = PythonSession::start(handle, timeout.saturating_add(ANSWER_GRACE))

@@ -80,9 +80,67 @@ struct Entry {
     /// connection), each until it closes. A sandbox with none is unused;
     /// what runs in it in the background is not use.
     in_use: InUse,
-    /// After a suspend failed: not tried again before this time (each try
-    /// may wait for the VMM's answer with the sandboxes' lock held).
+    /// Its suspend and resume, flipped with no lock of the map held.
+    power: Power,
+    /// After a suspend failed: not tried again before this time.
     suspend_after: u64,
+}
+
+impl Entry {
+    /// Whether the sandbox has been unused for its idle time and may be
+    /// suspended now. A call in flight is use (a command waited for, a
+    /// copy, a preview connection open, a Python cell, which holds its
+    /// session's lock); what a sandbox runs in the background is not: a
+    /// forgotten sandbox's work stops when the operator's idle time says.
+    fn due_to_suspend(&self, now: u64) -> bool {
+        let idle = self.info.spec.idle_seconds;
+        idle > 0
+            && self.info.state == SandboxState::Running
+            && !self.busy()
+            && now.saturating_sub(self.info.last_used_at) >= idle
+            && now >= self.suspend_after
+            && self.power.switch.is_some()
+    }
+
+    fn busy(&self) -> bool {
+        self.in_use.count() > 0 || self.python.try_lock().is_err()
+    }
+}
+
+/// A sandbox's suspend and resume. Flipping a microVM's waits for its
+/// VMM's answer (up to the control socket's bound, seconds): done with the
+/// map's lock held, one guest that keeps its VMM busy would stall every
+/// sandbox's calls. Each sandbox has a lock of its own for it instead,
+/// which only its own callers wait on.
+struct Power {
+    /// `None`: this sandbox cannot be suspended here.
+    switch: Option<crate::backend::PowerSwitch>,
+    /// Held while the switch is flipped and the new state recorded.
+    lock: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Power {
+    fn of(machine: &Machine) -> Self {
+        Self { switch: machine.power_switch(), lock: Arc::default() }
+    }
+
+    /// Whether a suspend or resume is under way.
+    fn flipping(&self) -> bool {
+        self.lock.try_lock().is_err()
+    }
+}
+
+/// Flips `switch` on a blocking thread (a VMM's answer is waited for).
+async fn flip(id: &str, switch: crate::backend::PowerSwitch, suspended: bool) -> Result<(), SandboxError> {
+    match tokio::task::spawn_blocking(move || switch(suspended)).await {
+        Ok(flipped) => Ok(flipped?),
+        Err(e) => Err(IoError {
+            id: id.into(),
+            what: if suspended { "suspending".into() } else { "resuming".into() },
+            source: std::io::Error::other(e),
+        }
+        .into()),
+    }
 }
 
 /// Sandboxes destroyed whose teardown (their processes killed and
@@ -239,7 +297,11 @@ impl Moat {
             loop {
                 tick.tick().await;
                 let Some(inner) = weak.upgrade() else { break };
-                inner.lifecycle();
+                // Each apart: one sandbox's slow suspend holds up no other's.
+                for id in inner.lifecycle() {
+                    let inner = inner.clone();
+                    tokio::spawn(async move { inner.suspend(&id, false).await });
+                }
             }
         });
         Ok(Self { inner })
@@ -389,6 +451,7 @@ impl Moat {
                     info: info.clone(),
                     egress,
                     previews: BTreeMap::new(),
+                    power: Power::of(&machine),
                     machine,
                     python: Arc::default(),
                     in_use: InUse::default(),
@@ -528,7 +591,7 @@ impl Moat {
     where
         F: Future<Output = Result<T, moat_proto::ProtoError>>,
     {
-        let client = self.client(id)?;
+        let client = self.client(id).await?;
         match crate::timing::within(id, AGENT_CALL_GUARD, op(client)).await? {
             Ok(value) => Ok(value),
             Err(source) => Err(self.agent_error(id, source).await),
@@ -634,26 +697,39 @@ impl Moat {
 
     /// A client of the sandbox's agent, after marking it used and resuming
     /// it if it was suspended.
-    pub fn client(&self, id: &str) -> Result<AgentClient<UnixConnector>, SandboxError> {
-        let mut sandboxes = self.inner.lock();
-        if !sandboxes.contains_key(id) {
-            return Err(self.inner.unknown(id, &sandboxes));
+    ///
+    /// Only this sandbox's callers wait for its resume (or for a suspend
+    /// under way to finish first); the map of sandboxes is never locked
+    /// across one.
+    pub async fn client(&self, id: &str) -> Result<AgentClient<UnixConnector>, SandboxError> {
+        {
+            let mut sandboxes = self.inner.lock();
+            if !sandboxes.contains_key(id) {
+                return Err(self.inner.unknown(id, &sandboxes));
+            }
+            let entry = sandboxes.get_mut(id).ok_or_else(|| SandboxError::Expired(id.into()))?;
+            // Marked used first: an idle suspend that has not yet looked
+            // again (under this lock) now finds it used and leaves it.
+            entry.info.last_used_at = now();
+            if entry.info.state == SandboxState::Running && !entry.power.flipping() {
+                return Ok(entry.machine.client().counted(entry.in_use.clone()));
+            }
         }
-        let entry = sandboxes.get_mut(id).ok_or_else(|| SandboxError::Expired(id.into()))?;
-        if entry.info.state == SandboxState::Paused {
-            entry.machine.set_suspended(false)?;
-            entry.info.state = SandboxState::Running;
-            tracing::debug!(%id, "resumed");
-        }
-        entry.info.last_used_at = now();
-        Ok(entry.machine.client().counted(entry.in_use.clone()))
+        // In a task of its own: a caller that goes away mid-resume leaves
+        // it finished and recorded, never a sandbox running that is listed
+        // as paused (and so never suspended again).
+        let (inner, owned) = (self.inner.clone(), id.to_owned());
+        tokio::spawn(async move { inner.resume(&owned).await }).await.map_err(|e| {
+            SandboxError::from(IoError { id: id.into(), what: "resuming".into(), source: std::io::Error::other(e) })
+        })?
     }
 
     /// [`Moat::client`], its connections not counted as use: for what stays
     /// connected while nothing is asked of it (a Python session waiting for
     /// its next cell).
-    pub(crate) fn resident_client(&self, id: &str) -> Result<AgentClient<UnixConnector>, SandboxError> {
-        self.client(id).map(|client| AgentClient::new(UnixConnector { in_use: None, ..client.connector().clone() }))
+    pub(crate) async fn resident_client(&self, id: &str) -> Result<AgentClient<UnixConnector>, SandboxError> {
+        let client = self.client(id).await?;
+        Ok(AgentClient::new(UnixConnector { in_use: None, ..client.connector().clone() }))
     }
 
     /// The newest egress decisions of a `filtered` sandbox (empty for others).
@@ -700,11 +776,14 @@ impl Moat {
         }
         let weak = Arc::downgrade(&self.inner);
         let sandbox = id.to_owned();
-        let connect = move || -> Result<AgentClient<UnixConnector>, SandboxError> {
-            let inner = weak.upgrade().ok_or_else(|| SandboxError::Expired(sandbox.clone()))?;
-            Moat { inner }.client(&sandbox)
-        };
-        let preview = Preview::start(port, expires_at, &self.inner.config.preview, Arc::new(connect))
+        let connect: crate::net::preview::Connect = Arc::new(move || {
+            let (weak, sandbox) = (weak.clone(), sandbox.clone());
+            Box::pin(async move {
+                let inner = weak.upgrade().ok_or_else(|| SandboxError::Expired(sandbox.clone()))?;
+                Moat { inner }.client(&sandbox).await
+            })
+        });
+        let preview = Preview::start(port, expires_at, &self.inner.config.preview, connect)
             .await
             .map_err(|source| IoError { id: id.into(), what: "listening for the preview link".into(), source })?;
         let mut sandboxes = self.inner.lock();
@@ -718,15 +797,13 @@ impl Moat {
         Ok(entry.previews.entry(port).or_insert(preview).new_link().map_err(io)?)
     }
 
-    /// Suspends a sandbox now (as idleness would).
-    pub fn suspend(&self, id: &str) -> Result<(), SandboxError> {
-        let mut sandboxes = self.inner.lock();
-        let Some(entry) = sandboxes.get_mut(id) else { return Err(self.inner.unknown(id, &sandboxes)) };
-        if entry.machine.can_suspend() {
-            entry.machine.set_suspended(true)?;
-            entry.info.state = SandboxState::Paused;
-        }
-        Ok(())
+    /// Suspends a sandbox now, used or not (idleness waits for no call in
+    /// flight); one that cannot be suspended here stays running.
+    pub async fn suspend(&self, id: &str) -> Result<(), SandboxError> {
+        let (inner, owned) = (self.inner.clone(), id.to_owned());
+        tokio::spawn(async move { inner.suspend(&owned, true).await }).await.map_err(|e| {
+            SandboxError::from(IoError { id: id.into(), what: "suspending".into(), source: std::io::Error::other(e) })
+        })?
     }
 }
 
@@ -925,12 +1002,84 @@ impl Inner {
         SandboxError::UnknownSandbox { id: id.into(), known: sandboxes.keys().cloned().collect() }
     }
 
-    /// Expires and suspends sandboxes; runs every second.
-    fn lifecycle(&self) {
+    /// Resumes sandbox `id` if it is paused (after a suspend under way),
+    /// holding its power lock until the new state is recorded; then a
+    /// client of its agent, as [`Moat::client`].
+    async fn resume(&self, id: &str) -> Result<AgentClient<UnixConnector>, SandboxError> {
+        let lock = {
+            let sandboxes = self.lock();
+            let Some(entry) = sandboxes.get(id) else { return Err(self.unknown(id, &sandboxes)) };
+            entry.power.lock.clone()
+        };
+        let _power = lock.lock().await;
+        let switch = {
+            let mut sandboxes = self.lock();
+            let Some(entry) = sandboxes.get_mut(id) else { return Err(self.unknown(id, &sandboxes)) };
+            entry.info.last_used_at = now();
+            match (entry.info.state, entry.power.switch.clone()) {
+                (SandboxState::Paused, Some(switch)) => switch,
+                _ => return Ok(entry.machine.client().counted(entry.in_use.clone())),
+            }
+        };
+        flip(id, switch, false).await?;
+        let mut sandboxes = self.lock();
+        let Some(entry) = sandboxes.get_mut(id) else { return Err(self.unknown(id, &sandboxes)) };
+        entry.info.state = SandboxState::Running;
+        entry.info.last_used_at = now();
+        tracing::debug!(%id, "resumed");
+        Ok(entry.machine.client().counted(entry.in_use.clone()))
+    }
+
+    /// Suspends sandbox `id`: when `forced`, now (waiting for a resume
+    /// under way); else only if it is still due (see
+    /// [`Entry::due_to_suspend`]) and no suspend or resume is under way.
+    /// Its power lock is held until the new state is recorded, so a call
+    /// meanwhile waits and then resumes it.
+    async fn suspend(&self, id: &str, forced: bool) -> Result<(), SandboxError> {
+        let lock = {
+            let sandboxes = self.lock();
+            let Some(entry) = sandboxes.get(id) else { return Err(self.unknown(id, &sandboxes)) };
+            entry.power.lock.clone()
+        };
+        let _power = if forced {
+            lock.lock().await
+        } else {
+            let Ok(held) = lock.try_lock() else { return Ok(()) };
+            held
+        };
+        let (switch, idle) = {
+            let sandboxes = self.lock();
+            let Some(entry) = sandboxes.get(id) else { return Err(self.unknown(id, &sandboxes)) };
+            let due = if forced { entry.info.state == SandboxState::Running } else { entry.due_to_suspend(now()) };
+            match entry.power.switch.clone().filter(|_| due) {
+                Some(switch) => (switch, entry.info.spec.idle_seconds),
+                None => return Ok(()),
+            }
+        };
+        let flipped = flip(id, switch, true).await;
+        let mut sandboxes = self.lock();
+        let Some(entry) = sandboxes.get_mut(id) else { return flipped };
+        match &flipped {
+            Ok(()) => {
+                entry.info.state = SandboxState::Paused;
+                tracing::debug!(%id, "suspended");
+            }
+            Err(e) if !forced => {
+                entry.suspend_after = now().saturating_add(idle);
+                tracing::warn!(%id, "cannot suspend: {e}; trying again in {idle} s");
+            }
+            Err(_) => {}
+        }
+        flipped
+    }
+
+    /// Expires sandboxes; runs every second. Returns those due to be
+    /// suspended, for [`Inner::suspend`] to suspend each apart.
+    fn lifecycle(&self) -> Vec<String> {
         let now = now();
         self.failed().retain(|_, s| s.expires_at > now);
         let mut dead = Vec::new();
-        {
+        let due = {
             let mut sandboxes = self.lock();
             let expired: Vec<String> =
                 sandboxes.iter().filter(|(_, e)| e.info.expires_at <= now).map(|(id, _)| id.clone()).collect();
@@ -947,39 +1096,16 @@ impl Inner {
                     expired.push(id);
                 }
             }
-            for (id, entry) in sandboxes.iter_mut() {
-                let idle = entry.info.spec.idle_seconds;
-                // A call in flight is use (a command waited for, a copy, a
-                // preview connection open, a Python cell, which holds its
-                // session's lock); what a sandbox runs in the background is
-                // not: a forgotten sandbox's work stops when the operator's
-                // idle time says.
-                let busy = entry.in_use.count() > 0 || entry.python.try_lock().is_err();
-                if idle > 0 && entry.info.state == SandboxState::Running && busy {
+            for entry in sandboxes.values_mut() {
+                if entry.info.state == SandboxState::Running && entry.busy() {
                     entry.info.last_used_at = now;
-                    continue;
-                }
-                if idle > 0
-                    && entry.info.state == SandboxState::Running
-                    && now.saturating_sub(entry.info.last_used_at) >= idle
-                    && now >= entry.suspend_after
-                    && entry.machine.can_suspend()
-                {
-                    match entry.machine.set_suspended(true) {
-                        Ok(()) => {
-                            entry.info.state = SandboxState::Paused;
-                            tracing::debug!(%id, "suspended after being idle");
-                        }
-                        Err(e) => {
-                            entry.suspend_after = now.saturating_add(idle);
-                            tracing::warn!(%id, "cannot suspend: {e}; trying again in {idle} s");
-                        }
-                    }
                 }
             }
-        }
+            sandboxes.iter().filter(|(_, e)| e.due_to_suspend(now)).map(|(id, _)| id.clone()).collect()
+        };
         // Destroying blocks while processes die: off the async threads.
         self.end_in_background(dead);
+        due
     }
 }
 
@@ -1003,14 +1129,37 @@ pub fn expire_now(moat: &Moat, id: &str) {
     moat.inner.lifecycle();
 }
 
-/// For tests: makes sandbox `id` unused for its whole `idle_seconds` and
-/// runs the lifecycle pass, which suspends it unless a call is in flight.
+/// For tests: makes sandbox `id` unused for its whole `idle_seconds`,
+/// runs the lifecycle pass and the suspends it finds due (it is, unless a
+/// call is in flight), and waits for them.
 #[doc(hidden)]
-pub fn idle_now(moat: &Moat, id: &str) {
+pub async fn idle_now(moat: &Moat, id: &str) {
     if let Some(entry) = moat.inner.lock().get_mut(id) {
         entry.info.last_used_at = now().saturating_sub(entry.info.spec.idle_seconds);
     }
-    moat.inner.lifecycle();
+    for due in moat.inner.lifecycle() {
+        let _ = moat.inner.suspend(&due, false).await;
+    }
+}
+
+/// For tests: sandbox `id`'s suspend and resume become slow to answer, as
+/// a microVM's VMM may be: each flip says it began on the receiver, then
+/// waits for a message on (or the drop of) the sender before it acts.
+#[doc(hidden)]
+pub fn slow_power(moat: &Moat, id: &str) -> (std::sync::mpsc::Sender<()>, tokio::sync::mpsc::UnboundedReceiver<bool>) {
+    let (release, wait) = std::sync::mpsc::channel::<()>();
+    let (began, flips) = tokio::sync::mpsc::unbounded_channel();
+    let wait = Mutex::new(wait);
+    if let Some(entry) = moat.inner.lock().get_mut(id)
+        && let Some(switch) = entry.power.switch.clone()
+    {
+        entry.power.switch = Some(Arc::new(move |suspended| {
+            let _ = began.send(suspended);
+            let _ = wait.lock().unwrap_or_else(std::sync::PoisonError::into_inner).recv();
+            switch(suspended)
+        }));
+    }
+    (release, flips)
 }
 
 /// The error of a create that finished after [`Moat::close`].

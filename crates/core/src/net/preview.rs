@@ -276,7 +276,12 @@ pub fn never_forward(secret: &str) {
 }
 
 /// Opens a client of the sandbox's agent (resuming it if suspended).
-pub type Connect = Arc<dyn Fn() -> Result<AgentClient<UnixConnector>, SandboxError> + Send + Sync>;
+pub type Connect = Arc<
+    dyn Fn() -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<AgentClient<UnixConnector>, SandboxError>> + Send>,
+        > + Send
+        + Sync,
+>;
 
 /// What a caller gets: where to point a browser.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -657,7 +662,7 @@ async fn connection(mut stream: TcpStream, guard: &Guard, connect: &Connect, vou
                 let why = "a request body must have one Content-Length (chunked bodies are not forwarded)";
                 return answer(stream, "411 Length Required", why.into(), None).await;
             }
-            let upstream = match connect() {
+            let upstream = match connect().await {
                 Ok(client) => match tokio::time::timeout(FORWARD_GUARD, client.port_forward(guard.port)).await {
                     Ok(forwarded) => forwarded.map_err(|e| e.to_string()),
                     Err(_) => Err(format!(
@@ -923,7 +928,7 @@ mod tests {
         assert_eq!(names.len(), 8, "each link a host of its own");
         // A link's origin is its own host: a page of another link's host is
         // another origin, refused.
-        let connect: Connect = Arc::new(|| Err(SandboxError::Expired("none".into())));
+        let connect: Connect = Arc::new(|| Box::pin(async { Err(SandboxError::Expired("none".into())) }));
         let preview = Preview::start(3000, 0, &host, connect).await.expect("a link");
         let link = preview.new_link().expect("a link");
         let own = link.url.split('/').nth(2).expect("an authority").to_owned();
@@ -996,7 +1001,7 @@ mod tests {
     /// of it on 127.0.0.1, where the user's own web services are.
     #[tokio::test]
     async fn loopback_links_each_listen_on_an_address_of_their_own() {
-        let connect: Connect = Arc::new(|| Ok(AgentClient::unix("/nonexistent")));
+        let connect: Connect = Arc::new(|| Box::pin(async { Ok(AgentClient::unix("/nonexistent")) }));
         let host = PreviewHost::default();
         let a = Preview::start(8000, 0, &host, connect.clone()).await.expect("listens");
         let b = Preview::start(8000, 0, &host, connect).await.expect("listens");
@@ -1019,7 +1024,7 @@ mod tests {
         // unless the operator accepts the sharing; then they keep the
         // address they were given.
         let mut remote = PreviewHost { bind: IpAddr::V4(Ipv4Addr::LOCALHOST), host: "[fd00::2]".into(), shared: false };
-        let connect: Connect = Arc::new(|| Ok(AgentClient::unix("/nonexistent")));
+        let connect: Connect = Arc::new(|| Box::pin(async { Ok(AgentClient::unix("/nonexistent")) }));
         let Err(refused) = Preview::start(8000, 0, &remote, connect.clone()).await else {
             panic!("a link on a shared host without the operator's consent")
         };
@@ -1036,7 +1041,7 @@ mod tests {
     #[tokio::test]
     async fn strangers_holding_every_connection_do_not_keep_the_links_user_out() {
         use tokio::io::AsyncReadExt as _;
-        let connect: Connect = Arc::new(|| Ok(AgentClient::unix("/nonexistent")));
+        let connect: Connect = Arc::new(|| Box::pin(async { Ok(AgentClient::unix("/nonexistent")) }));
         let preview = Preview::start(8000, 0, &PreviewHost::default(), connect).await.expect("listens");
         let link = preview.new_link().expect("a link");
         let rest = link.url.strip_prefix("http://").expect("http");

@@ -141,7 +141,7 @@ async fn run_command(server: &Session<'_>, args: RunCommand, context: &CallConte
         }));
     }
     let out = execute(server, &id, Command { cmd: &cmd, cwd, env, stdin, timeout }, context).await?;
-    let client = server.moat.client(&id)?;
+    let client = server.moat.client(&id).await?;
     let stdout_full = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr_full = String::from_utf8_lossy(&out.stderr).into_owned();
     let (stdout, cut_out) = clip(&stdout_full);

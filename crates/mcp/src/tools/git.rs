@@ -498,7 +498,7 @@ pub(super) async fn clone_into(server: &Session<'_>, request: &CloneRequest, id:
     request.stdin = true;
     request.timeout_ms = Some(CLONE_TIMEOUT_MS);
     let started_at = moat_core::timing::now();
-    let client = server.moat.client(&id)?;
+    let client = server.moat.client(&id).await?;
     let mut sweep = CloneSweep { client: Some(client.clone()), dirs };
     let clone = async {
         let lost = |source| moat_core::SandboxError::Agent { id: id.clone(), source };
@@ -657,7 +657,7 @@ async fn clone_over_ssh(server: &Session<'_>, request: &CloneRequest, ssh: &SshC
     exec.stdin = true;
     exec.timeout_ms = Some(CLONE_TIMEOUT_MS);
     let started_at = moat_core::timing::now();
-    let client = server.moat.client(id)?;
+    let client = server.moat.client(id).await?;
     let mut sweep = CloneSweep { client: Some(client.clone()), dirs };
     // As above, the whole of it: the start, the clone (ssh's moment to end
     // its session after), the move into place. Dropping the relay kills
