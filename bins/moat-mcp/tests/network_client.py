@@ -413,6 +413,12 @@ async def ssh_clones(session, ssh, first, main, feature):
     message = await call(session, "git_clone", {"url": "ssh://git@evil.test/x/y.git", "ssh_key_path": ssh.client_key,
                                                 "sandbox_id": sid}, expect_error=True)
     assert "not a Git host" in message, message
+    # The host's ssh is outside the sandbox's filter: a Git host's other
+    # ports are the operator's to open (MOAT_ALLOW_HOSTS host:port).
+    message = await call(session, "git_clone", {"url": ssh.url.replace("git-ssh.test", "git-ssh.test:25"),
+                                                "path": "x", "ssh_key_path": ssh.client_key, "sandbox_id": sid},
+                         expect_error=True)
+    assert "port 22 of a Git host" in message and "git-ssh.test:25" in message, message
     # A task from an SSH URL: the cloned commit is its baseline.
     task = await call(session, "task_start", {"source": ssh.scp_url, "branch": "feature",
                                               "ssh_key_path": ssh.client_key})

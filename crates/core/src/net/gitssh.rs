@@ -30,6 +30,10 @@ use bytes::Bytes;
 use moat_proto::{ExecHandle, ExitStatus, ProtoError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// The port an SSH remote is reached on when its URL names none, and the
+/// only one `MOAT_GIT_HOSTS` opens.
+pub const SSH_PORT: u16 = 22;
+
 /// An SSH remote taken apart: `ssh://[USER@]HOST[:PORT]/PATH` or the
 /// scp-like `[USER@]HOST:PATH`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,6 +108,25 @@ impl SshRemote {
             ));
         }
         Ok(Self { user: user.to_owned(), host: host.to_ascii_lowercase(), port, path })
+    }
+
+    /// Whether the operator lets a clone reach this remote's port. The
+    /// host's own `ssh` makes the connection, outside every sandbox's
+    /// egress filter, so `MOAT_GIT_HOSTS` (host names) opens SSH's port
+    /// only; another port of a Git host takes a `HOST:PORT` entry in
+    /// `MOAT_ALLOW_HOSTS` (which every `filtered` sandbox then reaches
+    /// too), as a sandbox's own connections do.
+    pub fn port_allowed(&self, allow_hosts: &[String]) -> Result<(), String> {
+        let Some(port) = self.port.filter(|port| *port != SSH_PORT) else { return Ok(()) };
+        let entry = format!("{}:{port}", self.host);
+        if allow_hosts.iter().any(|allowed| allowed.eq_ignore_ascii_case(&entry)) {
+            return Ok(());
+        }
+        Err(format!(
+            "SSH clones reach port {SSH_PORT} of a Git host; port {port} of {} is reached only where the \
+             server's operator lists {entry} in MOAT_ALLOW_HOSTS",
+            self.host
+        ))
     }
 
     /// The one command the key may run on the server.
@@ -325,6 +348,24 @@ mod tests {
         ] {
             let err = SshRemote::parse(bad).expect("an ssh URL").expect_err(bad);
             assert!(err.contains(why), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_git_hosts_other_ports_are_the_operators_to_open() {
+        let remote = |url: &str| SshRemote::parse(url).expect("an ssh URL").expect("valid");
+        let open = ["git.example.com:2222".to_owned(), "other.example.com:25".to_owned()];
+        for url in ["git@git.example.com:r.git", "ssh://git@git.example.com/r", "ssh://git@git.example.com:22/r"] {
+            assert_eq!(remote(url).port_allowed(&[]), Ok(()), "{url}");
+        }
+        assert_eq!(remote("ssh://git@Git.Example.com:2222/r").port_allowed(&open), Ok(()));
+        for (url, allowed) in [
+            ("ssh://git@git.example.com:25/r", &open[..]),
+            ("ssh://git@git.example.com:2222/r", &[]),
+            ("ssh://git@git.example.com:2222/r", &["git.example.com:22222".to_owned()]),
+        ] {
+            let why = remote(url).port_allowed(allowed).expect_err(url);
+            assert!(why.contains("MOAT_ALLOW_HOSTS") && why.contains("port 22 of a Git host"), "{url}: {why}");
         }
     }
 

@@ -376,6 +376,7 @@ impl SshClone {
             ));
         }
         let egress = server.moat.egress_config();
+        remote.port_allowed(&egress.allow_hosts).map_err(ToolError)?;
         let Some(key_path) = args.ssh_key_path else {
             return Err(ToolError(
                 "an SSH URL needs ssh_key_path, the host path of a private key (such as ~/.ssh/id_ed25519) that \
