@@ -1346,10 +1346,10 @@ async fn a_task_imports_a_project_and_turns_the_work_into_a_patch() {
         clipped.command.len()
     );
     assert!(matches!(moat.get(&task.sandbox_id), Err(SandboxError::UnknownSandbox { .. })), "sandbox destroyed");
-    assert!(moat.task_records().iter().any(|r| r.task.id == task.id));
-    moat.remove_task(&task.id).expect("removed");
-    assert!(!moat.task_records().iter().any(|r| r.task.id == task.id));
-    assert!(matches!(moat.remove_task(&task.id), Err(TaskError::UnknownTask { .. })));
+    assert!(moat.task_records().await.iter().any(|r| r.task.id == task.id));
+    moat.remove_task(&task.id).await.expect("removed");
+    assert!(!moat.task_records().await.iter().any(|r| r.task.id == task.id));
+    assert!(matches!(moat.remove_task(&task.id).await, Err(TaskError::UnknownTask { .. })));
 
     // A symlink travels as a link: inside the sandbox it leads into the
     // sandbox. A directory outside the roots, or reached through a link, is refused.

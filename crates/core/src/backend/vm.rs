@@ -19,7 +19,7 @@
 //! overlay and console, and its socket directory (`<state>/sockets`, where
 //! this side connects to the same paths); no capabilities, no_new_privs.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -403,16 +403,55 @@ fn request_line(request: &Request) -> std::io::Result<Vec<u8>> {
     Ok(line)
 }
 
-/// One request on a VMM's control socket; its answer (each way bounded by
-/// [`CONTROL_TIMEOUT`]).
+/// The longest answer a VMM's control socket may give (its answers are a
+/// few hundred bytes).
+const CONTROL_REPLY_MAX: usize = 64 << 10;
+
+/// One request on a VMM's control socket; its answer. The whole exchange
+/// is bounded by [`CONTROL_TIMEOUT`], not each read: a VMM that sends a
+/// byte now and then, and never the line's end (a guest that took over
+/// the jailed VMM), holds its caller no longer than one that says nothing.
 fn control_request<T: DeserializeOwned>(control: &Path, server: u32, request: &Request) -> std::io::Result<T> {
+    use std::io::Read;
+    let deadline = Instant::now() + CONTROL_TIMEOUT;
     let mut stream = connect_at_once(control, server)?;
-    stream.set_read_timeout(Some(CONTROL_TIMEOUT))?;
     stream.set_write_timeout(Some(CONTROL_TIMEOUT))?;
     stream.write_all(&request_line(request)?)?;
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line)?;
-    let reply: Reply<T> = serde_json::from_str(&line).map_err(std::io::Error::other)?;
+    let late = || {
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("moat-vmm did not answer {} within {} s", request.op(), CONTROL_TIMEOUT.as_secs()),
+        )
+    };
+    let mut line = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !line.contains(&b'\n') {
+        let left = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()).ok_or_else(late)?;
+        stream.set_read_timeout(Some(left))?;
+        let n = match stream.read(&mut chunk) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "moat-vmm closed its control socket without answering",
+                ));
+            }
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(late());
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        line.extend_from_slice(&chunk[..n]);
+        if line.len() > CONTROL_REPLY_MAX {
+            return Err(std::io::Error::other(format!(
+                "moat-vmm's answer to {} is longer than {CONTROL_REPLY_MAX} bytes",
+                request.op()
+            )));
+        }
+    }
+    let end = line.iter().position(|b| *b == b'\n').unwrap_or(line.len());
+    let reply: Reply<T> = serde_json::from_slice(&line[..end]).map_err(std::io::Error::other)?;
     reply.into_result().map_err(|error| std::io::Error::other(format!("moat-vmm refused {}: {error}", request.op())))
 }
 
@@ -588,6 +627,40 @@ mod tests {
         assert!(!guest_ready(&path, me).await, "guest_ready_us null");
         assert!(guest_ready(&path, me).await, "guest_ready_us set");
         server.await.expect("served");
+    }
+
+    /// A control socket that answers a byte at a time and never ends its
+    /// line (a guest that took over its jailed VMM), or answers without
+    /// end, holds its caller (a suspend, a resume, with the sandbox's power
+    /// lock) no longer than one that says nothing.
+    #[test]
+    fn a_vmm_that_never_finishes_its_answer_is_given_up() {
+        use std::io::Read;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("control.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).expect("binds");
+        std::thread::spawn(move || {
+            // A trickle: a byte every 100 ms, for longer than the bound.
+            let (mut stream, _) = listener.accept().expect("accepts");
+            let mut request = [0u8; 64];
+            let _ = stream.read(&mut request);
+            for _ in 0..(CONTROL_TIMEOUT.as_millis() / 100 * 3) {
+                if stream.write_all(b" ").is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            // A flood: more than any answer, no line's end.
+            let (mut stream, _) = listener.accept().expect("accepts");
+            let _ = stream.read(&mut request);
+            let _ = stream.write_all(&vec![b'x'; CONTROL_REPLY_MAX * 2]);
+        });
+        let me = std::process::id();
+        let trickled = control_request::<Status>(&path, me, &Request::Pause).expect_err("a trickle is no answer");
+        assert_eq!(trickled.kind(), std::io::ErrorKind::TimedOut, "{trickled}");
+        assert!(trickled.to_string().contains("did not answer pause within 5 s"), "{trickled}");
+        let flooded = control_request::<Status>(&path, me, &Request::Resume).expect_err("a flood is no answer");
+        assert!(flooded.to_string().contains("longer than 65536 bytes"), "{flooded}");
     }
 
     #[test]

@@ -973,22 +973,23 @@ impl Inner {
     }
 
     /// Tears `entries` down off the async threads (teardown waits for
-    /// processes to die), held against the limits until it is over.
+    /// processes to die), each held against the limits until its own is
+    /// over: one whose teardown is slow (processes that take the stop
+    /// grace, a large overlay to delete) holds back no other's room.
     fn end_in_background(&self, entries: Vec<Entry>) {
-        if entries.is_empty() {
-            return;
+        for entry in entries {
+            let (count, mib) = (1, self.charged_mib(&entry.info.spec));
+            {
+                let mut held = self.ending.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                held.0 += count;
+                held.1 = held.1.saturating_add(mib);
+            }
+            let ended = Ended { ending: self.ending.clone(), refill: self.refill.clone(), count, mib };
+            tokio::task::spawn_blocking(move || {
+                drop(entry);
+                drop(ended);
+            });
         }
-        let (count, mib) = (entries.len(), entries.iter().map(|e| self.charged_mib(&e.info.spec)).sum::<u64>());
-        {
-            let mut held = self.ending.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            held.0 += count;
-            held.1 = held.1.saturating_add(mib);
-        }
-        let ended = Ended { ending: self.ending.clone(), refill: self.refill.clone(), count, mib };
-        tokio::task::spawn_blocking(move || {
-            drop(entries);
-            drop(ended);
-        });
     }
 
     fn unknown(&self, id: &str, sandboxes: &BTreeMap<String, Entry>) -> SandboxError {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use moat_proto::{ExecRequest, Output};
 
 use super::exec::answered_within;
-use super::{Moat, RUN_OUTPUT_LIMIT, new_id};
+use super::{Inner, Moat, RUN_OUTPUT_LIMIT, new_id};
 use crate::error::{CopyError, IoError, TaskError};
 use crate::grants::Grants;
 use crate::hostfs::{self, SourceKind};
@@ -253,7 +253,17 @@ impl Moat {
         // The task stays in progress until its whole record is saved: a
         // record that cannot be written (a full disk) is removed, and the
         // call can be repeated once there is room.
-        self.save_record(&record, &dir, &diff, &log)?;
+        // Disk work of a size the sandbox chose (a patch of up to 64 MiB),
+        // under a lock every task_finish takes: on a blocking thread, never
+        // on one of the async threads that serve every sandbox.
+        let (inner, saving) = (self.inner.clone(), record.clone());
+        tokio::task::spawn_blocking(move || save_record(&inner, &saving, &dir, &diff, &log)).await.map_err(|e| {
+            IoError {
+                id: record.task.id.clone(),
+                what: "writing the task record".into(),
+                source: std::io::Error::other(e),
+            }
+        })??;
         self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(task_id);
         if !keep_sandbox {
             let _ = self.destroy(&record.task.sandbox_id).await;
@@ -261,60 +271,63 @@ impl Moat {
         Ok(record)
     }
 
-    /// Writes a task's record directory: patch, log, then `record.json`,
-    /// which makes it a record ([`task::records`]).
-    fn save_record(&self, record: &TaskRecord, dir: &Path, diff: &str, log: &[LogEntry]) -> Result<(), TaskError> {
-        let io = |what: &'static str| {
-            let id = record.task.id.clone();
-            move |source| IoError { id, what: what.into(), source }
-        };
-        let tasks_dir = task::tasks_dir(&self.inner.config.data_dir);
-        crate::state::private_dir(&tasks_dir).map_err(io("creating the task record"))?;
-        // A record never takes the space the file system keeps free: a
-        // model finishing tasks in a loop fills no host disk. Refused like
-        // a full disk (ENOSPC), which the error explains.
-        // What is written, counted as written.
-        let log_json = serde_json::to_string_pretty(log).unwrap_or_default();
-        let record_json = serde_json::to_string_pretty(record).unwrap_or_default();
-        let needed = (diff.len() + log_json.len() + record_json.len()) as u64;
-        // One record is saved at a time, so two cannot both pass the check.
-        let _saving = self.inner.saving_record.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        task::room_for_record(
-            &self.inner.config.data_dir,
-            &record.task.id,
-            needed,
-            self.inner.config.task_records_limit,
-        )?;
-        let tasks = std::fs::File::open(&tasks_dir).map_err(io("creating the task record"))?;
-        if hostfs::room_left(&tasks).is_some_and(|left| left < needed) {
-            let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
-            return Err(io("writing the patch (moat keeps 5 % of the disk, at most 1 GiB, free)")(full).into());
-        }
-        // A directory that is there already is another record's: it is
-        // left whole, and only what this call made is removed on failure.
-        std::fs::create_dir(dir).map_err(io("creating the task record"))?;
-        let written = (|| {
-            hostfs::write_new(&record.patch_path, diff.as_bytes()).map_err(io("writing the patch"))?;
-            hostfs::write_new(&record.log_path, log_json.as_bytes()).map_err(io("writing the log"))?;
-            hostfs::write_new(&dir.join("record.json"), record_json.as_bytes()).map_err(io("writing the record"))
-        })();
-        if written.is_err() {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-        written.map_err(Into::into)
-    }
-
-    /// Retained task records.
-    pub fn task_records(&self) -> Vec<TaskRecord> {
-        task::records(&self.inner.config.data_dir)
+    /// Retained task records (read on a blocking thread: they may be many,
+    /// each up to megabytes of JSON).
+    pub async fn task_records(&self) -> Vec<TaskRecord> {
+        let data_dir = self.inner.config.data_dir.clone();
+        tokio::task::spawn_blocking(move || task::records(&data_dir)).await.unwrap_or_default()
     }
 
     /// The retained record of task `task_id`, if there is one.
-    pub fn task_record(&self, task_id: &str) -> Option<TaskRecord> {
-        task::record(&self.inner.config.data_dir, task_id)
+    pub async fn task_record(&self, task_id: &str) -> Option<TaskRecord> {
+        let (data_dir, task_id) = (self.inner.config.data_dir.clone(), task_id.to_owned());
+        tokio::task::spawn_blocking(move || task::record(&data_dir, &task_id)).await.ok().flatten()
     }
 
-    pub fn remove_task(&self, task_id: &str) -> Result<(), TaskError> {
-        task::remove_record(&self.inner.config.data_dir, task_id)
+    pub async fn remove_task(&self, task_id: &str) -> Result<(), TaskError> {
+        let (data_dir, owned) = (self.inner.config.data_dir.clone(), task_id.to_owned());
+        tokio::task::spawn_blocking(move || task::remove_record(&data_dir, &owned)).await.map_err(|e| IoError {
+            id: task_id.into(),
+            what: "removing the task record".into(),
+            source: std::io::Error::other(e),
+        })?
     }
+}
+
+/// Writes a task's record directory: patch, log, then `record.json`,
+/// which makes it a record ([`task::records`]).
+fn save_record(inner: &Inner, record: &TaskRecord, dir: &Path, diff: &str, log: &[LogEntry]) -> Result<(), TaskError> {
+    let io = |what: &'static str| {
+        let id = record.task.id.clone();
+        move |source| IoError { id, what: what.into(), source }
+    };
+    let tasks_dir = task::tasks_dir(&inner.config.data_dir);
+    crate::state::private_dir(&tasks_dir).map_err(io("creating the task record"))?;
+    // A record never takes the space the file system keeps free: a
+    // model finishing tasks in a loop fills no host disk. Refused like
+    // a full disk (ENOSPC), which the error explains.
+    // What is written, counted as written.
+    let log_json = serde_json::to_string_pretty(log).unwrap_or_default();
+    let record_json = serde_json::to_string_pretty(record).unwrap_or_default();
+    let needed = (diff.len() + log_json.len() + record_json.len()) as u64;
+    // One record is saved at a time, so two cannot both pass the check.
+    let _saving = inner.saving_record.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    task::room_for_record(&inner.config.data_dir, &record.task.id, needed, inner.config.task_records_limit)?;
+    let tasks = std::fs::File::open(&tasks_dir).map_err(io("creating the task record"))?;
+    if hostfs::room_left(&tasks).is_some_and(|left| left < needed) {
+        let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        return Err(io("writing the patch (moat keeps 5 % of the disk, at most 1 GiB, free)")(full).into());
+    }
+    // A directory that is there already is another record's: it is
+    // left whole, and only what this call made is removed on failure.
+    std::fs::create_dir(dir).map_err(io("creating the task record"))?;
+    let written = (|| {
+        hostfs::write_new(&record.patch_path, diff.as_bytes()).map_err(io("writing the patch"))?;
+        hostfs::write_new(&record.log_path, log_json.as_bytes()).map_err(io("writing the log"))?;
+        hostfs::write_new(&dir.join("record.json"), record_json.as_bytes()).map_err(io("writing the record"))
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    written.map_err(Into::into)
 }

@@ -97,7 +97,7 @@ impl Tool for ListSandboxes {
     const NAME: &'static str = "list_sandboxes";
 
     async fn run(self, server: &Session<'_>, _context: &CallContext) -> RichOutcome {
-        plain(Ok(list_sandboxes(server)))
+        plain(Ok(list_sandboxes(server).await))
     }
 }
 
@@ -167,7 +167,7 @@ async fn destroy_sandbox(server: &Session<'_>, id: &str) -> Outcome {
 /// Egress decisions list_sandboxes shows per sandbox (the newest).
 const EGRESS_SHOWN: usize = 50;
 
-fn list_sandboxes(server: &Session<'_>) -> Value {
+async fn list_sandboxes(server: &Session<'_>) -> Value {
     let sandboxes: Vec<Value> = server
         .moat
         .list()
@@ -194,9 +194,12 @@ fn list_sandboxes(server: &Session<'_>) -> Value {
         .collect();
     // A session reads its own records only, not every record on the host.
     let records = match server.scope.task_ids() {
-        None => server.moat.task_records(),
+        None => server.moat.task_records().await,
         Some(ids) => {
-            let mut mine: Vec<_> = ids.iter().filter_map(|id| server.moat.task_record(id)).collect();
+            let mut mine = Vec::new();
+            for id in &ids {
+                mine.extend(server.moat.task_record(id).await);
+            }
             mine.sort_by_key(|r| r.task.started_at);
             mine
         }

@@ -77,7 +77,7 @@ impl Tool for RemoveTask {
     const NAME: &'static str = "remove_task";
 
     async fn run(self, server: &Session<'_>, _context: &CallContext) -> RichOutcome {
-        plain(remove_task(server, &self.task_id))
+        plain(remove_task(server, &self.task_id).await)
     }
 }
 
@@ -200,9 +200,9 @@ async fn task_finish(server: &Session<'_>, task_id: &str, keep_sandbox: bool) ->
     }))
 }
 
-fn remove_task(server: &Session<'_>, id: &str) -> Outcome {
+async fn remove_task(server: &Session<'_>, id: &str) -> Outcome {
     own_task(server, id)?;
-    server.moat.remove_task(id)?;
+    server.moat.remove_task(id).await?;
     server.scope.forget_task(id);
     Ok(json!({ "ok": true, "message": format!("task record {id} removed") }))
 }
