@@ -266,8 +266,16 @@ async def every_tool(session, contract, project):
     os.makedirs(git_dir, exist_ok=True)
     with open(os.path.join(git_dir, "config"), "w") as f:
         f.write('[remote "origin"]\n\turl = https://user:secret@git.example/x\n')
+    os.makedirs(os.path.join(project, "vendor", ".git"), exist_ok=True)
+    with open(os.path.join(project, "vendor", ".git", "config"), "w") as f:
+        f.write('[http]\n\textraheader = Authorization: Bearer secret\n')
     copied = await call(session, "copy_to_sandbox", {"host_path": project, "sandbox_path": "copied"})
+    assert any(s.startswith("vendor/.git:") for s in copied["skipped"]), copied
+    message = await call(session, "copy_to_sandbox", {"host_path": os.path.join(git_dir, "config"),
+                                                       "sandbox_path": "config"}, expect_error=True)
+    assert "inside a Git directory" in message, message
     shutil.rmtree(git_dir)
+    shutil.rmtree(os.path.join(project, "vendor"))
     assert copied["files"] >= 1, copied
     out = await call(session, "run_command", {"cmd": "test ! -e copied/.git && cat copied/main.py && echo extra > copied/new.txt"})
     assert out["stdout"] == "print('hello')\n" and out["exit_code"] == 0, out

@@ -638,9 +638,18 @@ impl HostRoots {
         Ok(())
     }
 
-    /// Opens an existing file or directory for reading.
+    /// Opens an existing file or directory for reading, to be copied into
+    /// a sandbox. Nothing in a Git directory is: its `config` may hold a
+    /// remote's credentials.
     pub fn open_source(&self, path: &Path) -> Result<Source, HostPathError> {
         let (root, parts) = self.locate(path)?;
+        if parts.iter().any(|part| part.as_encoded_bytes().eq_ignore_ascii_case(b".git")) {
+            return Err(self.refuse(
+                path,
+                "inside a Git directory, whose config may hold a remote's credentials, which is never copied into a \
+                 sandbox; copy the working tree (its .git is left out), and clone with git_clone where history is needed",
+            ));
+        }
         let shown = path.to_path_buf();
         let Some((name, parents)) = parts.split_last() else {
             let fd = openat(&root.dir, ".", OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())

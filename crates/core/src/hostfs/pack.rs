@@ -68,10 +68,21 @@ impl Walk<'_> {
         names.sort();
         for name in names {
             let path = rel.join(&name);
-            if depth == 0 {
-                if self.skip_git && name == ".git" {
-                    continue;
+            // A Git directory's `config` may hold a remote's credentials
+            // (a token in its URL, an `http.extraheader`): none is copied
+            // into a sandbox, at any depth (a vendored checkout's, a
+            // submodule's), under any case. The project's own, at the top,
+            // is left out without a word.
+            if self.skip_git && name.as_encoded_bytes().eq_ignore_ascii_case(b".git") {
+                if depth > 0 {
+                    self.skip(
+                        &path,
+                        "a Git directory (its config may hold credentials) is never copied into a sandbox",
+                    );
                 }
+                continue;
+            }
+            if depth == 0 {
                 self.summary.top.push(name.to_string_lossy().into_owned());
             }
             if is_home && name.as_bytes().starts_with(b".") {
@@ -182,7 +193,7 @@ pub fn measure(roots: &HostRoots, dir: &OwnedFd, skip_git: bool) -> Result<PackS
 
 /// Streams the tree under `dir` as a tar archive into `out`, stopping at the
 /// copy limit (call [`measure`] first to refuse before sending anything).
-/// `skip_git` leaves the top-level `.git` out.
+/// `skip_git` leaves every `.git` out (listed as skipped below the top).
 ///
 /// When streaming fails part way, the archive is ended with a block that is
 /// not a valid header, so the agent refuses it rather than unpacking a

@@ -277,6 +277,12 @@ fn packing_walks_by_descriptor_and_lists_what_it_leaves_out() {
     std::fs::create_dir_all(proj.join(".git")).expect("mkdir");
     std::fs::write(proj.join(".git/HEAD"), "ref").expect("write");
     std::fs::write(proj.join("main.py"), "print(1)").expect("write");
+    // A vendored checkout's and a submodule's (any case) hold credentials too.
+    for nested in ["vendor/lib/.git", "sub/.GIT"] {
+        std::fs::create_dir_all(proj.join(nested)).expect("mkdir");
+        std::fs::write(proj.join(nested).join("config"), "[remote \"origin\"]\n\turl = https://x:token@h/r\n")
+            .expect("write");
+    }
     symlink("/etc/passwd", proj.join("link")).expect("symlink");
     nix::unistd::mkfifo(&proj.join("fifo"), Mode::from_bits_truncate(0o600)).expect("fifo");
     let source = f.roots.open_source(&proj).expect("opens");
@@ -285,8 +291,21 @@ fn packing_walks_by_descriptor_and_lists_what_it_leaves_out() {
     let packed = pack(&f.roots, &source.fd, true, &mut archive).expect("packs");
     assert_eq!(measured, PackSummary { top: measured.top.clone(), ..packed.clone() });
     assert_eq!(packed.files, 2, "{packed:?}");
-    assert_eq!(packed.skipped, ["fifo: not a regular file, directory or symlink"]);
+    let git = "a Git directory (its config may hold credentials) is never copied into a sandbox";
+    assert_eq!(
+        packed.skipped,
+        [
+            "fifo: not a regular file, directory or symlink".to_owned(),
+            format!("sub/.GIT: {git}"),
+            format!("vendor/lib/.git: {git}")
+        ]
+    );
     assert!(!packed.top.contains(&".git".to_owned()));
+    // Nor is anything in one named itself.
+    for inside in [".git/config", ".git", "vendor/lib/.git/config", "sub/.GIT"] {
+        let refused = f.roots.open_source(&proj.join(inside)).expect_err(inside);
+        assert!(refused.to_string().contains("inside a Git directory"), "{inside}: {refused}");
+    }
     let mut names = Vec::new();
     for entry in tar::Archive::new(archive.as_slice()).entries().expect("entries") {
         let entry = entry.expect("entry");
