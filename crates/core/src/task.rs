@@ -68,38 +68,62 @@ pub struct DiffSummary {
 pub const MAX_LISTED: usize = 1000;
 
 impl DiffSummary {
-    /// Parses `git diff --numstat -z` (without renames: one record per
-    /// file, `added TAB removed TAB path NUL`). It comes from the sandbox:
-    /// figures that are not plain counts are taken as a binary file's, sums
-    /// saturate, and at most [`MAX_LISTED`] files are named.
-    pub fn from_numstat(numstat: &str) -> Self {
+    /// The summary of `patch` (`git diff` without renames), read from the
+    /// patch itself as `git apply` reads it: each `diff --git` section
+    /// outside a hunk is a file, and each hunk's lines are counted by its
+    /// `@@` header, so no line of a file's content passes for a file. It
+    /// comes from the sandbox, whose `git` may say anything: a summary made
+    /// by another run (`--numstat`) could name files the patch does not
+    /// hold, and hide those it does. What `git apply` would make that a
+    /// host program acts on by itself (`.envrc`, `.vscode/tasks.json`, a
+    /// `.pth` in `site-packages`: [`crate::hostfs::acted_on_path`]), a symlink and
+    /// an executable file are said beside the file. Sums saturate, at most
+    /// [`MAX_LISTED`] files are named, each name cut at [`MAX_PATH_SHOWN`].
+    pub fn from_patch(patch: &str) -> Self {
         let mut summary = Self::default();
-        let count =
-            |field: &str| field.bytes().all(|b| b.is_ascii_digit()).then(|| field.parse::<u64>().ok()).flatten();
-        for record in numstat.split('\0') {
-            let mut fields = record.splitn(3, '\t');
-            let (Some(added), Some(removed), Some(path)) = (fields.next(), fields.next(), fields.next()) else {
-                continue;
-            };
-            summary.files_changed = summary.files_changed.saturating_add(1);
-            let named = summary.files.len() < MAX_LISTED;
-            // A sandbox names its files as it likes: a long name is cut.
-            let mut end = path.len().min(MAX_PATH_SHOWN);
-            while !path.is_char_boundary(end) {
-                end -= 1;
-            }
-            let path = if end < path.len() { format!("{}…", &path[..end]) } else { path.to_owned() };
-            match (count(added), count(removed)) {
-                (Some(a), Some(r)) => {
-                    summary.insertions = summary.insertions.saturating_add(a);
-                    summary.deletions = summary.deletions.saturating_add(r);
-                    if named {
-                        summary.files.push(format!("{path} (+{a} -{r})"));
+        let mut file: Option<PatchFile> = None;
+        // Lines left in the hunk being read: old side, new side.
+        let (mut old, mut new) = (0u64, 0u64);
+        for line in patch.split('\n') {
+            if old > 0 || new > 0 {
+                let Some(file) = file.as_mut() else { break };
+                match line.as_bytes().first() {
+                    Some(b'+') => {
+                        new = new.saturating_sub(1);
+                        file.added = file.added.saturating_add(1);
                     }
+                    Some(b'-') => {
+                        old = old.saturating_sub(1);
+                        file.removed = file.removed.saturating_add(1);
+                    }
+                    Some(b'\\') => {}
+                    // Context; `git apply` takes an empty line for one too.
+                    _ => (old, new) = (old.saturating_sub(1), new.saturating_sub(1)),
                 }
-                _ if named => summary.files.push(format!("{path} (binary)")),
-                _ => {}
+                continue;
             }
+            if let Some(paths) = line.strip_prefix("diff --git ") {
+                if let Some(done) = file.take() {
+                    summary.add(done);
+                }
+                file = Some(PatchFile { path: diff_git_path(paths), ..PatchFile::default() });
+                continue;
+            }
+            let Some(file) = file.as_mut() else { continue };
+            if let Some(ranges) = line.strip_prefix("@@ -") {
+                (old, new) = hunk_lengths(ranges);
+            } else if let Some(path) = line.strip_prefix("+++ ").and_then(|p| side_path(p, "b/")) {
+                file.path = path;
+            } else if let Some(path) = line.strip_prefix("--- ").and_then(|p| side_path(p, "a/")) {
+                file.path = path;
+            } else if let Some(mode) = line.strip_prefix("new file mode ").or_else(|| line.strip_prefix("new mode ")) {
+                file.mode = Some(mode.trim().to_owned());
+            } else if line.starts_with("Binary files ") || line == "GIT binary patch" {
+                file.binary = true;
+            }
+        }
+        if let Some(done) = file {
+            summary.add(done);
         }
         let unnamed = summary.files_changed.saturating_sub(summary.files.len() as u64);
         if unnamed > 0 {
@@ -107,6 +131,120 @@ impl DiffSummary {
         }
         summary
     }
+
+    fn add(&mut self, file: PatchFile) {
+        self.files_changed = self.files_changed.saturating_add(1);
+        self.insertions = self.insertions.saturating_add(file.added);
+        self.deletions = self.deletions.saturating_add(file.removed);
+        if self.files.len() >= MAX_LISTED {
+            return;
+        }
+        let mut notes =
+            vec![if file.binary { "binary".to_owned() } else { format!("+{} -{}", file.added, file.removed) }];
+        match file.mode.as_deref() {
+            Some("120000") => notes.push("a symlink".into()),
+            Some("100755") => notes.push("executable".into()),
+            _ => {}
+        }
+        let parts: Vec<&str> = file.path.split('/').collect();
+        if let Some((_, what)) = crate::hostfs::acted_on_path(&parts) {
+            notes.push(format!("a host program acts on it by itself: {what}"));
+        }
+        // A sandbox names its files as it likes: a long name is cut.
+        let path = &file.path;
+        let mut end = path.len().min(MAX_PATH_SHOWN);
+        while !path.is_char_boundary(end) {
+            end -= 1;
+        }
+        let shown = if end < path.len() { format!("{}…", &path[..end]) } else { path.clone() };
+        self.files.push(format!("{shown} ({})", notes.join("; ")));
+    }
+}
+
+/// One file of a patch, as [`DiffSummary::from_patch`] reads it.
+#[derive(Debug, Default)]
+struct PatchFile {
+    path: String,
+    added: u64,
+    removed: u64,
+    binary: bool,
+    /// Its mode, when the patch makes or changes one.
+    mode: Option<String>,
+}
+
+/// The lengths of a hunk from its header after `@@ -`: `OLD[,N] +NEW[,M]
+/// @@`; a length left out is 1. Anything else is an empty hunk.
+fn hunk_lengths(ranges: &str) -> (u64, u64) {
+    let mut sides = ranges.split(' ');
+    let length = |side: Option<&str>| -> u64 {
+        side.map_or(0, |side| match side.split_once(',') {
+            Some((_, n)) => n.parse().unwrap_or(0),
+            None => u64::from(side.parse::<u64>().is_ok()),
+        })
+    };
+    let old = length(sides.next());
+    let new = length(sides.next().and_then(|s| s.strip_prefix('+')));
+    (old, new)
+}
+
+/// The path of a `diff --git a/P b/P` header (the two are one path
+/// without renames), quoted as git quotes unusual names.
+fn diff_git_path(paths: &str) -> String {
+    if paths.starts_with('"') {
+        return unquote(paths)
+            .and_then(|p| p.strip_prefix("a/").map(str::to_owned))
+            .unwrap_or_else(|| paths.to_owned());
+    }
+    // `a/P b/P`: P is half of what is left once `a/`, ` b/` are taken.
+    let n = paths.len().saturating_sub(5) / 2;
+    match (paths.get(2..2 + n), paths.get(2 + n..)) {
+        (Some(path), Some(rest)) if paths.starts_with("a/") && rest.strip_prefix(" b/") == Some(path) => {
+            path.to_owned()
+        }
+        _ => paths.to_owned(),
+    }
+}
+
+/// The path of a `--- a/P` or `+++ b/P` line, `None` for `/dev/null`.
+fn side_path(text: &str, prefix: &str) -> Option<String> {
+    let text = text.trim_end_matches('\t');
+    if text == "/dev/null" {
+        return None;
+    }
+    let path = if text.starts_with('"') { unquote(text)? } else { text.to_owned() };
+    path.strip_prefix(prefix).map(str::to_owned)
+}
+
+/// A name git quoted C-style (`"a/x\ty"`); `None` if it is not one.
+fn unquote(text: &str) -> Option<String> {
+    let inner = text.strip_prefix('"')?;
+    let mut bytes = Vec::new();
+    let mut chars = inner.bytes();
+    while let Some(b) = chars.next() {
+        match b {
+            b'"' => return Some(String::from_utf8_lossy(&bytes).into_owned()),
+            b'\\' => {
+                let escaped = chars.next()?;
+                bytes.push(match escaped {
+                    b'n' => b'\n',
+                    b't' => b'\t',
+                    b'a' => 7,
+                    b'b' => 8,
+                    b'f' => 12,
+                    b'r' => b'\r',
+                    b'v' => 11,
+                    b'0'..=b'3' => {
+                        let (two, three) = (chars.next()?, chars.next()?);
+                        let digit = |d: u8| (b'0'..=b'7').contains(&d).then_some(d - b'0');
+                        (escaped - b'0') * 64 + digit(two)? * 8 + digit(three)?
+                    }
+                    other => other,
+                });
+            }
+            other => bytes.push(other),
+        }
+    }
+    None
 }
 
 /// A finished task, retained under `<data>/tasks/<id>/`.
@@ -296,14 +434,94 @@ mod tests {
         room_for_record(data.path(), "task-c", 200 << 10, limit).expect("fits once a record is gone");
     }
 
+    /// A patch as `git diff --no-renames` writes one: a change, a binary
+    /// file, a deletion, a new symlink, a script, a name git quotes.
+    const PATCH: &str = "diff --git a/src/main.rs b/src/main.rs
+index 1..2 100644
+--- a/src/main.rs
++++ b/src/main.rs
+@@ -1,3 +1,5 @@
+ fn main() {
+-    old();
++    new();
++    more();
++
+ }
+diff --git a/image.png b/image.png
+new file mode 100644
+Binary files /dev/null and b/image.png differ
+diff --git a/gone.txt b/gone.txt
+deleted file mode 100644
+--- a/gone.txt
++++ /dev/null
+@@ -1,2 +0,0 @@
+-a
+-b
+\\ No newline at end of file
+diff --git a/.envrc b/.envrc
+new file mode 120000
+--- /dev/null
++++ b/.envrc
+@@ -0,0 +1 @@
++/etc/passwd
+\\ No newline at end of file
+diff --git a/run.sh b/run.sh
+new file mode 100755
+--- /dev/null
++++ b/run.sh
+@@ -0,0 +1 @@
++echo hi
+diff --git \"a/tab\\there\\303\\251\" \"b/tab\\there\\303\\251\"
+new file mode 100644
+--- /dev/null
++++ \"b/tab\\there\\303\\251\"
+@@ -0,0 +1 @@
++x
+";
+
     #[test]
-    fn numstat_summaries() {
-        let s = DiffSummary::from_numstat("3\t1\tsrc/main.rs\u{0}-\t-\timage.png\u{0}0\t5\tgone.txt\u{0}");
-        assert_eq!((s.files_changed, s.insertions, s.deletions), (3, 3, 6));
-        assert_eq!(s.files[1], "image.png (binary)");
-        // A name with a newline or a tab is one name.
-        let s = DiffSummary::from_numstat("1\t0\ta\nb\tc.txt\u{0}");
-        assert_eq!((s.files_changed, s.files[0].as_str()), (1, "a\nb\tc.txt (+1 -0)"));
+    fn a_summary_is_read_from_the_patch_itself() {
+        let s = DiffSummary::from_patch(PATCH);
+        assert_eq!((s.files_changed, s.insertions, s.deletions), (6, 6, 3), "{s:?}");
+        assert_eq!(
+            s.files,
+            [
+                "src/main.rs (+3 -1)",
+                "image.png (binary)",
+                "gone.txt (+0 -2)",
+                ".envrc (+1 -0; a symlink; a host program acts on it by itself: direnv runs it)",
+                "run.sh (+1 -0; executable)",
+                "tab\there\u{e9} (+1 -0)",
+            ]
+        );
+    }
+
+    /// The sandbox writes the patch (its git is its own): what the summary
+    /// says is what the patch holds. A file's content that looks like a
+    /// header is counted as content, as `git apply` counts it; a hunk that
+    /// claims more lines than follow ends with the patch.
+    #[test]
+    fn no_line_of_a_files_content_passes_for_another_file() {
+        let forged = "diff --git a/notes.md b/notes.md
+--- a/notes.md
++++ b/notes.md
+@@ -0,0 +1,3 @@
++diff --git a/.git/hooks/x b/.git/hooks/x
++@@ -0,0 +1,100 @@
++fine
+diff --git a/.vscode/tasks.json b/.vscode/tasks.json
+new file mode 100644
+--- /dev/null
++++ b/.vscode/tasks.json
+@@ -0,0 +1,9 @@
++{}
+";
+        let s = DiffSummary::from_patch(forged);
+        assert_eq!((s.files_changed, s.insertions, s.deletions), (2, 4, 0), "{s:?}");
+        assert_eq!(s.files[0], "notes.md (+3 -0)");
+        assert!(s.files[1].starts_with(".vscode/tasks.json (+1 -0; a host program acts on it by itself"), "{s:?}");
+        assert_eq!(DiffSummary::from_patch(""), DiffSummary::default());
+        assert_eq!(DiffSummary::from_patch("not a patch\n@@ -1 +1 @@\n-x\n+y\n").files_changed, 0);
     }
 
     #[test]
@@ -318,19 +536,21 @@ mod tests {
         nix::unistd::mkfifo(&fifo.join("record.json"), nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("fifo");
         assert!(records(data.path()).is_empty(), "a FIFO was waited on or a huge record read");
         assert!(record(data.path(), "../x").is_none());
-        let s = DiffSummary::from_numstat(&format!("1\t0\t{}\0", "é".repeat(MAX_PATH_SHOWN)));
+        let long = "é".repeat(MAX_PATH_SHOWN);
+        let s = DiffSummary::from_patch(&format!("diff --git a/{long} b/{long}\n@@ -0,0 +1 @@\n+x\n"));
         assert!(s.files[0].len() < MAX_PATH_SHOWN + 32 && s.files[0].ends_with("… (+1 -0)"), "{}", s.files[0]);
     }
 
     #[test]
-    fn a_numstat_from_the_sandbox_cannot_overflow_or_flood_the_summary() {
-        let huge = format!("{m}\t{m}\ta\x00{m}\t{m}\tb\x00+5\t1\tc\x00", m = u64::MAX);
-        let s = DiffSummary::from_numstat(&huge);
-        assert_eq!((s.files_changed, s.insertions, s.deletions), (3, u64::MAX, u64::MAX));
-        assert_eq!(s.files[2], "c (binary)", "only plain counts are counts");
-        let many: String = (0..MAX_LISTED + 5).map(|i| format!("1\t1\tf{i}\u{0}")).collect();
-        let s = DiffSummary::from_numstat(&many);
+    fn a_patch_from_the_sandbox_cannot_overflow_or_flood_the_summary() {
+        let huge = format!("diff --git a/a b/a\n@@ -0,0 +{m},{m} @@\n+x\n", m = u64::MAX);
+        let s = DiffSummary::from_patch(&huge);
+        assert_eq!((s.files_changed, s.insertions), (1, 1), "counted by the lines there, not the header's");
+        let many: String =
+            (0..MAX_LISTED + 5).map(|i| format!("diff --git a/f{i} b/f{i}\n@@ -1 +1 @@\n-a\n+b\n")).collect();
+        let s = DiffSummary::from_patch(&many);
         assert_eq!((s.files_changed, s.files.len()), (MAX_LISTED as u64 + 5, MAX_LISTED + 1));
+        assert_eq!((s.insertions, s.deletions), (MAX_LISTED as u64 + 5, MAX_LISTED as u64 + 5));
         assert_eq!(s.files[MAX_LISTED], "… and 5 more files");
     }
 }

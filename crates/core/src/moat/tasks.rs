@@ -220,14 +220,24 @@ impl Moat {
     pub async fn task_diff(&self, task_id: &str) -> Result<(String, DiffSummary), TaskError> {
         let task = self.task(task_id)?;
         let id = &task.sandbox_id;
-        // The patch and its summary come from two runs, each whole: no
-        // line of a file in the patch can pass for the summary.
         let flags = "--cached --no-color --no-ext-diff --no-textconv --no-renames HEAD";
         let diff = format!("{GIT} add -A && {GIT} diff {flags}");
         let diff = self.task_git(id, "git diff", diff).await?;
-        let numstat = self.task_git(id, "git diff --numstat", format!("{GIT} diff --numstat -z {flags}")).await?;
-        let summary = DiffSummary::from_numstat(&String::from_utf8_lossy(&numstat.stdout));
-        Ok((String::from_utf8_lossy(&diff.stdout).into_owned(), summary))
+        // The summary is read from the patch itself (up to 64 MiB: on a
+        // blocking thread), so it says what the patch holds, whatever the
+        // sandbox's git says.
+        let summarized = tokio::task::spawn_blocking(move || {
+            let patch = String::from_utf8_lossy(&diff.stdout).into_owned();
+            let summary = DiffSummary::from_patch(&patch);
+            (patch, summary)
+        });
+        summarized.await.map_err(|e| {
+            TaskError::from(IoError {
+                id: task_id.into(),
+                what: "summarizing the patch".into(),
+                source: std::io::Error::other(e),
+            })
+        })
     }
 
     /// Saves the patch and execution log as a retained record and destroys
