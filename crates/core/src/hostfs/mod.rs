@@ -295,6 +295,18 @@ fn explicit_root(root: &Path, home: Option<&Path>) -> Result<PathBuf, ConfigErro
             SYSTEM_DIRS.join(", ")
         ));
     }
+    // The guard on a home's hidden entries works beneath a root; a root
+    // that is one, or inside one (`~/.ssh`, `~/.config`, as named or as a
+    // link leads), would share them whole.
+    let own = home.map(|h| h.canonicalize().unwrap_or_else(|_| h.to_path_buf()));
+    if own.iter().chain(account_homes()).any(|home| in_dot_dir(&canonical, home)) {
+        return refuse(format!(
+            "{} is {} a hidden directory of a home directory (such as ~/.ssh or ~/.config), which is never \
+             shared; share a project directory instead",
+            root.display(),
+            if canonical == root { "in" } else { "a link into" }
+        ));
+    }
     Ok(canonical)
 }
 
@@ -482,7 +494,13 @@ impl HostRoots {
                     root.display()
                 )));
             }
-            let dir = nix::fcntl::open(&path, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+            // The path as checked, which has no link left in it: one put in
+            // its way since (a directory swapped for a link to /etc) fails
+            // to open rather than becoming the root.
+            let how = nix::fcntl::OpenHow::new()
+                .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
+                .resolve(nix::fcntl::ResolveFlag::RESOLVE_NO_SYMLINKS);
+            let dir = nix::fcntl::openat2(nix::fcntl::AT_FDCWD, &path, how)
                 .map_err(|e| ConfigError::Invalid(format!("MOAT_ROOTS: cannot open {}: {e}", path.display())))?;
             if data_id.is_some_and(|data| is_or_beneath(&dir, data)) {
                 return Err(ConfigError::Invalid(format!(

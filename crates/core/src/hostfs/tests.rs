@@ -51,6 +51,20 @@ fn explicit_roots_that_are_the_system_are_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let list = std::env::join_paths([dir.path(), dir.path()]).expect("joins");
     assert_eq!(roots_from(Some(list), None, None).expect("fine").len(), 2);
+    // A home's hidden directories, named or through a link, are never a root.
+    let home = dir.path().canonicalize().expect("canonical");
+    std::fs::create_dir_all(home.join(".ssh")).expect("mkdir");
+    std::fs::create_dir_all(home.join(".config/autostart")).expect("mkdir");
+    std::fs::create_dir_all(home.join("src")).expect("mkdir");
+    symlink(home.join(".ssh"), home.join("src/proj")).expect("symlink");
+    for (bad, why) in [
+        (home.join(".ssh"), "is in a hidden directory of a home"),
+        (home.join(".config/autostart"), "is in a hidden directory of a home"),
+        (home.join("src/proj"), "is a link into a hidden directory of a home"),
+    ] {
+        refused(roots_from(Some(bad.clone().into()), None, Some(&home)), why);
+    }
+    assert_eq!(roots_from(Some(home.join("src").into()), None, Some(&home)).expect("fine"), [home.join("src")]);
 }
 
 #[test]
