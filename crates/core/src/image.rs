@@ -239,6 +239,15 @@ impl Image {
         }
         let version = hex(&Sha256::digest(text.as_bytes()))[..VERSION_DIGITS].to_owned();
         let image = Self { name: name.into(), dir, manifest, version };
+        // Its names are joined to the image's directory, and root copies
+        // them for a user (`moat setup --user`): only the artifacts moat
+        // makes, never `../x` or an absolute path.
+        if let Some(file) = image.manifest.artifacts.keys().find(|f| !FILE_ARTIFACTS.contains(&f.as_str())) {
+            return Err(image.corrupt(format!(
+                "its manifest names {file:?}, which is not an artifact moat makes ({})",
+                FILE_ARTIFACTS.join(", ")
+            )));
+        }
         for (file, artifact) in &image.manifest.artifacts {
             let size = std::fs::metadata(image.dir.join(file)).map(|m| m.len()).ok();
             if size != Some(artifact.size) {
@@ -873,6 +882,22 @@ mod tests {
         std::fs::write(dir.join("vmlinux"), b"\x7fELF fake kernel").expect("restore");
         let err = Image::open(data.path(), "t").expect("opens").verify().expect_err("tree differs");
         assert!(err.to_string().contains("rootfs/ has 3 entries"), "{err}");
+    }
+
+    /// A manifest's artifact names are joined to the image's directory and
+    /// copied by root for a user: a name that leads elsewhere is refused
+    /// before anything is looked at.
+    #[test]
+    fn a_manifest_names_only_artifacts_moat_makes() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let dir = fake_image(data.path());
+        let text = std::fs::read_to_string(dir.join("manifest.json")).expect("read");
+        for bad in ["../../../../etc/shadow", "/etc/shadow", "rootfs/etc/hostname", "vmlinux2"] {
+            std::fs::write(dir.join("manifest.json"), text.replacen("\"vmlinux\":", &format!("{bad:?}:"), 1))
+                .expect("write");
+            let err = Image::open(data.path(), "t").expect_err(bad);
+            assert!(err.to_string().contains("not an artifact moat makes"), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -380,11 +380,9 @@ impl Instance for Vm {
         let status = self.vmm.try_wait().ok()??;
         // The console's last lines say why a guest ended (a kernel panic
         // when its agent, PID 1, died); read before the state goes.
-        let console = self
-            .state
-            .as_ref()
-            .and_then(|s| std::fs::read_to_string(s.path.join("console.log")).ok())
-            .unwrap_or_default();
+        // Its tail only: this is read with every sandbox's map locked, and
+        // the guest wrote the file (up to its cap).
+        let console = self.state.as_ref().map(|s| read_tail(&s.path.join("console.log"), 16 << 10)).unwrap_or_default();
         let lines: Vec<&str> = console.lines().filter(|l| !l.trim().is_empty()).collect();
         // What the guest wrote, kept with the failed sandbox and shown in
         // its listing: a line's first 512 bytes.
@@ -401,6 +399,20 @@ fn request_line(request: &Request) -> std::io::Result<Vec<u8>> {
     let mut line = serde_json::to_vec(request).map_err(std::io::Error::other)?;
     line.push(b'\n');
     Ok(line)
+}
+
+/// The last `max` bytes of the file at `path` (lossy UTF-8; empty if it
+/// cannot be read).
+fn read_tail(path: &Path, max: u64) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(path) else { return String::new() };
+    let len = file.metadata().map_or(0, |m| m.len());
+    if file.seek(SeekFrom::Start(len.saturating_sub(max))).is_err() {
+        return String::new();
+    }
+    let mut tail = Vec::new();
+    let _ = file.take(max).read_to_end(&mut tail);
+    String::from_utf8_lossy(&tail).into_owned()
 }
 
 /// The longest answer a VMM's control socket may give (its answers are a
@@ -661,6 +673,19 @@ mod tests {
         assert!(trickled.to_string().contains("did not answer pause within 5 s"), "{trickled}");
         let flooded = control_request::<Status>(&path, me, &Request::Resume).expect_err("a flood is no answer");
         assert!(flooded.to_string().contains("longer than 65536 bytes"), "{flooded}");
+    }
+
+    /// A failed VM's console is read with every sandbox's map locked:
+    /// only its tail, whatever the guest wrote.
+    #[test]
+    fn only_a_consoles_tail_is_read() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let log = dir.path().join("console.log");
+        std::fs::write(&log, format!("{}\nKernel panic - not syncing: the end\n", "x".repeat(1 << 20))).expect("write");
+        let tail = read_tail(&log, 16 << 10);
+        assert_eq!(tail.len(), 16 << 10);
+        assert!(tail.ends_with("Kernel panic - not syncing: the end\n"), "{}", &tail[tail.len() - 64..]);
+        assert_eq!(read_tail(&dir.path().join("none"), 16), "");
     }
 
     #[test]

@@ -72,6 +72,9 @@ pub const SYSTEM_DIRS: &[&str] = &[
 pub const ACTED_ON: &[(&str, &str)] = &[
     (".git", "git runs hooks and commands from it"),
     (".hg", "Mercurial runs hooks from it"),
+    (".jj", "Jujutsu runs the pager, diff and merge tools its repository config names"),
+    (".sl", "Sapling runs hooks from it"),
+    ("_darcs", "darcs runs the hooks its preferences name"),
     (".vscode", "VS Code and its forks run tasks and MCP servers from it"),
     (".cursor", "Cursor starts MCP servers from it"),
     (".claude", "Claude Code runs hooks from it"),

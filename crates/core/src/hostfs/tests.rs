@@ -668,6 +668,14 @@ fn nothing_a_host_program_runs_by_itself_is_written() {
         refused(f.roots.destination(&f.root.join(dest)), "moat never writes a copy into or as");
     }
     refused(f.roots.destination(&f.root.join("proj/.claude/settings.json")), "Claude Code runs hooks from it");
+    // Other version control systems' directories, as git's.
+    for (dest, who) in [
+        ("proj/.jj/repo/config.toml", "Jujutsu"),
+        ("proj/.sl/hgrc", "Sapling"),
+        ("proj/_darcs/prefs/defaults", "darcs"),
+    ] {
+        refused(f.roots.destination(&f.root.join(dest)), who);
+    }
     assert!(f.roots.destination(&f.root.join("proj/.gitignore")).is_ok(), "other dot names are copied");
     // Inside a copied tree: left out and listed, the rest copied.
     let archive = hostile_tar(&[
