@@ -115,6 +115,9 @@ struct JailArgs {
     /// Rootless: seconds a holder this monitor starts waits for a request.
     #[arg(long, default_value_t = 60)]
     userns_hold_secs: u64,
+    /// Where this monitor's errors go (a spare's stderr is not its log).
+    #[arg(long)]
+    log: Option<std::path::PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -123,6 +126,11 @@ fn main() -> ExitCode {
     // so not in --help): see moat_agent::launcher.
     if std::env::args_os().nth(1).is_some_and(|a| a == moat_agent::launcher::SUBCOMMAND) {
         return ExitCode::from(u8::try_from(moat_agent::launcher::run()).unwrap_or(1));
+    }
+    // A monitor started ahead of its jail (not for people, so not in
+    // --help): its arguments come on stdin (see moat_core's jail backend).
+    if std::env::args_os().nth(1).is_some_and(|a| a == SPARE_SUBCOMMAND) {
+        return spare_jail();
     }
     let args = Args::parse();
     match &args.command {
@@ -196,8 +204,60 @@ fn serve(init_mode: bool, listen: ListenAddr) -> u8 {
     runtime.block_on(run(init_mode, listen))
 }
 
+/// The agent's subcommand of a monitor started ahead of its jail (the
+/// host's `SPARE_SUBCOMMAND`).
+const SPARE_SUBCOMMAND: &str = "jail-spare";
+
+/// A spare monitor: waits for its arguments (a count, then each argument,
+/// each ended by a NUL) on stdin, then is the monitor they describe. The
+/// end of stdin first (its host went away, or kept it unused) ends it.
+fn spare_jail() -> ExitCode {
+    use std::io::BufRead;
+    use std::os::unix::ffi::OsStringExt;
+    let mut input = std::io::stdin().lock();
+    let mut field = || -> Option<Vec<u8>> {
+        let mut bytes = Vec::new();
+        match input.read_until(0, &mut bytes) {
+            Ok(n) if n > 0 && bytes.last() == Some(&0) => {
+                bytes.pop();
+                Some(bytes)
+            }
+            _ => None,
+        }
+    };
+    let Some(count) = field().and_then(|c| String::from_utf8(c).ok()?.parse::<usize>().ok()) else {
+        return ExitCode::SUCCESS;
+    };
+    let mut argv = vec![std::ffi::OsString::from("moat-agent")];
+    for _ in 0..count.min(4096) {
+        let Some(arg) = field() else { return ExitCode::SUCCESS };
+        argv.push(std::ffi::OsString::from_vec(arg));
+    }
+    match Args::try_parse_from(argv) {
+        Ok(Args { command: Some(Command::Jail(jail)), .. }) => run_jail(&jail),
+        Ok(_) => ExitCode::from(2),
+        Err(e) => {
+            eprintln!("moat-agent jail-spare: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
 /// The jail monitor: set up the sandbox, then wait for its PID 1.
 fn run_jail(args: &JailArgs) -> ExitCode {
+    if let Some(log) = &args.log {
+        // The log moat made in the state directory: opened without
+        // following a link, and made this process's stderr.
+        let flags = nix::fcntl::OFlag::O_WRONLY | nix::fcntl::OFlag::O_APPEND | nix::fcntl::OFlag::O_NOFOLLOW;
+        match nix::fcntl::open(log, flags, nix::sys::stat::Mode::empty()) {
+            Ok(fd) => {
+                if nix::unistd::dup2_stderr(&fd).is_err() {
+                    return ExitCode::from(1);
+                }
+            }
+            Err(_) => return ExitCode::from(1),
+        }
+    }
     let spec = moat_agent::jail::JailSpec {
         rootfs: args.rootfs.clone(),
         state: args.state.clone(),

@@ -36,6 +36,8 @@ const PIDS_MAX: u32 = 1024;
 /// Starts jails.
 #[derive(Debug, Clone)]
 pub struct JailBackend {
+    /// A monitor started ahead of the next create.
+    spare: Arc<Spares>,
     agent: PathBuf,
     cgroups: CgroupSupport,
     /// Who starts the jails: root maps a leased range from [`JAIL_ID_BASE`] up (`ids`), anyone else its
@@ -64,13 +66,147 @@ impl JailBackend {
         // A rootless moat on cgroup v2 finds (and moves into) its delegated
         // cgroup before it has children to share it with.
         crate::cgroup::prepare();
-        Self { agent, cgroups: CgroupSupport::probe(), user: HostUser::current() }
+        // The first create's monitor starts now, beside the rest of the
+        // host's start (configuration, image, state directory).
+        let spare = Arc::new(Spares::default());
+        spare.start(&agent);
+        Self { agent, cgroups: CgroupSupport::probe(), user: HostUser::current(), spare }
     }
 
     pub fn cgroups(&self) -> &CgroupSupport {
         &self.cgroups
     }
 }
+
+/// A monitor's command line, given to a new process or to a spare.
+#[derive(Debug, Default)]
+struct MonitorArgs(Vec<OsString>);
+
+impl MonitorArgs {
+    fn arg(&mut self, arg: impl Into<OsString>) -> &mut Self {
+        self.0.push(arg.into());
+        self
+    }
+
+    fn args<I: IntoIterator<Item = S>, S: Into<OsString>>(&mut self, args: I) -> &mut Self {
+        self.0.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// A new monitor with these arguments, its errors written to `log`.
+    fn spawn(&self, agent: &Path, log: std::fs::File) -> std::io::Result<Child> {
+        let mut command = monitor_command(agent);
+        command.args(&self.0).stderr(log);
+        command.spawn()
+    }
+}
+
+/// `agent` as a monitor runs: an environment of moat's own, stdin for the
+/// cgroups to join, stdout for its readiness, and a process group of its
+/// own (a terminal's Ctrl-C reaches the host process, which then destroys
+/// the sandbox in order).
+fn monitor_command(agent: &Path) -> Command {
+    let mut command = Command::new(agent);
+    command.env_clear().envs(crate::process::helper_env());
+    command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null());
+    std::os::unix::process::CommandExt::process_group(&mut command, 0);
+    command
+}
+
+/// The monitor of the next jail, started ahead (`moat-agent jail-spare`):
+/// it execs and starts (its program is mapped and relocated, glibc probes
+/// the CPU, some 0.5 ms) while the host does the rest of a create, and
+/// waits for its arguments on stdin. A backend keeps one once it has made
+/// more than one jail (a server); the one it starts with is the first
+/// create's (`moat run`'s only one), none more. A spare that is not taken
+/// is killed with the backend; one whose host dies reads the end of its
+/// stdin and exits.
+#[derive(Debug, Default)]
+struct Spares {
+    inner: std::sync::Mutex<(Option<Spare>, u64)>,
+}
+
+impl Spares {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Option<Spare>, u64)> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn start(&self, agent: &Path) {
+        if agent.is_file() {
+            let started = Spare::start(agent);
+            self.lock().0 = started.ok();
+        }
+    }
+
+    /// The spare, if one is ready; it counts a create.
+    fn take(&self) -> Option<Spare> {
+        let mut spares = self.lock();
+        spares.1 += 1;
+        spares.0.take()
+    }
+
+    /// Starts the next spare, once a second create has been seen.
+    fn refill(&self, agent: &Path) {
+        let wanted = {
+            let spares = self.lock();
+            spares.0.is_none() && spares.1 >= 2
+        };
+        if wanted && let Ok(spare) = Spare::start(agent) {
+            let mut spares = self.lock();
+            if spares.0.is_none() {
+                spares.0 = Some(spare);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Spare(Option<Child>);
+
+impl Spare {
+    fn start(agent: &Path) -> std::io::Result<Self> {
+        let mut command = monitor_command(agent);
+        command.arg(SPARE_SUBCOMMAND);
+        command.spawn().map(|child| Self(Some(child)))
+    }
+
+    /// Becomes the monitor `args` describe: they go on its stdin, counted
+    /// and NUL-separated (host paths are bytes, never NUL); the cgroups
+    /// follow there later. An error if it has ended.
+    fn hand(mut self, args: &MonitorArgs) -> std::io::Result<Child> {
+        use std::io::Write;
+        use std::os::unix::ffi::OsStrExt;
+        let mut child = self.0.take().ok_or_else(|| std::io::Error::other("no spare"))?;
+        if !matches!(child.try_wait(), Ok(None)) {
+            return Err(std::io::Error::other("the spare monitor ended"));
+        }
+        let mut message = format!("{}\0", args.0.len()).into_bytes();
+        for arg in &args.0 {
+            message.extend_from_slice(arg.as_bytes());
+            message.push(0);
+        }
+        let written =
+            child.stdin.as_mut().ok_or_else(|| std::io::Error::other("no stdin")).and_then(|s| s.write_all(&message));
+        if let Err(e) = written {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
+        Ok(child)
+    }
+}
+
+impl Drop for Spare {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The agent's subcommand of a spare monitor (`moat-agent jail-spare`).
+pub const SPARE_SUBCOMMAND: &str = "jail-spare";
 
 /// The agent's socket, relative to the state directory (as the launcher
 /// in `moat_agent::jail` binds it).
@@ -259,9 +395,9 @@ impl Backend for JailBackend {
         // Disk writes live in a tmpfs charged to the sandbox's memory: the
         // memory limit covers both.
         let limits = Limits { memory_bytes: (spec.memory_mib + spec.disk_mib) << 20, pids: PIDS_MAX, cpus: spec.cpus };
-        let log = std::fs::File::create(state.path.join("jail.log")).map_err(io("creating its log"))?;
-        let mut command = Command::new(&self.agent);
-        command.env_clear().envs(crate::process::helper_env());
+        let log_path = state.path.join("jail.log");
+        let log = std::fs::File::create(&log_path).map_err(io("creating its log"))?;
+        let mut command = MonitorArgs::default();
         command
             .arg("jail")
             .arg("--rootfs")
@@ -294,11 +430,14 @@ impl Backend for JailBackend {
         command.arg("--cgroups-on-stdin");
         // Readiness comes as a line on stdout: waited on, never polled.
         command.arg("--ready-on-stdout");
-        command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(log);
-        // Its own process group: a terminal's Ctrl-C reaches the host process,
-        // which then destroys the sandbox in order.
-        std::os::unix::process::CommandExt::process_group(&mut command, 0);
-        let mut monitor = command.spawn().map_err(io(&format!("starting {}", self.agent.display())))?;
+        let mut monitor = match self.spare.take() {
+            // A monitor started ahead: it writes its own log.
+            Some(spare) => match spare.hand(command.arg("--log").arg(&log_path)) {
+                Ok(monitor) => monitor,
+                Err(_) => command.spawn(&self.agent, log).map_err(io(&format!("starting {}", self.agent.display())))?,
+            },
+            None => command.spawn(&self.agent, log).map_err(io(&format!("starting {}", self.agent.display())))?,
+        };
         let exit = match Pidfd::of(&monitor) {
             Ok(exit) => exit,
             Err(e) => {
@@ -351,6 +490,8 @@ impl Backend for JailBackend {
             // A monitor that already died shows in wait_ready, with its log.
             let _ = stdin.write_all(procs.as_bytes());
         }
+        // The next create's monitor starts while this one builds its jail.
+        self.spare.refill(&self.agent);
         let socket = state.path.join(moat_agent_socket());
         let ready = monitor.stdout.take();
         let mut jail = Jail { id: id.into(), monitor, exit, state: Some(state), cgroup, socket, ids: lease };
@@ -533,6 +674,58 @@ impl Drop for Jail {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stand-in for the agent: a spare that writes what it is handed to
+    /// `out` and ends with its stdin.
+    fn fake_agent(dir: &Path) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let agent = dir.join("agent");
+        let out = dir.join("handed");
+        std::fs::write(&agent, format!("#!/bin/sh\n[ \"$1\" = {SPARE_SUBCOMMAND} ] && exec cat > {}\n", out.display()))
+            .expect("write");
+        std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        agent
+    }
+
+    fn alive(pid: u32) -> bool {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid")), None).is_ok()
+    }
+
+    /// The first create takes the spare its backend started with, and
+    /// none is started after it (`moat run` makes one jail); from the
+    /// second create on, one is kept ready. A spare is handed its
+    /// arguments counted and NUL-separated, bytes as they are; one not
+    /// taken goes with its backend.
+    #[test]
+    fn a_spare_monitor_is_kept_for_a_server_and_handed_its_arguments() {
+        use std::io::Read;
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let agent = fake_agent(dir.path());
+        let spares = Spares::default();
+        spares.start(&agent);
+        let first = spares.take().expect("started with the backend");
+        spares.refill(&agent);
+        assert!(spares.lock().0.is_none(), "no spare after the first create");
+        let mut args = MonitorArgs::default();
+        args.arg("jail").arg(std::ffi::OsStr::from_bytes(b"--state=/x\xff\ny"));
+        let mut monitor = first.hand(&args).expect("handed");
+        drop(monitor.stdin.take());
+        assert!(monitor.wait().expect("waits").success());
+        let mut handed = Vec::new();
+        std::fs::File::open(dir.path().join("handed")).expect("open").read_to_end(&mut handed).expect("read");
+        assert_eq!(handed, b"2\0jail\0--state=/x\xff\ny\0");
+        assert!(spares.take().is_none(), "none ready for the second create");
+        spares.refill(&agent);
+        let pid = spares.lock().0.as_ref().and_then(|s| s.0.as_ref()).map(Child::id).expect("kept for the third");
+        assert!(alive(pid));
+        drop(spares);
+        assert!(!alive(pid), "a spare not taken goes with its backend");
+        // One that ended is not handed anything: the create starts its own.
+        let mut ended = Spare::start(Path::new("/bin/true")).expect("starts");
+        ended.0.as_mut().expect("a child").wait().expect("ends");
+        assert!(ended.hand(&args).is_err());
+    }
 
     #[test]
     fn a_tun_device_pasta_cannot_open_is_explained_with_its_fix() {
