@@ -214,25 +214,30 @@ const SPARE_SUBCOMMAND: &str = "jail-spare";
 fn spare_jail() -> ExitCode {
     use std::io::BufRead;
     use std::os::unix::ffi::OsStringExt;
-    let mut input = std::io::stdin().lock();
-    let mut field = || -> Option<Vec<u8>> {
-        let mut bytes = Vec::new();
-        match input.read_until(0, &mut bytes) {
-            Ok(n) if n > 0 && bytes.last() == Some(&0) => {
-                bytes.pop();
-                Some(bytes)
+    // Read through stdin's shared buffer, whose lock is let go before the
+    // monitor reads its cgroups from it.
+    let argv = {
+        let mut input = std::io::stdin().lock();
+        let mut field = || -> Option<Vec<u8>> {
+            let mut bytes = Vec::new();
+            match input.read_until(0, &mut bytes) {
+                Ok(n) if n > 0 && bytes.last() == Some(&0) => {
+                    bytes.pop();
+                    Some(bytes)
+                }
+                _ => None,
             }
-            _ => None,
+        };
+        let Some(count) = field().and_then(|c| String::from_utf8(c).ok()?.parse::<usize>().ok()) else {
+            return ExitCode::SUCCESS;
+        };
+        let mut argv = vec![std::ffi::OsString::from("moat-agent")];
+        for _ in 0..count.min(4096) {
+            let Some(arg) = field() else { return ExitCode::SUCCESS };
+            argv.push(std::ffi::OsString::from_vec(arg));
         }
+        argv
     };
-    let Some(count) = field().and_then(|c| String::from_utf8(c).ok()?.parse::<usize>().ok()) else {
-        return ExitCode::SUCCESS;
-    };
-    let mut argv = vec![std::ffi::OsString::from("moat-agent")];
-    for _ in 0..count.min(4096) {
-        let Some(arg) = field() else { return ExitCode::SUCCESS };
-        argv.push(std::ffi::OsString::from_vec(arg));
-    }
     match Args::try_parse_from(argv) {
         Ok(Args { command: Some(Command::Jail(jail)), .. }) => run_jail(&jail),
         Ok(_) => ExitCode::from(2),
