@@ -166,7 +166,11 @@ struct Spare(Option<Child>);
 impl Spare {
     fn start(agent: &Path) -> std::io::Result<Self> {
         let mut command = monitor_command(agent);
-        command.arg(SPARE_SUBCOMMAND);
+        // The sandbox's init serves as the agent in this process and shows
+        // the agent's command line in the place of this one's, cut to its
+        // length (see `moat_agent::jail`): room for it, whatever the
+        // agent's path is.
+        command.arg(SPARE_SUBCOMMAND).arg(ARGV_ROOM);
         command.spawn().map(|child| Self(Some(child)))
     }
 
@@ -207,6 +211,11 @@ impl Drop for Spare {
 
 /// The agent's subcommand of a spare monitor (`moat-agent jail-spare`).
 pub const SPARE_SUBCOMMAND: &str = "jail-spare";
+
+/// A spare's second argument, which it ignores: the room its command line
+/// keeps for the agent's (`/.moat/agent --listen fd:3 --log-level warn`,
+/// 44 bytes with its NULs).
+const ARGV_ROOM: &str = "room-for-the-agents-command-line------------------------------";
 
 /// The agent's socket, relative to the state directory (as the launcher
 /// in `moat_agent::jail` binds it).
@@ -722,6 +731,10 @@ mod tests {
         drop(spares);
         assert!(!alive(pid), "a spare not taken goes with its backend");
         // One that ended is not handed anything: the create starts its own.
+        // A spare's command line has room for the agent's, which the
+        // sandbox's init writes over it, whatever the agent's path.
+        let agent_line = "/.moat/agent\0--listen\0fd:3\0--log-level\0warn\0";
+        assert!(SPARE_SUBCOMMAND.len() + ARGV_ROOM.len() + 2 >= agent_line.len());
         let mut ended = Spare::start(Path::new("/bin/true")).expect("starts");
         ended.0.as_mut().expect("a child").wait().expect("ends");
         assert!(ended.hand(&args).is_err());
