@@ -123,39 +123,45 @@ fn monitor_command(agent: &Path) -> Command {
 /// stdin and exits.
 #[derive(Debug, Default)]
 struct Spares {
-    inner: std::sync::Mutex<(Option<Spare>, u64)>,
+    inner: std::sync::Mutex<SparesState>,
+}
+
+#[derive(Debug, Default)]
+struct SparesState {
+    ready: Option<Spare>,
+    /// Creates seen, spare or not.
+    creates: u64,
 }
 
 impl Spares {
-    fn lock(&self) -> std::sync::MutexGuard<'_, (Option<Spare>, u64)> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SparesState> {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn start(&self, agent: &Path) {
         if agent.is_file() {
             let started = Spare::start(agent);
-            self.lock().0 = started.ok();
+            self.lock().ready = started.ok();
         }
     }
 
     /// The spare, if one is ready; it counts a create.
     fn take(&self) -> Option<Spare> {
         let mut spares = self.lock();
-        spares.1 += 1;
-        spares.0.take()
+        spares.creates += 1;
+        spares.ready.take()
     }
 
     /// Starts the next spare, once a second create has been seen.
     fn refill(&self, agent: &Path) {
         let wanted = {
             let spares = self.lock();
-            spares.0.is_none() && spares.1 >= 2
+            spares.ready.is_none() && spares.creates >= 2
         };
+        // Another create's refill may have kept one first: this one is
+        // then killed as it drops.
         if wanted && let Ok(spare) = Spare::start(agent) {
-            let mut spares = self.lock();
-            if spares.0.is_none() {
-                spares.0 = Some(spare);
-            }
+            self.lock().ready.get_or_insert(spare);
         }
     }
 }
@@ -715,7 +721,7 @@ mod tests {
         spares.start(&agent);
         let first = spares.take().expect("started with the backend");
         spares.refill(&agent);
-        assert!(spares.lock().0.is_none(), "no spare after the first create");
+        assert!(spares.lock().ready.is_none(), "no spare after the first create");
         let mut args = MonitorArgs::default();
         args.arg("jail").arg(std::ffi::OsStr::from_bytes(b"--state=/x\xff\ny"));
         let mut monitor = first.hand(&args).expect("handed");
@@ -726,7 +732,7 @@ mod tests {
         assert_eq!(handed, b"2\0jail\0--state=/x\xff\ny\0");
         assert!(spares.take().is_none(), "none ready for the second create");
         spares.refill(&agent);
-        let pid = spares.lock().0.as_ref().and_then(|s| s.0.as_ref()).map(Child::id).expect("kept for the third");
+        let pid = spares.lock().ready.as_ref().and_then(|s| s.0.as_ref()).map(Child::id).expect("kept for the third");
         assert!(alive(pid));
         drop(spares);
         assert!(!alive(pid), "a spare not taken goes with its backend");

@@ -132,15 +132,14 @@ impl Power {
 
 /// Flips `switch` on a blocking thread (a VMM's answer is waited for).
 async fn flip(id: &str, switch: crate::backend::PowerSwitch, suspended: bool) -> Result<(), SandboxError> {
-    match tokio::task::spawn_blocking(move || switch(suspended)).await {
-        Ok(flipped) => Ok(flipped?),
-        Err(e) => Err(IoError {
-            id: id.into(),
-            what: if suspended { "suspending".into() } else { "resuming".into() },
-            source: std::io::Error::other(e),
-        }
-        .into()),
-    }
+    let what = if suspended { "suspending" } else { "resuming" };
+    Ok(tokio::task::spawn_blocking(move || switch(suspended)).await.map_err(|e| joined(id, what, e))??)
+}
+
+/// The error of a task moat started for sandbox or task `id` (a resume, a
+/// record written on a blocking thread) that panicked or was cancelled.
+pub(crate) fn joined(id: &str, what: &str, e: tokio::task::JoinError) -> IoError {
+    IoError { id: id.into(), what: what.into(), source: std::io::Error::other(e) }
 }
 
 /// Sandboxes destroyed whose teardown (their processes killed and
@@ -719,9 +718,7 @@ impl Moat {
         // it finished and recorded, never a sandbox running that is listed
         // as paused (and so never suspended again).
         let (inner, owned) = (self.inner.clone(), id.to_owned());
-        tokio::spawn(async move { inner.resume(&owned).await }).await.map_err(|e| {
-            SandboxError::from(IoError { id: id.into(), what: "resuming".into(), source: std::io::Error::other(e) })
-        })?
+        tokio::spawn(async move { inner.resume(&owned).await }).await.map_err(|e| joined(id, "resuming", e))?
     }
 
     /// [`Moat::client`], its connections not counted as use: for what stays
@@ -801,9 +798,7 @@ impl Moat {
     /// flight); one that cannot be suspended here stays running.
     pub async fn suspend(&self, id: &str) -> Result<(), SandboxError> {
         let (inner, owned) = (self.inner.clone(), id.to_owned());
-        tokio::spawn(async move { inner.suspend(&owned, true).await }).await.map_err(|e| {
-            SandboxError::from(IoError { id: id.into(), what: "suspending".into(), source: std::io::Error::other(e) })
-        })?
+        tokio::spawn(async move { inner.suspend(&owned, true).await }).await.map_err(|e| joined(id, "suspending", e))?
     }
 }
 
@@ -1003,15 +998,18 @@ impl Inner {
         SandboxError::UnknownSandbox { id: id.into(), known: sandboxes.keys().cloned().collect() }
     }
 
+    /// Sandbox `id`'s power lock (see [`Power`]).
+    fn power_lock(&self, id: &str) -> Result<Arc<tokio::sync::Mutex<()>>, SandboxError> {
+        let sandboxes = self.lock();
+        let Some(entry) = sandboxes.get(id) else { return Err(self.unknown(id, &sandboxes)) };
+        Ok(entry.power.lock.clone())
+    }
+
     /// Resumes sandbox `id` if it is paused (after a suspend under way),
     /// holding its power lock until the new state is recorded; then a
     /// client of its agent, as [`Moat::client`].
     async fn resume(&self, id: &str) -> Result<AgentClient<UnixConnector>, SandboxError> {
-        let lock = {
-            let sandboxes = self.lock();
-            let Some(entry) = sandboxes.get(id) else { return Err(self.unknown(id, &sandboxes)) };
-            entry.power.lock.clone()
-        };
+        let lock = self.power_lock(id)?;
         let _power = lock.lock().await;
         let switch = {
             let mut sandboxes = self.lock();
@@ -1037,11 +1035,7 @@ impl Inner {
     /// Its power lock is held until the new state is recorded, so a call
     /// meanwhile waits and then resumes it.
     async fn suspend(&self, id: &str, forced: bool) -> Result<(), SandboxError> {
-        let lock = {
-            let sandboxes = self.lock();
-            let Some(entry) = sandboxes.get(id) else { return Err(self.unknown(id, &sandboxes)) };
-            entry.power.lock.clone()
-        };
+        let lock = self.power_lock(id)?;
         let _power = if forced {
             lock.lock().await
         } else {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use moat_proto::{ExecRequest, Output};
 
 use super::exec::answered_within;
-use super::{Inner, Moat, RUN_OUTPUT_LIMIT, new_id};
+use super::{Inner, Moat, RUN_OUTPUT_LIMIT, joined, new_id};
 use crate::error::{CopyError, IoError, TaskError};
 use crate::grants::Grants;
 use crate::hostfs::{self, SourceKind};
@@ -231,13 +231,7 @@ impl Moat {
             let summary = DiffSummary::from_patch(&patch);
             (patch, summary)
         });
-        summarized.await.map_err(|e| {
-            TaskError::from(IoError {
-                id: task_id.into(),
-                what: "summarizing the patch".into(),
-                source: std::io::Error::other(e),
-            })
-        })
+        summarized.await.map_err(|e| joined(task_id, "summarizing the patch", e).into())
     }
 
     /// Saves the patch and execution log as a retained record and destroys
@@ -267,13 +261,9 @@ impl Moat {
         // under a lock every task_finish takes: on a blocking thread, never
         // on one of the async threads that serve every sandbox.
         let (inner, saving) = (self.inner.clone(), record.clone());
-        tokio::task::spawn_blocking(move || save_record(&inner, &saving, &dir, &diff, &log)).await.map_err(|e| {
-            IoError {
-                id: record.task.id.clone(),
-                what: "writing the task record".into(),
-                source: std::io::Error::other(e),
-            }
-        })??;
+        tokio::task::spawn_blocking(move || save_record(&inner, &saving, &dir, &diff, &log))
+            .await
+            .map_err(|e| joined(&record.task.id, "writing the task record", e))??;
         self.inner.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(task_id);
         if !keep_sandbox {
             let _ = self.destroy(&record.task.sandbox_id).await;
@@ -296,11 +286,9 @@ impl Moat {
 
     pub async fn remove_task(&self, task_id: &str) -> Result<(), TaskError> {
         let (data_dir, owned) = (self.inner.config.data_dir.clone(), task_id.to_owned());
-        tokio::task::spawn_blocking(move || task::remove_record(&data_dir, &owned)).await.map_err(|e| IoError {
-            id: task_id.into(),
-            what: "removing the task record".into(),
-            source: std::io::Error::other(e),
-        })?
+        tokio::task::spawn_blocking(move || task::remove_record(&data_dir, &owned))
+            .await
+            .map_err(|e| joined(task_id, "removing the task record", e))?
     }
 }
 
