@@ -1052,26 +1052,10 @@ impl Staged {
             Err(e) => Err(HostPathError(format!("{}: cannot create it: {}", self.shown.display(), e.desc()))),
         }
     }
-}
 
-/// What a [`Staged`] copy leaves to remove: the copy itself unless it took
-/// its name, then the private directory, if the name there is still it
-/// (another's directory put at that name is left alone).
-struct Leftover {
-    parent: OwnedFd,
-    box_fd: OwnedFd,
-    temp: OsString,
-    shown: PathBuf,
-    payload: bool,
-}
-
-impl Leftover {
-    fn remove(self) {
-        if self.payload
-            && let Err(e) = remove_beneath(&self.box_fd, OsStr::new(PAYLOAD), 0)
-        {
-            tracing::warn!(path = %self.shown.display(), "could not remove a failed copy: {e}");
-        }
+    /// Removes the private directory from the parent, if the name there is
+    /// still it (another's directory put at that name is left alone).
+    fn remove_box(&self) {
         let (Ok(own), Ok(named)) = (
             nix::sys::stat::fstat(&self.box_fd),
             fstatat(&self.parent, self.temp.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW),
@@ -1085,24 +1069,13 @@ impl Leftover {
 }
 
 impl Drop for Staged {
-    /// A failed copy may hold up to the copy limit's worth of entries (a
-    /// quarter of a million at 1 GiB), whose removal is disk work the
-    /// sandbox chose the size of: where a runtime runs (an async call that
-    /// failed, or was cancelled, drops its copy on an async thread), it
-    /// goes to a blocking thread, and the async threads that serve every
-    /// sandbox never wait for it.
     fn drop(&mut self) {
-        let owned = (self.parent.try_clone(), self.box_fd.try_clone());
-        let (Ok(parent), Ok(box_fd)) = owned else {
-            tracing::warn!(path = %self.shown.display(), "could not remove a failed copy: no descriptor left to do it");
-            return;
-        };
-        let leftover =
-            Leftover { parent, box_fd, temp: self.temp.clone(), shown: self.shown.clone(), payload: !self.done };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) if !self.done => drop(runtime.spawn_blocking(move || leftover.remove())),
-            _ => leftover.remove(),
+        if !self.done
+            && let Err(e) = remove_beneath(&self.box_fd, OsStr::new(PAYLOAD), 0)
+        {
+            tracing::warn!(path = %self.shown.display(), "could not remove a failed copy: {e}");
         }
+        self.remove_box();
     }
 }
 

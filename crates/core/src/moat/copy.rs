@@ -239,8 +239,10 @@ impl Moat {
         let info =
             crate::timing::within(id, super::AGENT_CALL_GUARD, client.stat(sandbox_path)).await?.map_err(agent)?;
         let (staged, sink) = match info.kind {
-            moat_proto::FileKind::File => dest.stage_file().map(|(staged, file)| (staged, Sink::File(file)))?,
-            moat_proto::FileKind::Dir => dest.stage_dir().map(|(staged, dir)| (staged, Sink::Dir(dir)))?,
+            moat_proto::FileKind::File => {
+                dest.stage_file().map(|(staged, file)| (Held(Some(staged)), Sink::File(file)))?
+            }
+            moat_proto::FileKind::Dir => dest.stage_dir().map(|(staged, dir)| (Held(Some(staged)), Sink::Dir(dir)))?,
             _ => {
                 return Err(HostPathError(format!(
                     "{sandbox_path} in the sandbox is not a regular file or directory; copy one of those"
@@ -248,7 +250,32 @@ impl Moat {
                 .into());
             }
         };
-        // From here, returning early drops `staged`, which removes the copy.
+        let filled = self.fill(id, &client, sandbox_path, sink, limit, share).await;
+        // Removing a failed copy (up to the copy limit's worth of entries)
+        // and even the rename that commits one are disk work: on a blocking
+        // thread, waited for, so that an error leaves nothing behind.
+        let Some(staged) = staged.take() else { return filled };
+        let done = tokio::task::spawn_blocking(move || match filled {
+            Ok(summary) => staged.commit().map(|()| summary).map_err(CopyError::from),
+            Err(e) => {
+                drop(staged);
+                Err(e)
+            }
+        });
+        done.await.map_err(|e| HostPathError(format!("finishing the copy failed: {e}")))?
+    }
+
+    /// Streams sandbox `sandbox_path` into `sink`, a staged copy.
+    async fn fill(
+        &self,
+        id: &str,
+        client: &moat_proto::AgentClient<moat_proto::UnixConnector>,
+        sandbox_path: &str,
+        sink: Sink,
+        limit: hostfs::Limit,
+        share: hostfs::Promise,
+    ) -> Result<CopySummary, CopyError> {
+        let agent = |source| SandboxError::Agent { id: id.into(), source };
         let (read, write) = pipe()?;
         let mut sender = tokio::net::unix::pipe::Sender::from_owned_fd(write)
             .map_err(|e| HostPathError(format!("cannot stream the copy: {e}")))?;
@@ -272,9 +299,27 @@ impl Moat {
             (Err(e), Err(ProtoError::Io(_)) | Ok(_)) => return Err(e.into()),
             (_, Err(source)) => return Err(agent(source).into()),
         };
-        // Everything is checked: the copy takes its name.
-        staged.commit()?;
         Ok(summary)
+    }
+}
+
+/// A staged copy held by an async call. Dropped there (the call was
+/// cancelled), its removal goes to a blocking thread: a failed copy may
+/// hold a quarter of a million entries, whose removal the async threads
+/// that serve every sandbox never wait for.
+struct Held(Option<hostfs::Staged>);
+
+impl Held {
+    fn take(mut self) -> Option<hostfs::Staged> {
+        self.0.take()
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(staged) = self.0.take() {
+            drop(tokio::task::spawn_blocking(move || drop(staged)));
+        }
     }
 }
 
